@@ -1,0 +1,42 @@
+# Trainwire: the only entry points. `make run` and `make test` set everything up from nothing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: install run test gen lint bench clean
+
+install: $(STAMP)
+
+# Re-installs only when a dependency file changed; otherwise `make install` is a no-op.
+$(STAMP): pyproject.toml clients/pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) --upgrade "pip>=24"
+	$(PIP_INSTALL) -e './clients[cli]' -e '.[trainer,dev]'
+	@touch $@
+
+run: install
+	@bash scripts/run.sh
+
+test: install
+	cd protos && ../$(VENV)/bin/buf lint
+	@set +e; $(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+gen: install
+	$(PY) scripts/gen_protos.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy clients/trainwire gateway trainer_service
+	cd protos && ../$(VENV)/bin/buf lint
+
+bench: install
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

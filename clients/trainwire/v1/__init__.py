@@ -1,0 +1,1 @@
+"""Generated code of the ``trainwire.v1`` contract (``make gen``; never edit by hand)."""
