@@ -1,3 +1,3 @@
-"""Trainwire's client package: generated stubs (``trainwire.v1``), the contract checker and helpers."""
+"""Trainwire client package: generated stubs (``trainwire.v1``), contract checker, helpers."""
 
 __version__ = "0.1.0"
