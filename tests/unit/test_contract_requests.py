@@ -1,0 +1,237 @@
+"""Request validation of trainwire.contract: every bad field is reported at once, by path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainwire import motion
+from trainwire.contract import (
+    BUILTIN_CLIPS,
+    BUILTIN_RIG_BONES,
+    bad_request,
+    check_create_run,
+    check_task,
+    check_train_request,
+    describe_violations,
+)
+from trainwire.v1 import episode_pb2, gateway_service_pb2, trainer_service_pb2
+
+
+def imitation(**kwargs) -> episode_pb2.TrainTask:
+    if "clip" not in kwargs:
+        kwargs.setdefault("clip_name", "wave")
+    return episode_pb2.TrainTask(imitation=episode_pb2.ImitationTask(**kwargs))
+
+
+def config(n: int = 10) -> episode_pb2.TrainConfig:
+    return episode_pb2.TrainConfig(max_episodes=n, seed=3)
+
+
+def fields(violations) -> list[str]:
+    return [v.field for v in violations]
+
+
+def test_builtins_agree_with_motion_module():
+    assert {n: r.bone_count for n, r in motion.BUILTIN_RIGS.items()} == BUILTIN_RIG_BONES
+    assert set(BUILTIN_CLIPS) == set(motion.BUILTIN_CLIP_NAMES)
+
+
+def test_valid_imitation_and_grpo_tasks():
+    assert check_task(imitation(), config()) == []
+    tuned = imitation(rig_name="stickman", group_size=32, learning_rate=0.1)
+    assert check_task(tuned, config(1)) == []
+    grpo = episode_pb2.TrainTask(
+        grpo=episode_pb2.GrpoTask(
+            model_path="models/tiny",
+            dataset_path="data/rows.jsonl",
+            reward_functions=["exact_match", "format", "length"],
+            num_generations=4,
+            batch_size=8,
+            beta=0.0,
+            dataloader_num_workers=0,
+        )
+    )
+    assert check_task(grpo, config(5000)) == []
+
+
+def test_missing_task_and_bad_max_episodes_reported_together():
+    got = check_task(episode_pb2.TrainTask(), episode_pb2.TrainConfig(max_episodes=5001))
+    assert fields(got) == ["task", "config.max_episodes"]
+    assert "1..5000" in got[1].description
+
+
+def test_imitation_field_violations_all_at_once():
+    got = check_task(
+        imitation(clip_name="dance", rig_name="robot", group_size=1, learning_rate=math.nan),
+        config(0),
+    )
+    assert fields(got) == [
+        "task.imitation.rig_name",
+        "task.imitation.clip_name",
+        "task.imitation.group_size",
+        "task.imitation.learning_rate",
+        "config.max_episodes",
+    ]
+    assert "stickman" in got[0].description and "wave" in got[1].description
+
+
+def test_clip_is_required():
+    got = check_task(episode_pb2.TrainTask(imitation=episode_pb2.ImitationTask()), config())
+    assert fields(got) == ["task.imitation.clip_name"]
+
+
+def custom_rig(*bones: tuple[int, float]) -> episode_pb2.Rig:
+    return episode_pb2.Rig(
+        name="r",
+        bones=[
+            episode_pb2.Bone(name=f"b{i}", parent=p, length=n) for i, (p, n) in enumerate(bones)
+        ],
+    )
+
+
+def test_custom_rig_structure():
+    ok = custom_rig((-1, 1.0), (0, 0.5), (1, 0.5))
+    clip = episode_pb2.Clip(fps=30, frame_count=2, joint_count=3, angles=[0.0] * 6)
+    assert check_task(imitation(rig=ok, clip=clip), config()) == []
+
+    bad = custom_rig((0, 1.0), (2, 0.5), (-1, 0.5), (1, 0.0), (3, -math.inf))
+    got = check_task(imitation(rig=bad, clip=clip), config())
+    assert fields(got) == [
+        "task.imitation.rig.bones[0].parent",  # root must be -1
+        "task.imitation.rig.bones[1].parent",  # forward reference (a cycle in disguise)
+        "task.imitation.rig.bones[2].parent",  # a second root
+        "task.imitation.rig.bones[3].length",
+        "task.imitation.rig.bones[4].length",
+    ]
+    assert "cycles" in got[1].description
+
+
+def test_custom_rig_bone_count_limits():
+    empty = check_task(imitation(rig=episode_pb2.Rig()), config())
+    assert fields(empty) == ["task.imitation.rig.bones"]
+    big = custom_rig((-1, 1.0), *[(0, 1.0)] * 32)
+    assert "33 bones" in check_task(imitation(rig=big), config())[0].description
+
+
+def test_builtin_clip_needs_stickman_sized_rig():
+    got = check_task(imitation(rig=custom_rig((-1, 1.0), (0, 1.0))), config())
+    assert fields(got) == ["task.imitation.clip_name"]
+    assert "2 bones" in got[0].description
+
+
+def test_custom_clip_checks():
+    clip = episode_pb2.Clip(fps=-1, frame_count=241, joint_count=5, angles=[0.0] * 3)
+    got = check_task(imitation(clip=clip), config())
+    assert fields(got) == [
+        "task.imitation.clip.fps",
+        "task.imitation.clip.frame_count",
+        "task.imitation.clip.joint_count",  # 5 joints but stickman has 11 bones
+        "task.imitation.clip.angles",
+    ]
+    angles = [0.0] * 10 + [math.inf]
+    nan_clip = episode_pb2.Clip(fps=30, frame_count=1, joint_count=11, angles=angles)
+    got = check_task(imitation(clip=nan_clip), config())
+    assert fields(got) == ["task.imitation.clip.angles"] and "finite" in got[0].description
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("", "required"),
+        ("/etc/passwd", "absolute"),
+        ("C:/models", "absolute"),
+        ("models/../../etc", "'..'"),
+        ("..", "'..'"),
+        ("a\\..\\b", "'..'"),
+    ],
+)
+def test_grpo_paths_must_stay_relative(path, words):
+    task = episode_pb2.TrainTask(grpo=episode_pb2.GrpoTask(model_path=path, dataset_path="d.jsonl"))
+    got = check_task(task, config())
+    assert fields(got) == ["task.grpo.model_path"] and words in got[0].description
+
+
+def test_grpo_numeric_and_name_violations():
+    task = episode_pb2.TrainTask(
+        grpo=episode_pb2.GrpoTask(
+            model_path="m",
+            dataset_path="d.jsonl",
+            reward_functions=["exact_match", "vibes", "exact_match"],
+            num_generations=1,
+            batch_size=2000,
+            max_completion_length=5000,
+            learning_rate=2.0,
+            beta=-0.1,
+            temperature=math.inf,
+            gradient_accumulation_steps=-1,
+            dataloader_num_workers=0,
+            dataloader_prefetch_factor=2,
+        )
+    )
+    got = fields(check_task(task, config()))
+    assert got == [
+        "task.grpo.reward_functions[1]",
+        "task.grpo.reward_functions[2]",
+        "task.grpo.num_generations",
+        "task.grpo.batch_size",
+        "task.grpo.max_completion_length",
+        "task.grpo.learning_rate",
+        "task.grpo.beta",
+        "task.grpo.temperature",
+        "task.grpo.gradient_accumulation_steps",
+        "task.grpo.dataloader_prefetch_factor",
+    ]
+
+
+def test_grpo_batch_must_be_multiple_of_generations():
+    task = episode_pb2.TrainTask(
+        grpo=episode_pb2.GrpoTask(model_path="m", dataset_path="d", num_generations=3, batch_size=4)
+    )
+    got = check_task(task, config())
+    assert fields(got) == ["task.grpo.batch_size"] and "multiple" in got[0].description
+
+
+def test_train_request_needs_run_id():
+    req = trainer_service_pb2.TrainRequest(task=imitation(), config=config())
+    assert fields(check_train_request(req)) == ["run_id"]
+    req.run_id = "x" * 129
+    assert fields(check_train_request(req)) == ["run_id"]
+    req.run_id = "run-1"
+    assert check_train_request(req) == []
+
+
+def test_create_run_checks_speed_rate_and_names():
+    req = gateway_service_pb2.CreateRunRequest(
+        task=imitation(),
+        config=config(),
+        speed=math.nan,
+        episodes_per_second=math.inf,
+        request_id="r" * 200,
+        display_name="n" * 201,
+    )
+    assert fields(check_create_run(req)) == [
+        "speed",
+        "episodes_per_second",
+        "request_id",
+        "display_name",
+    ]
+    ok = gateway_service_pb2.CreateRunRequest(
+        task=imitation(), config=config(), speed=0, episodes_per_second=-1
+    )
+    assert check_create_run(ok) == []
+    assert fields(check_create_run(gateway_service_pb2.CreateRunRequest(speed=-2))) == [
+        "task",
+        "config.max_episodes",
+        "speed",
+    ]
+
+
+def test_bad_request_packs_every_violation():
+    got = check_task(episode_pb2.TrainTask(), episode_pb2.TrainConfig())
+    packed = bad_request(got)
+    assert [(v.field, v.description) for v in packed.field_violations] == [
+        (v.field, v.description) for v in got
+    ]
+    assert describe_violations(got).startswith("task: required")
