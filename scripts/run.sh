@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# `make run`: starts the trainer and the gateway as two processes on localhost (SQLite store
+# under var/), then, unless DEMO=0, creates a demo imitation run, watches it live, draws its
+# learning curve and avatar, prints grpcurl lines to try, and keeps both services up until Ctrl+C.
+#
+# Environment: DEMO (1), GATEWAY_PORT (50051), TRAINER_PORT (50052), METRICS (1: expose
+# Prometheus metrics on GATEWAY_METRICS_PORT 9151 / TRAINER_METRICS_PORT 9152),
+# DEMO_EPISODES (300), DEMO_RATE (20 episodes/s), DEMO_CLIP (wave), VAR (var),
+# STAY_UP (1: keep serving after the demo; 0 exits once the demo is done, for tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-.venv/bin/python}
+BIN=$(dirname "$PY")
+VAR=${VAR:-var}
+DEMO=${DEMO:-1}
+STAY_UP=${STAY_UP:-1}
+GATEWAY_PORT=${GATEWAY_PORT:-50051}
+TRAINER_PORT=${TRAINER_PORT:-50052}
+METRICS=${METRICS:-1}
+DEMO_EPISODES=${DEMO_EPISODES:-300}
+DEMO_RATE=${DEMO_RATE:-20}
+DEMO_CLIP=${DEMO_CLIP:-wave}
+mkdir -p "$VAR/logs" "$VAR/data"
+
+pids=()
+cleanup() {
+  trap - INT TERM EXIT
+  if ((${#pids[@]})); then
+    echo "stopping services..."
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    wait "${pids[@]}" 2>/dev/null || true
+  fi
+}
+trap cleanup INT TERM EXIT
+
+# Waits for "<what> listening on HOST:PORT" in a log and prints HOST:PORT.
+wait_listening() {
+  local what=$1 log=$2 pid=$3
+  for _ in $(seq 1 600); do
+    if addr=$(grep -m1 -oE "^$what listening on [^ ]+" "$log" 2>/dev/null); then
+      echo "${addr##* }"
+      return 0
+    fi
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "$what failed to start; its log ($log):" >&2
+      tail -n 30 "$log" >&2
+      return 1
+    fi
+    sleep 0.1
+  done
+  echo "$what did not start within 60 s; see $log" >&2
+  return 1
+}
+
+trainer_metrics=() gateway_metrics=()
+if [[ $METRICS == 1 ]]; then
+  trainer_metrics=(--metrics-port "${TRAINER_METRICS_PORT:-9152}")
+  gateway_metrics=(--metrics-port "${GATEWAY_METRICS_PORT:-9151}")
+fi
+
+"$PY" -m trainer_service --host 127.0.0.1 --port "$TRAINER_PORT" --slots 1 --device auto \
+  --data-root "$VAR/data" "${trainer_metrics[@]}" >"$VAR/logs/trainer.log" 2>&1 &
+pids+=($!)
+trainer=$(wait_listening trainer "$VAR/logs/trainer.log" "${pids[-1]}")
+
+"$PY" -m gateway --host 127.0.0.1 --port "$GATEWAY_PORT" --trainer "$trainer" \
+  --db "$VAR/trainwire.sqlite3" "${gateway_metrics[@]}" >"$VAR/logs/gateway.log" 2>&1 &
+pids+=($!)
+gateway=$(wait_listening gateway "$VAR/logs/gateway.log" "${pids[-1]}")
+
+echo "trainer  on $trainer  (log $VAR/logs/trainer.log)"
+echo "gateway  on $gateway  (log $VAR/logs/gateway.log)"
+export TRAINWIRE_GATEWAY=$gateway
+
+if [[ $DEMO != 0 ]]; then
+  run_id=$("$BIN/trainwire" runs create imitation --clip "$DEMO_CLIP" --episodes "$DEMO_EPISODES" \
+    --rate "$DEMO_RATE" --seed 0 --name "demo: stickman learns to $DEMO_CLIP" --id-only)
+  echo "demo run $run_id: watching (Ctrl+C detaches; the run keeps going)"
+  "$BIN/trainwire" watch "$run_id" || true
+  "$BIN/trainwire" plot "$run_id" --out "$VAR/demo-curve.png"
+  "$BIN/trainwire" avatar "$run_id" --out "$VAR/demo-avatar.png"
+  echo "pictures: $VAR/demo-curve.png $VAR/demo-avatar.png"
+fi
+
+cat <<EOF
+
+Try it with grpcurl (.venv/bin/grpcurl):
+  $BIN/grpcurl -plaintext $gateway list
+  $BIN/grpcurl -plaintext $gateway describe trainwire.v1.GatewayService
+  $BIN/grpcurl -plaintext -d '{"task": {"imitation": {"clip_name": "walk"}}, "config": {"max_episodes": 200}}' $gateway trainwire.v1.GatewayService/CreateRun
+  $BIN/grpcurl -plaintext -d '{"run_id": "RUN_ID"}' $gateway trainwire.v1.GatewayService/WatchRun
+  $BIN/grpcurl -plaintext $trainer trainwire.v1.TrainerService/GetCapabilities
+  $BIN/grpcurl -plaintext $gateway grpc.health.v1.Health/Check
+or the CLI: $BIN/trainwire --gateway $gateway runs list
+EOF
+if [[ $METRICS == 1 ]]; then
+  echo "metrics: http://127.0.0.1:${GATEWAY_METRICS_PORT:-9151}/metrics (gateway), http://127.0.0.1:${TRAINER_METRICS_PORT:-9152}/metrics (trainer)"
+fi
+
+if [[ $STAY_UP == 1 ]]; then
+  echo "services are up; Ctrl+C stops them"
+  wait "${pids[@]}"
+fi
