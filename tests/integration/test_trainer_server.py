@@ -1,0 +1,257 @@
+"""The trainer service over real gRPC: in-process servers on port 0, and the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+
+from trainer_service.config import TrainerConfig
+from trainer_service.core.jobs import JobRunner, RunnerSettings
+from trainer_service.core.registry import ProviderRegistry
+from trainer_service.core.slots import SlotPool
+from trainer_service.server import SERVICE_NAME, TrainerServer, build_server
+from trainer_service.testing import FakeProvider, imitation_request
+from trainwire import contract
+from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
+
+RPC_TIMEOUT = 30.0
+WAIT = 10.0
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+class Running:
+    """A started trainer server and a channel to it."""
+
+    def __init__(self, server: TrainerServer, port: int) -> None:
+        self.server = server
+        self.runner = server.runner
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)
+
+    def capabilities(self) -> trainer_service_pb2.GetCapabilitiesResponse:
+        return self.stub.GetCapabilities(
+            trainer_service_pb2.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT
+        )
+
+
+@contextlib.contextmanager
+def start_server(
+    providers: dict[str, object], slots: int = 1, heartbeat_s: float = 5.0
+) -> Iterator[Running]:
+    config = TrainerConfig(host="127.0.0.1", port=0, slots=slots, heartbeat_s=heartbeat_s)
+    runner = JobRunner(
+        ProviderRegistry(providers), SlotPool(slots), RunnerSettings(heartbeat_s=heartbeat_s)
+    )
+    server, port = build_server(config, runner)
+    server.start()
+    assert server.ready.wait(WAIT)
+    running = Running(server, port)
+    try:
+        yield running
+    finally:
+        running.channel.close()
+        server.stop(None).wait(WAIT)
+        assert runner.wait_idle(WAIT)
+
+
+@pytest.fixture
+def imitation_server() -> Iterator[Running]:
+    with start_server({"imitation": "trainer_service.providers.imitation"}) as running:
+        yield running
+
+
+def job_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("trainwire-job-")]
+
+
+def test_full_imitation_run_is_streamed_and_contract_clean(imitation_server: Running) -> None:
+    request = imitation_request("run-full", max_episodes=60, seed=3)
+    checker = contract.StreamChecker.for_task(request.task, request.config, request.run_id)
+    episodes = []
+    for response in imitation_server.stub.Train(request, timeout=RPC_TIMEOUT):
+        if response.WhichOneof("event") == "episode":
+            checker.check(response.episode)
+            episodes.append(response.episode)
+    checker.finish()
+    assert len(episodes) == 60 and episodes[-1].done
+    with_detail = [e.episode for e in episodes if e.WhichOneof("detail") == "imitation"]
+    assert with_detail == [10, 20, 30, 40, 50, 60]
+    detail = episodes[-1].imitation
+    assert (detail.frame_count, detail.joint_count) == (60, 11)
+    assert len(detail.angles) == 60 * 11
+    for name in ("reward_std", "greedy_reward", "pose_error", "policy_std", "loss"):
+        assert name in episodes[-1].metrics
+    assert episodes[-1].reward > episodes[0].reward
+    assert imitation_server.capabilities().slots_free == 1
+
+
+def test_cancel_mid_run_frees_the_slot(imitation_server: Running) -> None:
+    call = imitation_server.stub.Train(
+        imitation_request("run-cancel", max_episodes=5000), timeout=RPC_TIMEOUT
+    )
+    received = [next(call) for _ in range(5)]
+    assert received[-1].episode.episode == 5
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        next(call)
+    assert info.value.code() is grpc.StatusCode.CANCELLED
+    assert imitation_server.runner.wait_idle(WAIT)
+    caps = imitation_server.capabilities()
+    assert (caps.slots_total, caps.slots_free) == (1, 1)
+    # The freed slot takes the next job.
+    done = list(
+        imitation_server.stub.Train(imitation_request("run-next", max_episodes=3), timeout=30)
+    )
+    assert done[-1].episode.done
+
+
+def test_two_concurrent_jobs_with_one_slot(imitation_server: Running) -> None:
+    first = imitation_server.stub.Train(
+        imitation_request("run-a", max_episodes=5000), timeout=RPC_TIMEOUT
+    )
+    assert next(first).episode.episode == 1
+    second = imitation_server.stub.Train(imitation_request("run-b"), timeout=RPC_TIMEOUT)
+    with pytest.raises(grpc.RpcError) as info:
+        next(second)
+    assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "run-b" in info.value.details()
+    assert rpc_status.from_call(info.value) is not None
+    assert imitation_server.capabilities().slots_free == 0
+    first.cancel()
+    assert imitation_server.runner.wait_idle(WAIT)
+
+
+def test_provider_error_details_reach_the_client() -> None:
+    from trainer_service.core.provider import ProviderError
+
+    error = ProviderError("Model not found.", detail="x", code="NOT_FOUND", reason="NO_MODEL")
+    with start_server({"imitation": FakeProvider(fail_at=1, error=error)}) as running:
+        call = running.stub.Train(imitation_request("run-e"), timeout=RPC_TIMEOUT)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() is grpc.StatusCode.NOT_FOUND
+        status = rpc_status.from_call(info.value)
+        assert status is not None and status.message == "run run-e: Model not found."
+        assert len(status.details) == 2
+
+
+def test_200_start_cancel_cycles_leave_no_slot_or_thread_behind() -> None:
+    fake = FakeProvider(hold_after=1)
+    with start_server({"imitation": fake}, slots=2) as running:
+        for i in range(200):
+            call = running.stub.Train(imitation_request(f"run-{i}"), timeout=RPC_TIMEOUT)
+            assert next(call).episode.episode == 1
+            call.cancel()
+            # Wait for the job thread to stop before the next cycle: the client's cancel
+            # returns before the server has seen it.
+            assert running.runner.wait_idle(WAIT)
+        assert fake.runs == 200
+        caps = running.capabilities()
+        assert (caps.slots_total, caps.slots_free) == (2, 2)
+        assert job_threads() == []
+        assert running.runner.active_jobs == 0
+
+
+def test_health_and_reflection() -> None:
+    with start_server({"imitation": FakeProvider()}) as running:
+        health = health_pb2_grpc.HealthStub(running.channel)
+        for service in ("", SERVICE_NAME):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(running.channel)
+        replies = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+        names = {s.name for r in replies for s in r.list_services_response.service}
+        assert SERVICE_NAME in names and "grpc.health.v1.Health" in names
+        running.server.stop(None).wait(WAIT)
+        # After stop the port is closed; health is NOT_SERVING in the servicer.
+        assert (
+            running.server.health.Check(health_pb2.HealthCheckRequest(service=""), None).status
+            == health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+
+
+def test_cli_prints_its_address_serves_and_exits_on_sigterm(tmp_path: pathlib.Path) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainer_service",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--slots",
+            "2",
+            "--heartbeat",
+            "0.5",
+            "--data-root",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        assert line.startswith("trainer listening on 127.0.0.1:"), line
+        port = int(line.rsplit(":", 1)[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
+            caps = stub.GetCapabilities(
+                trainer_service_pb2.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT
+            )
+            assert "imitation" in caps.providers
+            assert (caps.device, caps.slots_total) == ("cpu", 2)
+            call = stub.Train(imitation_request("run-cli", max_episodes=5000), timeout=30)
+            first = next(r for r in call if r.WhichOneof("event") == "episode")
+            assert first.episode.episode == 1
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in call:
+                    pass
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - started < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_health_is_not_serving_until_the_providers_are_ready() -> None:
+    config = TrainerConfig(host="127.0.0.1", port=0)
+    runner = JobRunner(ProviderRegistry({"imitation": FakeProvider()}), SlotPool(1))
+    server, port = build_server(config, runner)
+    assert port > 0
+    request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+    assert server.health.Check(request, None).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    server.start()
+    try:
+        assert server.ready.wait(WAIT)
+        assert server.health.Check(request, None).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(None).wait(WAIT)

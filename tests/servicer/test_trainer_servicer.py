@@ -1,0 +1,211 @@
+"""The TrainerService servicer under grpc_testing, with fake providers behind a real job runner."""
+
+from __future__ import annotations
+
+import grpc
+import grpc_testing
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from trainer_service.core.jobs import JobRunner, RunnerSettings
+from trainer_service.core.provider import ProviderError
+from trainer_service.core.registry import ProviderRegistry
+from trainer_service.core.slots import SlotPool
+from trainer_service.servicer import TrainerServicer
+from trainer_service.testing import FakeProvider, imitation_request
+from trainwire import contract
+from trainwire.v1 import episode_pb2, trainer_service_pb2
+
+WAIT = 10.0
+SERVICE = trainer_service_pb2.DESCRIPTOR.services_by_name["TrainerService"]
+TRAIN = SERVICE.methods_by_name["Train"]
+CAPS = SERVICE.methods_by_name["GetCapabilities"]
+
+
+class Harness:
+    def __init__(self, provider: object, slots: int = 1, heartbeat_s: float = 5.0) -> None:
+        self.runner = JobRunner(
+            ProviderRegistry({"imitation": provider}),
+            SlotPool(slots),
+            RunnerSettings(heartbeat_s=heartbeat_s),
+        )
+        self.server = grpc_testing.server_from_dictionary(
+            {SERVICE: TrainerServicer(self.runner)}, grpc_testing.strict_real_time()
+        )
+
+    def train(self, request: trainer_service_pb2.TrainRequest):  # type: ignore[no-untyped-def]
+        return self.server.invoke_unary_stream(TRAIN, (), request, WAIT)
+
+
+def take_all(rpc) -> tuple[list[trainer_service_pb2.TrainResponse], tuple]:  # type: ignore[no-untyped-def]
+    """Reads responses until the RPC terminates; returns them and the termination."""
+    responses = []
+    while True:
+        try:
+            responses.append(rpc.take_response())
+        except ValueError:  # grpc_testing: no more responses, the RPC terminated
+            return responses, rpc.termination()
+
+
+def rich_status(trailing_metadata) -> status_pb2.Status:  # type: ignore[no-untyped-def]
+    values = [v for k, v in trailing_metadata if k == "grpc-status-details-bin"]
+    assert len(values) == 1
+    return status_pb2.Status.FromString(values[0])
+
+
+def unpack(status: status_pb2.Status, message_type):  # type: ignore[no-untyped-def]
+    found = []
+    for detail in status.details:
+        if detail.Is(message_type.DESCRIPTOR):
+            message = message_type()
+            detail.Unpack(message)
+            found.append(message)
+    return found
+
+
+def test_full_stream_ends_ok_and_is_contract_clean() -> None:
+    harness = Harness(FakeProvider())
+    responses, (_, code, _) = take_all(harness.train(imitation_request(max_episodes=4)))
+    checker = contract.StreamChecker("imitation", 4)
+    for response in responses:
+        checker.check(response.episode)
+    checker.finish()
+    assert code is grpc.StatusCode.OK
+    assert harness.runner.slots.free == 1
+
+
+def test_invalid_request_is_invalid_argument_with_bad_request() -> None:
+    harness = Harness(FakeProvider())
+    request = imitation_request("run-7", max_episodes=9000)
+    request.task.imitation.clip_name = "moonwalk"
+    responses, (metadata, code, details) = take_all(harness.train(request))
+    assert responses == []
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "run-7" in details and "config.max_episodes" in details
+    status = rich_status(metadata)
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    (bad,) = unpack(status, error_details_pb2.BadRequest)
+    assert {v.field for v in bad.field_violations} == {
+        "config.max_episodes",
+        "task.imitation.clip_name",
+    }
+
+
+def test_second_job_with_one_slot_is_resource_exhausted() -> None:
+    fake = FakeProvider(hold_after=1)
+    harness = Harness(fake)
+    first = harness.train(imitation_request("run-1"))
+    assert first.take_response().episode.episode == 1
+    responses, (metadata, code, details) = take_all(harness.train(imitation_request("run-2")))
+    assert responses == []
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "run-2" in details
+    (info,) = unpack(rich_status(metadata), error_details_pb2.ErrorInfo)
+    assert (info.domain, info.reason) == ("trainwire", "NO_FREE_SLOT")
+    first.cancel()
+    assert harness.runner.wait_idle(WAIT)
+    assert harness.runner.slots.free == 1
+
+
+def test_heartbeats_carry_last_episode_and_phase() -> None:
+    harness = Harness(FakeProvider(hold_after=1, phase="training"), heartbeat_s=0.05)
+    rpc = harness.train(imitation_request(max_episodes=3))
+    assert rpc.take_response().episode.episode == 1
+    beats = [rpc.take_response() for _ in range(2)]
+    for beat in beats:
+        assert beat.WhichOneof("event") == "heartbeat"
+        assert beat.heartbeat.last_episode == 1
+        assert beat.heartbeat.phase == "training"
+        assert beat.heartbeat.time.seconds > 0
+    rpc.cancel()
+    assert harness.runner.wait_idle(WAIT)
+
+
+def test_heartbeat_before_the_first_episode() -> None:
+    harness = Harness(FakeProvider(hold_after=0, phase="loading"), heartbeat_s=0.05)
+    rpc = harness.train(imitation_request())
+    beat = rpc.take_response().heartbeat
+    assert (beat.last_episode, beat.phase) == (0, "loading")
+    rpc.cancel()
+    assert harness.runner.wait_idle(WAIT)
+
+
+@pytest.mark.parametrize("code_name", ["FAILED_PRECONDITION", "NOT_FOUND"])
+def test_provider_error_has_code_localized_message_and_error_info(code_name: str) -> None:
+    error = ProviderError(
+        "The dataset file is missing.",
+        detail="/secret/path/data.jsonl: ENOENT",
+        code=code_name,
+        reason="DATASET_MISSING",
+    )
+    harness = Harness(FakeProvider(fail_at=2, error=error))
+    responses, (metadata, code, details) = take_all(harness.train(imitation_request("run-9")))
+    assert [r.episode.episode for r in responses] == [1]
+    assert code is getattr(grpc.StatusCode, code_name)
+    assert "run-9" in details and "The dataset file is missing." in details
+    assert "/secret/path" not in details
+    status = rich_status(metadata)
+    (localized,) = unpack(status, error_details_pb2.LocalizedMessage)
+    assert (localized.locale, localized.message) == ("en-US", "The dataset file is missing.")
+    (info,) = unpack(status, error_details_pb2.ErrorInfo)
+    assert (info.domain, info.reason) == ("trainwire", "DATASET_MISSING")
+    assert info.metadata["run_id"] == "run-9"
+    assert harness.runner.slots.free == 1
+
+
+def test_unexpected_exception_is_internal_with_a_generic_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    harness = Harness(FakeProvider(fail_at=1, error=KeyError("secret internals")))
+    responses, (metadata, code, details) = take_all(harness.train(imitation_request("run-3")))
+    assert responses == []
+    assert code is grpc.StatusCode.INTERNAL
+    assert details == "run run-3: Training stopped unexpectedly."
+    (localized,) = unpack(rich_status(metadata), error_details_pb2.LocalizedMessage)
+    assert localized.message == "Training stopped unexpectedly."
+    logged = [r for r in caplog.records if r.exc_info and "run-3" in r.getMessage()]
+    assert len(logged) == 1 and "secret internals" in str(logged[0].exc_info[1])
+    assert harness.runner.slots.free == 1
+
+
+def test_contract_violation_is_internal(caplog: pytest.LogCaptureFixture) -> None:
+    def no_best(episode: episode_pb2.Episode) -> episode_pb2.Episode:
+        episode.best_reward = 0.0
+        return episode
+
+    harness = Harness(FakeProvider(tamper=no_best))
+    responses, (metadata, code, details) = take_all(harness.train(imitation_request("run-c")))
+    assert responses == []  # the bad episode never goes out
+    assert code is grpc.StatusCode.INTERNAL
+    assert "run-c" in details
+    (info,) = unpack(rich_status(metadata), error_details_pb2.ErrorInfo)
+    assert info.reason == "CONTRACT_VIOLATION" and info.metadata["rule"] == "best_reward"
+    assert any(
+        r.getMessage().startswith("CONTRACT VIOLATION run run-c rule best_reward")
+        for r in caplog.records
+    )
+
+
+def test_cancellation_stops_the_provider_and_frees_the_slot() -> None:
+    fake = FakeProvider()
+    harness = Harness(fake)
+    rpc = harness.train(imitation_request(max_episodes=5000))
+    assert rpc.take_response().episode.episode == 1
+    rpc.cancel()
+    assert fake.finished.wait(WAIT)
+    assert harness.runner.wait_idle(WAIT)
+    assert harness.runner.slots.free == 1
+    assert fake.jobs[0].stop_event.is_set()
+
+
+def test_get_capabilities() -> None:
+    harness = Harness(FakeProvider(), slots=2)
+    rpc = harness.server.invoke_unary_unary(
+        CAPS, (), trainer_service_pb2.GetCapabilitiesRequest(), WAIT
+    )
+    response, _, code, _ = rpc.termination()
+    assert code is grpc.StatusCode.OK
+    assert list(response.providers) == ["imitation"]
+    assert (response.slots_total, response.slots_free) == (2, 2)
+    assert response.device == "cpu"
+    assert response.torch_version and response.trl_version

@@ -1,0 +1,67 @@
+"""The trainer's config dataclass and command line parsing."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from trainer_service.__main__ import IMAGE_CACHE_ENV, parse_args
+from trainer_service.config import TrainerConfig
+
+
+def test_defaults_are_valid() -> None:
+    config = TrainerConfig()
+    assert (config.host, config.port, config.slots, config.device) == (
+        "127.0.0.1",
+        50052,
+        1,
+        "auto",
+    )
+    assert config.image_cache_dir is None
+    assert config.max_workers == 1 + config.extra_workers
+    assert config.address == "127.0.0.1:50052"
+    assert TrainerConfig(host="::1", port=0).address == "[::1]:0"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("port", 70000, "port"),
+        ("slots", 0, "slots"),
+        ("device", "tpu", "device"),
+        ("heartbeat_s", 0.0, "heartbeat"),
+        ("heartbeat_s", float("nan"), "heartbeat"),
+        ("host", "", "host"),
+    ],
+)
+def test_bad_values_are_rejected(field: str, value: object, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        TrainerConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_parse_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(IMAGE_CACHE_ENV, raising=False)
+    config = parse_args(
+        [
+            *("--port", "0", "--slots", "3", "--device", "cuda:1"),
+            *("--heartbeat", "0.05", "--data-root", "/tmp/data"),
+        ]
+    )
+    assert (config.port, config.slots, config.device, config.heartbeat_s) == (0, 3, "cuda:1", 0.05)
+    assert config.data_root == pathlib.Path("/tmp/data")
+    assert config.image_cache_dir is None
+
+
+def test_image_cache_dir_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(IMAGE_CACHE_ENV, "/tmp/from-env")
+    assert parse_args([]).image_cache_dir == pathlib.Path("/tmp/from-env")
+    flag = parse_args(["--image-cache-dir", "/tmp/from-flag"])
+    assert flag.image_cache_dir == pathlib.Path("/tmp/from-flag")
+
+
+def test_bad_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--slots", "0"])
+    assert info.value.code == 2
+    assert "slots" in capsys.readouterr().err

@@ -1,0 +1,148 @@
+"""Command line entry point: ``python -m trainer_service --host ... --port ... --slots ...``.
+
+Parses flags into a ``TrainerConfig``, sets up logging, resolves the device, starts the server
+and prints ``trainer listening on HOST:PORT``. SIGTERM/SIGINT stop accepting calls, stop running
+jobs at their next episode and exit within a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import signal
+import sys
+import threading
+from types import FrameType
+
+from trainer_service import __version__
+from trainer_service.config import TrainerConfig
+from trainer_service.core.jobs import JobRunner, RunnerSettings
+from trainer_service.core.slots import SlotPool
+from trainer_service.providers import default_registry
+from trainer_service.server import build_server
+
+_LOGGER = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50052
+IMAGE_CACHE_ENV = "TRAINWIRE_IMAGE_CACHE_DIR"
+
+
+def parse_args(argv: list[str] | None = None) -> TrainerConfig:
+    """Parses the command line (and ``TRAINWIRE_IMAGE_CACHE_DIR``) into a config."""
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer_service", description="Trainwire trainer service."
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="TCP port; 0 picks a free one"
+    )
+    parser.add_argument("--slots", type=int, default=1, help="training jobs that run at once")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="torch device: auto (CUDA when available, else CPU), cpu, cuda or cuda:N",
+    )
+    parser.add_argument(
+        "--data-root",
+        type=pathlib.Path,
+        default=pathlib.Path("var/data"),
+        help="directory that task model/dataset paths are relative to",
+    )
+    parser.add_argument(
+        "--heartbeat",
+        type=float,
+        default=5.0,
+        help="seconds without an episode after which a heartbeat is sent",
+    )
+    parser.add_argument(
+        "--image-cache-dir",
+        type=pathlib.Path,
+        default=None,
+        help=f"cache decoded dataset images here (default: ${IMAGE_CACHE_ENV}, else off)",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    cache = args.image_cache_dir
+    if cache is None and os.environ.get(IMAGE_CACHE_ENV):
+        cache = pathlib.Path(os.environ[IMAGE_CACHE_ENV])
+    try:
+        return TrainerConfig(
+            host=args.host,
+            port=args.port,
+            slots=args.slots,
+            device=args.device,
+            data_root=args.data_root,
+            heartbeat_s=args.heartbeat,
+            image_cache_dir=cache,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the trainer until SIGTERM/SIGINT; returns the exit status."""
+    config = parse_args(argv)
+    from trainer_service.providers._device import resolve_device
+
+    try:
+        device, description = resolve_device(config.device)
+    except ValueError as exc:
+        _LOGGER.error("%s", exc)
+        return 2
+    runner = JobRunner(
+        default_registry(),
+        SlotPool(config.slots),
+        RunnerSettings(
+            device=device,
+            device_description=description,
+            data_root=config.data_root,
+            image_cache_dir=config.image_cache_dir,
+            heartbeat_s=config.heartbeat_s,
+        ),
+        server_version=__version__,
+    )
+    try:
+        server, port = build_server(config, runner)
+    except RuntimeError as exc:
+        _LOGGER.error("%s", exc)
+        return 1
+    server.start()
+    print(f"trainer listening on {config.host}:{port}", flush=True)
+    _LOGGER.info(
+        "trainer %s: %d slot(s) on %s, data root %s, image cache %s",
+        __version__,
+        config.slots,
+        description,
+        config.data_root,
+        config.image_cache_dir or "off",
+    )
+
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        del frame
+        _LOGGER.info("received %s: shutting down", signal.Signals(signum).name)
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop_requested.wait()
+    stopped = server.stop(config.grace_s)
+    stopped.wait(config.grace_s + 0.5)
+    if not runner.wait_idle(1.0):
+        _LOGGER.warning("%d job(s) still stopping at exit", runner.active_jobs)
+    _LOGGER.info("trainer stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The trainer service's configuration: one frozen, validated dataclass built by ``__main__``."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+from dataclasses import dataclass
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """How the trainer service runs.
+
+    Attributes:
+        host: Interface to listen on.
+        port: TCP port; 0 picks a free one.
+        slots: Training jobs that run at once.
+        device: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+        data_root: Root of task-relative paths (models, datasets).
+        heartbeat_s: Seconds without an episode after which a heartbeat goes out.
+        image_cache_dir: Decoded-image cache for the GRPO provider; ``None`` = off.
+        extra_workers: RPC threads beyond one per slot (GetCapabilities, health, reflection,
+            refused Train calls).
+        grace_s: Seconds running RPCs get to finish on shutdown.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50052
+    slots: int = 1
+    device: str = "auto"
+    data_root: pathlib.Path = pathlib.Path("var/data")
+    heartbeat_s: float = 5.0
+    image_cache_dir: pathlib.Path | None = None
+    extra_workers: int = 8
+    grace_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.host:
+            problems.append("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            problems.append(f"port {self.port} must be in 0..65535")
+        if not 1 <= self.slots <= 64:
+            problems.append(f"slots {self.slots} must be in 1..64")
+        if not _DEVICE.match(self.device):
+            problems.append(f"device {self.device!r} must be auto, cpu, cuda or cuda:N")
+        if not (math.isfinite(self.heartbeat_s) and 0 < self.heartbeat_s <= 3600):
+            problems.append(f"heartbeat {self.heartbeat_s} must be in (0, 3600] seconds")
+        if not 1 <= self.extra_workers <= 256:
+            problems.append(f"extra_workers {self.extra_workers} must be in 1..256")
+        if not (math.isfinite(self.grace_s) and 0 <= self.grace_s <= 60):
+            problems.append(f"grace {self.grace_s} must be in 0..60 seconds")
+        if problems:
+            raise ValueError("invalid trainer config: " + "; ".join(problems))
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to bind (IPv6 hosts bracketed)."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def max_workers(self) -> int:
+        """Size of the RPC thread pool: one per slot plus ``extra_workers``."""
+        return self.slots + self.extra_workers

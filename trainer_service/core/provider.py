@@ -1,0 +1,172 @@
+"""The provider interface: what a training provider receives and what it yields.
+
+A provider is a module exposing ``run(job: TrainJob) -> Iterator[Episode]`` (fully filled
+episodes: ``episode``, ``reward``, ``best_reward``, ``done``, ``metrics``, ``produce_time`` and
+``detail``) and optionally ``validate(task, data_root) -> list[FieldViolation]`` (called before a
+slot is taken; any violation answers ``INVALID_ARGUMENT``). The service runs ``run`` in a thread it
+owns and checks every episode against the stream contract before sending it.
+
+This module imports neither grpc nor torch.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from trainwire.v1 import episode_pb2
+
+__all__ = [
+    "EpisodeCounter",
+    "Provider",
+    "ProviderError",
+    "TrainJob",
+]
+
+
+class ProviderError(Exception):
+    """A provider failure the user should read about (bad model path, unreadable dataset, ...).
+
+    The stream ends with ``code`` and status details holding a ``google.rpc.LocalizedMessage``
+    (``user_message``) and a ``google.rpc.ErrorInfo`` (domain ``trainwire``, ``reason``);
+    ``detail`` goes to the log only.
+
+    Attributes:
+        user_message: What the gateway shows the user; names no internals.
+        detail: Diagnostic detail for the log.
+        code: A ``grpc.StatusCode`` name, e.g. ``"FAILED_PRECONDITION"``.
+        reason: ``ErrorInfo.reason``, UPPER_SNAKE_CASE.
+    """
+
+    def __init__(
+        self,
+        user_message: str,
+        detail: str = "",
+        code: str = "FAILED_PRECONDITION",
+        reason: str = "PROVIDER_FAILED",
+    ) -> None:
+        super().__init__(user_message)
+        self.user_message = user_message
+        self.detail = detail
+        self.code = code
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.user_message} ({self.detail})" if self.detail else self.user_message
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a provider needs to run one training job.
+
+    Attributes:
+        run_id: The gateway's run id (for logs and error messages).
+        task: The validated task (its kind matches the provider).
+        config: The validated config (``max_episodes`` in 1..5000, ``seed``).
+        device: The torch device string, ``"cpu"`` or ``"cuda:0"``.
+        data_root: Root directory that task-relative paths (models, datasets) resolve against.
+        image_cache_dir: Where decoded images may be cached; ``None`` disables the cache.
+        stop_event: Set on cancel or shutdown; providers check it at least once per
+            episode/step and return promptly once it is set.
+        set_phase: Reports what the job is doing (``"loading"``, ``"training"``); it goes into
+            heartbeats.
+    """
+
+    run_id: str
+    task: episode_pb2.TrainTask
+    config: episode_pb2.TrainConfig
+    device: str
+    data_root: pathlib.Path
+    image_cache_dir: pathlib.Path | None
+    stop_event: threading.Event
+    set_phase: Callable[[str], None] = field(default=lambda phase: None)
+
+
+class Provider(Protocol):
+    """What a provider module looks like (``validate`` is optional)."""
+
+    def run(self, job: TrainJob) -> Iterator[episode_pb2.Episode]:  # pragma: no cover
+        """Yields the job's episodes, 1..max_episodes, the last with ``done`` set."""
+        ...
+
+
+class EpisodeCounter:
+    """Builds a run's episodes in order with the running ``best_reward``.
+
+    Providers call :meth:`make` once per episode/step; the counter numbers episodes from 1,
+    keeps ``best_reward`` as the running maximum of ``reward``, sets ``done`` on the
+    ``max_episodes``-th episode and stamps ``produce_time``.
+
+    Example:
+        counter = EpisodeCounter(job.config.max_episodes)
+        while not counter.finished and not job.stop_event.is_set():
+            yield counter.make(reward, {"loss": loss})
+    """
+
+    def __init__(self, max_episodes: int) -> None:
+        if max_episodes < 1:
+            raise ValueError(f"max_episodes must be >= 1, got {max_episodes}")
+        self.max_episodes = max_episodes
+        self.episode = 0
+        self.best_reward: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the last episode has been made."""
+        return self.episode >= self.max_episodes
+
+    @property
+    def next_episode(self) -> int:
+        """The number the next :meth:`make` call gives its episode."""
+        return self.episode + 1
+
+    def make(
+        self,
+        reward: float,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        imitation: episode_pb2.ImitationDetail | None = None,
+        grpo: episode_pb2.GrpoDetail | None = None,
+        done: bool | None = None,
+    ) -> episode_pb2.Episode:
+        """Returns the next episode.
+
+        Args:
+            reward: The episode's reward (must be finite; the contract checker enforces it).
+            metrics: Named finite scalars.
+            imitation: Imitation detail to attach, if any.
+            grpo: GRPO detail to attach, if any.
+            done: Overrides ``done``; by default it is set on the ``max_episodes``-th episode.
+                A provider that ends early (e.g. its dataset ran out) passes ``done=True``.
+
+        Raises:
+            RuntimeError: When called after the last episode.
+        """
+        if self.finished:
+            raise RuntimeError(f"episode {self.max_episodes} was the last one")
+        self.episode += 1
+        reward = float(reward)
+        if self.best_reward is None or reward > self.best_reward:
+            self.best_reward = reward
+        episode = episode_pb2.Episode(
+            episode=self.episode,
+            reward=reward,
+            best_reward=self.best_reward,
+            done=self.finished if done is None else done,
+        )
+        if done:
+            # An early end: nothing may follow it.
+            self.max_episodes = self.episode
+        if metrics:
+            for name, value in metrics.items():
+                episode.metrics[name] = float(value)
+        episode.produce_time.FromNanoseconds(time.time_ns())
+        if imitation is not None:
+            episode.imitation.CopyFrom(imitation)
+        elif grpo is not None:
+            episode.grpo.CopyFrom(grpo)
+        return episode

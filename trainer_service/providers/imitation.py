@@ -1,0 +1,289 @@
+"""The imitation provider: an avatar rig learns to imitate a motion clip by policy gradient.
+
+The policy is a Gaussian over every joint angle of every frame of the clip: a learned mean motion
+(``frames x joints``, initialised at the rig's rest pose) and a learned log standard deviation per
+frame and joint. Each episode samples ``group_size`` whole motions, scores them with the fixed
+reward ``exp(-d / (0.1 H))`` (``d``: mean keypoint distance to the clip over frames and joints,
+``H``: height of the rig's bounding box in the clip's first frame), and takes one Adam step on a
+REINFORCE loss with group-relative advantages, as GRPO does.
+
+Credit assignment is what makes it learn fast. A whole-motion reward tells the policy little
+about which of its ``frames x joints`` choices were good (a plain whole-motion REINFORCE reaches
+about 0.4 in 500 episodes). Frames are independent decisions, and a joint angle moves only the
+keypoints of its own subtree of bones, so the advantage of angle ``(f, j)`` is computed from the
+reward of the keypoints it can move (frame ``f``, bones in the subtree of ``j``), normalised
+across the group per ``(f, j)``: ``(r - mean) / (std + eps)``. This is the per-decision
+("reward-to-go") form of the policy gradient: leaving out rewards an action cannot influence
+removes variance, not signal.
+
+Forward kinematics is vectorised over ``[group, frames, bones]``: absolute bone angles are the
+relative angles summed along each bone's ancestor chain (a matrix product with a precomputed
+ancestor matrix), and bone end points are the bone vectors summed the same way.
+
+Only this package imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pathlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from trainer_service.core.provider import EpisodeCounter, ProviderError, TrainJob
+from trainwire import motion
+from trainwire.contract import FieldViolation
+from trainwire.v1 import episode_pb2
+
+_LOGGER = logging.getLogger(__name__)
+
+#: Motions sampled per episode when the task leaves ``group_size`` at 0.
+DEFAULT_GROUP_SIZE = 16
+#: Adam learning rate when the task leaves ``learning_rate`` at 0.
+DEFAULT_LEARNING_RATE = 0.03
+#: Initial standard deviation of every joint angle, in radians.
+INITIAL_STD = 0.3
+#: Bounds of the learned log standard deviation: keeps sampling finite and non-degenerate.
+LOG_STD_MIN, LOG_STD_MAX = -7.0, 1.0
+#: ``detail.imitation`` goes out every this many episodes (and on the last).
+DETAIL_EVERY = 10
+#: Reward scale: the reward is ``exp(-d / (REWARD_SCALE * H))``.
+REWARD_SCALE = 0.1
+#: A rig whose first clip frame is flatter than this (relative to its total bone length) has no
+#: usable height for the reward.
+_MIN_RELATIVE_HEIGHT = 1e-6
+_ADVANTAGE_EPS = 1e-6
+
+
+def validate(task: episode_pb2.TrainTask, data_root: pathlib.Path) -> list[FieldViolation]:
+    """Checks what the contract cannot: the rig must have a height in the clip's first frame.
+
+    The reward divides by that height, so a pose lying flat on the x axis cannot be scored.
+    Called after the contract's structural checks passed.
+    """
+    del data_root
+    imitation = task.imitation
+    rig = motion.rig_from_task(imitation)
+    clip = motion.clip_from_task(imitation)
+    height = motion.rig_height(rig, clip.frame(0))
+    total_length = sum(bone.length for bone in rig.bones)
+    if not height > _MIN_RELATIVE_HEIGHT * total_length:
+        custom_clip = imitation.WhichOneof("clip_source") == "clip"
+        field = "task.imitation.clip.angles" if custom_clip else "task.imitation.rig"
+        return [
+            FieldViolation(
+                field,
+                f"the rig lies flat in the clip's first frame (height {height:.3g}); the reward "
+                "is scaled by that height, so the first frame must have a vertical extent",
+            )
+        ]
+    return []
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one episode (one optimizer step) measured.
+
+    Attributes:
+        reward: The group's mean reward (in 0..1).
+        reward_std: Standard deviation of the group's rewards.
+        greedy_reward: Reward of the mean motion (the policy without exploration noise).
+        pose_error: Mean keypoint distance of the mean motion, in rig length units.
+        policy_std: Mean standard deviation of the policy, in radians.
+        loss: The policy-gradient loss of the step.
+    """
+
+    reward: float
+    reward_std: float
+    greedy_reward: float
+    pose_error: float
+    policy_std: float
+    loss: float
+
+    def metrics(self) -> dict[str, float]:
+        """The episode metrics."""
+        return {
+            "reward_std": self.reward_std,
+            "greedy_reward": self.greedy_reward,
+            "pose_error": self.pose_error,
+            "policy_std": self.policy_std,
+            "loss": self.loss,
+        }
+
+
+class Skeleton:
+    """Vectorised forward kinematics of one rig on one device.
+
+    Args:
+        rig: The rig.
+        device: Torch device of the tensors.
+    """
+
+    def __init__(self, rig: motion.RigSpec, device: torch.device) -> None:
+        count = len(rig.bones)
+        # ancestors[b, a] = 1 when a is b or an ancestor of b (parents precede children).
+        ancestors = torch.zeros(count, count, dtype=torch.float32)
+        for b, bone in enumerate(rig.bones):
+            ancestors[b, b] = 1.0
+            if bone.parent >= 0:
+                ancestors[b] += ancestors[bone.parent]
+        self.ancestors_t = ancestors.t().contiguous().to(device)
+        # subtree[j, k] / size[j]: averages over the bones k in j's subtree (those j moves).
+        subtree = ancestors.t()
+        self.subtree_mean_t = (subtree / subtree.sum(1, keepdim=True)).t().contiguous().to(device)
+        self.lengths = torch.tensor([b.length for b in rig.bones], dtype=torch.float32).to(device)
+
+    def keypoints(self, angles: torch.Tensor) -> torch.Tensor:
+        """Bone end points ``[..., bones, 2]`` of relative joint angles ``[..., bones]``."""
+        absolute = angles @ self.ancestors_t
+        x = (torch.cos(absolute) * self.lengths) @ self.ancestors_t
+        y = (torch.sin(absolute) * self.lengths) @ self.ancestors_t
+        return torch.stack((x, y), dim=-1)
+
+    def subtree_mean(self, per_bone: torch.Tensor) -> torch.Tensor:
+        """Averages ``[..., bones]`` values over each bone's subtree."""
+        return per_bone @ self.subtree_mean_t
+
+
+class ImitationLearner:
+    """The policy, its optimizer and one training step.
+
+    Args:
+        rig: The rig to animate.
+        clip: The target motion (``joint_count`` equals the rig's bone count).
+        group_size: Motions sampled per step (at least 2).
+        learning_rate: Adam learning rate.
+        seed: Seeds the sampling generator.
+        device: Torch device (``cpu``, ``cuda:0``).
+    """
+
+    def __init__(
+        self,
+        rig: motion.RigSpec,
+        clip: motion.ClipSpec,
+        group_size: int = DEFAULT_GROUP_SIZE,
+        learning_rate: float = DEFAULT_LEARNING_RATE,
+        seed: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        if group_size < 2:
+            raise ValueError(f"group_size must be >= 2, got {group_size}")
+        self.device = torch.device(device)
+        self.frames, self.joints = clip.frame_count, clip.joint_count
+        self.group_size = group_size
+        self.skeleton = Skeleton(rig, self.device)
+        target_angles = torch.tensor(clip.angles, dtype=torch.float32).reshape(
+            self.frames, self.joints
+        )
+        self.target = self.skeleton.keypoints(target_angles.to(self.device))
+        height = motion.rig_height(rig, clip.frame(0))
+        self.distance_scale = REWARD_SCALE * height
+        rest = torch.tensor(motion.rest_pose(rig), dtype=torch.float32)
+        self.mean = rest.repeat(self.frames, 1).to(self.device).requires_grad_(True)
+        self.log_std = torch.full(
+            (self.frames, self.joints), math.log(INITIAL_STD), device=self.device
+        ).requires_grad_(True)
+        self.optimizer = torch.optim.Adam([self.mean, self.log_std], lr=learning_rate)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def step(self) -> StepResult:
+        """Samples a group of motions, scores them and takes one optimizer step."""
+        group = self.group_size
+        log_std = self.log_std.clamp(LOG_STD_MIN, LOG_STD_MAX)
+        with torch.no_grad():
+            std = log_std.exp()
+            noise = torch.randn(
+                (group, self.frames, self.joints), generator=self.generator, device=self.device
+            )
+            samples = self.mean + std * noise
+            # The mean motion rides along as row 0 so one kinematics pass scores everything.
+            motions = torch.cat((self.mean.unsqueeze(0), samples))
+            distances = (self.skeleton.keypoints(motions) - self.target).norm(dim=-1)
+            rewards = torch.exp(-distances.mean(dim=(1, 2)) / self.distance_scale)
+            # Per-decision credit: angle (f, j) is judged by the keypoints it moves.
+            local = torch.exp(-self.skeleton.subtree_mean(distances[1:]) / self.distance_scale)
+            advantages = (local - local.mean(0)) / (local.std(0) + _ADVANTAGE_EPS)
+        # log N(a; mean, std) without its constant; the gradient flows to mean and log_std.
+        log_prob = -0.5 * ((samples - self.mean) / log_std.exp()).square() - log_std
+        loss = -(advantages * log_prob).mean()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        group_rewards = rewards[1:]
+        stats = torch.stack(
+            (
+                group_rewards.mean(),
+                group_rewards.std(),
+                rewards[0],
+                distances[0].mean(),
+                std.mean(),
+                loss.detach(),
+            )
+        ).tolist()  # one device sync for every number of the step
+        return StepResult(*stats)
+
+    def mean_motion(self) -> list[float]:
+        """The policy's mean motion, frame-major, ``frames x joints`` angles."""
+        return self.mean.detach().flatten().tolist()
+
+
+def _group_size(task: episode_pb2.ImitationTask) -> int:
+    return task.group_size or DEFAULT_GROUP_SIZE
+
+
+def _learning_rate(task: episode_pb2.ImitationTask) -> float:
+    return task.learning_rate or DEFAULT_LEARNING_RATE
+
+
+def learner_for(task: episode_pb2.ImitationTask, seed: int, device: str) -> ImitationLearner:
+    """Builds the learner of a (validated) imitation task."""
+    return ImitationLearner(
+        motion.rig_from_task(task),
+        motion.clip_from_task(task),
+        group_size=_group_size(task),
+        learning_rate=_learning_rate(task),
+        seed=seed,
+        device=device,
+    )
+
+
+def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
+    """Trains the job's imitation task, yielding one episode per optimizer step."""
+    job.set_phase("loading")
+    task = job.task.imitation
+    try:
+        learner = learner_for(task, job.config.seed, job.device)
+    except (KeyError, ValueError) as exc:  # validation should have caught these
+        raise ProviderError(
+            "The imitation task could not be set up.", detail=repr(exc), reason="BAD_TASK"
+        ) from exc
+    _LOGGER.info(
+        "run %s: imitating %r on %r (%d frames x %d joints), group %d, lr %g, device %s",
+        job.run_id,
+        task.clip_name or task.clip.name,
+        task.rig_name or task.rig.name or "stickman",
+        learner.frames,
+        learner.joints,
+        learner.group_size,
+        _learning_rate(task),
+        job.device,
+    )
+    job.set_phase("training")
+    counter = EpisodeCounter(job.config.max_episodes)
+    while not counter.finished:
+        if job.stop_event.is_set():
+            return
+        result = learner.step()
+        n = counter.next_episode
+        detail = None
+        if n % DETAIL_EVERY == 0 or n == counter.max_episodes:
+            detail = episode_pb2.ImitationDetail(
+                frame_count=learner.frames,
+                joint_count=learner.joints,
+                angles=learner.mean_motion(),
+            )
+        yield counter.make(result.reward, result.metrics(), imitation=detail)

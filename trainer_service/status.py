@@ -1,0 +1,113 @@
+"""The one table that turns the trainer's domain errors into gRPC statuses with rich details.
+
+| domain error | status | details |
+| --- | --- | --- |
+| InvalidRequest | INVALID_ARGUMENT | google.rpc.BadRequest |
+| NoFreeSlot | RESOURCE_EXHAUSTED | ErrorInfo NO_FREE_SLOT |
+| ShuttingDown | UNAVAILABLE | ErrorInfo SHUTTING_DOWN |
+| ProviderError | its ``code`` | LocalizedMessage (user message) + ErrorInfo (its reason) |
+| ContractViolation | INTERNAL | ErrorInfo CONTRACT_VIOLATION |
+| anything else | INTERNAL | LocalizedMessage "Training stopped unexpectedly." + ErrorInfo |
+
+Statuses are applied with ``set_code`` / ``set_details`` / ``set_trailing_metadata`` rather than
+``abort_with_status`` so that the handler returns normally (and ``grpc_testing``, which lacks
+``abort_with_status``, sees the same status as a real client).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from trainer_service.core.errors import InvalidRequest, NoFreeSlot, ShuttingDown
+from trainer_service.core.provider import ProviderError
+from trainwire import contract
+
+_LOGGER = logging.getLogger(__name__)
+
+DOMAIN = "trainwire"
+LOCALE = "en-US"
+UNEXPECTED_MESSAGE = "Training stopped unexpectedly."
+
+
+def _pack(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def _error_info(reason: str, run_id: str, **metadata: str) -> error_details_pb2.ErrorInfo:
+    return error_details_pb2.ErrorInfo(
+        reason=reason, domain=DOMAIN, metadata={"run_id": run_id, **metadata}
+    )
+
+
+def _status_code(name: str) -> grpc.StatusCode:
+    """The ``grpc.StatusCode`` called ``name``; INTERNAL-proof fallback for a bad name."""
+    code = getattr(grpc.StatusCode, name, None)
+    if not isinstance(code, grpc.StatusCode) or code is grpc.StatusCode.OK:
+        _LOGGER.warning("provider gave an invalid status code %r; using FAILED_PRECONDITION", name)
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return code
+
+
+def to_status(exc: BaseException, run_id: str) -> grpc.Status:
+    """Maps an exception raised while serving ``run_id`` to the status the client receives.
+
+    Logs what the client does not see: a provider error's detail, an unexpected exception's
+    traceback (once, here).
+    """
+    details: list[Message]
+    if isinstance(exc, InvalidRequest):
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        details = [contract.bad_request(exc.violations)]
+    elif isinstance(exc, NoFreeSlot):
+        code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        details = [_error_info("NO_FREE_SLOT", run_id, slots_total=str(exc.slots_total))]
+    elif isinstance(exc, ShuttingDown):
+        code, message = grpc.StatusCode.UNAVAILABLE, str(exc)
+        details = [_error_info("SHUTTING_DOWN", run_id)]
+    elif isinstance(exc, ProviderError):
+        code = _status_code(exc.code)
+        message = f"run {run_id}: {exc.user_message}"
+        details = [
+            error_details_pb2.LocalizedMessage(locale=LOCALE, message=exc.user_message),
+            _error_info(exc.reason, run_id),
+        ]
+        _LOGGER.warning(
+            "run %s: provider failed (%s, %s): %s | %s",
+            run_id,
+            code.name,
+            exc.reason,
+            exc.user_message,
+            exc.detail,
+        )
+    elif isinstance(exc, contract.ContractViolation):
+        # Already logged as CONTRACT VIOLATION where it was detected.
+        code = grpc.StatusCode.INTERNAL
+        message = f"run {run_id}: the trainer produced an invalid episode stream ({exc.rule})"
+        details = [_error_info("CONTRACT_VIOLATION", run_id, rule=exc.rule)]
+    else:
+        _LOGGER.error("run %s: training stopped unexpectedly", run_id, exc_info=exc)
+        code = grpc.StatusCode.INTERNAL
+        message = f"run {run_id}: {UNEXPECTED_MESSAGE}"
+        details = [
+            error_details_pb2.LocalizedMessage(locale=LOCALE, message=UNEXPECTED_MESSAGE),
+            _error_info("INTERNAL_ERROR", run_id),
+        ]
+    status = status_pb2.Status(
+        code=getattr(code_pb2, code.name), message=message, details=[_pack(d) for d in details]
+    )
+    return rpc_status.to_status(status)
+
+
+def apply_status(context: grpc.ServicerContext, status: grpc.Status) -> None:
+    """Sets ``status`` on the RPC; the handler then returns."""
+    context.set_trailing_metadata(status.trailing_metadata)
+    context.set_code(status.code)
+    context.set_details(status.details)
