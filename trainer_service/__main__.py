@@ -1,8 +1,9 @@
 """Command line entry point: ``python -m trainer_service --host ... --port ... --slots ...``.
 
-Parses flags into a ``TrainerConfig``, sets up logging, resolves the device, starts the server
-and prints ``trainer listening on HOST:PORT``. SIGTERM/SIGINT stop accepting calls, stop running
-jobs at their next episode and exit within a few seconds.
+Parses flags into a ``TrainerConfig``, sets up logging (``--log-format text|json``), resolves the
+device, starts the server and prints ``trainer listening on HOST:PORT`` (and, with
+``--metrics-port``, ``trainer metrics on http://HOST:PORT/metrics``). SIGTERM/SIGINT stop
+accepting calls, stop running jobs at their next episode and exit within a few seconds.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from trainer_service import __version__
 from trainer_service.config import TrainerConfig
 from trainer_service.core.jobs import JobRunner, RunnerSettings
 from trainer_service.core.slots import SlotPool
+from trainer_service.metrics import TrainerMetrics
 from trainer_service.providers import default_registry
 from trainer_service.server import build_server
+from trainwire.logs import LOG_FORMATS, configure_logging
 
-_LOGGER = logging.getLogger(__name__)
+# Under ``python -m`` __name__ is "__main__"; log under the module's real name.
+_LOGGER = logging.getLogger(__spec__.name if __spec__ is not None else __name__)
 
 DEFAULT_PORT = 50052
 IMAGE_CACHE_ENV = "TRAINWIRE_IMAGE_CACHE_DIR"
@@ -63,13 +67,22 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
         help=f"cache decoded dataset images here (default: ${IMAGE_CACHE_ENV}, else off)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics on this port "
+        "(0 picks a free one; default: off)",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
     )
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: one line for people; json: one JSON object per line",
     )
+    args = parser.parse_args(argv)
     cache = args.image_cache_dir
     if cache is None and os.environ.get(IMAGE_CACHE_ENV):
         cache = pathlib.Path(os.environ[IMAGE_CACHE_ENV])
@@ -82,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
             data_root=args.data_root,
             heartbeat_s=args.heartbeat,
             image_cache_dir=cache,
+            metrics_port=args.metrics_port,
+            log_level=args.log_level,
+            log_format=args.log_format,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -91,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
 def main(argv: list[str] | None = None) -> int:
     """Runs the trainer until SIGTERM/SIGINT; returns the exit status."""
     config = parse_args(argv)
+    configure_logging(config.log_level, config.log_format)
     from trainer_service.providers._device import resolve_device
 
     try:
@@ -98,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         _LOGGER.error("%s", exc)
         return 2
+    metrics = TrainerMetrics()
     runner = JobRunner(
         default_registry(),
         SlotPool(config.slots),
@@ -109,14 +127,17 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_s=config.heartbeat_s,
         ),
         server_version=__version__,
+        observer=metrics.jobs,
     )
     try:
-        server, port = build_server(config, runner)
-    except RuntimeError as exc:
+        server, port = build_server(config, runner, metrics)
+        server.start()
+    except (RuntimeError, OSError) as exc:
         _LOGGER.error("%s", exc)
         return 1
-    server.start()
     print(f"trainer listening on {config.host}:{port}", flush=True)
+    if server.metrics_endpoint is not None:
+        print(f"trainer metrics on {server.metrics_endpoint.url}", flush=True)
     _LOGGER.info(
         "trainer %s: %d slot(s) on %s, data root %s, image cache %s",
         __version__,

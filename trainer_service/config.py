@@ -7,6 +7,8 @@ import pathlib
 import re
 from dataclasses import dataclass
 
+from trainwire.logs import LOG_FORMATS, parse_level
+
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -25,6 +27,10 @@ class TrainerConfig:
         extra_workers: RPC threads beyond one per slot (GetCapabilities, health, reflection,
             refused Train calls).
         grace_s: Seconds running RPCs get to finish on shutdown.
+        metrics_port: Port of the Prometheus ``/metrics`` endpoint on ``host``; ``None`` = off,
+            0 picks a free one.
+        log_level: Logging level name (``DEBUG``, ``INFO``, ...).
+        log_format: ``text`` or ``json`` (one JSON object per line).
     """
 
     host: str = "127.0.0.1"
@@ -36,6 +42,9 @@ class TrainerConfig:
     image_cache_dir: pathlib.Path | None = None
     extra_workers: int = 8
     grace_s: float = 3.0
+    metrics_port: int | None = None
+    log_level: str = "INFO"
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         problems = []
@@ -53,16 +62,28 @@ class TrainerConfig:
             problems.append(f"extra_workers {self.extra_workers} must be in 1..256")
         if not (math.isfinite(self.grace_s) and 0 <= self.grace_s <= 60):
             problems.append(f"grace {self.grace_s} must be in 0..60 seconds")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            problems.append(f"metrics port {self.metrics_port} must be in 0..65535")
+        try:
+            parse_level(self.log_level)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if self.log_format not in LOG_FORMATS:
+            problems.append(f"log format {self.log_format!r} must be text or json")
         if problems:
             raise ValueError("invalid trainer config: " + "; ".join(problems))
 
     @property
     def address(self) -> str:
         """``host:port`` to bind (IPv6 hosts bracketed)."""
-        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
-        return f"{host}:{self.port}"
+        return f"{bracketed(self.host)}:{self.port}"
 
     @property
     def max_workers(self) -> int:
         """Size of the RPC thread pool: one per slot plus ``extra_workers``."""
         return self.slots + self.extra_workers
+
+
+def bracketed(host: str) -> str:
+    """``host`` with brackets if it is an IPv6 address (for ``host:port``)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -8,11 +8,16 @@ handing it on and produces a heartbeat whenever nothing went out for the heartbe
 
 The slot is released by the job thread itself once the provider has stopped (its generator
 closed), whatever the outcome: success, provider error, crash or cancellation.
+
+A :class:`JobObserver` hears of job starts and ends, episodes and heartbeats sent and contract
+violations (the metrics hang off it); the core knows nothing of how they are recorded. Each job's
+outcome is decided once, on the handler side, and logged as one INFO line with the run id.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 import importlib.metadata
 import logging
 import pathlib
@@ -49,6 +54,76 @@ class ProviderLookup(Protocol):
     def available(self) -> list[str]:  # pragma: no cover - protocol
         """Names of the importable providers."""
         ...
+
+
+class JobOutcome(enum.StrEnum):
+    """How a job ended, as its stream's consumer saw it."""
+
+    OK = "ok"  #: the done episode went out
+    ERROR = "error"  #: the provider failed with a message for users (``ProviderError``)
+    CRASH = "crash"  #: the provider raised something unexpected
+    CONTRACT_VIOLATION = "contract_violation"  #: the stream broke the contract
+    CANCELLED = "cancelled"  #: the client went away (cancel, deadline, disconnect)
+    SHUTDOWN = "shutdown"  #: the trainer shut down under it
+
+
+_OUTCOME_VERBS = {
+    JobOutcome.OK: "finished",
+    JobOutcome.ERROR: "failed",
+    JobOutcome.CRASH: "failed unexpectedly",
+    JobOutcome.CONTRACT_VIOLATION: "failed (contract violation)",
+    JobOutcome.CANCELLED: "cancelled",
+    JobOutcome.SHUTDOWN: "stopped by shutdown",
+}
+
+
+class JobObserver(Protocol):
+    """Hears what the runner does; implementations must be cheap and must not raise.
+
+    ``episode_sent`` and ``heartbeat_sent`` run on the streaming hot path, once per message.
+    ``kind`` is the task kind (``imitation``, ``grpo``).
+    """
+
+    def job_started(self, run_id: str, kind: str) -> None:  # pragma: no cover - protocol
+        """A job took a slot and its thread started."""
+        ...
+
+    def job_ended(
+        self, run_id: str, kind: str, outcome: JobOutcome
+    ) -> None:  # pragma: no cover - protocol
+        """A job's outcome was decided (called exactly once per started job)."""
+        ...
+
+    def episode_sent(self, kind: str) -> None:  # pragma: no cover - protocol
+        """An episode was written to the RPC (its handler asked for the next event)."""
+        ...
+
+    def heartbeat_sent(self, kind: str) -> None:  # pragma: no cover - protocol
+        """A heartbeat was written to the RPC."""
+        ...
+
+    def contract_violation(self, kind: str, rule: str) -> None:  # pragma: no cover - protocol
+        """The stream broke contract rule ``rule``."""
+        ...
+
+
+class NullJobObserver:
+    """The observer that ignores everything (the default)."""
+
+    def job_started(self, run_id: str, kind: str) -> None:
+        """Ignored."""
+
+    def job_ended(self, run_id: str, kind: str, outcome: JobOutcome) -> None:
+        """Ignored."""
+
+    def episode_sent(self, kind: str) -> None:
+        """Ignored."""
+
+    def heartbeat_sent(self, kind: str) -> None:
+        """Ignored."""
+
+    def contract_violation(self, kind: str, rule: str) -> None:
+        """Ignored."""
 
 
 @dataclass(frozen=True)
@@ -184,8 +259,14 @@ class RunningJob:
         heartbeat_s: float,
         queue_size: int,
         on_exit: Callable[[RunningJob], None],
+        kind: str = "",
+        observer: JobObserver | None = None,
     ) -> None:
         self.run_id = job.run_id
+        self.kind = kind
+        self._observer: JobObserver = observer or NullJobObserver()
+        self._outcome: JobOutcome | None = None
+        self._consuming = False
         self._job = job
         self._provider = provider
         self._heartbeat_s = heartbeat_s
@@ -223,8 +304,33 @@ class RunningJob:
         with self._lock:
             if not self._stop_reason:
                 self._stop_reason = reason
+            consuming = self._consuming
         self._job.stop_event.set()
         self._channel.close()
+        if not consuming:
+            # Nobody iterates events(), so nobody else will decide the outcome.
+            self._conclude(JobOutcome.SHUTDOWN if reason == "shutdown" else JobOutcome.CANCELLED)
+
+    @property
+    def outcome(self) -> JobOutcome | None:
+        """How the job ended; ``None`` while it is still undecided."""
+        return self._outcome
+
+    def _conclude(self, outcome: JobOutcome) -> None:
+        """Records the job's outcome once (the first caller wins), logs it and reports it."""
+        with self._lock:
+            if self._outcome is not None:
+                return
+            self._outcome = outcome
+        _LOGGER.info(
+            "run %s: %s job %s at episode %d",
+            self.run_id,
+            self.kind,
+            _OUTCOME_VERBS[outcome],
+            self._checker.last_episode,
+            extra={"run_id": self.run_id, "outcome": outcome.value},
+        )
+        self._observer.job_ended(self.run_id, self.kind, outcome)
 
     def join(self, timeout: float | None = None) -> bool:
         """Waits for the job thread to exit; returns whether it did."""
@@ -266,6 +372,8 @@ class RunningJob:
             ShuttingDown: The trainer is shutting down.
             Exception: Whatever else the provider raised (an unexpected failure).
         """
+        with self._lock:
+            self._consuming = True
         last_sent = time.monotonic()
         try:
             while True:
@@ -275,24 +383,55 @@ class RunningJob:
                 item = self._channel.get(max(0.0, wait))
                 if item is _EMPTY:
                     yield Heartbeat(self._checker.last_episode, self._phase, time.time_ns())
+                    # Resumed: the handler wrote it and asks for more.
+                    self._observer.heartbeat_sent(self.kind)
                     last_sent = time.monotonic()
                 elif isinstance(item, _Finished):
                     self._finish(item)
+                    self._conclude(JobOutcome.OK if self._checker.done else JobOutcome.CANCELLED)
                     return
                 else:
                     assert isinstance(item, episode_pb2.Episode)
                     self._check(item)
                     yield item
+                    # Resumed: the handler wrote it and asks for more.
+                    self._observer.episode_sent(self.kind)
                     last_sent = time.monotonic()
+        except ShuttingDown:
+            self._conclude(JobOutcome.SHUTDOWN)
+            raise
+        except contract.ContractViolation:
+            self._conclude(JobOutcome.CONTRACT_VIOLATION)
+            raise
+        except ProviderError:
+            self._conclude(JobOutcome.ERROR)
+            raise
+        except Exception:
+            self._conclude(JobOutcome.CRASH)
+            raise
         finally:
+            # Still undecided: the handler stopped reading (GeneratorExit), the client left.
+            self._conclude(
+                JobOutcome.SHUTDOWN if self._stop_reason == "shutdown" else JobOutcome.CANCELLED
+            )
             self.cancel()
 
     def _check(self, episode: episode_pb2.Episode) -> None:
         try:
             self._checker.check(episode)
         except contract.ContractViolation as exc:
-            _LOGGER.error("CONTRACT VIOLATION run %s rule %s: %s", self.run_id, exc.rule, exc)
+            self._violated(exc)
             raise
+
+    def _violated(self, exc: contract.ContractViolation) -> None:
+        _LOGGER.error(
+            "CONTRACT VIOLATION run %s rule %s: %s",
+            self.run_id,
+            exc.rule,
+            exc,
+            extra={"run_id": self.run_id, "rule": exc.rule},
+        )
+        self._observer.contract_violation(self.kind, exc.rule)
 
     def _finish(self, finished: _Finished) -> None:
         if self._stop_reason == "shutdown" and not self._checker.done:
@@ -304,7 +443,7 @@ class RunningJob:
         try:
             self._checker.finish()
         except contract.ContractViolation as exc:
-            _LOGGER.error("CONTRACT VIOLATION run %s rule %s: %s", self.run_id, exc.rule, exc)
+            self._violated(exc)
             raise
 
 
@@ -319,6 +458,8 @@ class JobRunner:
         slots: The trainer's job slots.
         settings: Device, paths and stream settings.
         server_version: Reported by :meth:`capabilities`.
+        observer: Hears of job starts and ends, episodes, heartbeats and contract violations
+            (the trainer's metrics); ignored by default.
     """
 
     def __init__(
@@ -327,8 +468,10 @@ class JobRunner:
         slots: SlotPool,
         settings: RunnerSettings | None = None,
         server_version: str = "",
+        observer: JobObserver | None = None,
     ) -> None:
         self._registry = registry
+        self.observer: JobObserver = observer or NullJobObserver()
         self.slots = slots
         self.settings = settings or RunnerSettings()
         self._server_version = server_version
@@ -368,7 +511,7 @@ class JobRunner:
         if not self.slots.try_acquire():
             raise NoFreeSlot(run_id, self.slots.total)
         try:
-            job = self._make_job(request, provider)
+            job = self._make_job(request, provider, kind)
         except BaseException:
             self.slots.release()
             raise
@@ -385,11 +528,15 @@ class JobRunner:
             self.settings.device,
             self.slots.total - self.slots.free,
             self.slots.total,
+            extra={"run_id": run_id},
         )
+        self.observer.job_started(run_id, kind)
         job.start()
         return job
 
-    def _make_job(self, request: trainer_service_pb2.TrainRequest, provider: Any) -> RunningJob:
+    def _make_job(
+        self, request: trainer_service_pb2.TrainRequest, provider: Any, kind: str
+    ) -> RunningJob:
         holder: list[RunningJob] = []
         train_job = TrainJob(
             run_id=request.run_id,
@@ -402,7 +549,13 @@ class JobRunner:
             set_phase=lambda phase: holder[0].set_phase(phase),
         )
         job = RunningJob(
-            train_job, provider, self.settings.heartbeat_s, self.settings.queue_size, self._exited
+            train_job,
+            provider,
+            self.settings.heartbeat_s,
+            self.settings.queue_size,
+            self._exited,
+            kind=kind,
+            observer=self.observer,
         )
         holder.append(job)
         return job
@@ -413,7 +566,8 @@ class JobRunner:
         with self._cond:
             self._jobs.discard(job)
             self._cond.notify_all()
-        _LOGGER.info("run %s: job ended, slot released", job.run_id)
+        # The outcome line (INFO) comes from the handler side; this is bookkeeping.
+        _LOGGER.debug("run %s: job thread exited, slot released", job.run_id)
 
     @property
     def active_jobs(self) -> int:

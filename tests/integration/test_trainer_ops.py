@@ -1,0 +1,464 @@
+"""Operating the trainer: Prometheus metrics (scraped over HTTP) and JSON logs.
+
+Real trainers on port 0 with metrics on port 0; jobs run through gRPC; numbers are read back from
+``/metrics`` the way Prometheus reads them, or from the server's own registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from trainer_service.__main__ import parse_args
+from trainer_service.config import TrainerConfig
+from trainer_service.core.jobs import JobRunner, RunnerSettings
+from trainer_service.core.provider import ProviderError
+from trainer_service.core.registry import ProviderRegistry
+from trainer_service.core.slots import SlotPool
+from trainer_service.metrics import (
+    MetricsServerInterceptor,
+    RpcMetrics,
+    TrainerMetrics,
+    final_code,
+)
+from trainer_service.server import TrainerServer, build_server
+from trainer_service.testing import FakeProvider, imitation_request
+from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+
+RPC_TIMEOUT = 30.0
+WAIT = 10.0
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SERVICE = "trainwire.v1.TrainerService"
+TRAIN = {"grpc_type": "server_stream", "grpc_service": SERVICE, "grpc_method": "Train"}
+CAPS = {"grpc_type": "unary", "grpc_service": SERVICE, "grpc_method": "GetCapabilities"}
+RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+class Running:
+    """A started trainer, its metrics and a stub."""
+
+    def __init__(self, server: TrainerServer, port: int, metrics: TrainerMetrics) -> None:
+        self.server = server
+        self.runner = server.runner
+        self.metrics = metrics
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample from the registry; 0 when the series does not exist yet."""
+        return self.metrics.value(name, labels) or 0.0
+
+    def wait_value(self, name: str, expected: float, **labels: str) -> None:
+        """Waits until a sample reaches ``expected``.
+
+        The server records an RPC's end after the client may already have seen it (a cancel
+        returns on the client at once), and no event marks that moment, so this polls.
+        """
+        deadline = time.monotonic() + WAIT
+        while self.value(name, **labels) != expected:
+            assert time.monotonic() < deadline, f"{name}{labels} = {self.value(name, **labels)}"
+            time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def start_trainer(
+    providers: dict[str, object],
+    slots: int = 1,
+    heartbeat_s: float = 5.0,
+    metrics_port: int | None = None,
+) -> Iterator[Running]:
+    metrics = TrainerMetrics()
+    config = TrainerConfig(host="127.0.0.1", port=0, slots=slots, metrics_port=metrics_port)
+    runner = JobRunner(
+        ProviderRegistry(providers),
+        SlotPool(slots),
+        RunnerSettings(heartbeat_s=heartbeat_s),
+        observer=metrics.jobs,
+    )
+    server, port = build_server(config, runner, metrics)
+    server.start()
+    assert server.ready.wait(WAIT)
+    running = Running(server, port, metrics)
+    try:
+        yield running
+    finally:
+        running.channel.close()
+        server.stop(None).wait(WAIT)
+        assert runner.wait_idle(WAIT)
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """GETs ``/metrics`` and parses it: (sample name, labels) -> value."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def sample(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def episodes_of(responses: list[trainer_service_pb2.TrainResponse]) -> list[episode_pb2.Episode]:
+    return [r.episode for r in responses if r.WhichOneof("event") == "episode"]
+
+
+# -- metrics over HTTP -------------------------------------------------------------------------
+
+
+def test_metrics_endpoint_counts_an_imitation_job() -> None:
+    with start_trainer(
+        {"imitation": "trainer_service.providers.imitation"}, slots=2, metrics_port=0
+    ) as running:
+        endpoint = running.server.metrics_endpoint
+        assert endpoint is not None and endpoint.port > 0
+        assert endpoint.url == f"http://127.0.0.1:{endpoint.port}/metrics"
+        before = scrape(endpoint.url)
+        assert sample(before, "trainwire_trainer_slots") == 2
+        assert sample(before, "trainwire_trainer_slots_busy") == 0
+
+        responses = list(
+            running.stub.Train(imitation_request("run-m", max_episodes=6), timeout=RPC_TIMEOUT)
+        )
+        episodes = episodes_of(responses)
+        assert len(episodes) == 6 and episodes[-1].done
+        caps = running.stub.GetCapabilities(
+            trainer_service_pb2.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT
+        )
+        assert caps.slots_free == 2
+
+        after = scrape(endpoint.url)
+        assert sample(after, "trainwire_trainer_episodes_sent_total", kind="imitation") == 6
+        assert sample(after, "trainwire_trainer_jobs_started_total", kind="imitation") == 1
+        ended = sample(after, "trainwire_trainer_jobs_ended_total", kind="imitation", outcome="ok")
+        assert ended == 1
+        assert sample(after, "grpc_server_started_total", **TRAIN) == 1
+        assert sample(after, "grpc_server_handled_total", **TRAIN, grpc_code="OK") == 1
+        assert sample(after, "grpc_server_handling_seconds_count", **TRAIN, grpc_code="OK") == 1
+        seconds = sample(after, "grpc_server_handling_seconds_sum", **TRAIN, grpc_code="OK")
+        assert seconds is not None and seconds > 0
+        assert sample(after, "grpc_server_handled_total", **CAPS, grpc_code="OK") == 1
+        assert sample(after, "trainwire_trainer_slots") == 2
+        assert sample(after, "trainwire_trainer_slots_busy") == 0
+        url = endpoint.url
+    # Stopping the trainer stops its metrics endpoint.
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=5)
+
+
+# -- codes, outcomes and counters, read from the registry --------------------------------------
+
+
+def test_refused_cancelled_and_expired_streams_have_their_codes() -> None:
+    fake = FakeProvider(hold_after=1)
+    with start_trainer({"imitation": fake}, slots=1) as running:
+        call = running.stub.Train(imitation_request("run-held"), timeout=RPC_TIMEOUT)
+        assert next(call).episode.episode == 1
+        assert running.value("trainwire_trainer_slots_busy") == 1
+
+        refused = running.stub.Train(imitation_request("run-refused"), timeout=RPC_TIMEOUT)
+        with pytest.raises(grpc.RpcError) as info:
+            list(refused)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Recorded before the status went out, so no wait.
+        assert (
+            running.value("grpc_server_handled_total", **TRAIN, grpc_code="RESOURCE_EXHAUSTED") == 1
+        )
+
+        call.cancel()
+        running.wait_value("grpc_server_handled_total", 1, **TRAIN, grpc_code="CANCELLED")
+        assert (
+            running.value(
+                "trainwire_trainer_jobs_ended_total", kind="imitation", outcome="cancelled"
+            )
+            == 1
+        )
+        assert running.runner.wait_idle(WAIT)
+        assert running.value("trainwire_trainer_slots_busy") == 0
+
+        expiring = running.stub.Train(imitation_request("run-deadline"), timeout=0.5)
+        with pytest.raises(grpc.RpcError) as info:
+            list(expiring)
+        assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        running.wait_value("grpc_server_handled_total", 1, **TRAIN, grpc_code="DEADLINE_EXCEEDED")
+        assert running.value("grpc_server_started_total", **TRAIN) == 3
+        # Only the two jobs that got a slot were started; one episode each went out.
+        assert running.value("trainwire_trainer_jobs_started_total", kind="imitation") == 2
+        assert running.value("trainwire_trainer_episodes_sent_total", kind="imitation") == 2
+
+
+def _skip_episode_two(episode: episode_pb2.Episode) -> episode_pb2.Episode:
+    if episode.episode >= 2:
+        episode.episode += 1
+    return episode
+
+
+def test_contract_violation_is_counted() -> None:
+    with start_trainer({"imitation": FakeProvider(tamper=_skip_episode_two)}) as running:
+        call = running.stub.Train(imitation_request("run-bad"), timeout=RPC_TIMEOUT)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() is grpc.StatusCode.INTERNAL
+        violations = running.value(
+            "trainwire_trainer_contract_violations_total", kind="imitation", rule="sequence"
+        )
+        assert violations == 1
+        outcome = {"kind": "imitation", "outcome": "contract_violation"}
+        assert running.value("trainwire_trainer_jobs_ended_total", **outcome) == 1
+        assert running.value("grpc_server_handled_total", **TRAIN, grpc_code="INTERNAL") == 1
+
+
+def test_failures_and_heartbeats_are_counted() -> None:
+    error = ProviderError("No model.", detail="x", code="NOT_FOUND", reason="NO_MODEL")
+    providers: dict[str, object] = {"imitation": FakeProvider(fail_at=2)}
+    for provider, code, outcome in (
+        (FakeProvider(fail_at=2), grpc.StatusCode.INTERNAL, "crash"),
+        (FakeProvider(fail_at=2, error=error), grpc.StatusCode.NOT_FOUND, "error"),
+    ):
+        providers["imitation"] = provider
+        with start_trainer(providers) as running:
+            with pytest.raises(grpc.RpcError) as info:
+                list(running.stub.Train(imitation_request("run-fail"), timeout=RPC_TIMEOUT))
+            assert info.value.code() is code
+            ended = {"kind": "imitation", "outcome": outcome}
+            assert running.value("trainwire_trainer_jobs_ended_total", **ended) == 1
+            assert running.value("grpc_server_handled_total", **TRAIN, grpc_code=code.name) == 1
+    with start_trainer({"imitation": FakeProvider(hold_after=1)}) as running:
+        call = running.stub.Train(imitation_request("run-down"), timeout=RPC_TIMEOUT)
+        assert next(call).episode.episode == 1
+        stopped = running.server.stop(WAIT)  # the grace lets the job end as "shutdown"
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert stopped.wait(WAIT)
+        ended = {"kind": "imitation", "outcome": "shutdown"}
+        assert running.value("trainwire_trainer_jobs_ended_total", **ended) == 1
+        assert running.value("grpc_server_handled_total", **TRAIN, grpc_code="UNAVAILABLE") == 1
+    with start_trainer({"imitation": FakeProvider(hold_after=0)}, heartbeat_s=0.02) as running:
+        call = running.stub.Train(imitation_request("run-beat"), timeout=RPC_TIMEOUT)
+        beats = [next(call) for _ in range(3)]
+        assert all(b.WhichOneof("event") == "heartbeat" for b in beats)
+        # The server counts a heartbeat once it is written and the next one is asked for.
+        assert running.value("trainwire_trainer_heartbeats_sent_total", kind="imitation") >= 2
+        call.cancel()
+
+
+# -- the interceptor on a toy service: aborts, exceptions, streams ----------------------------
+
+
+def _toy_handlers(release: threading.Event) -> grpc.GenericRpcHandler:
+    def ok(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return request
+
+    def abort(request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "no")
+        raise AssertionError("unreachable")
+
+    def crash(request: bytes, context: grpc.ServicerContext) -> bytes:
+        raise RuntimeError("boom")
+
+    def stream_abort(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield b"one"
+        context.abort(grpc.StatusCode.NOT_FOUND, "gone")
+
+    def stream_crash(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield b"one"
+        raise RuntimeError("boom")
+
+    def stream_set_code(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield b"one"
+        context.set_code(grpc.StatusCode.ABORTED)
+
+    def stream_forever(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        while not release.is_set():
+            yield b"tick"
+
+    unary: dict[str, Callable[..., Any]] = {"Ok": ok, "Abort": abort, "Crash": crash}
+    streams: dict[str, Callable[..., Any]] = {
+        "StreamAbort": stream_abort,
+        "StreamCrash": stream_crash,
+        "StreamSetCode": stream_set_code,
+        "StreamForever": stream_forever,
+    }
+    handlers = {name: grpc.unary_unary_rpc_method_handler(f) for name, f in unary.items()}
+    handlers |= {name: grpc.unary_stream_rpc_method_handler(f) for name, f in streams.items()}
+    return grpc.method_handlers_generic_handler("toy.v1.ToyService", handlers)
+
+
+def test_interceptor_codes_on_a_toy_service() -> None:
+    registry = CollectorRegistry()
+    metrics = RpcMetrics(registry)
+    release = threading.Event()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        interceptors=(MetricsServerInterceptor(metrics),),
+    )
+    server.add_generic_rpc_handlers((_toy_handlers(release),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    def handled(method: str, code: str, kind: str) -> float | None:
+        labels = {"grpc_type": kind, "grpc_service": "toy.v1.ToyService", "grpc_method": method}
+        return registry.get_sample_value("grpc_server_handled_total", {**labels, "grpc_code": code})
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            expected = {
+                "Ok": grpc.StatusCode.OK,
+                "Abort": grpc.StatusCode.PERMISSION_DENIED,
+                "Crash": grpc.StatusCode.UNKNOWN,
+            }
+            for method, code in expected.items():
+                call = channel.unary_unary(f"/toy.v1.ToyService/{method}")
+                if code is grpc.StatusCode.OK:
+                    assert call(b"x", timeout=RPC_TIMEOUT) == b"x"
+                else:
+                    with pytest.raises(grpc.RpcError) as info:
+                        call(b"x", timeout=RPC_TIMEOUT)
+                    assert info.value.code() is code
+                assert handled(method, code.name, "unary") == 1
+            streams = {
+                "StreamAbort": grpc.StatusCode.NOT_FOUND,
+                "StreamCrash": grpc.StatusCode.UNKNOWN,
+                "StreamSetCode": grpc.StatusCode.ABORTED,
+            }
+            for method, code in streams.items():
+                stream = channel.unary_stream(f"/toy.v1.ToyService/{method}")(
+                    b"x", timeout=RPC_TIMEOUT
+                )
+                assert next(stream) == b"one"
+                with pytest.raises(grpc.RpcError) as info:
+                    next(stream)
+                assert info.value.code() is code
+                assert handled(method, code.name, "server_stream") == 1
+            forever = channel.unary_stream("/toy.v1.ToyService/StreamForever")(
+                b"x", timeout=RPC_TIMEOUT
+            )
+            assert next(forever) == b"tick"
+            forever.cancel()
+            deadline = time.monotonic() + WAIT
+            while handled("StreamForever", "CANCELLED", "server_stream") != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        ok = {"grpc_type": "unary", "grpc_service": "toy.v1.ToyService", "grpc_method": "Ok"}
+        assert registry.get_sample_value("grpc_server_started_total", ok) == 1
+    finally:
+        release.set()
+        server.stop(None).wait(WAIT)
+
+
+def test_final_code_rules() -> None:
+    assert final_code(None) == "OK"
+    assert final_code(None, error=RuntimeError()) == "UNKNOWN"
+    assert final_code(grpc.StatusCode.NOT_FOUND, error=Exception()) == "NOT_FOUND"
+    assert final_code(5) == "NOT_FOUND"  # a raw integer code
+    assert final_code(grpc.StatusCode.OK, cancelled=True) == "CANCELLED"
+    assert final_code(None, cancelled=True, deadline_passed=True) == "DEADLINE_EXCEEDED"
+
+
+# -- the command line: flags, JSON logs, the metrics line ---------------------------------------
+
+
+def test_ops_flags_are_parsed_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    config = parse_args(["--metrics-port", "0", "--log-format", "json", "--log-level", "debug"])
+    assert (config.metrics_port, config.log_format, config.log_level) == (0, "json", "debug")
+    assert parse_args([]).metrics_port is None
+    assert parse_args([]).log_format == "text"
+    for argv in (["--log-format", "xml"], ["--metrics-port", "70000"], ["--log-level", "loud"]):
+        with pytest.raises(SystemExit) as info:
+            parse_args(argv)
+        assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "xml" in err and "metrics port 70000" in err and "loud" in err
+
+
+def _lines(stream: Any) -> queue.Queue[str]:
+    """Reads ``stream`` line by line in a thread, so waiting for a line can time out."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def test_cli_json_logs_and_metrics(tmp_path: pathlib.Path) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "trainer_service", "--port", "0", "--metrics-port", "0"),
+            *("--log-format", "json", "--device", "cpu", "--data-root", str(tmp_path)),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        stdout = _lines(proc.stdout)
+        listening = stdout.get(timeout=60).strip()
+        assert listening.startswith("trainer listening on 127.0.0.1:"), listening
+        metrics_line = stdout.get(timeout=WAIT).strip()
+        match = re.fullmatch(r"trainer metrics on (http://127\.0\.0\.1:\d+/metrics)", metrics_line)
+        assert match, metrics_line
+        port = int(listening.rsplit(":", 1)[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
+            responses = list(stub.Train(imitation_request("run-json", max_episodes=20), timeout=60))
+        assert len(episodes_of(responses)) == 20
+        samples = scrape(match.group(1))
+        assert sample(samples, "trainwire_trainer_episodes_sent_total", kind="imitation") == 20
+        assert sample(samples, "grpc_server_handled_total", **TRAIN, grpc_code="OK") == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        records = [json.loads(line) for line in proc.stderr.read().splitlines() if line.strip()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=WAIT)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    assert records, "no log lines"
+    for record in records:
+        assert {"time", "level", "logger", "message"} <= record.keys(), record
+        assert RFC3339_UTC.match(record["time"]), record["time"]
+    about_run = [r for r in records if "run-json" in r["message"] and r["level"] == "INFO"]
+    started = [r for r in about_run if "job started" in r["message"]]
+    finished = [r for r in about_run if "job finished at episode 20" in r["message"]]
+    assert len(started) == 1 and started[0]["run_id"] == "run-json"
+    assert started[0]["logger"] == "trainer_service.core.jobs"
+    assert len(finished) == 1 and finished[0]["run_id"] == "run-json"
+    assert finished[0]["outcome"] == "ok"
+    # Lifecycle lines only: nothing per episode at INFO (20 episodes went out).
+    assert len(about_run) <= 3, [r["message"] for r in about_run]
+    assert any(r["message"] == "trainer stopped" for r in records)
