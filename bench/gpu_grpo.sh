@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# GPU benchmark: a few GRPO steps of the grpo provider on CUDA with bf16 on the offline tiny VLM;
+# prints the step time. Run from anywhere on a GPU machine holding a copy of the repo:
+#
+#   bash bench/gpu_grpo.sh [STEPS]            # default 8 steps
+#   BENCH_DEVICE=cpu bash bench/gpu_grpo.sh 2 # dry run of the same path without a GPU
+#
+# Python selection (first that imports torch with CUDA and trl):
+#   $PYTHON, .venv/bin/python, .venv-gpu/bin/python, python3.
+# If none qualifies, it creates .venv-gpu (with --system-site-packages, so a preinstalled CUDA
+# torch is reused) and installs what is missing OFFLINE from a wheel folder: $WHEELS_DIR, else
+# ./wheels, else ./bench/wheels (pip install --no-index --find-links). Fill that folder on a
+# connected machine with, e.g.:
+#   pip download -d wheels -c constraints.txt torch trl transformers accelerate datasets \
+#       pillow tokenizers numpy protobuf grpcio googleapis-common-protos safetensors
+# The repo's packages are used from source (PYTHONPATH), nothing of it is installed.
+set -euo pipefail
+
+STEPS="${1:-8}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$REPO/clients:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+export BENCH_DEVICE="${BENCH_DEVICE:-cuda:0}"
+CHECK='import os, torch, trl, transformers, datasets, PIL, google.protobuf, google.rpc.error_details_pb2
+assert os.environ["BENCH_DEVICE"] == "cpu" or torch.cuda.is_available()'
+
+usable() { [ -n "$1" ] && [ -x "$(command -v "$1" 2>/dev/null || echo "$1")" ] && "$1" -c "$CHECK" >/dev/null 2>&1; }
+
+PY=""
+for candidate in "${PYTHON:-}" .venv/bin/python .venv-gpu/bin/python python3; do
+    if usable "$candidate"; then PY="$candidate"; break; fi
+done
+
+if [ -z "$PY" ]; then
+    WHEELS="${WHEELS_DIR:-}"
+    for dir in "$WHEELS" wheels bench/wheels; do
+        if [ -n "$dir" ] && [ -d "$dir" ]; then WHEELS="$dir"; break; fi
+    done
+    BASE_PY="$(command -v python3.11 || command -v python3)"
+    echo "no Python with CUDA torch + trl found; creating .venv-gpu from $BASE_PY" >&2
+    [ -x .venv-gpu/bin/python ] || "$BASE_PY" -m venv --system-site-packages .venv-gpu
+    if [ -n "$WHEELS" ] && [ -d "$WHEELS" ]; then
+        echo "installing from wheels in $WHEELS (offline)" >&2
+        PKGS=(trl transformers accelerate datasets pillow tokenizers numpy protobuf grpcio
+              googleapis-common-protos safetensors)
+        # Keep a preinstalled CUDA torch; install torch only when there is none.
+        .venv-gpu/bin/python -c 'import torch' 2>/dev/null || PKGS=(torch "${PKGS[@]}")
+        CONSTRAINTS=()
+        [ -f constraints.txt ] && CONSTRAINTS=(-c constraints.txt)
+        .venv-gpu/bin/python -m pip install --quiet --no-index --find-links "$WHEELS" \
+            "${CONSTRAINTS[@]}" "${PKGS[@]}"
+    else
+        echo "no wheel folder (set WHEELS_DIR); trying with what the system has" >&2
+    fi
+    PY=.venv-gpu/bin/python
+    if ! "$PY" -c "$CHECK"; then
+        echo "FAILED: $PY cannot import torch with CUDA, trl, transformers and datasets" >&2
+        exit 2
+    fi
+fi
+
+echo "python: $PY"
+# Run from a real file: DataLoader workers (fork server) re-import the main module by path,
+# which a script read from stdin does not have.
+RUNNER="$(mktemp -t gpu_grpo_XXXXXX.py)"
+trap 'rm -f "$RUNNER"' EXIT
+cat > "$RUNNER" <<'PYEOF'
+import pathlib
+import statistics
+import sys
+import tempfile
+import threading
+import os
+import time
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+import torch
+import transformers
+from trainwire.contract import StreamChecker
+from trainwire.v1 import episode_pb2
+
+from trainer_service.core.provider import TrainJob
+from trainer_service.providers.grpo import provider, validate
+from trainer_service.tools import make_demo_dataset, make_tiny_vlm
+
+
+
+def main() -> None:
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    steps = int(sys.argv[1])
+    device = os.environ["BENCH_DEVICE"]
+    cuda = device.startswith("cuda")
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    gpu = torch.cuda.get_device_name(0) if cuda else "none (dry run on CPU)"
+    print(f"torch {torch.__version__}, cuda {torch.version.cuda}, device {device}: {gpu}, bf16: {bf16}")
+    with tempfile.TemporaryDirectory(prefix="gpu-grpo-") as tmp:
+        root = pathlib.Path(tmp)
+        make_tiny_vlm.build(root / "model")
+        make_demo_dataset.build(root / "data", rows=64, size=(640, 480))
+        task = episode_pb2.TrainTask(
+            grpo=episode_pb2.GrpoTask(
+                model_path="model",
+                dataset_path="data/train.jsonl",
+                reward_functions=["exact_match", "format", "length"],
+                num_generations=8,
+                batch_size=16,
+                max_completion_length=32,
+                dataloader_num_workers=2,
+            )
+        )
+        assert validate(task, root) == []
+        config = episode_pb2.TrainConfig(max_episodes=steps, seed=1)
+        job = TrainJob("gpu-bench", task, config, device, root, None, threading.Event())
+        checker = StreamChecker.for_task(task, config, job.run_id)
+        walls, step_times = [], []
+        last = time.perf_counter()
+        for episode in provider.run(job):
+            now = time.perf_counter()
+            checker.check(episode)
+            walls.append(now - last)
+            last = now
+            step_times.append(episode.metrics.get("step_time", float("nan")))
+            print(f"step {episode.episode:3d}  reward {episode.reward:+.3f}  "
+                  f"step_time {step_times[-1] * 1000:8.1f} ms  wall {walls[-1] * 1000:8.1f} ms")
+        checker.finish()
+        steady = step_times[1:] or step_times
+        print(f"RESULT device={device} bf16={bf16} steps={steps} "
+              f"median_step_time_ms={statistics.median(steady) * 1000:.1f} "
+              f"median_wall_ms={statistics.median(walls[1:] or walls) * 1000:.1f} "
+              f"first_step_wall_ms={walls[0] * 1000:.1f}")
+
+
+# DataLoader workers start from a fork server and re-import this file: guard the entry point.
+if __name__ == "__main__":
+    main()
+PYEOF
+"$PY" "$RUNNER" "$STEPS"

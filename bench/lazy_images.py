@@ -1,0 +1,333 @@
+"""Benchmark: the lazy image dataset against the materialized path, and the GRPO streaming cost.
+
+Prints, side by side in one run (``python bench/lazy_images.py``):
+
+1. time to first batch, materialized (``datasets.Dataset.from_list`` of decoded images, which
+   re-encodes every image into Arrow) vs lazy (index table + ``with_transform``), for N images
+   of 640x480 and extrapolated linearly to 46k images;
+2. loader throughput (images/s) with 0, 1 and 2 DataLoader workers vs a plain PIL decode loop;
+3. disk cache: per-image time on a miss vs a hit (and without a cache);
+4. decodes per unique row over GRPO-style batches (``RepeatSampler``), without and with the memo;
+5. GRPO step time on the tiny VLM with the streaming callback vs plain TRL (target < 2 %).
+
+Everything runs on CPU with one torch thread; images and the tiny model are generated into a
+temp dir. ``--rows`` trades precision for time (default 400, about 1-2 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import datasets
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from trainer_service.providers.grpo.lazy_images import LazyImageDataset, RowTransform
+from trainer_service.tools import make_demo_dataset, make_tiny_vlm
+
+FULL_SET = 46_000
+BATCH = 8
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def _identity(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+def first_batch(jsonl: pathlib.Path, root: pathlib.Path) -> tuple[float, float, float]:
+    """Seconds from reading the JSONL to holding the first batch.
+
+    Returns:
+        (materialized, lazy set-up, lazy first batch): the lazy set-up (parse rows, resolve
+        paths, build the index table) grows with the row count; the first batch does not.
+    """
+
+    def materialized() -> Any:
+        lazy = LazyImageDataset.from_jsonl(jsonl, data_root=root)
+        rows = [lazy[i] for i in range(len(lazy))]  # decode everything up front
+        table = datasets.Dataset.from_list(rows)  # re-encodes every image into Arrow
+        return next(iter(DataLoader(table, batch_size=BATCH, collate_fn=_identity)))
+
+    def lazy_setup() -> Any:
+        data = LazyImageDataset.from_jsonl(jsonl, data_root=root)
+        return datasets.Dataset.from_dict({"_i": list(range(len(data)))}).with_transform(
+            RowTransform(data)
+        )
+
+    t_mat, batch_mat = _timed(materialized)
+    t_setup, table = _timed(lazy_setup)
+    t_batch, batch_lazy = _timed(
+        lambda: next(iter(DataLoader(table, batch_size=BATCH, collate_fn=_identity)))
+    )
+    assert batch_mat[0]["image"].tobytes() == batch_lazy[0]["image"].tobytes()
+    return t_mat, t_setup, t_batch
+
+
+def loader_rate(
+    jsonl: pathlib.Path, root: pathlib.Path, workers: int, limit: int | None = None
+) -> float:
+    """Images/s through DataLoader(with_transform) with ``workers`` processes.
+
+    Workers start the way the provider starts them (a preloaded fork server), start-up included.
+    """
+    from trainer_service.providers.grpo.provider import worker_start_method
+
+    data = LazyImageDataset.from_jsonl(jsonl, data_root=root)
+    table = datasets.Dataset.from_dict({"_i": list(range(limit or len(data)))}).with_transform(
+        RowTransform(data)
+    )
+    loader = DataLoader(
+        table,
+        batch_size=BATCH,
+        num_workers=workers,
+        collate_fn=_identity,
+        multiprocessing_context=worker_start_method() if workers else None,
+    )
+    start = time.perf_counter()
+    count = sum(len(batch) for batch in loader)  # includes worker start-up, as training does
+    return count / (time.perf_counter() - start)
+
+
+def plain_rate(paths: list[pathlib.Path]) -> float:
+    """Images/s of ``Image.open(p).convert("RGB")`` in a loop."""
+    start = time.perf_counter()
+    for path in paths:
+        with Image.open(path) as image:
+            image.convert("RGB")
+    return len(paths) / (time.perf_counter() - start)
+
+
+def cache_times(jsonl: pathlib.Path, root: pathlib.Path, rows: int) -> tuple[float, float, float]:
+    """Per-image ms: no cache, cache miss (cold), cache hit (warm)."""
+    with tempfile.TemporaryDirectory() as cache:
+        out = []
+        for cache_dir in (None, pathlib.Path(cache), pathlib.Path(cache)):
+            data = LazyImageDataset.from_jsonl(jsonl, data_root=root, cache_dir=cache_dir)
+            elapsed, _ = _timed(lambda d=data: [d[i] for i in range(rows)])
+            out.append(elapsed / rows * 1000)
+        return out[0], out[1], out[2]
+
+
+def decodes_per_row(jsonl: pathlib.Path, root: pathlib.Path, memo_rows: int) -> float:
+    """Decodes per unique row over 10 GRPO steps (G=4, 2 prompts per step)."""
+    from trl.trainer.utils import RepeatSampler
+
+    generations, prompts = 4, 2
+    data = LazyImageDataset.from_jsonl(jsonl, data_root=root, memo_rows=memo_rows)
+    transform = RowTransform(data)
+    sampler = RepeatSampler(data, mini_repeat_count=generations, batch_size=prompts, seed=0)
+    indices = list(sampler)[: 10 * generations * prompts]
+    step = generations * prompts
+    for start in range(0, len(indices), step):
+        transform({"_i": indices[start : start + step]})
+    return data.stats.decodes_per_unique_row()
+
+
+def grpo_step_times(root: pathlib.Path, steps: int, repeats: int) -> dict[str, Any]:
+    """Step time of plain TRL vs TRL + streaming callback, alternating runs.
+
+    Per run the median TRL ``step_time``; across runs the minimum (the run least disturbed by
+    other load on a shared box). The callback's own time is measured directly as well.
+    """
+    from trainer_service.core.provider import EpisodeCounter, TrainJob
+    from trainer_service.providers.grpo import provider
+    from trainer_service.providers.grpo.callback import EpisodeHandoff, StreamingCallback, _End
+    from trainer_service.providers.grpo.rewards import CompletionTap
+    from trainwire.v1 import episode_pb2
+
+    task = episode_pb2.TrainTask(
+        grpo=episode_pb2.GrpoTask(
+            model_path="model",
+            dataset_path="small/train.jsonl",
+            reward_functions=["exact_match", "format", "length"],
+            num_generations=4,
+            max_completion_length=16,
+            dataloader_num_workers=0,
+        )
+    )
+    job = TrainJob(
+        run_id="bench",
+        task=task,
+        config=episode_pb2.TrainConfig(max_episodes=steps, seed=1),
+        device="cpu",
+        data_root=root,
+        image_cache_dir=None,
+        stop_event=threading.Event(),
+    )
+    results: dict[str, list[float]] = {"plain": [], "streaming": []}
+    callback_s: list[float] = []
+    for _ in range(repeats):
+        for mode in ("plain", "streaming"):
+            with tempfile.TemporaryDirectory() as scratch:
+                if mode == "plain":
+                    trainer = provider.build_trainer(job, output_dir=scratch)
+                    trainer.train()
+                else:
+                    counter = EpisodeCounter(steps)
+                    handoff = EpisodeHandoff()
+                    tap = CompletionTap()
+                    callback = _TimedCallback(counter, handoff, job.stop_event, tap)
+                    trainer = provider.build_trainer(job, [callback], output_dir=scratch, tap=tap)
+                    consumer = threading.Thread(target=_consume, args=(handoff,))
+                    consumer.start()
+                    trainer.train()
+                    handoff.finish()
+                    consumer.join()
+                    callback_s.append(callback.spent / steps)
+                times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
+                results[mode].append(statistics.median(times[1:]))  # first step warms up
+    del StreamingCallback, _End
+    plain = min(results["plain"])
+    streaming = min(results["streaming"])
+    return {
+        "plain_ms": plain * 1000,
+        "streaming_ms": streaming * 1000,
+        "overhead_pct": (streaming - plain) / plain * 100,
+        "callback_us": statistics.median(callback_s) * 1e6,
+        "callback_pct": statistics.median(callback_s) / plain * 100,
+    }
+
+
+def _consume(handoff: Any) -> None:
+    from trainer_service.providers.grpo.callback import _End
+
+    while not isinstance(handoff.get(), _End):
+        pass
+
+
+def _make_timed_callback() -> type:
+    from trainer_service.providers.grpo.callback import StreamingCallback
+
+    class TimedCallback(StreamingCallback):
+        """The streaming callback, timing its own work (on_step_end + on_log)."""
+
+        spent = 0.0
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return super().on_step_end(*args, **kwargs)
+            finally:
+                self.spent += time.perf_counter() - start
+
+        def on_log(self, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return super().on_log(*args, **kwargs)
+            finally:
+                self.spent += time.perf_counter() - start
+
+    return TimedCallback
+
+
+_TimedCallback: Any = None
+
+
+def main() -> int:
+    global _TimedCallback
+    parser = argparse.ArgumentParser(description="lazy image dataset benchmark")
+    parser.add_argument("--rows", type=int, default=400, help="images (640x480) to generate")
+    parser.add_argument("--grpo-steps", type=int, default=10, help="GRPO steps per run")
+    parser.add_argument("--grpo-repeats", type=int, default=5, help="alternating run pairs")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    _TimedCallback = _make_timed_callback()
+    import logging
+
+    logging.disable(logging.WARNING)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+    with tempfile.TemporaryDirectory(prefix="bench-lazy-") as tmp:
+        root = pathlib.Path(tmp)
+        gen_s, jsonl = _timed(
+            lambda: make_demo_dataset.build(root / "big", rows=args.rows, size=(640, 480))
+        )
+        paths = sorted((root / "big" / "images").glob("*.png"))
+        size_mb = sum(p.stat().st_size for p in paths) / 2**20
+        print(
+            f"dataset: {args.rows} PNG images 640x480, {size_mb:.0f} MiB "
+            f"(generated in {gen_s:.1f} s)"
+        )
+        print(f"cpu: {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
+
+        t_mat, t_setup, t_batch = first_batch(jsonl, root)
+        t_lazy = t_setup + t_batch
+        scale = FULL_SET / args.rows
+        full_lazy = t_setup * scale + t_batch  # set-up grows with rows; one batch does not
+        print("\n1. time to first batch (batch of 8)")
+        print(f"   {'':24}{args.rows:>9} images{FULL_SET:>9} images (extrapolated)")
+        print(f"   {'materialized (Arrow)':24}{t_mat:>14.2f} s{t_mat * scale / 3600:>12.2f} h")
+        print(f"   {'lazy (index+transform)':24}{t_lazy:>14.3f} s{full_lazy:>12.2f} s")
+        print(f"   {'speed-up':24}{t_mat / t_lazy:>14,.0f}x{t_mat * scale / full_lazy:>12,.0f}x")
+
+        # The fork server starts once per trainer process (it imports torch); keep that one-off
+        # cost out of the per-run figures below and report it on its own.
+        server_s, _ = _timed(lambda: loader_rate(jsonl, root, 1, limit=BATCH))
+        plain = plain_rate(paths)
+        rates = {w: loader_rate(jsonl, root, w) for w in (0, 1, 2)}
+        print("\n2. loader throughput (images/s, incl. worker start-up)")
+        print(f"   {'plain PIL decode loop':24}{plain:>8.0f}   1.00x")
+        for w, rate in rates.items():
+            print(f"   {f'DataLoader {w} worker(s)':24}{rate:>8.0f}   {rate / plain:.2f}x")
+        print(f"   (one-off fork-server start with torch preloaded: {server_s:.1f} s)")
+
+        cache_rows = min(args.rows, 100)
+        none_ms, miss_ms, hit_ms = cache_times(jsonl, root, cache_rows)
+        print(f"\n3. disk cache (ms per image, {cache_rows} images)")
+        print(f"   {'no cache':24}{none_ms:>8.2f}")
+        print(f"   {'cache miss (cold)':24}{miss_ms:>8.2f}   {miss_ms / none_ms:.2f}x of no cache")
+        print(f"   {'cache hit (warm)':24}{hit_ms:>8.2f}   {hit_ms / none_ms:.2f}x of no cache")
+
+        without, with_memo = decodes_per_row(jsonl, root, 0), decodes_per_row(jsonl, root, 2)
+        print("\n4. decodes per unique row (10 GRPO steps, num_generations=4)")
+        print(f"   {'without memo':24}{without:>8.2f}")
+        print(f"   {'with memo':24}{with_memo:>8.2f}   {without / with_memo:.1f}x fewer decodes")
+
+        make_tiny_vlm.build(root / "model")
+        make_demo_dataset.build(root / "small", rows=16)
+        grpo = grpo_step_times(root, args.grpo_steps, args.grpo_repeats)
+        print(
+            f"\n5. GRPO step time, tiny VLM on CPU (best of {args.grpo_repeats} runs of the "
+            f"median TRL step_time over {args.grpo_steps} steps)"
+        )
+        print(f"   {'plain TRL':24}{grpo['plain_ms']:>8.1f} ms")
+        print(
+            f"   {'with streaming callback':24}{grpo['streaming_ms']:>8.1f} ms   "
+            f"{grpo['overhead_pct']:+.1f} % (run-to-run noise included)"
+        )
+        print(
+            f"   {'callback own time':24}{grpo['callback_us']:>8.0f} us   "
+            f"{grpo['callback_pct']:.2f} % of a step (target < 2 %)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Shared GRPO test fixtures: a data root holding the offline tiny VLM and a generated dataset.
+
+Import the fixtures into a test module (``from tests.grpo_fixtures import grpo_data_root``) and
+build tasks with :func:`tiny_grpo_task`. The model and dataset are built once per session.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from trainwire.v1 import episode_pb2
+
+#: Where the fixtures put things under the data root.
+MODEL_DIR = "models/tiny-vlm"
+DATASET_FILE = "datasets/demo/train.jsonl"
+DATASET_ROWS = 8
+
+
+def tiny_grpo_task(
+    model_path: str = MODEL_DIR,
+    dataset_path: str = DATASET_FILE,
+    *,
+    workers: int | None = 2,
+    num_generations: int = 2,
+    max_completion_length: int = 8,
+    reward_functions: tuple[str, ...] = ("exact_match", "format", "length"),
+    **fields: object,
+) -> episode_pb2.TrainTask:
+    """A ``TrainTask`` running GRPO on the fixtures' tiny VLM: cheap enough for CPU tests.
+
+    ``length`` is among the rewards because an untrained model's completions vary in length,
+    so the reward stream is not constant (exact_match and format are 0 for random bytes).
+
+    Args:
+        model_path: Model directory relative to the data root.
+        dataset_path: Dataset file relative to the data root.
+        workers: ``dataloader_num_workers`` (``None`` leaves it unset: the default 2).
+        num_generations: Completions per prompt.
+        max_completion_length: Token limit per completion.
+        reward_functions: Reward function names.
+        **fields: Any other ``GrpoTask`` field.
+    """
+    grpo = episode_pb2.GrpoTask(
+        model_path=model_path,
+        dataset_path=dataset_path,
+        reward_functions=list(reward_functions),
+        num_generations=num_generations,
+        max_completion_length=max_completion_length,
+        **fields,  # type: ignore[arg-type]
+    )
+    if workers is not None:
+        grpo.dataloader_num_workers = workers
+    return episode_pb2.TrainTask(grpo=grpo)
+
+
+# Each module importing the fixture gets its own FixtureDef (conftest.py is not ours to extend),
+# so the build is cached here: once per session (keyed by the session's tmp_path_factory).
+_BUILT: dict[int, pathlib.Path] = {}
+_BUILD_LOCK = threading.Lock()
+
+
+@pytest.fixture(scope="session")
+def grpo_data_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A trainer data root with the tiny VLM at MODEL_DIR and the demo dataset at DATASET_FILE."""
+    from trainer_service.tools import make_demo_dataset, make_tiny_vlm
+
+    with _BUILD_LOCK:
+        root = _BUILT.get(id(tmp_path_factory))
+        if root is None:
+            root = tmp_path_factory.mktemp("grpo-data-root")
+            make_tiny_vlm.build(root / MODEL_DIR)
+            make_demo_dataset.build((root / DATASET_FILE).parent, rows=DATASET_ROWS)
+            _BUILT[id(tmp_path_factory)] = root
+        return root
+
+
+def make_job(
+    data_root: pathlib.Path,
+    task: episode_pb2.TrainTask,
+    *,
+    max_episodes: int = 3,
+    seed: int = 7,
+    run_id: str = "run-grpo-test",
+    image_cache_dir: pathlib.Path | None = None,
+    stop_event: threading.Event | None = None,
+    set_phase: Callable[[str], None] | None = None,
+) -> object:
+    """A ``TrainJob`` for the grpo provider on CPU."""
+    from trainer_service.core.provider import TrainJob
+
+    return TrainJob(
+        run_id=run_id,
+        task=task,
+        config=episode_pb2.TrainConfig(max_episodes=max_episodes, seed=seed),
+        device="cpu",
+        data_root=data_root,
+        image_cache_dir=image_cache_dir,
+        stop_event=stop_event or threading.Event(),
+        set_phase=set_phase or (lambda phase: None),
+    )

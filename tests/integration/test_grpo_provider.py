@@ -1,0 +1,112 @@
+"""The grpo provider on the real GRPOTrainer with the offline tiny VLM (CPU, a few tiny steps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from typing import Any
+
+import pytest
+
+from tests.grpo_fixtures import (
+    DATASET_FILE,
+    MODEL_DIR,
+    grpo_data_root,
+    make_job,
+    tiny_grpo_task,
+)
+from trainer_service.core.provider import ProviderError
+from trainer_service.providers.grpo import provider
+from trainwire.contract import StreamChecker
+
+__all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
+
+
+def _stream(job: Any) -> list[tuple[float, tuple[str, ...]]]:
+    checker = StreamChecker.for_task(job.task, job.config, job.run_id)
+    out = []
+    for episode in provider.run(job):
+        checker.check(episode)
+        out.append((episode.reward, tuple(episode.grpo.sample_completions)))
+    checker.finish()
+    return out
+
+
+def test_same_seed_same_reward_stream_with_0_and_2_workers(grpo_data_root: pathlib.Path) -> None:
+    inline = _stream(make_job(grpo_data_root, tiny_grpo_task(workers=0), max_episodes=3, seed=11))
+    workers = _stream(make_job(grpo_data_root, tiny_grpo_task(workers=2), max_episodes=3, seed=11))
+    assert len(inline) == 3
+    assert all(completions for _, completions in inline)
+    # Same rewards and the very same sampled completions: an untrained model emits random bytes,
+    # so equal completions mean equal index streams, equal images and equal sampling RNG.
+    assert workers == inline
+
+
+def test_decoding_runs_in_worker_processes_once_per_row(
+    grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    job = make_job(grpo_data_root, tiny_grpo_task(workers=2, num_generations=4), seed=3)
+    trainer = provider.build_trainer(job, output_dir=str(tmp_path), provenance_key="_decode")
+    batches = iter(trainer.get_train_dataloader())
+    try:
+        rows = [row for _ in range(2) for row in next(batches)]
+    finally:
+        del batches  # shuts the persistent workers down
+    pids = {row["_decode"]["pid"] for row in rows}
+    assert os.getpid() not in pids
+    assert len(pids) == 2  # consecutive batches come from the two workers
+    # Each batch holds every prompt num_generations times, yet each row was decoded once.
+    assert {row["_decode"]["decodes"] for row in rows} == {1}
+    assert all(row["image"].mode == "RGB" for row in rows)
+
+
+def test_model_and_dataset_problems_are_plain_provider_errors(
+    grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    def build(task: Any) -> None:
+        provider.build_trainer(make_job(grpo_data_root, task), output_dir=str(tmp_path))
+
+    with pytest.raises(
+        ProviderError, match="model directory 'models/absent' was not found"
+    ) as info:
+        build(tiny_grpo_task(model_path="models/absent"))
+    assert str(grpo_data_root) not in info.value.user_message
+    with pytest.raises(ProviderError, match=r"dataset file 'absent\.jsonl' was not found"):
+        build(tiny_grpo_task(dataset_path="absent.jsonl"))
+
+    broken = grpo_data_root / "models" / "broken"
+    shutil.copytree(grpo_data_root / MODEL_DIR, broken, dirs_exist_ok=True)
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ProviderError, match="could not be loaded") as info:
+        build(tiny_grpo_task(model_path="models/broken"))
+    assert info.value.reason == "MODEL_UNLOADABLE"
+
+    rows = (grpo_data_root / DATASET_FILE).read_text().splitlines()
+    bad = json.loads(rows[3])
+    bad["image_paths"] = ["../../../etc/passwd"]
+    escaping = grpo_data_root / "datasets" / "demo" / "escaping.jsonl"
+    escaping.write_text("\n".join([*rows[:3], json.dumps(bad)]) + "\n")
+    with pytest.raises(ProviderError, match="row 3"):
+        build(tiny_grpo_task(dataset_path="datasets/demo/escaping.jsonl"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_unreadable_image_fails_the_run_naming_the_row(
+    grpo_data_root: pathlib.Path, workers: int
+) -> None:
+    demo = grpo_data_root / "datasets" / "demo"
+    broken = demo / "broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "bad.png").write_bytes(b"not a png at all")
+    rows = [json.loads(line) for line in (demo / "train.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["image_paths"] = ["broken/bad.png"]
+    (demo / "broken.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    task = tiny_grpo_task(dataset_path="datasets/demo/broken.jsonl", workers=workers)
+    with pytest.raises(ProviderError) as info:
+        list(provider.run(make_job(grpo_data_root, task, max_episodes=2)))
+    message = info.value.user_message
+    assert message.startswith("Dataset row ") and "bad.png could not be read" in message
+    assert "Traceback" not in message and str(grpo_data_root) not in message

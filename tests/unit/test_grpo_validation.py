@@ -1,0 +1,69 @@
+"""Request-time validation of GRPO tasks against the trainer's data root."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from tests.grpo_fixtures import tiny_grpo_task
+from trainer_service.providers.grpo import validate
+from trainwire.v1 import episode_pb2
+
+
+@pytest.fixture
+def root(tmp_path: pathlib.Path) -> pathlib.Path:
+    data_root = tmp_path / "root"
+    (data_root / "models" / "m").mkdir(parents=True)
+    (data_root / "data").mkdir()
+    (data_root / "data" / "train.jsonl").write_text("{}\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "evil.jsonl").write_text("{}\n")
+    (data_root / "data" / "escape.jsonl").symlink_to(outside / "evil.jsonl")
+    (data_root / "escape_dir").symlink_to(outside)
+    (data_root / "inside.jsonl").symlink_to(data_root / "data" / "train.jsonl")
+    return data_root
+
+
+def _fields(violations: list) -> list[str]:
+    return [v.field for v in violations]
+
+
+def test_valid_task_passes(root: pathlib.Path) -> None:
+    assert validate(tiny_grpo_task("models/m", "data/train.jsonl"), root) == []
+    assert validate(tiny_grpo_task("models/m", "inside.jsonl"), root) == []
+    # A path that does not exist yet is not a request error (the job reports it when loading).
+    assert validate(tiny_grpo_task("models/later", "data/later.jsonl"), root) == []
+
+
+@pytest.mark.parametrize(
+    ("model", "dataset", "field"),
+    [
+        ("/etc", "data/train.jsonl", "task.grpo.model_path"),
+        ("models/../../x", "data/train.jsonl", "task.grpo.model_path"),
+        ("escape_dir", "data/train.jsonl", "task.grpo.model_path"),
+        ("models/m", "data/escape.jsonl", "task.grpo.dataset_path"),
+        ("models/m", "escape_dir/evil.jsonl", "task.grpo.dataset_path"),
+        ("models/m", "C:\\data.jsonl", "task.grpo.dataset_path"),
+        ("models/m", "", "task.grpo.dataset_path"),
+    ],
+)
+def test_paths_escaping_the_root(root: pathlib.Path, model: str, dataset: str, field: str) -> None:
+    violations = validate(tiny_grpo_task(model, dataset), root)
+    assert _fields(violations) == [field]
+    assert "data root" in violations[0].description
+
+
+def test_unknown_and_repeated_reward_names(root: pathlib.Path) -> None:
+    task = tiny_grpo_task(
+        "models/m", "data/train.jsonl", reward_functions=("format", "bleu", "format")
+    )
+    violations = validate(task, root)
+    assert _fields(violations) == ["task.grpo.reward_functions[1]", "task.grpo.reward_functions[2]"]
+    assert "bleu" in violations[0].description and "exact_match" in violations[0].description
+
+
+def test_wrong_kind(root: pathlib.Path) -> None:
+    task = episode_pb2.TrainTask(imitation=episode_pb2.ImitationTask(rig_name="stickman"))
+    assert _fields(validate(task, root)) == ["task.grpo"]

@@ -1,0 +1,1 @@
+"""Command-line tools: the offline tiny VLM and the demo dataset makers."""
