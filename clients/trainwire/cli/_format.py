@@ -1,0 +1,190 @@
+"""Plain-text and JSON rendering of runs and errors for the ``trainwire`` CLI (no rich needed)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from google.protobuf import json_format, message
+
+from trainwire.client import Run, TrainwireError, state_name
+
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def to_dict(msg: message.Message) -> dict[str, Any]:
+    """A message as JSON-ready data: proto field names, enum names, zero values included."""
+    data: dict[str, Any] = json_format.MessageToDict(
+        msg,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
+    return data
+
+
+def dumps(data: Any) -> str:
+    """One line of JSON."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+def task_summary(run: Run) -> str:
+    """``imitation wave/stickman`` or ``grpo models/x on data.jsonl``."""
+    kind = run.task.WhichOneof("kind")
+    if kind == "imitation":
+        task = run.task.imitation
+        clip = task.clip_name if task.WhichOneof("clip_source") == "clip_name" else task.clip.name
+        rig = task.rig.name if task.WhichOneof("rig_source") == "rig" else task.rig_name
+        return f"imitation {clip or 'custom'}/{rig or 'stickman'}"
+    if kind == "grpo":
+        return f"grpo {run.task.grpo.model_path} on {run.task.grpo.dataset_path}"
+    return "-"
+
+
+def rate_text(run: Run) -> str:
+    """``10/s x 2`` or ``unpaced``."""
+    if run.episodes_per_second < 0:
+        return "unpaced"
+    return f"{run.episodes_per_second:g}/s x {run.speed:g}"
+
+
+def time_text(run: Run, field: str) -> str:
+    """A timestamp field as local ISO time without microseconds, or ``-`` when unset."""
+    if not run.HasField(field):
+        return "-"
+    stamp = getattr(run, field).ToDatetime(tzinfo=UTC)
+    return stamp.astimezone().replace(microsecond=0).isoformat(sep=" ")
+
+
+def run_line(run: Run) -> str:
+    """One line: id, state, progress, rewards and rate."""
+    parts = [
+        f"run {run.id}",
+        state_name(run.state).upper(),
+        f"episode {run.episode}/{run.config.max_episodes}",
+    ]
+    if run.episode:
+        parts.append(f"reward {run.reward:.4g} (best {run.best_reward:.4g})")
+    parts.append(f"speed {run.speed:g}x")
+    line = "  ".join(parts)
+    if run.error_message:
+        line += f"  error: {run.error_message}"
+    return line
+
+
+def run_details(run: Run) -> str:
+    """A ``key: value`` block with everything people look at."""
+    rows = [
+        ("id", run.id),
+        ("name", run.display_name or "-"),
+        ("state", state_name(run.state).upper()),
+        ("task", task_summary(run)),
+        ("episode", f"{run.episode}/{run.config.max_episodes}"),
+        ("reward", f"{run.reward:.6g}" if run.episode else "-"),
+        ("best reward", f"{run.best_reward:.6g}" if run.episode else "-"),
+        ("rate", rate_text(run)),
+        ("seed", str(run.config.seed)),
+        ("trainer", run.trainer or "-"),
+        ("created", time_text(run, "create_time")),
+        ("started", time_text(run, "start_time")),
+        ("ended", time_text(run, "end_time")),
+    ]
+    if run.request_id:
+        rows.append(("request id", run.request_id))
+    if run.error_message:
+        rows.append(("error", run.error_message))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k + ':':<{width + 1}} {v}" for k, v in rows)
+
+
+def runs_table(runs: Sequence[Run]) -> str:
+    """An aligned table of runs (a header line, then one line per run)."""
+    header = ("ID", "STATE", "EPISODE", "REWARD", "BEST", "TASK", "NAME", "CREATED")
+    rows = [header]
+    for run in runs:
+        rows.append(
+            (
+                run.id,
+                state_name(run.state).upper(),
+                f"{run.episode}/{run.config.max_episodes}",
+                f"{run.reward:.4g}" if run.episode else "-",
+                f"{run.best_reward:.4g}" if run.episode else "-",
+                task_summary(run),
+                run.display_name or "-",
+                time_text(run, "create_time"),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def error_lines(exc: TrainwireError, gateway: str, timeout: float) -> list[str]:
+    """``error: CODE: message`` and, when the message lacks them, one line per bad field."""
+    message = exc.message
+    if exc.code_name == "UNAVAILABLE" and "connect" in message.lower():
+        message = f"cannot reach the gateway at {gateway} ({message})"
+    elif exc.code_name == "DEADLINE_EXCEEDED":
+        message = f"{message} (no answer from {gateway} within {timeout:g} s; see --timeout)"
+    lines = [f"error: {exc.code_name}: {message}"]
+    for violation in exc.field_violations:
+        text = f"{violation.field}: {violation.description}"
+        if text not in message:
+            lines.append(f"  {text}")
+    return lines
+
+
+def error_json(exc: TrainwireError) -> str:
+    """The error as one JSON line: ``{"error": {"code", "message", "field_violations"}}``."""
+    return dumps(
+        {
+            "error": {
+                "code": exc.code_name,
+                "message": exc.message,
+                "field_violations": [
+                    {"field": v.field, "description": v.description} for v in exc.field_violations
+                ],
+            }
+        }
+    )
+
+
+def sparkline(values: Sequence[float], width: int = 60) -> str:
+    """The values as a line of block characters, at most ``width`` wide (bucket means)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite or width <= 0:
+        return ""
+    if len(finite) > width:
+        buckets = []
+        for i in range(width):
+            chunk = finite[i * len(finite) // width : (i + 1) * len(finite) // width]
+            buckets.append(sum(chunk) / len(chunk))
+        finite = buckets
+    low, high = min(finite), max(finite)
+    span = high - low
+    if span == 0:
+        return _SPARK[len(_SPARK) // 2] * len(finite)
+    top = len(_SPARK) - 1
+    return "".join(_SPARK[round((v - low) / span * top)] for v in finite)
+
+
+def duration_text(seconds: float) -> str:
+    """``1:02:03``, ``2:03`` or ``5 s``."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02}:{secs:02}" if hours else f"{minutes}:{secs:02}"
+
+
+def now_text() -> str:
+    """The local time, for status lines."""
+    return datetime.now().astimezone().strftime("%H:%M:%S")
