@@ -75,7 +75,7 @@ export TRAINWIRE_GATEWAY=$gateway
 
 if [[ $DEMO != 0 ]]; then
   run_id=$("$BIN/trainwire" runs create imitation --clip "$DEMO_CLIP" --episodes "$DEMO_EPISODES" \
-    --rate "$DEMO_RATE" --seed 0 --name "demo: stickman learns to $DEMO_CLIP" --id-only)
+    --rate "$DEMO_RATE" --seed 0 --name "demo: stickman learns to $DEMO_CLIP" -q)
   echo "demo run $run_id: watching (Ctrl+C detaches; the run keeps going)"
   "$BIN/trainwire" watch "$run_id" || true
   "$BIN/trainwire" plot "$run_id" --out "$VAR/demo-curve.png"

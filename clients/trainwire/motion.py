@@ -111,7 +111,7 @@ def _wave(phase: float) -> list[float]:
     # The right arm is raised to the side; the forearm waves twice a second; the body sways a bit.
     w = math.sin(2 * math.pi * 4 * phase)
     sway = 0.05 * math.sin(2 * math.pi * phase)
-    return [sway, 0.5 * sway, 0.0, 0.1 * w, 0.0, 2.0, 0.9 + 0.5 * w, 0.0, 0.0, 0.0, 0.0]
+    return [sway, 0.5 * sway, 0.0, 0.1 * w, 0.0, 1.4, 0.9 + 0.5 * w, 0.0, 0.0, 0.0, 0.0]
 
 
 def _walk(phase: float) -> list[float]:
