@@ -1,0 +1,448 @@
+"""Gateway fan-out benchmark: replay, live latency, idle-watcher memory and ingest cost.
+
+Three processes on one machine: this one runs the servers under test (the gateway, and a bare
+``grpc.aio`` server as the baseline), a child runs the scripted fake trainer, another child runs
+every watcher (gRPC clients parse every message). Figures:
+
+(a/b) episodes/s of a 5000-episode history streamed to 1, 10 and 100 watchers by a bare aio
+      server (one episode per message, and batches of 50) vs the gateway replaying a finished
+      run; ratio gateway / bare-batched. Targets: >= 100k episodes/s at 100 watchers and
+      >= 0.5x bare-batched.
+(c)   live latency, trainer send -> watcher receive, 100 watchers, unpaced run, the trainer
+      sending 200 and 50 episodes/s; CPU use of the gateway and watcher processes (100 % =
+      one core). Target p99 < 50 ms.
+(d)   gateway RSS per idle watcher, 500 watchers on a quiet run. Target < 100 KB.
+(e)   ingest episodes/s of an unpaced 5000-episode run, --db file vs :memory:. Target: the
+      file store costs <= 15 %.
+
+Run: ``.venv/bin/python bench/gateway_fanout.py`` (about a minute).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import grpc  # noqa: E402
+import psutil  # noqa: E402
+
+from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc  # noqa: E402
+
+EPISODES = 5000
+BARE_METHOD = "/bench.Bare/Stream"
+WATCHER_COUNTS = (1, 10, 100)
+ONLY = os.environ.get("BENCH_ONLY", "")  # e.g. "live" for a quick experiment
+LIVE_WATCHERS = int(os.environ.get("BENCH_LIVE_WATCHERS", "100"))
+# (seconds between trainer episodes, episodes): 200/s and 50/s
+LIVE_RUNS = ((0.005, 1000), (0.02, 300))
+IDLE_WATCHERS = 500
+CHANNELS = 10
+
+
+def _task() -> episode_pb2.TrainTask:
+    return episode_pb2.TrainTask(
+        imitation=episode_pb2.ImitationTask(rig_name="stickman", clip_name="wave")
+    )
+
+
+# -- trainer process --------------------------------------------------------------------------
+
+
+def _trainer_main(conn: Connection) -> None:
+    from tests.fakes.fake_trainer import FakeTrainer, Script
+
+    fake = FakeTrainer(slots=64)
+    conn.send(fake.start())
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        if msg == "release":  # let the held run produce its first episode
+            fake.default.release.set()
+        else:  # (seconds between episodes, hold before episode 1?) for the next calls
+            interval, hold = msg
+            fake.default = Script(interval=interval, hold_at=1 if hold else None)
+        conn.send("ok")
+    fake.kill()
+
+
+# -- watcher process --------------------------------------------------------------------------
+
+
+def _channels(port: int) -> list[grpc.aio.Channel]:
+    # Separate connections, as separate browsers/services would have.
+    return [
+        grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=(("grpc.use_local_subchannel_pool", 1),)
+        )
+        for _ in range(CHANNELS)
+    ]
+
+
+def _count(message: gateway_service_pb2.WatchRunResponse) -> int:
+    kind = message.WhichOneof("event")
+    if kind == "episode":
+        return 1
+    if kind == "batch":
+        return len(message.batch.episodes)
+    return 0
+
+
+async def _watch_all(port: int, run_id: str, watchers: int) -> tuple[float, int]:
+    channels = _channels(port)
+    for ch in channels:
+        await ch.channel_ready()
+    stubs = [gateway_service_pb2_grpc.GatewayServiceStub(ch) for ch in channels]
+
+    async def one(i: int) -> int:
+        n = 0
+        call = stubs[i % CHANNELS].WatchRun(gateway_service_pb2.WatchRunRequest(run_id=run_id))
+        async for msg in call:
+            n += _count(msg)
+        return n
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(i) for i in range(watchers)))
+    elapsed = time.perf_counter() - start
+    for ch in channels:
+        await ch.close()
+    return elapsed, sum(counts)
+
+
+async def _bare_all(port: int, batch: int, watchers: int) -> tuple[float, int]:
+    channels = _channels(port)
+    for ch in channels:
+        await ch.channel_ready()
+    methods = [
+        ch.unary_stream(
+            BARE_METHOD,
+            request_serializer=lambda b: b,
+            response_deserializer=gateway_service_pb2.WatchRunResponse.FromString,
+        )
+        for ch in channels
+    ]
+
+    async def one(i: int) -> int:
+        n = 0
+        async for msg in methods[i % CHANNELS](str(batch).encode()):
+            n += _count(msg)
+        return n
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(i) for i in range(watchers)))
+    elapsed = time.perf_counter() - start
+    for ch in channels:
+        await ch.close()
+    return elapsed, sum(counts)
+
+
+async def _live(
+    port: int, run_id: str, watchers: int, ready: Any
+) -> tuple[list[tuple[int, float]], float]:
+    channels = _channels(port)
+    for ch in channels:
+        await ch.channel_ready()
+    stubs = [gateway_service_pb2_grpc.GatewayServiceStub(ch) for ch in channels]
+    latencies: list[tuple[int, float]] = []
+    caught = 0
+    all_caught = asyncio.Event()
+
+    async def one(i: int) -> None:
+        nonlocal caught
+        call = stubs[i % CHANNELS].WatchRun(gateway_service_pb2.WatchRunRequest(run_id=run_id))
+        async for msg in call:
+            kind = msg.WhichOneof("event")
+            now = time.time_ns()
+            if kind == "caught_up":
+                caught += 1
+                if caught == watchers:
+                    all_caught.set()
+            elif kind == "episode":
+                latencies.append(
+                    (msg.episode.episode, (now - msg.episode.produce_time.ToNanoseconds()) / 1e6)
+                )
+            elif kind == "batch":
+                for ep in msg.batch.episodes:
+                    latencies.append((ep.episode, (now - ep.produce_time.ToNanoseconds()) / 1e6))
+
+    tasks = [asyncio.create_task(one(i)) for i in range(watchers)]
+    await all_caught.wait()
+    ready()
+    cpu = time.process_time()
+    await asyncio.gather(*tasks)
+    cpu = time.process_time() - cpu
+    for ch in channels:
+        await ch.close()
+    return latencies, cpu
+
+
+async def _idle(port: int, run_id: str, watchers: int, conn: Connection) -> None:
+    channels = _channels(port)
+    for ch in channels:
+        await ch.channel_ready()
+    stubs = [gateway_service_pb2_grpc.GatewayServiceStub(ch) for ch in channels]
+    caught = asyncio.Event()
+    count = 0
+
+    async def one(i: int) -> None:
+        nonlocal count
+        call = stubs[i % CHANNELS].WatchRun(gateway_service_pb2.WatchRunRequest(run_id=run_id))
+        async for msg in call:
+            if msg.WhichOneof("event") == "caught_up":
+                count += 1
+                if count == watchers:
+                    caught.set()
+
+    tasks = [asyncio.create_task(one(i)) for i in range(watchers)]
+    await caught.wait()
+    conn.send("ready")
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for ch in channels:
+        await ch.close()
+
+
+def _watcher_main(conn: Connection) -> None:
+    while True:
+        job = conn.recv()
+        if job is None:
+            break
+        kind = job[0]
+        if kind == "replay":
+            conn.send(asyncio.run(_watch_all(*job[1:])))
+        elif kind == "bare":
+            conn.send(asyncio.run(_bare_all(*job[1:])))
+        elif kind == "live":
+            conn.send(asyncio.run(_live(*job[1:], ready=lambda: conn.send("ready"))))
+        elif kind == "idle":
+            asyncio.run(_idle(*job[1:], conn))
+            conn.send("released")
+
+
+# -- servers (this process) -------------------------------------------------------------------
+
+
+def _bare_server(messages: dict[int, list[gateway_service_pb2.WatchRunResponse]]) -> Any:
+    async def stream(request: bytes, context: grpc.aio.ServicerContext) -> Any:
+        for message in messages[int(request)]:
+            yield message
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Bare",
+        {
+            "Stream": grpc.unary_stream_rpc_method_handler(
+                stream,
+                request_deserializer=lambda b: b,
+                response_serializer=gateway_service_pb2.WatchRunResponse.SerializeToString,
+            )
+        },
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    return server, port
+
+
+async def _ask(conn: Connection, job: Any) -> Any:
+    conn.send(job)
+    return await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+
+
+async def _create(stub: Any, episodes: int, rate: float = -1.0) -> str:
+    reply = await stub.CreateRun(
+        gateway_service_pb2.CreateRunRequest(
+            task=_task(),
+            config=episode_pb2.TrainConfig(max_episodes=episodes),
+            episodes_per_second=rate,
+        ),
+        timeout=10,
+    )
+    return reply.run.id
+
+
+async def _wait_finished(stub: Any, run_id: str) -> None:
+    call = stub.WatchRun(
+        gateway_service_pb2.WatchRunRequest(run_id=run_id, after_episode=EPISODES), timeout=300
+    )
+    async for msg in call:
+        if msg.WhichOneof("event") == "finished":
+            return
+
+
+async def _ingest(trainer: str, db: str) -> float:
+    from gateway.config import GatewayConfig
+    from gateway.server import Gateway
+
+    gateway = Gateway(GatewayConfig(port=0, trainers=(trainer,), db=db, heartbeat_timeout_s=30))
+    port = await gateway.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = gateway_service_pb2_grpc.GatewayServiceStub(ch)
+        start = time.perf_counter()
+        run_id = await _create(stub, EPISODES)
+        await _wait_finished(stub, run_id)
+        elapsed = time.perf_counter() - start
+    await gateway.stop()
+    return EPISODES / elapsed
+
+
+def _row(label: str, *cells: str) -> None:
+    print(f"{label:<48}" + "".join(f"{c:>14}" for c in cells))
+
+
+async def main() -> None:
+    from gateway.config import GatewayConfig
+    from gateway.server import Gateway
+    from tests.fakes.fake_trainer import valid_episodes
+
+    ctx = mp.get_context("spawn")
+    trainer_conn, child = ctx.Pipe()
+    trainer_proc = ctx.Process(target=_trainer_main, args=(child,), daemon=True)
+    trainer_proc.start()
+    trainer = trainer_conn.recv()
+    watch_conn, child = ctx.Pipe()
+    watcher_proc = ctx.Process(target=_watcher_main, args=(child,), daemon=True)
+    watcher_proc.start()
+
+    episodes = list(valid_episodes(EPISODES))
+    messages = {
+        1: [gateway_service_pb2.WatchRunResponse(episode=e) for e in episodes],
+        50: [
+            gateway_service_pb2.WatchRunResponse(
+                batch=gateway_service_pb2.EpisodeBatch(episodes=episodes[i : i + 50])
+            )
+            for i in range(0, EPISODES, 50)
+        ],
+    }
+    bare, bare_port = _bare_server(messages)
+    await bare.start()
+
+    tmp = tempfile.mkdtemp(prefix="gateway-bench-")
+    config = GatewayConfig(
+        port=0, trainers=(trainer,), db=os.path.join(tmp, "bench.sqlite3"), keepalive_s=15
+    )
+    gateway = Gateway(config)
+    port = await gateway.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+    size = sum(len(e.SerializeToString()) for e in episodes)
+    print(
+        f"history: {EPISODES} imitation episodes, {size / EPISODES:.0f} B mean "
+        f"(60x11 motion every 10th), {os.cpu_count()} CPUs"
+    )
+
+    # (a/b) replay vs bare server.
+    run_id = await _create(stub, EPISODES)
+    await _wait_finished(stub, run_id)
+    await _ask(watch_conn, ("replay", port, run_id, 1))  # warm-up (loads the page cache)
+    await _ask(watch_conn, ("bare", bare_port, 50, 1))
+    print()
+    _row("replay of a finished 5000-episode run", *(f"{w} watcher(s)" for w in WATCHER_COUNTS))
+    results: dict[str, list[float]] = {}
+    for label, job in (
+        ("bare aio, 1 episode/message (episodes/s)", ("bare", bare_port, 1)),
+        ("bare aio, batches of 50 (episodes/s)", ("bare", bare_port, 50)),
+        ("gateway replay (episodes/s)", ("replay", port, run_id)),
+    ):
+        rates = []
+        for w in WATCHER_COUNTS:
+            elapsed, count = await _ask(watch_conn, (*job, w))
+            assert count == w * EPISODES, (label, count)
+            rates.append(count / elapsed)
+        results[label] = rates
+        _row(label, *(f"{r:,.0f}" for r in rates))
+    ratios = [
+        g / b
+        for g, b in zip(
+            results["gateway replay (episodes/s)"],
+            results["bare aio, batches of 50 (episodes/s)"],
+            strict=True,
+        )
+    ]
+    _row("ratio gateway / bare-batched", *(f"{r:.2f}x" for r in ratios))
+
+    # (c) live latency. The trainer holds before episode 1 until every watcher has attached:
+    # all deliveries are live ones (none replayed from before attach).
+    print()
+    print(f"live: {LIVE_WATCHERS} watchers, unpaced run (latency trainer send -> watcher receive)")
+    _row("trainer interval (deliveries)", "p50", "p99", "max", "CPU gw/watch")
+    for interval, count in LIVE_RUNS:
+        trainer_conn.send((interval, True))
+        trainer_conn.recv()
+        live_id = await _create(stub, count)
+        watch_conn.send(("live", port, live_id, LIVE_WATCHERS))
+        assert await asyncio.get_running_loop().run_in_executor(None, watch_conn.recv) == "ready"
+        cpu = time.process_time()
+        wall = time.perf_counter()
+        trainer_conn.send("release")
+        trainer_conn.recv()
+        latencies, watch_cpu = await asyncio.get_running_loop().run_in_executor(
+            None, watch_conn.recv
+        )
+        wall = time.perf_counter() - wall
+        cpu = time.process_time() - cpu
+        ms = [x for _, x in latencies]
+        q = statistics.quantiles(ms, n=100)
+        _row(
+            f"{interval * 1000:g} ms = {1 / interval:g} episodes/s ({len(ms):,})",
+            f"{q[49]:.1f} ms",
+            f"{q[98]:.1f} ms",
+            f"{max(ms):.1f} ms",
+            f"{cpu / wall:.0%}/{watch_cpu / wall:.0%}",
+        )
+
+    # (d) RSS per idle watcher: watchers on a run held before its first episode.
+    trainer_conn.send((0.0, True))  # held before episode 1: the run stays quiet
+    trainer_conn.recv()
+    idle_id = await _create(stub, 10)
+    gc.collect()
+    await asyncio.sleep(0.5)
+    process = psutil.Process()
+    before = process.memory_info().rss
+    watch_conn.send(("idle", port, idle_id, IDLE_WATCHERS))
+    assert await asyncio.get_running_loop().run_in_executor(None, watch_conn.recv) == "ready"
+    await asyncio.sleep(0.5)
+    after = process.memory_info().rss
+    watch_conn.send("release")
+    await asyncio.get_running_loop().run_in_executor(None, watch_conn.recv)
+    per = (after - before) / IDLE_WATCHERS
+    print()
+    _row(f"RSS per idle watcher ({IDLE_WATCHERS} watchers)", f"{per / 1024:.1f} KB")
+    await stub.StopRun(gateway_service_pb2.StopRunRequest(run_id=idle_id), timeout=10)
+    await channel.close()
+    await gateway.stop()
+    await bare.stop(0)
+
+    # (e) ingest, file vs memory: best of 3 each, alternating.
+    trainer_conn.send((0.0, False))
+    trainer_conn.recv()
+    file_rates, memory_rates = [], []
+    for i in range(3):
+        file_rates.append(await _ingest(trainer, os.path.join(tmp, f"ingest{i}.sqlite3")))
+        memory_rates.append(await _ingest(trainer, ":memory:"))
+    best_file, best_memory = max(file_rates), max(memory_rates)
+    print()
+    _row("ingest, unpaced 5000-episode run (episodes/s)", "--db file", ":memory:", "file cost")
+    _row("", f"{best_file:,.0f}", f"{best_memory:,.0f}", f"{(1 - best_file / best_memory):.1%}")
+
+    trainer_conn.send(None)
+    watch_conn.send(None)
+    trainer_proc.join(5)
+    watcher_proc.join(5)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

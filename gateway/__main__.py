@@ -1,0 +1,134 @@
+"""``python -m gateway``: parse flags, set up logging, serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from gateway.config import DEFAULT_DB, GatewayConfig
+from gateway.server import Gateway
+
+_LOGGER = logging.getLogger("gateway")
+
+DEFAULT_PORT = 50051
+DEFAULT_TRAINER = "127.0.0.1:50052"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="Trainwire gateway: owns training runs, paces and replays them to watchers.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; 0 picks a free one")
+    p.add_argument(
+        "--trainer",
+        default=DEFAULT_TRAINER,
+        help="trainer address(es) HOST:PORT, comma-separated, tried in order",
+    )
+    p.add_argument("--db", default=DEFAULT_DB, help="SQLite database file, or :memory:")
+    p.add_argument(
+        "--episode-rate",
+        type=float,
+        default=20.0,
+        help="default episodes per second of a run that sets none; negative = unpaced",
+    )
+    p.add_argument(
+        "--keepalive",
+        type=float,
+        default=15.0,
+        help="seconds of silence on a watch stream before a keepalive is sent",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without an episode or heartbeat before a trainer counts as lost",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=2.0,
+        help="seconds in-flight calls get on SIGTERM",
+    )
+    p.add_argument(
+        "--schedule-poll",
+        type=float,
+        default=1.0,
+        help="seconds between asking busy trainers again for a free slot",
+    )
+    p.add_argument(
+        "--history-cache-mb",
+        type=float,
+        default=64.0,
+        help="memory for cached history pages of finished runs (MiB)",
+    )
+    p.add_argument(
+        "--live-coalesce",
+        type=float,
+        default=0.02,
+        help="upper bound (s) of the window in which live episodes of a busy run are batched",
+    )
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    """The config of the parsed flags (raises ValueError on a bad value)."""
+    return GatewayConfig(
+        host=args.host,
+        port=args.port,
+        trainers=tuple(a.strip() for a in args.trainer.split(",") if a.strip()),
+        db=args.db,
+        episode_rate=args.episode_rate,
+        keepalive_s=args.keepalive,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        shutdown_grace_s=args.shutdown_grace,
+        schedule_poll_s=args.schedule_poll,
+        history_cache_mb=args.history_cache_mb,
+        live_coalesce_s=args.live_coalesce,
+    )
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Serves until SIGTERM or SIGINT, then stops gracefully."""
+    gateway = Gateway(config)
+    port = await gateway.start()
+    print(f"gateway listening on {config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    _LOGGER.info("signal received: shutting down")
+    try:
+        async with asyncio.timeout(config.shutdown_grace_s + 2.5):
+            await gateway.stop()
+    except TimeoutError:
+        _LOGGER.error("shutdown took too long; exiting anyway")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point."""
+    args = parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"python -m gateway: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

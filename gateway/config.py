@@ -1,0 +1,77 @@
+"""The gateway's configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_DB = "var/trainwire.sqlite3"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway can be told; ``__main__`` builds it from flags.
+
+    Attributes:
+        host: Interface to listen on.
+        port: Port to listen on; 0 picks a free one.
+        trainers: Trainer addresses (``HOST:PORT``), tried in order.
+        db: SQLite database file, or ``:memory:``.
+        episode_rate: Default publication rate (episodes per second) of a run that sets none.
+        keepalive_s: A watch stream idle this long gets a keepalive.
+        heartbeat_timeout_s: A trainer stream silent this long is considered lost.
+        shutdown_grace_s: How long shutdown waits for in-flight RPCs.
+        schedule_poll_s: How often PENDING runs re-ask busy trainers for a slot.
+        trainer_call_timeout_s: Deadline of a ``GetCapabilities`` call.
+        history_cache_mb: Capacity of the page cache of finished runs' histories.
+        live_coalesce_s: Upper bound of a run's live wake window: its watchers are woken at
+            most once per window (0.2 ms per attached watcher, at most this); episodes
+            published in between go out together as a batch (0: one wake-up per episode).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    trainers: tuple[str, ...] = ("127.0.0.1:50052",)
+    db: str = DEFAULT_DB
+    episode_rate: float = 20.0
+    keepalive_s: float = 15.0
+    heartbeat_timeout_s: float = 30.0
+    shutdown_grace_s: float = 2.0
+    schedule_poll_s: float = 1.0
+    trainer_call_timeout_s: float = 5.0
+    history_cache_mb: float = 64.0
+    live_coalesce_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not self.trainers:
+            raise ValueError("at least one trainer address is required")
+        for address in self.trainers:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"trainer address {address!r} is not HOST:PORT")
+        if not self.db:
+            raise ValueError("db must be a file path or ':memory:'")
+        if not (math.isfinite(self.episode_rate) and self.episode_rate != 0):
+            raise ValueError(
+                f"episode_rate must be finite and non-zero (negative = unpaced), "
+                f"got {self.episode_rate}"
+            )
+        for name in (
+            "keepalive_s",
+            "heartbeat_timeout_s",
+            "schedule_poll_s",
+            "trainer_call_timeout_s",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {value}")
+        if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not (math.isfinite(self.live_coalesce_s) and 0 <= self.live_coalesce_s <= 1):
+            raise ValueError(f"live_coalesce_s must be in 0..1, got {self.live_coalesce_s}")
+        if not (math.isfinite(self.history_cache_mb) and self.history_cache_mb >= 0):
+            raise ValueError(f"history_cache_mb must be >= 0, got {self.history_cache_mb}")

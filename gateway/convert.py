@@ -1,0 +1,146 @@
+"""Conversions between protobuf messages and the core's domain objects, in pairs."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+
+from google.protobuf import timestamp_pb2
+
+from gateway.core.errors import InvalidRequest
+from gateway.core.history import encode_batch
+from gateway.core.registry import (
+    CaughtUp,
+    EpisodeFrames,
+    Finished,
+    Keepalive,
+    RunSpec,
+    WatchEvent,
+)
+from gateway.core.runs import RunState, TrainingRun
+from trainwire.contract import FieldViolation, check_create_run, describe_violations
+from trainwire.v1 import gateway_service_pb2
+
+_TOKEN_PREFIX = b"runs/v1/"
+
+
+def timestamp_from_ns(ns: int) -> timestamp_pb2.Timestamp:
+    """A Timestamp for Unix nanoseconds."""
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(ns)
+    return stamp
+
+
+def run_to_proto(run: TrainingRun) -> gateway_service_pb2.Run:
+    """The ``Run`` message of a run."""
+    message = gateway_service_pb2.Run(
+        id=run.id,
+        state=int(run.state),  # type: ignore[arg-type]
+        error_message=run.error_message,
+        speed=run.speed,
+        episodes_per_second=run.episodes_per_second,
+        episode=run.episode,
+        best_reward=run.best_reward,
+        reward=run.reward,
+        task=run.task,
+        config=run.config,
+        display_name=run.display_name,
+        trainer=run.trainer,
+        request_id=run.request_id,
+    )
+    if run.create_time:
+        message.create_time.FromNanoseconds(run.create_time)
+    if run.start_time:
+        message.start_time.FromNanoseconds(run.start_time)
+    if run.end_time:
+        message.end_time.FromNanoseconds(run.end_time)
+    return message
+
+
+def run_spec_from_proto(request: gateway_service_pb2.CreateRunRequest) -> RunSpec:
+    """A validated ``RunSpec`` from a ``CreateRunRequest``.
+
+    Raises:
+        InvalidRequest: with every bad field.
+    """
+    violations = check_create_run(request)
+    if violations:
+        raise InvalidRequest(
+            f"invalid CreateRunRequest: {describe_violations(violations)}", violations
+        )
+    return RunSpec(
+        task=request.task,
+        config=request.config,
+        speed=request.speed,
+        episodes_per_second=request.episodes_per_second,
+        request_id=request.request_id,
+        display_name=request.display_name,
+    )
+
+
+def state_from_proto(state: int) -> RunState | None:
+    """The state filter of ``ListRuns`` (None for STATE_UNSPECIFIED).
+
+    Raises:
+        InvalidRequest: an unknown state number.
+    """
+    if state == 0:
+        return None
+    try:
+        return RunState(state)
+    except ValueError:
+        raise InvalidRequest(
+            f"unknown state {state}", [FieldViolation("state", f"unknown state {state}")]
+        ) from None
+
+
+def page_token_from_seq(seq: int | None) -> str:
+    """The opaque page token for the page after ``seq`` ("" for none)."""
+    if seq is None:
+        return ""
+    return base64.urlsafe_b64encode(_TOKEN_PREFIX + str(seq).encode()).decode()
+
+
+def seq_from_page_token(token: str) -> int | None:
+    """The cursor in a page token (None for "").
+
+    Raises:
+        InvalidRequest: a token this gateway did not issue.
+    """
+    if not token:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(token.encode())
+        if raw.startswith(_TOKEN_PREFIX):
+            seq = int(raw[len(_TOKEN_PREFIX) :])
+            if seq > 0:
+                return seq
+    except (binascii.Error, ValueError):
+        pass
+    raise InvalidRequest(
+        "page_token is not a token from a previous ListRuns response",
+        [FieldViolation("page_token", "not a token from a previous ListRuns response")],
+    )
+
+
+def watch_event_to_wire(event: WatchEvent) -> bytes | gateway_service_pb2.WatchRunResponse:
+    """The ``WatchRunResponse`` of a watch event: pre-encoded bytes for episodes (sent as they
+    are, see ``gateway.server``), a message otherwise."""
+    if isinstance(event, EpisodeFrames):
+        return encode_batch(event.frames) if event.batch else event.frames[0]
+    if isinstance(event, Keepalive):
+        return gateway_service_pb2.WatchRunResponse(
+            keepalive=gateway_service_pb2.Keepalive(
+                last_episode=event.last_episode,
+                state=int(event.state),  # type: ignore[arg-type]
+                time=timestamp_from_ns(time.time_ns()),
+            )
+        )
+    if isinstance(event, CaughtUp):
+        return gateway_service_pb2.WatchRunResponse(
+            caught_up=gateway_service_pb2.CaughtUp(last_episode=event.last_episode)
+        )
+    if isinstance(event, Finished):
+        return gateway_service_pb2.WatchRunResponse(finished=run_to_proto(event.run))
+    raise TypeError(f"unknown watch event {event!r}")  # pragma: no cover

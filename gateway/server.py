@@ -1,0 +1,122 @@
+"""The gateway's gRPC server: ``GatewayService`` on ``grpc.aio`` with health, reflection and an
+HTTP/2 keepalive policy; ``Gateway`` ties server, core and store together for ``__main__``,
+tests and benchmarks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.config import GatewayConfig
+from gateway.core.observer import Observer
+from gateway.core.registry import RunRegistry
+from gateway.core.store import SqliteStore, StoreThread
+from gateway.core.trainers import TrainerConnector
+from gateway.servicer import GatewayServicer, add_to_server
+from gateway.trainer_client import GrpcTrainerConnector
+from trainwire.v1 import gateway_service_pb2
+
+_LOGGER = logging.getLogger(__name__)
+
+SERVICE_NAME = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+#: HTTP/2 policy. Watches are long and mostly idle: accept clients' keepalive pings (every
+#: >= 10 s, also without an active call) so NATs keep the connection, and ping idle clients
+#: ourselves so a vanished watcher's stream is cancelled (and freed) within ~40 s.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Two gateways must never share a port silently.
+    ("grpc.so_reuseport", 0),
+)
+
+
+def build_server(
+    config: GatewayConfig,
+    core: RunRegistry,
+    health_servicer: health.aio.HealthServicer | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Builds (does not start) the aio server; returns it and the port it is bound to.
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    add_to_server(GatewayServicer(core), server)
+    health_servicer = health_servicer or health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {config.host}:{config.port}")
+    return server, port
+
+
+class Gateway:
+    """A running gateway: store, core and server.
+
+    Args:
+        config: Settings.
+        connector: How to reach trainers (gRPC by default).
+        observer: Metrics hooks.
+    """
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        connector: TrainerConnector | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.config = config
+        self._connector = connector
+        self._observer = observer
+        self._health = health.aio.HealthServicer()
+        self.core: RunRegistry | None = None
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        """Opens the store, recovers, starts serving; returns the bound port."""
+        observer = self._observer or Observer()
+        store = StoreThread(
+            SqliteStore(self.config.db), asyncio.get_running_loop(), observer.store_commit
+        )
+        self.core = RunRegistry(
+            self.config, store, self._connector or GrpcTrainerConnector(), observer
+        )
+        await self.core.start()
+        self.server, self.port = build_server(self.config, self.core, self._health)
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        _LOGGER.info(
+            "gateway serving on %s:%d (db %s)", self.config.host, self.port, self.config.db
+        )
+        return self.port
+
+    async def stop(self) -> None:
+        """Graceful stop: health NOT_SERVING, watches end UNAVAILABLE, in-flight calls get
+        ``shutdown_grace_s``, trainer streams are cancelled, active runs are recorded as
+        interrupted and the store is flushed."""
+        if self.core is None or self.server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        self.core.begin_shutdown()
+        await self.server.stop(self.config.shutdown_grace_s)
+        await self.core.shutdown()
+        _LOGGER.info("gateway stopped")
+
+    async def wait_for_termination(self) -> None:
+        """Returns when the server has stopped."""
+        assert self.server is not None
+        await self.server.wait_for_termination()

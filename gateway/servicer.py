@@ -1,0 +1,137 @@
+"""``GatewayService`` over the core: each method parses, calls the core once, converts.
+
+Errors are mapped to statuses by ``gateway.status.map_errors``; the API contract (fields,
+status codes) is documented in ``protos/trainwire/v1/gateway_service.proto``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway import convert
+from gateway.core.registry import RunRegistry
+from gateway.status import map_errors
+from trainwire.v1 import gateway_service_pb2 as pb
+
+
+class GatewayServicer:
+    """The ``trainwire.v1.GatewayService`` implementation (``grpc.aio``)."""
+
+    def __init__(self, core: RunRegistry) -> None:
+        self._core = core
+
+    @map_errors
+    async def CreateRun(
+        self, request: pb.CreateRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateRunResponse:
+        """Creates a run (idempotent per request_id)."""
+        run = await self._core.create(convert.run_spec_from_proto(request))
+        return pb.CreateRunResponse(run=convert.run_to_proto(run))
+
+    @map_errors
+    async def GetRun(
+        self, request: pb.GetRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetRunResponse:
+        """Returns one run."""
+        return pb.GetRunResponse(run=convert.run_to_proto(await self._core.get(request.run_id)))
+
+    @map_errors
+    async def ListRuns(
+        self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListRunsResponse:
+        """Lists runs, newest first."""
+        runs, next_seq = await self._core.list_runs(
+            request.page_size,
+            convert.seq_from_page_token(request.page_token),
+            convert.state_from_proto(request.state),
+        )
+        return pb.ListRunsResponse(
+            runs=[convert.run_to_proto(r) for r in runs],
+            next_page_token=convert.page_token_from_seq(next_seq),
+        )
+
+    @map_errors
+    async def PauseRun(
+        self, request: pb.PauseRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PauseRunResponse:
+        """Pauses a run."""
+        return pb.PauseRunResponse(run=convert.run_to_proto(await self._core.pause(request.run_id)))
+
+    @map_errors
+    async def ResumeRun(
+        self, request: pb.ResumeRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResumeRunResponse:
+        """Resumes a run."""
+        run = await self._core.resume(request.run_id)
+        return pb.ResumeRunResponse(run=convert.run_to_proto(run))
+
+    @map_errors
+    async def StopRun(
+        self, request: pb.StopRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StopRunResponse:
+        """Stops a run."""
+        return pb.StopRunResponse(run=convert.run_to_proto(await self._core.stop(request.run_id)))
+
+    @map_errors
+    async def SetRunSpeed(
+        self, request: pb.SetRunSpeedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetRunSpeedResponse:
+        """Changes a run's speed."""
+        run = await self._core.set_speed(request.run_id, request.speed)
+        return pb.SetRunSpeedResponse(run=convert.run_to_proto(run))
+
+    @map_errors
+    async def DeleteRun(
+        self, request: pb.DeleteRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteRunResponse:
+        """Deletes a finished run and its history."""
+        run = await self._core.delete(request.run_id)
+        return pb.DeleteRunResponse(run=convert.run_to_proto(run))
+
+    @map_errors
+    async def WatchRun(
+        self, request: pb.WatchRunRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes | pb.WatchRunResponse]:
+        """Streams a run: history (batched), caught_up, live episodes, keepalives, finished."""
+        async for event in self._core.watch(request.run_id, request.after_episode):
+            yield convert.watch_event_to_wire(event)
+
+
+def _serialize_watch_response(message: bytes | pb.WatchRunResponse) -> bytes:
+    # Episodes arrive pre-encoded (gateway.core.history): send those bytes untouched.
+    if isinstance(message, bytes):
+        return message
+    return message.SerializeToString()
+
+
+def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
+    """Registers the servicer; like the generated ``add_GatewayServiceServicer_to_server``
+    except that ``WatchRun`` responses may be pre-encoded bytes."""
+    unary = {
+        "CreateRun": (pb.CreateRunRequest, pb.CreateRunResponse),
+        "GetRun": (pb.GetRunRequest, pb.GetRunResponse),
+        "ListRuns": (pb.ListRunsRequest, pb.ListRunsResponse),
+        "PauseRun": (pb.PauseRunRequest, pb.PauseRunResponse),
+        "ResumeRun": (pb.ResumeRunRequest, pb.ResumeRunResponse),
+        "StopRun": (pb.StopRunRequest, pb.StopRunResponse),
+        "SetRunSpeed": (pb.SetRunSpeedRequest, pb.SetRunSpeedResponse),
+        "DeleteRun": (pb.DeleteRunRequest, pb.DeleteRunResponse),
+    }
+    handlers: dict[str, grpc.RpcMethodHandler] = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=req.FromString,
+            response_serializer=resp.SerializeToString,
+        )
+        for name, (req, resp) in unary.items()
+    }
+    handlers["WatchRun"] = grpc.unary_stream_rpc_method_handler(
+        servicer.WatchRun,
+        request_deserializer=pb.WatchRunRequest.FromString,
+        response_serializer=_serialize_watch_response,
+    )
+    service = pb.DESCRIPTOR.services_by_name["GatewayService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)

@@ -1,0 +1,359 @@
+"""A scripted fake ``TrainerService`` on a real in-process gRPC server (port 0).
+
+Each ``Train`` call follows the next queued ``Script`` (or the default one): stream normally,
+slowly, only heartbeats, go silent, abort with a ``google.rpc.LocalizedMessage`` or plainly,
+break one contract rule, answer ``RESOURCE_EXHAUSTED``, or hold at an episode until the test
+releases it or kills the server mid-stream. It runs on its own thread pool (sync server), so it
+is independent of the event loop of the gateway under test.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+
+#: Contract rules a script can break (``Script.violate``).
+VIOLATIONS = (
+    "sequence",
+    "finite",
+    "metric_finite",
+    "best_reward",
+    "done",
+    "done_missing",
+    "detail_kind",
+    "detail_size",
+    "end_without_done",
+)
+
+
+@dataclass
+class Script:
+    """How one ``Train`` call behaves.
+
+    Attributes:
+        episodes: Episodes to send (default: the request's max_episodes).
+        interval: Seconds between episodes (heartbeats are sent meanwhile).
+        heartbeat_interval: Seconds between heartbeats while no episode goes out.
+        heartbeats_only: Send heartbeats forever, never an episode.
+        silent: Send nothing at all (until cancelled).
+        busy: Answer RESOURCE_EXHAUSTED at once.
+        abort_after: Abort after this many episodes (``abort_code``; with ``localized`` the
+            details carry a LocalizedMessage).
+        abort_code: Status code of the abort.
+        localized: The LocalizedMessage text for users.
+        violate: A rule from ``VIOLATIONS`` broken at episode ``violate_at``.
+        violate_at: Where the violation happens.
+        hold_at: Before sending this episode, wait for ``release`` (or cancellation).
+        detail_every: Imitation detail on every n-th episode and on the last.
+        frames: Frames of the imitation detail.
+    """
+
+    episodes: int | None = None
+    interval: float = 0.0
+    heartbeat_interval: float = 0.05
+    heartbeats_only: bool = False
+    silent: bool = False
+    busy: bool = False
+    abort_after: int | None = None
+    abort_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    localized: str | None = None
+    violate: str | None = None
+    violate_at: int = 3
+    hold_at: int | None = None
+    release: threading.Event = field(default_factory=threading.Event)
+    detail_every: int = 10
+    frames: int = 60
+
+
+def reward_of(n: int) -> float:
+    """The deterministic reward of episode n."""
+    return round(0.5 + 0.45 * math.sin(n / 7.0), 6)
+
+
+def make_episode(
+    n: int, best: float, last: bool, detail: bool, frames: int = 60
+) -> episode_pb2.Episode:
+    """A valid imitation episode n (best = running max so far, including n)."""
+    ep = episode_pb2.Episode(
+        episode=n,
+        reward=reward_of(n),
+        best_reward=best,
+        done=last,
+        metrics={"loss": 1.0 / n, "reward_std": 0.1},
+    )
+    ep.produce_time.FromNanoseconds(time.time_ns())
+    if detail:
+        joints = 11
+        ep.imitation.frame_count = frames
+        ep.imitation.joint_count = joints
+        ep.imitation.angles.extend(
+            math.sin(0.1 * f + 0.3 * j + 0.01 * n) for f in range(frames) for j in range(joints)
+        )
+    return ep
+
+
+def valid_episodes(
+    count: int, detail_every: int = 10, frames: int = 60
+) -> Iterator[episode_pb2.Episode]:
+    """A valid imitation stream of ``count`` episodes (``produce_time`` set when built)."""
+    best = -math.inf
+    for n in range(1, count + 1):
+        best = max(best, reward_of(n))
+        last = n == count
+        yield make_episode(n, best, last, last or n % detail_every == 0, frames)
+
+
+class _Ended(threading.Event):
+    """Set when the call ended; also reads as set once the whole fake is being killed."""
+
+    def __init__(self, closed: threading.Event) -> None:
+        super().__init__()
+        self._closed = closed
+
+    def is_set(self) -> bool:
+        return super().is_set() or self._closed.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return super().wait(timeout) or self._closed.is_set()
+
+
+def _heartbeat(last: int, phase: str = "training") -> trainer_service_pb2.TrainResponse:
+    hb = trainer_service_pb2.Heartbeat(last_episode=last, phase=phase)
+    hb.time.FromNanoseconds(time.time_ns())
+    return trainer_service_pb2.TrainResponse(heartbeat=hb)
+
+
+def _break(ep: episode_pb2.Episode, rule: str) -> list[episode_pb2.Episode]:
+    """The episode(s) to send instead of ``ep`` to break ``rule``."""
+    if rule == "sequence":
+        ep.episode += 1
+    elif rule == "finite":
+        ep.reward = math.nan
+    elif rule == "metric_finite":
+        ep.metrics["loss"] = math.inf
+    elif rule == "best_reward":
+        ep.best_reward = ep.best_reward + 1.0
+    elif rule == "done":
+        ep.done = True
+        follower = episode_pb2.Episode()
+        follower.CopyFrom(ep)
+        follower.episode += 1
+        follower.done = False
+        return [ep, follower]
+    elif rule == "detail_kind":
+        ep.ClearField("imitation")
+        ep.grpo.sample_completions.append("not an imitation run")
+    elif rule == "detail_size":
+        ep.imitation.frame_count = 2
+        ep.imitation.joint_count = 11
+        del ep.imitation.angles[:]
+        ep.imitation.angles.extend([0.0] * 5)
+    else:
+        raise ValueError(f"unknown rule {rule}")
+    return [ep]
+
+
+class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
+    """The fake trainer. ``start()`` returns its address; ``push`` queues scripts per call.
+
+    Args:
+        slots: Concurrent Train calls it accepts; more get RESOURCE_EXHAUSTED.
+        providers: What GetCapabilities reports.
+        default: The script for calls with nothing queued.
+    """
+
+    def __init__(
+        self,
+        slots: int = 4,
+        providers: tuple[str, ...] = ("imitation", "grpo"),
+        default: Script | None = None,
+    ) -> None:
+        self.slots = slots
+        self.providers = providers
+        self.default = default or Script()
+        self.scripts: deque[Script] = deque()
+        self.requests: list[trainer_service_pb2.TrainRequest] = []
+        self.cancelled = 0
+        self.active = 0
+        self.sent = 0  # episodes sent over all calls
+        self._cond = threading.Condition()
+        self._server: grpc.Server | None = None
+        self._closed = threading.Event()  # set by kill(): every handler returns promptly
+        self.address = ""
+
+    def push(self, *scripts: Script) -> None:
+        """Queues scripts for the next Train calls, in order."""
+        self.scripts.extend(scripts)
+
+    def start(self) -> str:
+        """Starts serving on 127.0.0.1:0; returns ``HOST:PORT``."""
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="fake"))
+        trainer_service_pb2_grpc.add_TrainerServiceServicer_to_server(self, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        self._server = server
+        self.address = f"127.0.0.1:{port}"
+        return self.address
+
+    def kill(self) -> None:
+        """Stops the server at once: every open stream breaks."""
+        self._closed.set()
+        if self._server is not None:
+            self._server.stop(0).wait(5)
+            self._server = None
+
+    stop = kill
+
+    def wait_sent(self, count: int, timeout: float = 10.0) -> None:
+        """Blocks until ``count`` episodes have been sent in total."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.sent >= count, timeout):
+                raise TimeoutError(f"only {self.sent} of {count} episodes sent")
+
+    def wait_calls(self, count: int, timeout: float = 10.0) -> None:
+        """Blocks until ``count`` Train calls have arrived."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self.requests) >= count, timeout):
+                raise TimeoutError(f"only {len(self.requests)} of {count} Train calls")
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Blocks until no Train call is running."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.active == 0, timeout):
+                raise TimeoutError(f"{self.active} Train calls still running")
+
+    # -- TrainerService ----------------------------------------------------------------------
+
+    def GetCapabilities(
+        self, request: trainer_service_pb2.GetCapabilitiesRequest, context: grpc.ServicerContext
+    ) -> trainer_service_pb2.GetCapabilitiesResponse:
+        with self._cond:
+            free = max(0, self.slots - self.active)
+        return trainer_service_pb2.GetCapabilitiesResponse(
+            providers=list(self.providers),
+            device="cpu",
+            slots_total=self.slots,
+            slots_free=free,
+            server_version="fake",
+        )
+
+    def Train(
+        self, request: trainer_service_pb2.TrainRequest, context: grpc.ServicerContext
+    ) -> Iterator[trainer_service_pb2.TrainResponse]:
+        with self._cond:
+            script = self.scripts.popleft() if self.scripts else self.default
+            self.requests.append(request)
+            full = self.active >= self.slots
+            if not (script.busy or full):
+                self.active += 1
+            self._cond.notify_all()
+        if script.busy or full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot")
+        ended = _Ended(self._closed)
+        context.add_callback(ended.set)
+        try:
+            yield from self._play(script, request, context, ended)
+        finally:
+            with self._cond:
+                self.active -= 1
+                # The callback fires at termination: set before this point only when the call
+                # was cancelled (or the server killed) while the script was still playing.
+                if ended.is_set():
+                    self.cancelled += 1
+                self._cond.notify_all()
+
+    def _wait(
+        self, script: Script, seconds: float, last: int, ended: threading.Event
+    ) -> Iterator[trainer_service_pb2.TrainResponse]:
+        """Waits ``seconds``, sending heartbeats meanwhile."""
+        deadline = time.monotonic() + seconds
+        while not ended.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if ended.wait(min(left, script.heartbeat_interval)):
+                return
+            if time.monotonic() < deadline:
+                yield _heartbeat(last)
+
+    def _play(
+        self,
+        script: Script,
+        request: trainer_service_pb2.TrainRequest,
+        context: grpc.ServicerContext,
+        ended: threading.Event,
+    ) -> Iterator[trainer_service_pb2.TrainResponse]:
+        if script.silent:
+            while not ended.wait(0.05):
+                pass
+            return
+        yield _heartbeat(0, "loading")
+        if script.heartbeats_only:
+            while not ended.wait(script.heartbeat_interval):
+                yield _heartbeat(0, "loading")
+            return
+        count = script.episodes or request.config.max_episodes
+        for ep in valid_episodes(count, script.detail_every, script.frames):
+            n = ep.episode
+            if ended.is_set():
+                return
+            if script.abort_after is not None and n > script.abort_after:
+                self._abort(script, request, context)
+            if script.hold_at is not None and n == script.hold_at:
+                while not script.release.wait(script.heartbeat_interval):
+                    if ended.is_set():
+                        return
+                    yield _heartbeat(n - 1)
+            if script.interval > 0 and n > 1:
+                yield from self._wait(script, script.interval, n - 1, ended)
+            if script.violate == "end_without_done" and ep.done:
+                return
+            out = [ep]
+            if script.violate not in (None, "end_without_done") and n == script.violate_at:
+                assert script.violate is not None
+                if script.violate == "done_missing":
+                    return  # ends OK without done, mid-run
+                out = _break(ep, script.violate)
+            for item in out:
+                item.produce_time.FromNanoseconds(time.time_ns())
+                yield trainer_service_pb2.TrainResponse(episode=item)
+                with self._cond:
+                    self.sent += 1
+                    self._cond.notify_all()
+        if script.abort_after is not None and script.abort_after >= count:
+            self._abort(script, request, context)
+
+    def _abort(
+        self,
+        script: Script,
+        request: trainer_service_pb2.TrainRequest,
+        context: grpc.ServicerContext,
+    ) -> None:
+        if script.localized is None:
+            context.abort(script.abort_code, f"run {request.run_id}: the fake trainer gave up")
+        details = []
+        for message in (
+            error_details_pb2.LocalizedMessage(locale="en-US", message=script.localized),
+            error_details_pb2.ErrorInfo(reason="PROVIDER_FAILED", domain="trainwire"),
+        ):
+            packed = any_pb2.Any()
+            packed.Pack(message)
+            details.append(packed)
+        status = status_pb2.Status(
+            code=getattr(code_pb2, script.abort_code.name),
+            message=f"run {request.run_id}: provider failed",
+            details=details,
+        )
+        context.abort_with_status(rpc_status.to_status(status))

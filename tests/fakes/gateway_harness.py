@@ -1,0 +1,171 @@
+"""Helpers for gateway tests: an in-process gateway on port 0 and watch-stream collectors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.server import Gateway
+from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+
+TIMEOUT = 20.0  # every gRPC call of a test has a deadline
+
+
+def imitation_task() -> episode_pb2.TrainTask:
+    """A valid imitation task (built-in rig and clip)."""
+    return episode_pb2.TrainTask(
+        imitation=episode_pb2.ImitationTask(rig_name="stickman", clip_name="wave")
+    )
+
+
+def create_request(
+    max_episodes: int = 20, episodes_per_second: float = -1.0, **kwargs: Any
+) -> gateway_service_pb2.CreateRunRequest:
+    """A valid CreateRunRequest (unpaced unless told otherwise)."""
+    return gateway_service_pb2.CreateRunRequest(
+        task=imitation_task(),
+        config=episode_pb2.TrainConfig(max_episodes=max_episodes, seed=7),
+        episodes_per_second=episodes_per_second,
+        **kwargs,
+    )
+
+
+@dataclass
+class Client:
+    """A gateway under test and a stub to it."""
+
+    gateway: Gateway
+    channel: grpc.aio.Channel
+    stub: gateway_service_pb2_grpc.GatewayServiceStub
+    address: str
+
+    async def create(self, **kwargs: Any) -> gateway_service_pb2.Run:
+        reply = await self.stub.CreateRun(create_request(**kwargs), timeout=TIMEOUT)
+        return reply.run
+
+    async def get(self, run_id: str) -> gateway_service_pb2.Run:
+        return (
+            await self.stub.GetRun(
+                gateway_service_pb2.GetRunRequest(run_id=run_id), timeout=TIMEOUT
+            )
+        ).run
+
+    async def finished(self, run_id: str) -> gateway_service_pb2.Run:
+        """Waits for the run to finish (a watch from its end) and returns the final run."""
+        result = await collect(self.stub, run_id, after_episode=5000)
+        assert result.finished is not None
+        return result.finished
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(trainers: tuple[str, ...], **overrides: Any) -> AsyncIterator[Client]:
+    """A gateway on 127.0.0.1:0 (in-memory store unless ``db`` is given), stopped on exit."""
+    settings: dict[str, Any] = {
+        "port": 0,
+        "trainers": trainers,
+        "db": ":memory:",
+        "keepalive_s": 0.2,
+        "heartbeat_timeout_s": 1.0,
+        "schedule_poll_s": 0.05,
+        "shutdown_grace_s": 0.5,
+        "trainer_call_timeout_s": 2.0,
+    }
+    settings.update(overrides)
+    gateway = Gateway(GatewayConfig(**settings))
+    port = await gateway.start()
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        yield Client(
+            gateway, channel, gateway_service_pb2_grpc.GatewayServiceStub(channel), address
+        )
+    finally:
+        await channel.close()
+        await gateway.stop()
+
+
+@dataclass
+class WatchResult:
+    """Everything one watch stream delivered."""
+
+    episodes: list[episode_pb2.Episode] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    caught_up: int | None = None
+    keepalives: list[gateway_service_pb2.Keepalive] = field(default_factory=list)
+    finished: gateway_service_pb2.Run | None = None
+    batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def numbers(self) -> list[int]:
+        return [e.episode for e in self.episodes]
+
+
+def absorb(result: WatchResult, message: gateway_service_pb2.WatchRunResponse) -> None:
+    """Adds one watch message to a result."""
+    kind = message.WhichOneof("event")
+    assert kind is not None
+    result.kinds.append(kind)
+    if kind == "episode":
+        result.episodes.append(message.episode)
+    elif kind == "batch":
+        result.batch_sizes.append(len(message.batch.episodes))
+        result.episodes.extend(message.batch.episodes)
+    elif kind == "caught_up":
+        assert result.caught_up is None, "caught_up sent twice"
+        result.caught_up = message.caught_up.last_episode
+    elif kind == "keepalive":
+        result.keepalives.append(message.keepalive)
+    else:
+        assert result.finished is None
+        result.finished = message.finished
+
+
+async def collect(
+    stub: gateway_service_pb2_grpc.GatewayServiceStub,
+    run_id: str,
+    after_episode: int = 0,
+    timeout: float = TIMEOUT,
+) -> WatchResult:
+    """Watches a run to its end; asserts that finished is the last message."""
+    result = WatchResult()
+    call = stub.WatchRun(
+        gateway_service_pb2.WatchRunRequest(run_id=run_id, after_episode=after_episode),
+        timeout=timeout,
+    )
+    async for message in call:
+        assert result.finished is None, "a message after finished"
+        absorb(result, message)
+    assert result.finished is not None, "the stream ended without finished"
+    return result
+
+
+def best_so_far(episodes: list[episode_pb2.Episode]) -> float:
+    """The running maximum of the episodes' rewards."""
+    return max((e.reward for e in episodes), default=-math.inf)
+
+
+async def to_thread(fn: Any, *args: Any) -> Any:
+    """Runs a blocking helper (the fake trainer's waits) off the event loop."""
+    return await asyncio.to_thread(fn, *args)
+
+
+async def published(
+    stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str, count: int
+) -> WatchResult:
+    """Watches a run until ``count`` episodes arrived (they are then published and durable)."""
+    result = WatchResult()
+    call = stub.WatchRun(gateway_service_pb2.WatchRunRequest(run_id=run_id), timeout=TIMEOUT)
+    async for message in call:
+        absorb(result, message)
+        if len(result.episodes) >= count:
+            call.cancel()
+            break
+    assert len(result.episodes) >= count, f"the stream ended after {len(result.episodes)}"
+    return result

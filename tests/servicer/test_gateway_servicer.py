@@ -1,0 +1,413 @@
+"""GatewayService against a scripted fake TrainerService, both real in-process servers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+
+from gateway.core.runs import (
+    CONTRACT_MESSAGE,
+    INTERRUPTED_MESSAGE,
+    LOST_MESSAGE,
+    UNEXPECTED_MESSAGE,
+)
+from tests.fakes.fake_trainer import VIOLATIONS, FakeTrainer, Script
+from tests.fakes.gateway_harness import (
+    TIMEOUT,
+    Client,
+    collect,
+    create_request,
+    published,
+    running_gateway,
+    to_thread,
+)
+from trainwire.v1 import episode_pb2, gateway_service_pb2
+
+State = gateway_service_pb2.Run.State
+pb = gateway_service_pb2
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeTrainer]:
+    trainer = FakeTrainer(slots=4)
+    trainer.start()
+    yield trainer
+    for script in trainer.scripts:
+        script.release.set()
+    trainer.default.release.set()
+    trainer.kill()
+
+
+@pytest.fixture
+async def client(fake: FakeTrainer) -> AsyncIterator[Client]:
+    async with running_gateway((fake.address,)) as c:
+        yield c
+
+
+def status_of(info: pytest.ExceptionInfo[grpc.aio.AioRpcError]) -> grpc.StatusCode:
+    return info.value.code()
+
+
+# -- CreateRun, GetRun, ListRuns ---------------------------------------------------------------
+
+
+async def test_create_reports_every_bad_field_as_bad_request(client: Client) -> None:
+    request = pb.CreateRunRequest(
+        task=episode_pb2.TrainTask(
+            imitation=episode_pb2.ImitationTask(clip_name="moonwalk", group_size=1)
+        ),
+        config=episode_pb2.TrainConfig(max_episodes=0),
+        speed=math.nan,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.stub.CreateRun(request, timeout=TIMEOUT)
+    assert status_of(info) == grpc.StatusCode.INVALID_ARGUMENT
+    status = rpc_status.from_call(info.value)
+    assert status is not None
+    bad = error_details_pb2.BadRequest()
+    assert any(d.Unpack(bad) for d in status.details)
+    fields = {v.field for v in bad.field_violations}
+    assert fields == {
+        "task.imitation.clip_name",
+        "task.imitation.group_size",
+        "config.max_episodes",
+        "speed",
+    }
+
+
+async def test_create_get_and_finish(client: Client, fake: FakeTrainer) -> None:
+    run = await client.create(max_episodes=15, display_name="first", speed=3)
+    assert run.id and run.state in (State.STATE_PENDING, State.STATE_RUNNING)
+    assert run.speed == 3 and run.display_name == "first" and run.episodes_per_second == -1
+    final = await client.finished(run.id)
+    assert final.state == State.STATE_DONE
+    assert final.episode == 15 and final.trainer == fake.address
+    assert final.HasField("start_time") and final.HasField("end_time")
+    got = await client.get(run.id)
+    assert got == final
+    assert fake.requests[0].run_id == run.id
+    assert fake.requests[0].config.max_episodes == 15
+
+
+async def test_rate_defaults_to_the_gateway_rate(fake: FakeTrainer) -> None:
+    async with running_gateway((fake.address,), episode_rate=123.0) as c:
+        run = await c.create(episodes_per_second=0, max_episodes=2)
+        assert run.episodes_per_second == 123.0 and run.speed == 1.0
+
+
+async def test_request_id_is_idempotent_even_concurrently(client: Client) -> None:
+    requests = [create_request(max_episodes=5, request_id="same-key") for _ in range(10)]
+    replies = await asyncio.gather(*(client.stub.CreateRun(r, timeout=TIMEOUT) for r in requests))
+    assert len({r.run.id for r in replies}) == 1
+    later = await client.create(max_episodes=9, request_id="same-key")
+    assert later.id == replies[0].run.id
+    listed = await client.stub.ListRuns(pb.ListRunsRequest(), timeout=TIMEOUT)
+    assert [r.id for r in listed.runs] == [later.id]
+
+
+async def test_unknown_and_empty_run_ids(client: Client) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.get("no-such-run")
+    assert status_of(info) == grpc.StatusCode.NOT_FOUND
+    assert "no-such-run" in (info.value.details() or "")
+    status = rpc_status.from_call(info.value)
+    assert status is not None
+    error_info = error_details_pb2.ErrorInfo()
+    assert any(d.Unpack(error_info) for d in status.details)
+    assert error_info.domain == "trainwire" and error_info.metadata["run_id"] == "no-such-run"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.get("")
+    assert status_of(info) == grpc.StatusCode.INVALID_ARGUMENT
+    for call, request in (
+        (client.stub.PauseRun, pb.PauseRunRequest(run_id="ghost")),
+        (client.stub.ResumeRun, pb.ResumeRunRequest(run_id="ghost")),
+        (client.stub.StopRun, pb.StopRunRequest(run_id="ghost")),
+        (client.stub.SetRunSpeed, pb.SetRunSpeedRequest(run_id="ghost", speed=1)),
+        (client.stub.DeleteRun, pb.DeleteRunRequest(run_id="ghost")),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(request, timeout=TIMEOUT)
+        assert status_of(info) == grpc.StatusCode.NOT_FOUND
+        assert "ghost" in (info.value.details() or "")
+
+
+async def test_list_pages_newest_first_with_state_filter(fake: FakeTrainer) -> None:
+    fake.default = Script(silent=True)  # runs stay PENDING/RUNNING... until stopped
+    async with running_gateway((fake.address,), heartbeat_timeout_s=30) as c:
+        ids = [(await c.create(max_episodes=3)).id for _ in range(5)]
+        stopped = await c.stub.StopRun(pb.StopRunRequest(run_id=ids[1]), timeout=TIMEOUT)
+        assert stopped.run.state == State.STATE_STOPPED
+        seen: list[str] = []
+        token = ""
+        while True:
+            page = await c.stub.ListRuns(
+                pb.ListRunsRequest(page_size=2, page_token=token), timeout=TIMEOUT
+            )
+            assert len(page.runs) <= 2
+            seen.extend(r.id for r in page.runs)
+            token = page.next_page_token
+            if not token:
+                break
+        assert seen == ids[::-1]
+        only = await c.stub.ListRuns(pb.ListRunsRequest(state=State.STATE_STOPPED), timeout=TIMEOUT)
+        assert [r.id for r in only.runs] == [ids[1]]
+        for bad in (pb.ListRunsRequest(page_token="garbage"), pb.ListRunsRequest(page_size=1001)):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await c.stub.ListRuns(bad, timeout=TIMEOUT)
+            assert status_of(info) == grpc.StatusCode.INVALID_ARGUMENT
+        for run_id in ids:
+            if run_id != ids[1]:
+                await c.stub.StopRun(pb.StopRunRequest(run_id=run_id), timeout=TIMEOUT)
+
+
+# -- controls ---------------------------------------------------------------------------------
+
+
+async def test_controls_follow_the_state_machine(client: Client, fake: FakeTrainer) -> None:
+    hold = Script(hold_at=3)
+    fake.push(hold)
+    run = await client.create(max_episodes=10)
+    await published(client.stub, run.id, 2)
+    paused = (await client.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)).run
+    assert paused.state == State.STATE_PAUSED
+    again = (await client.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)).run
+    assert again.state == State.STATE_PAUSED  # no-op
+    fast = await client.stub.SetRunSpeed(
+        pb.SetRunSpeedRequest(run_id=run.id, speed=99), timeout=TIMEOUT
+    )
+    assert fast.run.speed == 20
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.stub.SetRunSpeed(
+            pb.SetRunSpeedRequest(run_id=run.id, speed=math.inf), timeout=TIMEOUT
+        )
+    assert status_of(info) == grpc.StatusCode.INVALID_ARGUMENT
+    resumed = await client.stub.ResumeRun(pb.ResumeRunRequest(run_id=run.id), timeout=TIMEOUT)
+    assert resumed.run.state == State.STATE_RUNNING
+    resumed = await client.stub.ResumeRun(pb.ResumeRunRequest(run_id=run.id), timeout=TIMEOUT)
+    assert resumed.run.state == State.STATE_RUNNING  # no-op
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
+    assert status_of(info) == grpc.StatusCode.FAILED_PRECONDITION
+    stopped = await client.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
+    assert stopped.run.state == State.STATE_STOPPED and stopped.run.episode == 2
+    await to_thread(fake.wait_idle)
+    assert fake.cancelled == 1  # the trainer stream was cancelled
+    for call, request in (
+        (client.stub.PauseRun, pb.PauseRunRequest(run_id=run.id)),
+        (client.stub.ResumeRun, pb.ResumeRunRequest(run_id=run.id)),
+        (client.stub.StopRun, pb.StopRunRequest(run_id=run.id)),
+        (client.stub.SetRunSpeed, pb.SetRunSpeedRequest(run_id=run.id, speed=2)),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(request, timeout=TIMEOUT)
+        assert status_of(info) == grpc.StatusCode.FAILED_PRECONDITION
+        assert run.id in (info.value.details() or "")
+    deleted = await client.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
+    assert deleted.run.id == run.id
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.get(run.id)
+    assert status_of(info) == grpc.StatusCode.NOT_FOUND
+
+
+async def test_pending_run_cannot_pause_and_stops_at_once(fake: FakeTrainer) -> None:
+    fake.slots = 0  # every trainer slot is taken
+    async with running_gateway((fake.address,)) as c:
+        run = await c.create(max_episodes=5)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)
+        assert status_of(info) == grpc.StatusCode.FAILED_PRECONDITION
+        stopped = await c.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
+        assert stopped.run.state == State.STATE_STOPPED and stopped.run.trainer == ""
+        result = await collect(c.stub, run.id)
+        assert result.episodes == [] and result.finished is not None
+    assert fake.requests == []
+
+
+async def test_fifo_scheduling_when_slots_are_full(fake: FakeTrainer) -> None:
+    fake.slots = 1
+    first = Script(hold_at=2)
+    fake.push(first)
+    async with running_gateway((fake.address,)) as c:
+        a = await c.create(max_episodes=3)
+        await to_thread(fake.wait_calls, 1)
+        b = await c.create(max_episodes=3)
+        d = await c.create(max_episodes=3)
+        assert (await c.get(b.id)).state == State.STATE_PENDING
+        first.release.set()
+        for run in (a, b, d):
+            assert (await c.finished(run.id)).state == State.STATE_DONE
+    assert [r.run_id for r in fake.requests] == [a.id, b.id, d.id]
+
+
+async def test_resource_exhausted_requeues_the_run(client: Client, fake: FakeTrainer) -> None:
+    fake.push(Script(busy=True), Script(busy=True))
+    run = await client.create(max_episodes=4)
+    final = await client.finished(run.id)
+    assert final.state == State.STATE_DONE and final.episode == 4
+    assert [r.run_id for r in fake.requests] == [run.id] * 3
+
+
+# -- trainer failures -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("script", "message"),
+    [
+        (
+            Script(
+                abort_after=3,
+                localized="The dataset file is missing.",
+                abort_code=grpc.StatusCode.FAILED_PRECONDITION,
+            ),
+            "The dataset file is missing.",
+        ),
+        (Script(abort_after=3), UNEXPECTED_MESSAGE),
+        (Script(abort_after=0, abort_code=grpc.StatusCode.UNKNOWN), UNEXPECTED_MESSAGE),
+        (Script(silent=True), LOST_MESSAGE),
+        (Script(hold_at=4, heartbeat_interval=5.0), LOST_MESSAGE),  # goes silent mid-run
+    ],
+    ids=["localized", "plain", "plain-at-start", "silent", "silent-mid-run"],
+)
+async def test_trainer_failures_become_user_messages(
+    client: Client, fake: FakeTrainer, script: Script, message: str
+) -> None:
+    fake.push(script)
+    run = await client.create(max_episodes=10)
+    final = await client.finished(run.id)
+    assert final.state == State.STATE_ERROR
+    assert final.error_message == message
+    script.release.set()
+
+
+async def test_heartbeats_keep_a_slow_trainer_alive(fake: FakeTrainer) -> None:
+    # Heartbeats every 0.1 s for 3 x the heartbeat timeout: the run must stay RUNNING.
+    script = Script(heartbeats_only=True, heartbeat_interval=0.1)
+    fake.push(script)
+    async with running_gateway((fake.address,), heartbeat_timeout_s=0.5, keepalive_s=0.1) as c:
+        await _heartbeats_keep_alive(c, fake)
+
+
+async def _heartbeats_keep_alive(client: Client, fake: FakeTrainer) -> None:
+    run = await client.create(max_episodes=10)
+    await to_thread(fake.wait_calls, 1)
+    watch = client.stub.WatchRun(pb.WatchRunRequest(run_id=run.id), timeout=TIMEOUT)
+    keepalives = 0
+    async for message in watch:
+        if message.WhichOneof("event") == "keepalive":
+            keepalives += 1
+            if keepalives == 15:  # 15 x 0.1 s = 1.5 s = 3 x the heartbeat timeout
+                break
+    watch.cancel()
+    assert (await client.get(run.id)).state == State.STATE_RUNNING
+    await client.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
+
+
+async def test_trainer_killed_mid_stream(client: Client, fake: FakeTrainer) -> None:
+    fake.push(Script(hold_at=6))
+    run = await client.create(max_episodes=10)
+    await published(client.stub, run.id, 5)
+    await to_thread(fake.kill)
+    final = await client.finished(run.id)
+    assert final.state == State.STATE_ERROR and final.error_message == LOST_MESSAGE
+    assert final.episode == 5
+
+
+@pytest.mark.parametrize("rule", VIOLATIONS)
+async def test_contract_violations_fail_the_run_and_log_it(
+    client: Client, fake: FakeTrainer, rule: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.push(Script(violate=rule, violate_at=3))
+    run = await client.create(max_episodes=6)
+    with caplog.at_level(logging.ERROR, logger="gateway"):
+        final = await client.finished(run.id)
+    assert final.state == State.STATE_ERROR
+    assert final.error_message == CONTRACT_MESSAGE
+    lines = [r.getMessage() for r in caplog.records if "CONTRACT VIOLATION" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].startswith(f"CONTRACT VIOLATION run={run.id} rule=")
+    expected_rule = {"metric_finite": "finite", "done_missing": "done", "end_without_done": "done"}
+    assert f"rule={expected_rule.get(rule, rule)} " in lines[0]
+    # Nothing after the bad episode is published; what was published stays.
+    result = await collect(client.stub, run.id)
+    assert result.numbers == list(range(1, len(result.numbers) + 1))
+    assert len(result.numbers) <= 6
+
+
+async def test_gateway_survives_and_serves_after_failures(
+    client: Client, fake: FakeTrainer
+) -> None:
+    fake.push(Script(violate="finite"), Script(abort_after=1))
+    bad = [await client.create(max_episodes=5) for _ in range(2)]
+    for run in bad:
+        assert (await client.finished(run.id)).state == State.STATE_ERROR
+    good = await client.create(max_episodes=5)
+    assert (await client.finished(good.id)).state == State.STATE_DONE
+
+
+# -- watch errors, health, reflection, shutdown ----------------------------------------------
+
+
+async def test_watch_errors(client: Client) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(client.stub, "nobody")
+    assert status_of(info) == grpc.StatusCode.NOT_FOUND
+    run = await client.create(max_episodes=2)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(client.stub, run.id, after_episode=-1)
+    assert status_of(info) == grpc.StatusCode.INVALID_ARGUMENT
+    assert run.id in (info.value.details() or "")
+
+
+async def test_health_and_reflection(client: Client) -> None:
+    health = health_pb2_grpc.HealthStub(client.channel)
+    for service in ("", "trainwire.v1.GatewayService"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+    replies = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT
+    )
+    names = set()
+    async for reply in replies:
+        names = {s.name for s in reply.list_services_response.service}
+    assert {"trainwire.v1.GatewayService", "grpc.health.v1.Health"} <= names
+
+
+async def test_shutdown_ends_watches_unavailable_and_records_interrupted(
+    fake: FakeTrainer, tmp_path: Path
+) -> None:
+    db = str(tmp_path / "gw.sqlite3")
+    fake.push(Script(hold_at=4))
+    async with running_gateway((fake.address,), db=db) as c:
+        run = await c.create(max_episodes=10)
+        await published(c.stub, run.id, 3)
+        watch = c.stub.WatchRun(pb.WatchRunRequest(run_id=run.id), timeout=TIMEOUT)
+        async for message in watch:
+            if message.WhichOneof("event") == "caught_up":
+                break
+        health = health_pb2_grpc.HealthStub(c.channel)
+        stopping = asyncio.create_task(c.gateway.stop())
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in watch:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert run.id in (info.value.details() or "")
+        await asyncio.wait_for(stopping, 5)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+    await to_thread(fake.wait_idle)
+    async with running_gateway((fake.address,), db=db) as again:
+        final = await again.get(run.id)
+        assert final.state == State.STATE_ERROR and final.error_message == INTERRUPTED_MESSAGE
+        assert final.episode == 3
+        assert (await collect(again.stub, run.id)).numbers == [1, 2, 3]

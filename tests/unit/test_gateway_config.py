@@ -1,0 +1,59 @@
+"""Gateway configuration: flag parsing, defaults, validation in __post_init__."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.__main__ import config_from_args, parse_args
+from gateway.config import DEFAULT_DB, GatewayConfig
+
+
+def test_defaults_match_the_documented_flags() -> None:
+    config = config_from_args(parse_args([]))
+    assert config == GatewayConfig()
+    assert config.port == 50051 and config.db == DEFAULT_DB == "var/trainwire.sqlite3"
+    assert config.episode_rate == 20 and config.keepalive_s == 15
+    assert config.heartbeat_timeout_s == 30
+
+
+def test_flags_are_parsed() -> None:
+    args = parse_args(
+        [
+            "--host", "0.0.0.0", "--port", "0", "--trainer", "a:1, b:2", "--db", ":memory:",
+            "--episode-rate", "-1", "--keepalive", "0.05", "--heartbeat-timeout", "0.5",
+        ]
+    )  # fmt: skip
+    config = config_from_args(args)
+    assert config.trainers == ("a:1", "b:2")
+    assert config.port == 0 and config.db == ":memory:" and config.episode_rate == -1
+    assert config.keepalive_s == 0.05 and config.heartbeat_timeout_s == 0.5
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"port": 70000},
+        {"trainers": ()},
+        {"trainers": ("nohost",)},
+        {"trainers": ("h:0",)},
+        {"db": ""},
+        {"episode_rate": 0.0},
+        {"episode_rate": math.nan},
+        {"keepalive_s": 0.0},
+        {"heartbeat_timeout_s": -1.0},
+        {"live_coalesce_s": 2.0},
+        {"history_cache_mb": -1.0},
+    ],
+)
+def test_bad_values_are_rejected(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        GatewayConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_main_rejects_a_bad_flag_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.__main__ import main
+
+    assert main(["--trainer", "nope", "--port", "0"]) == 2
+    assert "HOST:PORT" in capsys.readouterr().err

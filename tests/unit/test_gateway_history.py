@@ -1,0 +1,171 @@
+"""History: frame encoding, batch splitting, log cursors and wake-ups, the page cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.core.history import (
+    MAX_BATCH_BYTES,
+    EpisodeLog,
+    PageCache,
+    encode_batch,
+    encode_frame,
+    frame_payload,
+    split_batches,
+)
+from tests.fakes.fake_trainer import valid_episodes
+from trainwire.v1 import episode_pb2, gateway_service_pb2
+
+
+def test_a_frame_is_a_watch_response_with_the_episode() -> None:
+    for ep in valid_episodes(12):
+        data = ep.SerializeToString(deterministic=True)
+        frame = encode_frame(data)
+        message = gateway_service_pb2.WatchRunResponse.FromString(frame)
+        assert message.WhichOneof("event") == "episode"
+        assert message.episode == ep
+        assert frame_payload(frame) == data
+
+
+def test_a_batch_of_frames_is_a_watch_response_with_the_batch() -> None:
+    episodes = list(valid_episodes(30))
+    frames = [encode_frame(e.SerializeToString(deterministic=True)) for e in episodes]
+    message = gateway_service_pb2.WatchRunResponse.FromString(encode_batch(frames))
+    assert message.WhichOneof("event") == "batch"
+    assert list(message.batch.episodes) == episodes
+    # byte-identical episodes inside
+    assert [e.SerializeToString(deterministic=True) for e in message.batch.episodes] == [
+        e.SerializeToString(deterministic=True) for e in episodes
+    ]
+
+
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=400), max_size=300),
+    start=st.integers(min_value=0, max_value=300),
+    max_episodes=st.integers(min_value=1, max_value=50),
+    max_bytes=st.integers(min_value=64, max_value=4000),
+)
+def test_split_batches_covers_the_range_within_limits(
+    sizes: list[int], start: int, max_episodes: int, max_bytes: int
+) -> None:
+    frames = [b"x" * n for n in sizes]
+    start = min(start, len(frames))
+    ranges = list(split_batches(frames, start, len(frames), max_episodes, max_bytes))
+    covered = [i for lo, hi in ranges for i in range(lo, hi)]
+    assert covered == list(range(start, len(frames)))
+    for lo, hi in ranges:
+        assert 1 <= hi - lo <= max_episodes
+        size = sum(sizes[lo:hi])
+        assert hi - lo == 1 or size + 6 <= max_bytes
+
+
+def test_batches_of_the_real_limits() -> None:
+    big = [b"y" * 30_000] * 100  # 30 KB frames: the 1 MiB cap binds before 256 episodes
+    ranges = list(split_batches(big, 0, 100))
+    assert all(sum(len(f) for f in big[lo:hi]) <= MAX_BATCH_BYTES for lo, hi in ranges)
+    assert ranges[0] == (0, 34)
+    small = [b"z" * 10] * 600
+    assert [hi - lo for lo, hi in split_batches(small, 0, 600)] == [256, 256, 88]
+
+
+async def test_log_wakes_every_waiter_and_forgets_them() -> None:
+    log = EpisodeLog("r1")
+    waiters = [asyncio.create_task(log.wait(10)) for _ in range(50)]
+    await asyncio.sleep(0)
+    assert log.waiter_count == 50
+    log.publish([b"a"])
+    await asyncio.gather(*waiters)
+    assert log.waiter_count == 0
+    assert log.last_episode == 1
+
+
+async def test_cancelled_waiter_leaves_nothing_behind() -> None:
+    log = EpisodeLog("r1")
+    task = asyncio.create_task(log.wait(10))
+    await asyncio.sleep(0)
+    assert log.waiter_count == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert log.waiter_count == 0
+
+
+async def test_wait_times_out_and_cleans_up() -> None:
+    log = EpisodeLog("r1")
+    await log.wait(0.01)
+    assert log.waiter_count == 0
+
+
+async def test_publications_inside_the_wake_window_are_coalesced() -> None:
+    log = EpisodeLog("r1", min_wake_interval=0.2)
+    log.watchers = 1000  # window = min(0.2, 1000 x 0.2 ms) = 0.2 s
+    log.publish([b"1"])  # first publication: woken at once
+    waiter = asyncio.create_task(log.wait(5))
+    await asyncio.sleep(0)
+    log.publish([b"2"])
+    log.publish([b"3"])
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # held for the window
+    await asyncio.wait_for(waiter, 2)
+    assert log.last_episode == 3  # both arrive with one wake-up
+    log.close()  # close is never delayed
+    assert log.closed
+
+
+async def test_a_single_watcher_is_not_delayed() -> None:
+    log = EpisodeLog("r1", min_wake_interval=0.5)
+    log.watchers = 1  # window 0.2 ms
+    log.publish([b"1"])
+    waiter = asyncio.create_task(log.wait(5))
+    await asyncio.sleep(0.01)
+    log.publish([b"2"])
+    await asyncio.wait_for(waiter, 0.1)
+
+
+async def test_page_cache_shares_loads_and_evicts_by_bytes() -> None:
+    episodes = [e.SerializeToString() for e in valid_episodes(600)]
+    loads: list[tuple[str, int, int]] = []
+    gate = asyncio.Event()
+
+    async def loader(run_id: str, first: int, last: int) -> list[bytes]:
+        loads.append((run_id, first, last))
+        await gate.wait()
+        return episodes[first - 1 : last]
+
+    page_bytes = sum(len(encode_frame(e)) for e in episodes[:256])
+    cache = PageCache(loader, max_bytes=page_bytes + 10)
+    concurrent = [asyncio.create_task(cache.page("r", 0, 600)) for _ in range(20)]
+    await asyncio.sleep(0)
+    gate.set()
+    pages = await asyncio.gather(*concurrent)
+    assert loads == [("r", 1, 256)]  # twenty watchers, one load
+    assert all(p == pages[0] for p in pages)
+    assert frame_payload(pages[0][0]) == episodes[0]
+    last_page = await cache.page("r", 2, 600)  # episodes 513..600
+    assert len(last_page) == 88
+    assert cache.size_bytes <= page_bytes + 10  # page 0 evicted to make room
+    await cache.page("r", 0, 600)
+    assert loads[-1] == ("r", 1, 256)
+    cache.forget("r")
+    assert cache.size_bytes == 0
+
+
+async def test_page_cache_does_not_keep_a_short_page() -> None:
+    async def loader(run_id: str, first: int, last: int) -> list[bytes]:
+        return [b"e"] * 3  # the run was deleted half way
+
+    cache = PageCache(loader, max_bytes=1 << 20)
+    assert len(await cache.page("r", 0, 10)) == 3
+    assert cache.size_bytes == 0
+
+
+def test_episode_roundtrip_of_valid_stream_is_byte_stable() -> None:
+    ep = next(iter(valid_episodes(1)))
+    again = episode_pb2.Episode.FromString(ep.SerializeToString())
+    # Map entries make plain serialization order-dependent; the gateway stores deterministic
+    # bytes, which any receiver reproduces.
+    assert again.SerializeToString(deterministic=True) == ep.SerializeToString(deterministic=True)
