@@ -32,7 +32,7 @@ gen: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy clients/trainwire gateway trainer_service
+	$(VENV)/bin/mypy clients/trainwire gateway trainer_service trainwire_ops
 	cd protos && ../$(VENV)/bin/buf lint
 
 bench: install

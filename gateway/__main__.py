@@ -1,4 +1,8 @@
-"""``python -m gateway``: parse flags, set up logging, serve until SIGTERM/SIGINT."""
+"""``python -m gateway``: parse flags, set up logging, serve until SIGTERM/SIGINT.
+
+Prints ``gateway listening on HOST:PORT`` once serving and, with ``--metrics-port``,
+``gateway metrics on http://HOST:PORT/metrics`` (scripts wait for these lines).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from collections.abc import Sequence
 
 from gateway.config import DEFAULT_DB, GatewayConfig
 from gateway.server import Gateway
+from trainwire.logs import LOG_FORMATS, configure_logging
 
 _LOGGER = logging.getLogger("gateway")
 
@@ -75,7 +80,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0.02,
         help="upper bound (s) of the window in which live episodes of a busy run are batched",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics on this port "
+        "(0 picks a free one; default: off)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: one line for people; json: one JSON object per line",
+    )
     return p.parse_args(argv)
 
 
@@ -93,14 +111,21 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         schedule_poll_s=args.schedule_poll,
         history_cache_mb=args.history_cache_mb,
         live_coalesce_s=args.live_coalesce,
+        metrics_port=args.metrics_port,
     )
 
 
-async def serve(config: GatewayConfig) -> None:
-    """Serves until SIGTERM or SIGINT, then stops gracefully."""
+async def serve(config: GatewayConfig) -> int:
+    """Serves until SIGTERM or SIGINT, then stops gracefully; returns the exit status."""
     gateway = Gateway(config)
-    port = await gateway.start()
+    try:
+        port = await gateway.start()
+    except (OSError, RuntimeError) as exc:  # a port that cannot be bound
+        _LOGGER.error("%s", exc)
+        return 1
     print(f"gateway listening on {config.host}:{port}", flush=True)
+    if gateway.metrics_endpoint is not None:
+        print(f"gateway metrics on {gateway.metrics_endpoint.url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -112,6 +137,7 @@ async def serve(config: GatewayConfig) -> None:
             await gateway.stop()
     except TimeoutError:
         _LOGGER.error("shutdown took too long; exiting anyway")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,12 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"python -m gateway: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    asyncio.run(serve(config))
-    return 0
+    try:
+        configure_logging(args.log_level, args.log_format)
+    except ValueError as exc:
+        print(f"python -m gateway: error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

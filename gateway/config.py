@@ -27,6 +27,8 @@ class GatewayConfig:
         live_coalesce_s: Upper bound of a run's live wake window: its watchers are woken at
             most once per window (0.2 ms per attached watcher, at most this); episodes
             published in between go out together as a batch (0: one wake-up per episode).
+        metrics_port: Port of the Prometheus ``/metrics`` endpoint on ``host``; ``None`` = off,
+            0 picks a free one.
     """
 
     host: str = "127.0.0.1"
@@ -41,12 +43,15 @@ class GatewayConfig:
     trainer_call_timeout_s: float = 5.0
     history_cache_mb: float = 64.0
     live_coalesce_s: float = 0.02
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if not self.trainers:
             raise ValueError("at least one trainer address is required")
         for address in self.trainers:

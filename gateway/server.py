@@ -1,6 +1,7 @@
-"""The gateway's gRPC server: ``GatewayService`` on ``grpc.aio`` with health, reflection and an
-HTTP/2 keepalive policy; ``Gateway`` ties server, core and store together for ``__main__``,
-tests and benchmarks."""
+"""The gateway's gRPC server: ``GatewayService`` on ``grpc.aio`` with health, reflection, an
+HTTP/2 keepalive policy and the RPC metrics interceptor; ``Gateway`` ties server, core, store and
+metrics (``/metrics`` over HTTP with ``config.metrics_port``) together for ``__main__``, tests
+and benchmarks."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.config import GatewayConfig
-from gateway.core.observer import Observer
 from gateway.core.registry import RunRegistry
 from gateway.core.store import SqliteStore, StoreThread
 from gateway.core.trainers import TrainerConnector
+from gateway.metrics import GatewayMetrics
 from gateway.servicer import GatewayServicer, add_to_server
 from gateway.trainer_client import GrpcTrainerConnector
 from trainwire.v1 import gateway_service_pb2
+from trainwire_ops.rpc_metrics import MetricsEndpoint
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -43,13 +45,21 @@ def build_server(
     config: GatewayConfig,
     core: RunRegistry,
     health_servicer: health.aio.HealthServicer | None = None,
+    metrics: GatewayMetrics | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Builds (does not start) the aio server; returns it and the port it is bound to.
+
+    Args:
+        config: Address and options.
+        core: The run registry the servicer calls.
+        health_servicer: The health service to register (a fresh one by default).
+        metrics: Where the RPC metrics go (unmeasured without).
 
     Raises:
         RuntimeError: the address cannot be bound.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    interceptors = (metrics.interceptor(),) if metrics is not None else ()
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     add_to_server(GatewayServicer(core), server)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -63,40 +73,59 @@ def build_server(
 
 
 class Gateway:
-    """A running gateway: store, core and server.
+    """A running gateway: store, core, server and metrics.
 
     Args:
         config: Settings.
         connector: How to reach trainers (gRPC by default).
-        observer: Metrics hooks.
+        metrics: Its metrics (a fresh ``GatewayMetrics`` by default; always recorded, served
+            over HTTP only with ``config.metrics_port``).
+
+    Attributes:
+        metrics: The gateway's metrics.
+        metrics_endpoint: The HTTP ``/metrics`` endpoint while it serves; ``None`` when off.
     """
 
     def __init__(
         self,
         config: GatewayConfig,
         connector: TrainerConnector | None = None,
-        observer: Observer | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.config = config
         self._connector = connector
-        self._observer = observer
+        self.metrics = metrics or GatewayMetrics()
+        self.metrics_endpoint: MetricsEndpoint | None = None
         self._health = health.aio.HealthServicer()
         self.core: RunRegistry | None = None
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
     async def start(self) -> int:
-        """Opens the store, recovers, starts serving; returns the bound port."""
-        observer = self._observer or Observer()
-        store = StoreThread(
-            SqliteStore(self.config.db), asyncio.get_running_loop(), observer.store_commit
-        )
-        self.core = RunRegistry(
-            self.config, store, self._connector or GrpcTrainerConnector(), observer
-        )
-        await self.core.start()
-        self.server, self.port = build_server(self.config, self.core, self._health)
-        await self.server.start()
+        """Opens the store, recovers, starts serving; returns the bound port.
+
+        Raises:
+            OSError: The metrics port cannot be bound (nothing was started).
+            RuntimeError: The gRPC port cannot be bound.
+        """
+        metrics = self.metrics
+        if self.config.metrics_port is not None:
+            self.metrics_endpoint = MetricsEndpoint.start(
+                metrics.registry, self.config.host, self.config.metrics_port
+            )
+        try:
+            store = StoreThread(
+                SqliteStore(self.config.db), asyncio.get_running_loop(), metrics.store_commit
+            )
+            self.core = RunRegistry(
+                self.config, store, self._connector or GrpcTrainerConnector(), metrics
+            )
+            await self.core.start()
+            self.server, self.port = build_server(self.config, self.core, self._health, metrics)
+            await self.server.start()
+        except BaseException:
+            await self._stop_metrics()
+            raise
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         _LOGGER.info(
@@ -114,7 +143,14 @@ class Gateway:
         self.core.begin_shutdown()
         await self.server.stop(self.config.shutdown_grace_s)
         await self.core.shutdown()
+        await self._stop_metrics()
         _LOGGER.info("gateway stopped")
+
+    async def _stop_metrics(self) -> None:
+        endpoint, self.metrics_endpoint = self.metrics_endpoint, None
+        if endpoint is not None:
+            # Joining the HTTP server's thread takes up to its 0.5 s poll: not on the loop.
+            await asyncio.to_thread(endpoint.stop)
 
     async def wait_for_termination(self) -> None:
         """Returns when the server has stopped."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import Message
 
 from gateway import convert
 from gateway.core.registry import RunRegistry
@@ -109,7 +110,7 @@ def _serialize_watch_response(message: bytes | pb.WatchRunResponse) -> bytes:
 def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
     """Registers the servicer; like the generated ``add_GatewayServiceServicer_to_server``
     except that ``WatchRun`` responses may be pre-encoded bytes."""
-    unary = {
+    unary: dict[str, tuple[type[Message], type[Message]]] = {
         "CreateRun": (pb.CreateRunRequest, pb.CreateRunResponse),
         "GetRun": (pb.GetRunRequest, pb.GetRunResponse),
         "ListRuns": (pb.ListRunsRequest, pb.ListRunsResponse),

@@ -76,7 +76,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     if isinstance(exc, GatewayError | ContractViolation):
-        _LOGGER.info("%s: %s: %s", method, status_code_for(exc).name, exc)
+        run_id = getattr(exc, "run_id", "")
+        extra = {"run_id": run_id} if run_id else None
+        _LOGGER.info("%s: %s: %s", method, status_code_for(exc).name, exc, extra=extra)
         await context.abort_with_status(to_status(exc))
     _LOGGER.exception("%s failed unexpectedly", method)
     await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: internal error (logged)")

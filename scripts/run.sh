@@ -53,6 +53,19 @@ wait_listening() {
   return 1
 }
 
+# Prints the metrics URL a service logged ("<what> metrics on http://HOST:PORT/metrics").
+metrics_url() {
+  local what=$1 log=$2 url
+  for _ in $(seq 1 50); do
+    if url=$(grep -m1 -oE "^$what metrics on http://[^ ]+" "$log" 2>/dev/null); then
+      echo "${url##* }"
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "(none: see $log)"
+}
+
 trainer_metrics=() gateway_metrics=()
 if [[ $METRICS == 1 ]]; then
   trainer_metrics=(--metrics-port "${TRAINER_METRICS_PORT:-9152}")
@@ -95,7 +108,8 @@ Try it with grpcurl (.venv/bin/grpcurl):
 or the CLI: $BIN/trainwire --gateway $gateway runs list
 EOF
 if [[ $METRICS == 1 ]]; then
-  echo "metrics: http://127.0.0.1:${GATEWAY_METRICS_PORT:-9151}/metrics (gateway), http://127.0.0.1:${TRAINER_METRICS_PORT:-9152}/metrics (trainer)"
+  echo "Prometheus metrics: $(metrics_url gateway "$VAR/logs/gateway.log") (gateway)," \
+    "$(metrics_url trainer "$VAR/logs/trainer.log") (trainer)"
 fi
 
 if [[ $STAY_UP == 1 ]]; then

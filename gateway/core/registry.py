@@ -137,6 +137,34 @@ class _ActiveRun:
         self.finalizing = False
 
 
+def _log_end(run: TrainingRun) -> None:
+    """The one INFO line of a run's end: finished (DONE), stopped or failed (ERROR)."""
+    extra = {"run_id": run.id, "state": run.state.name}
+    if run.state is RunState.DONE:
+        _LOGGER.info(
+            "run %s finished: %d episodes, best reward %g",
+            run.id,
+            run.episode,
+            run.best_reward,
+            extra={**extra, "event": "finished"},
+        )
+    elif run.state is RunState.STOPPED:
+        _LOGGER.info(
+            "run %s stopped at episode %d",
+            run.id,
+            run.episode,
+            extra={**extra, "event": "stopped"},
+        )
+    else:
+        _LOGGER.info(
+            "run %s failed at episode %d: %s",
+            run.id,
+            run.episode,
+            run.error_message,
+            extra={**extra, "event": "failed"},
+        )
+
+
 def _require_run_id(run_id: str) -> None:
     if not run_id:
         raise InvalidRequest("run_id is required", [FieldViolation("run_id", "required")])
@@ -190,7 +218,13 @@ class RunRegistry:
             SqliteStore.interrupt_active, INTERRUPTED_MESSAGE, self._now()
         )
         for run_id in interrupted:
-            _LOGGER.warning("run %s was active when the gateway stopped: now ERROR", run_id)
+            _LOGGER.warning(
+                "run %s was active when the gateway stopped: now ERROR",
+                run_id,
+                extra={"run_id": run_id, "event": "failed"},
+            )
+        counts = await self._store.call(SqliteStore.count_by_state)
+        self._observer.runs_loaded({state.name: n for state, n in counts.items()})
         self._scheduler = asyncio.create_task(self._schedule_loop(), name="gateway-scheduler")
 
     @property
@@ -256,7 +290,12 @@ class RunRegistry:
             del self._creating[rid]
         future.set_result(run)
         if existing is not None:
-            _LOGGER.info("run %s: request_id %r seen before; returning it", run.id, rid)
+            _LOGGER.info(
+                "run %s: request_id %r seen before; returning it",
+                run.id,
+                rid,
+                extra={"run_id": run.id},
+            )
         return self._current(run)
 
     def _current(self, run: TrainingRun) -> TrainingRun:
@@ -289,6 +328,7 @@ class RunRegistry:
             task_kind(run.task),
             run.config.max_episodes,
             "unpaced" if rate < 0 else f"{rate:g} episodes/s x {run.speed:g}",
+            extra={"run_id": run.id, "event": "created"},
         )
         return run
 
@@ -346,7 +386,8 @@ class RunRegistry:
             raise RunNotFound(run_id)
         await self._store.call(SqliteStore.delete_run, run_id)
         self._pages.forget(run_id)
-        _LOGGER.info("run %s deleted", run_id)
+        self._observer.run_deleted(run_id, run.state.name)
+        _LOGGER.info("run %s deleted", run_id, extra={"run_id": run_id, "event": "deleted"})
         return run
 
     # -- controls ----------------------------------------------------------------------------
@@ -370,7 +411,12 @@ class RunRegistry:
             active.control.set()
             active.log.wake()
             await self._persist(active)
-            _LOGGER.info("run %s paused at episode %d", run_id, active.run.episode)
+            _LOGGER.info(
+                "run %s paused at episode %d",
+                run_id,
+                active.run.episode,
+                extra={"run_id": run_id, "event": "paused"},
+            )
         return active.run.snapshot()
 
     async def resume(self, run_id: str) -> TrainingRun:
@@ -385,7 +431,12 @@ class RunRegistry:
             active.control.set()
             active.log.wake()
             await self._persist(active)
-            _LOGGER.info("run %s resumed", run_id)
+            _LOGGER.info(
+                "run %s resumed at episode %d",
+                run_id,
+                active.run.episode,
+                extra={"run_id": run_id, "event": "resumed"},
+            )
         return active.run.snapshot()
 
     async def set_speed(self, run_id: str, speed: float) -> TrainingRun:
@@ -405,7 +456,12 @@ class RunRegistry:
         active.pacer.set_speed(active.run.speed)
         active.control.set()
         await self._persist(active)
-        _LOGGER.info("run %s speed %g", run_id, active.run.speed)
+        _LOGGER.info(
+            "run %s speed %g",
+            run_id,
+            active.run.speed,
+            extra={"run_id": run_id, "event": "speed"},
+        )
         return active.run.snapshot()
 
     async def stop(self, run_id: str) -> TrainingRun:
@@ -456,10 +512,12 @@ class RunRegistry:
         try:
             caps = await self._connector.capabilities(address, self._config.trainer_call_timeout_s)
         except TrainerError as exc:
+            self._observer.trainer_probed(address, None)
             if address not in self._unreachable:
                 self._unreachable.add(address)
                 _LOGGER.warning("trainer %s unreachable: %s", address, exc)
             return None
+        self._observer.trainer_probed(address, caps)
         if address in self._unreachable:
             self._unreachable.discard(address)
             _LOGGER.info("trainer %s reachable again", address)
@@ -513,7 +571,12 @@ class RunRegistry:
             raise  # stop or shutdown: whoever cancelled finalizes the run
         except TrainerBusy as exc:
             if run.state is RunState.PENDING:
-                _LOGGER.info("run %s: trainer %s is busy; back in the queue", run.id, trainer)
+                _LOGGER.info(
+                    "run %s: trainer %s is busy; back in the queue",
+                    run.id,
+                    trainer,
+                    extra={"run_id": run.id},
+                )
                 self._observer.trainer_failure(run.id, "busy")
                 active.driver = None
                 bisect.insort(self._queue, (run.seq, run.id))
@@ -523,7 +586,13 @@ class RunRegistry:
                 )
                 return
             message = UNEXPECTED_MESSAGE
-            _LOGGER.warning("run %s: trainer %s busy mid-stream: %s", run.id, trainer, exc)
+            _LOGGER.warning(
+                "run %s: trainer %s busy mid-stream: %s",
+                run.id,
+                trainer,
+                exc,
+                extra={"run_id": run.id},
+            )
         except ContractViolation as exc:
             message = CONTRACT_MESSAGE
             self._observer.contract_violation(run.id, exc.rule)
@@ -535,38 +604,50 @@ class RunRegistry:
                 exc.episode,
                 exc.field,
                 exc,
+                extra={"run_id": run.id, "rule": exc.rule},
             )
         except TrainerFailed as exc:
             message = exc.user_message
             self._observer.trainer_failure(run.id, "failed")
-            _LOGGER.warning("run %s: trainer %s failed: %s", run.id, trainer, exc)
+            _LOGGER.warning(
+                "run %s: trainer %s failed: %s", run.id, trainer, exc, extra={"run_id": run.id}
+            )
         except TrainerLost as exc:
             message = LOST_MESSAGE
             self._observer.trainer_failure(run.id, "lost")
-            _LOGGER.warning("run %s: trainer %s stopped responding: %s", run.id, trainer, exc)
+            _LOGGER.warning(
+                "run %s: trainer %s stopped responding: %s",
+                run.id,
+                trainer,
+                exc,
+                extra={"run_id": run.id},
+            )
         except TrainerCrashed as exc:
             message = UNEXPECTED_MESSAGE
             self._observer.trainer_failure(run.id, "crashed")
-            _LOGGER.warning("run %s: trainer %s stopped: %s", run.id, trainer, exc)
+            _LOGGER.warning(
+                "run %s: trainer %s stopped: %s", run.id, trainer, exc, extra={"run_id": run.id}
+            )
         except Exception:
             message = UNEXPECTED_MESSAGE
-            _LOGGER.exception("run %s: unexpected failure driving trainer %s", run.id, trainer)
+            _LOGGER.exception(
+                "run %s: unexpected failure driving trainer %s",
+                run.id,
+                trainer,
+                extra={"run_id": run.id},
+            )
         if active.finalizing:
             return
         active.finalizing = True
         try:
             await self._flush(active)
         except Exception:
-            _LOGGER.exception("run %s: store failure", run.id)
+            _LOGGER.exception("run %s: store failure", run.id, extra={"run_id": run.id})
             message = message or UNEXPECTED_MESSAGE
         if message is None:
             run.complete(self._now())
-            _LOGGER.info(
-                "run %s done: %d episodes, best reward %g", run.id, run.episode, run.best_reward
-            )
         else:
             run.fail(message, self._now())
-            _LOGGER.info("run %s failed: %s", run.id, message)
         await self._finalize(active)
 
     async def _consume(self, active: _ActiveRun, trainer: str) -> None:
@@ -594,9 +675,16 @@ class RunRegistry:
                 if run.state is RunState.PENDING:
                     run.start(trainer, self._now())
                     await self._persist(active)
-                    _LOGGER.info("run %s started on trainer %s", run.id, trainer)
+                    _LOGGER.info(
+                        "run %s started on trainer %s",
+                        run.id,
+                        trainer,
+                        extra={"run_id": run.id, "event": "started"},
+                    )
                 if event is None:
+                    self._observer.heartbeat_received(run.id)
                     continue
+                self._observer.episode_received(run.id)
                 checker.check(event)
                 if event.done:
                     # Rule 3: nothing may follow the done episode. The trainer closes its
@@ -640,9 +728,20 @@ class RunRegistry:
         except StopAsyncIteration:
             return
         except TimeoutError:
-            _LOGGER.warning("run %s: trainer %s kept the stream open after done", run_id, trainer)
+            _LOGGER.warning(
+                "run %s: trainer %s kept the stream open after done",
+                run_id,
+                trainer,
+                extra={"run_id": run_id},
+            )
         except TrainerError as exc:  # the episodes are complete; the trainer's end is not ours
-            _LOGGER.warning("run %s: trainer %s failed after done: %s", run_id, trainer, exc)
+            _LOGGER.warning(
+                "run %s: trainer %s failed after done: %s",
+                run_id,
+                trainer,
+                exc,
+                extra={"run_id": run_id},
+            )
 
     async def _until_publishable(self, active: _ActiveRun) -> None:
         """Waits while the run is paused, then for its pace."""
@@ -684,7 +783,12 @@ class RunRegistry:
     def _committed(self, active: _ActiveRun, _result: object, error: BaseException | None) -> None:
         active.committed.set()
         if error is not None:
-            _LOGGER.error("run %s: storing an episode failed: %s", active.run.id, error)
+            _LOGGER.error(
+                "run %s: storing an episode failed: %s",
+                active.run.id,
+                error,
+                extra={"run_id": active.run.id},
+            )
             active.commit_error = error
             active.control.set()
             return
@@ -708,16 +812,20 @@ class RunRegistry:
         try:
             await self._flush(active)
         except Exception:
-            _LOGGER.exception("run %s: episodes lost on the way to the store", run.id)
+            _LOGGER.exception(
+                "run %s: episodes lost on the way to the store", run.id, extra={"run_id": run.id}
+            )
         try:
             await self._persist(active)
         except Exception:
-            _LOGGER.exception("run %s: could not store its final state", run.id)
+            _LOGGER.exception(
+                "run %s: could not store its final state", run.id, extra={"run_id": run.id}
+            )
         self._active.pop(run.id, None)
         self._dequeue(run.id)
         active.log.close()
         self._schedule.set()  # a trainer slot may be free now
-        _LOGGER.info("run %s ended %s at episode %d", run.id, run.state.name, run.episode)
+        _log_end(run)
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -741,17 +849,21 @@ class RunRegistry:
             )
         if self._closing:
             raise ShuttingDown(f"the gateway is shutting down; resume watching run {run_id!r}")
-        self._observer.watcher_attached(run_id)
+        observer = self._observer
+        observer.watcher_attached(run_id)
         try:
             active = self._active.get(run_id)
-            if active is not None:
-                async for event in self._watch_active(active, after_episode):
-                    yield event
-            else:
-                async for event in self._watch_finished(await self.get(run_id), after_episode):
-                    yield event
+            events = (
+                self._watch_active(active, after_episode)
+                if active is not None
+                else self._watch_finished(await self.get(run_id), after_episode)
+            )
+            async for event in events:
+                if type(event) is EpisodeFrames:  # one call per message, not per episode
+                    observer.episodes_sent(run_id, len(event.frames))
+                yield event
         finally:
-            self._observer.watcher_detached(run_id)
+            observer.watcher_detached(run_id)
 
     def _check_closing(self, run_id: str, cursor: int) -> None:
         if self._closing:

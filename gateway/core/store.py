@@ -270,6 +270,11 @@ class SqliteStore:
         self._conn.execute("DELETE FROM episodes WHERE run_id=?", (run_id,))
         self._conn.execute("DELETE FROM runs WHERE id=?", (run_id,))
 
+    def count_by_state(self) -> dict[RunState, int]:
+        """How many runs are in each state (states without runs are left out)."""
+        rows = self._conn.execute("SELECT state, COUNT(*) FROM runs GROUP BY state")
+        return {RunState(state): count for state, count in rows}
+
     def interrupt_active(self, message: str, now: int) -> list[str]:
         """Marks every active run ERROR with ``message`` (after a crash); returns their ids."""
         active = [int(s) for s in RunState if s.active]

@@ -1,0 +1,72 @@
+"""`make run`'s script (scripts/run.sh) starts both services, runs the demo and stops cleanly.
+
+It runs exactly what a new user runs, with ports picked by the OS, an unpaced short demo and
+STAY_UP=0 so the script returns once the demo is done.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+from PIL import Image
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run_script(tmp_path: pathlib.Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {
+        **os.environ,
+        "PY": sys.executable,
+        "VAR": str(tmp_path / "var"),
+        "STAY_UP": "0",
+        "GATEWAY_PORT": "0",
+        "TRAINER_PORT": "0",
+        "GATEWAY_METRICS_PORT": "0",
+        "TRAINER_METRICS_PORT": "0",
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "run.sh")],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+def test_demo_runs_watches_and_draws_pictures(tmp_path: pathlib.Path) -> None:
+    result = run_script(tmp_path, DEMO_EPISODES="40", DEMO_RATE="-1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    assert "run " in out and "done after episode 40" in out
+    for name, min_size in (("demo-curve.png", (400, 200)), ("demo-avatar.png", (400, 100))):
+        path = tmp_path / "var" / name
+        with Image.open(path) as image:
+            assert image.size[0] >= min_size[0] and image.size[1] >= min_size[1]
+            colours = image.convert("RGB").getcolors(maxcolors=1 << 24)
+            assert colours is not None and len(colours) > 5, f"{name} looks blank"
+    for recipe in ("list", "describe trainwire.v1.GatewayService", "WatchRun", "Health/Check"):
+        assert recipe in out
+    assert re.search(
+        r"Prometheus metrics: http://127.0.0.1:\d+/metrics \(gateway\), "
+        r"http://127.0.0.1:\d+/metrics \(trainer\)",
+        out,
+    ), out
+    assert "stopping services" in out
+    gateway_log = (tmp_path / "var" / "logs" / "gateway.log").read_text()
+    assert "gateway listening on" in gateway_log
+
+
+def test_services_only_without_demo(tmp_path: pathlib.Path) -> None:
+    result = run_script(tmp_path, DEMO="0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "demo run" not in result.stdout
+    assert "trainer  on 127.0.0.1:" in result.stdout and "gateway  on 127.0.0.1:" in result.stdout
+    assert not (tmp_path / "var" / "demo-curve.png").exists()
