@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import re
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,6 +20,7 @@ from gateway.server import Gateway
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
 TIMEOUT = 20.0  # every gRPC call of a test has a deadline
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def imitation_task() -> episode_pb2.TrainTask:
@@ -169,3 +174,39 @@ async def published(
             break
     assert len(result.episodes) >= count, f"the stream ended after {len(result.episodes)}"
     return result
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(
+    trainer: str, log: Path, *flags: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    """``python -m gateway --port 0 --trainer TRAINER FLAGS...`` with stderr appended to ``log``.
+
+    Yields the process, once it printed its ``gateway listening on`` line, and its address; the
+    rest of its stdout is left for the caller. A process still running on exit is killed.
+    """
+    with log.open("ab") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "gateway",
+            "--port",
+            "0",
+            "--trainer",
+            trainer,
+            *flags,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), TIMEOUT)).decode()
+        match = re.fullmatch(r"gateway listening on 127\.0\.0\.1:(\d+)\n", line)
+        assert match, f"unexpected first line {line!r}; log: {log.read_text()[-2000:]}"
+        yield proc, f"127.0.0.1:{match.group(1)}"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()

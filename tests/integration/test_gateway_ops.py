@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
 import re
 import signal
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -30,13 +28,13 @@ from tests.fakes.gateway_harness import (
     WatchResult,
     absorb,
     collect,
+    gateway_process,
     published,
     running_gateway,
 )
 from trainwire.v1 import gateway_service_pb2 as pb
 from trainwire.v1 import gateway_service_pb2_grpc
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 SERVICE = "trainwire.v1.GatewayService"
 STATES = ("PENDING", "RUNNING", "PAUSED", "DONE", "STOPPED", "ERROR")
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -75,16 +73,6 @@ async def until(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeTrainer]:
-    trainer = FakeTrainer(slots=4)
-    trainer.start()
-    yield trainer
-    for script in trainer.scripts:
-        script.release.set()
-    trainer.kill()
 
 
 @pytest.fixture
@@ -241,38 +229,17 @@ async def test_json_logs_carry_one_line_per_lifecycle_event_with_the_run_id(
     fake: FakeTrainer, tmp_path: pathlib.Path
 ) -> None:
     log = tmp_path / "gateway.log"
-    with log.open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "gateway",
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--trainer",
-            fake.address,
-            "--db",
-            ":memory:",
-            "--log-format",
-            "json",
-            "--schedule-poll",
-            "0.05",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-    try:
+    flags = ("--metrics-port", "0", "--db", ":memory:", "--log-format", "json")
+    async with gateway_process(fake.address, log, *flags, "--schedule-poll", "0.05") as (
+        proc,
+        address,
+    ):
         assert proc.stdout is not None
-        first = (await asyncio.wait_for(proc.stdout.readline(), TIMEOUT)).decode()
-        listening = re.fullmatch(r"gateway listening on 127\.0\.0\.1:(\d+)\n", first)
-        assert listening, f"{first!r}; log: {log.read_text()[-2000:]}"
         second = (await asyncio.wait_for(proc.stdout.readline(), TIMEOUT)).decode()
         metrics = re.fullmatch(r"gateway metrics on (http://127\.0\.0\.1:\d+/metrics)\n", second)
         assert metrics, second
 
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{listening.group(1)}") as channel:
+        async with grpc.aio.insecure_channel(address) as channel:
             stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
             client = Client(None, channel, stub, "")  # type: ignore[arg-type]
             # controlled: created, started, paused, resumed, stopped.
@@ -296,10 +263,6 @@ async def test_json_logs_carry_one_line_per_lifecycle_event_with_the_run_id(
             assert sample(scraped, "trainwire_gateway_runs", state="STOPPED") == 1
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), TIMEOUT) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
     records = [json.loads(line) for line in log.read_text().splitlines()]  # every line is JSON
     assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)

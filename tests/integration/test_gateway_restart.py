@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
 import signal
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -16,12 +13,18 @@ import pytest
 
 from gateway.core.runs import INTERRUPTED_MESSAGE
 from tests.fakes.fake_trainer import FakeTrainer, Script
-from tests.fakes.gateway_harness import TIMEOUT, WatchResult, absorb, collect, create_request
+from tests.fakes.gateway_harness import (
+    TIMEOUT,
+    WatchResult,
+    absorb,
+    collect,
+    create_request,
+)
+from tests.fakes.gateway_harness import gateway_process as spawn_gateway
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 
 State = gateway_service_pb2.Run.State
 pb = gateway_service_pb2
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -32,41 +35,13 @@ def fake() -> Iterator[FakeTrainer]:
     trainer.kill()
 
 
-@contextlib.asynccontextmanager
-async def gateway_process(
+def gateway_process(
     trainer: str, db: Path, log: Path
-) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    """``python -m gateway`` on port 0; yields the process and its address."""
-    with log.open("ab") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "gateway",
-            "--port",
-            "0",
-            "--trainer",
-            trainer,
-            "--db",
-            str(db),
-            "--keepalive",
-            "0.2",
-            "--heartbeat-timeout",
-            "2",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-    try:
-        assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), TIMEOUT)).decode()
-        match = re.fullmatch(r"gateway listening on (\S+):(\d+)\n", line)
-        assert match, f"unexpected first line {line!r}; log: {log.read_text()[-2000:]}"
-        yield proc, f"127.0.0.1:{match.group(2)}"
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-        await proc.wait()
+) -> contextlib.AbstractAsyncContextManager[tuple[asyncio.subprocess.Process, str]]:
+    """``python -m gateway`` on port 0 with a file store and short timeouts."""
+    return spawn_gateway(
+        trainer, log, "--db", str(db), "--keepalive", "0.2", "--heartbeat-timeout", "2"
+    )
 
 
 async def test_kill_9_mid_run_loses_nothing_a_watcher_saw(

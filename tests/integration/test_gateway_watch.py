@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -28,16 +28,6 @@ pb = gateway_service_pb2
 
 def canonical(episodes: list[episode_pb2.Episode]) -> list[bytes]:
     return [e.SerializeToString(deterministic=True) for e in episodes]
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeTrainer]:
-    trainer = FakeTrainer(slots=4)
-    trainer.start()
-    yield trainer
-    for script in trainer.scripts:
-        script.release.set()
-    trainer.kill()
 
 
 @pytest.fixture
