@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,6 +52,11 @@ def status_code_for(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _reason(class_name: str) -> str:
+    """``RunNotFound`` -> ``RUN_NOT_FOUND``: ErrorInfo reasons are UPPER_SNAKE_CASE."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", class_name).upper()
+
+
 def to_status(exc: Exception) -> grpc.Status:
     """The rich status of a domain error: code, message, ``ErrorInfo`` and, for bad requests,
     ``BadRequest`` with every field violation."""
@@ -60,7 +66,7 @@ def to_status(exc: Exception) -> grpc.Status:
         packed = any_pb2.Any()
         packed.Pack(bad_request(exc.violations))
         details.append(packed)
-    info = error_details_pb2.ErrorInfo(reason=type(exc).__name__.upper(), domain=ERROR_DOMAIN)
+    info = error_details_pb2.ErrorInfo(reason=_reason(type(exc).__name__), domain=ERROR_DOMAIN)
     run_id = getattr(exc, "run_id", "")
     if run_id:
         info.metadata["run_id"] = run_id

@@ -125,6 +125,7 @@ async def test_unknown_and_empty_run_ids(client: Client) -> None:
     error_info = error_details_pb2.ErrorInfo()
     assert any(d.Unpack(error_info) for d in status.details)
     assert error_info.domain == "trainwire" and error_info.metadata["run_id"] == "no-such-run"
+    assert error_info.reason == "RUN_NOT_FOUND"
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await client.get("")
     assert status_of(info) == grpc.StatusCode.INVALID_ARGUMENT
