@@ -61,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
         help="seconds without an episode after which a heartbeat is sent",
     )
     parser.add_argument(
+        "--detach-grace",
+        type=float,
+        default=60.0,
+        help="seconds a job whose stream broke (gateway restart or crash) stays alive, blocked "
+        "at its grant, for the gateway to re-attach; 0 cancels it at once",
+    )
+    parser.add_argument(
         "--image-cache-dir",
         type=pathlib.Path,
         default=None,
@@ -94,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
             device=args.device,
             data_root=args.data_root,
             heartbeat_s=args.heartbeat,
+            detach_grace_s=args.detach_grace,
             image_cache_dir=cache,
             metrics_port=args.metrics_port,
             log_level=args.log_level,
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             data_root=config.data_root,
             image_cache_dir=config.image_cache_dir,
             heartbeat_s=config.heartbeat_s,
+            detach_grace_s=config.detach_grace_s,
         ),
         server_version=__version__,
         observer=metrics.jobs,

@@ -23,6 +23,8 @@ class TrainerConfig:
         device: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
         data_root: Root of task-relative paths (models, datasets).
         heartbeat_s: Seconds without an episode after which a heartbeat goes out.
+        detach_grace_s: Seconds a job whose stream broke (its gateway restarted or died) stays
+            alive, blocked at its grant, for a re-attach; 0 cancels it at once.
         image_cache_dir: Decoded-image cache for the GRPO provider; ``None`` = off.
         extra_workers: RPC threads beyond one per slot (GetCapabilities, health, reflection,
             refused Train calls).
@@ -39,6 +41,7 @@ class TrainerConfig:
     device: str = "auto"
     data_root: pathlib.Path = pathlib.Path("var/data")
     heartbeat_s: float = 5.0
+    detach_grace_s: float = 60.0
     image_cache_dir: pathlib.Path | None = None
     extra_workers: int = 8
     grace_s: float = 3.0
@@ -58,6 +61,8 @@ class TrainerConfig:
             problems.append(f"device {self.device!r} must be auto, cpu, cuda or cuda:N")
         if not (math.isfinite(self.heartbeat_s) and 0 < self.heartbeat_s <= 3600):
             problems.append(f"heartbeat {self.heartbeat_s} must be in (0, 3600] seconds")
+        if not (math.isfinite(self.detach_grace_s) and 0 <= self.detach_grace_s <= 86400):
+            problems.append(f"detach grace {self.detach_grace_s} must be in 0..86400 seconds")
         if not 1 <= self.extra_workers <= 256:
             problems.append(f"extra_workers {self.extra_workers} must be in 1..256")
         if not (math.isfinite(self.grace_s) and 0 <= self.grace_s <= 60):

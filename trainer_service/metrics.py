@@ -58,7 +58,7 @@ from trainwire_ops.rpc_metrics import (
 )
 
 if TYPE_CHECKING:
-    from trainer_service.core.jobs import JobOutcome
+    from trainer_service.core.observe import JobOutcome
     from trainer_service.core.slots import SlotPool
 
 __all__ = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from functools import partial
 
 import grpc
 
@@ -35,16 +36,18 @@ class TrainerServicer(trainer_service_pb2_grpc.TrainerServiceServicer):
         """Runs a training job and streams its episodes and heartbeats."""
         run_id = request.run_id
         try:
-            job = self._runner.start(request)
+            stream = self._runner.open(request)
         except Exception as exc:
             apply_status(context, to_status(exc, run_id))
             return
-        # Fires when the RPC ends for any reason (client cancel, deadline, disconnect, success).
-        if not context.add_callback(job.cancel):
-            job.cancel()  # the RPC already ended: nobody will read the stream
+        # Fires when the RPC ends for any reason (client cancel, deadline, disconnect, success):
+        # a stream that broke leaves its job detached, kept for a re-attach.
+        detach = partial(self._runner.detach, stream)
+        if not context.add_callback(detach):
+            detach()  # the RPC already ended: nobody will read the stream
             return
         try:
-            for event in job.events():
+            for event in stream.events():
                 if isinstance(event, Heartbeat):
                     yield trainer_service_pb2.TrainResponse(heartbeat=heartbeat_to_proto(event))
                 else:
@@ -52,7 +55,29 @@ class TrainerServicer(trainer_service_pb2_grpc.TrainerServiceServicer):
         except Exception as exc:
             apply_status(context, to_status(exc, run_id))
         finally:
-            job.cancel()
+            detach()
+
+    def Grant(
+        self, request: trainer_service_pb2.GrantRequest, context: grpc.ServicerContext
+    ) -> trainer_service_pb2.GrantResponse:
+        """Moves a job's grant forward."""
+        try:
+            last = self._runner.grant(request.run_id, request.through_episode)
+        except Exception as exc:
+            apply_status(context, to_status(exc, request.run_id))
+            return trainer_service_pb2.GrantResponse()
+        return trainer_service_pb2.GrantResponse(last_episode=last)
+
+    def CancelJob(
+        self, request: trainer_service_pb2.CancelJobRequest, context: grpc.ServicerContext
+    ) -> trainer_service_pb2.CancelJobResponse:
+        """Cancels a job at once."""
+        try:
+            last = self._runner.cancel_job(request.run_id)
+        except Exception as exc:
+            apply_status(context, to_status(exc, request.run_id))
+            return trainer_service_pb2.CancelJobResponse()
+        return trainer_service_pb2.CancelJobResponse(last_episode=last)
 
     def GetCapabilities(
         self, request: trainer_service_pb2.GetCapabilitiesRequest, context: grpc.ServicerContext

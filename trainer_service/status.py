@@ -3,7 +3,12 @@
 | domain error | status | details |
 | --- | --- | --- |
 | InvalidRequest | INVALID_ARGUMENT | google.rpc.BadRequest |
-| NoFreeSlot | RESOURCE_EXHAUSTED | ErrorInfo NO_FREE_SLOT |
+| NoFreeSlot | RESOURCE_EXHAUSTED | ErrorInfo SLOTS_BUSY |
+| JobExists | ALREADY_EXISTS | ErrorInfo JOB_EXISTS |
+| JobNotFound | NOT_FOUND | ErrorInfo JOB_NOT_FOUND |
+| EpisodesNotHeld | FAILED_PRECONDITION | ErrorInfo EPISODES_NOT_HELD |
+| Reattached | ABORTED | ErrorInfo REATTACHED |
+| JobCancelled | CANCELLED | ErrorInfo JOB_CANCELLED |
 | ShuttingDown | UNAVAILABLE | ErrorInfo SHUTTING_DOWN |
 | ProviderError | its ``code`` | LocalizedMessage (user message) + ErrorInfo (its reason) |
 | ContractViolation | INTERNAL | ErrorInfo CONTRACT_VIOLATION |
@@ -24,7 +29,16 @@ from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from trainer_service.core.errors import InvalidRequest, NoFreeSlot, ShuttingDown
+from trainer_service.core.errors import (
+    EpisodesNotHeld,
+    InvalidRequest,
+    JobCancelled,
+    JobExists,
+    JobNotFound,
+    NoFreeSlot,
+    Reattached,
+    ShuttingDown,
+)
 from trainer_service.core.provider import ProviderError
 from trainwire import contract
 
@@ -33,6 +47,18 @@ _LOGGER = logging.getLogger(__name__)
 DOMAIN = "trainwire"
 LOCALE = "en-US"
 UNEXPECTED_MESSAGE = "Training stopped unexpectedly."
+#: The reason that alone means "busy, try again" (design.md, "Status codes").
+SLOTS_BUSY = "SLOTS_BUSY"
+
+#: Job-table errors: status code and ErrorInfo reason.
+_JOB_ERRORS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
+    JobExists: (grpc.StatusCode.ALREADY_EXISTS, "JOB_EXISTS"),
+    JobNotFound: (grpc.StatusCode.NOT_FOUND, "JOB_NOT_FOUND"),
+    EpisodesNotHeld: (grpc.StatusCode.FAILED_PRECONDITION, "EPISODES_NOT_HELD"),
+    Reattached: (grpc.StatusCode.ABORTED, "REATTACHED"),
+    JobCancelled: (grpc.StatusCode.CANCELLED, "JOB_CANCELLED"),
+    ShuttingDown: (grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN"),
+}
 
 
 def _pack(message: Message) -> any_pb2.Any:
@@ -68,10 +94,11 @@ def to_status(exc: BaseException, run_id: str) -> grpc.Status:
         details = [contract.bad_request(exc.violations)]
     elif isinstance(exc, NoFreeSlot):
         code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-        details = [_error_info("NO_FREE_SLOT", run_id, slots_total=str(exc.slots_total))]
-    elif isinstance(exc, ShuttingDown):
-        code, message = grpc.StatusCode.UNAVAILABLE, str(exc)
-        details = [_error_info("SHUTTING_DOWN", run_id)]
+        details = [_error_info(SLOTS_BUSY, run_id, slots_total=str(exc.slots_total))]
+    elif type(exc) in _JOB_ERRORS:
+        code, reason = _JOB_ERRORS[type(exc)]
+        message = str(exc)
+        details = [_error_info(reason, run_id)]
     elif isinstance(exc, ProviderError):
         code = _status_code(exc.code)
         message = f"run {run_id}: {exc.user_message}"

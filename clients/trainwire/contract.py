@@ -125,6 +125,22 @@ class StreamChecker:
         """Builds the checker for a (valid) task and config."""
         return cls(task_kind(task), config.max_episodes, run_id)
 
+    def resume(self, last_episode: int, best_reward: float | None) -> None:
+        """Continues a stream whose episodes 1..last_episode were checked elsewhere (a
+        re-attached training stream): the next episode must be ``last_episode + 1`` and the
+        running maximum starts at ``best_reward``.
+
+        Raises:
+            ValueError: last_episode outside 0..max_episodes, or 0 with a best reward.
+        """
+        if not 0 <= last_episode <= self.max_episodes:
+            raise ValueError(f"last_episode must be in 0..{self.max_episodes}, got {last_episode}")
+        if last_episode == 0 and best_reward is not None:
+            raise ValueError("no best reward before the first episode")
+        self.last_episode = last_episode
+        self.best_reward = best_reward if last_episode else None
+        self.done = False
+
     def _violation(
         self, rule: str, message: str, episode: int | None, field: str | None = None
     ) -> ContractViolation:

@@ -20,14 +20,22 @@ WAIT = 10.0
 SERVICE = trainer_service_pb2.DESCRIPTOR.services_by_name["TrainerService"]
 TRAIN = SERVICE.methods_by_name["Train"]
 CAPS = SERVICE.methods_by_name["GetCapabilities"]
+GRANT = SERVICE.methods_by_name["Grant"]
+CANCEL = SERVICE.methods_by_name["CancelJob"]
 
 
 class Harness:
-    def __init__(self, provider: object, slots: int = 1, heartbeat_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        provider: object,
+        slots: int = 1,
+        heartbeat_s: float = 5.0,
+        detach_grace_s: float = 0.0,
+    ) -> None:
         self.runner = JobRunner(
             ProviderRegistry({"imitation": provider}),
             SlotPool(slots),
-            RunnerSettings(heartbeat_s=heartbeat_s),
+            RunnerSettings(heartbeat_s=heartbeat_s, detach_grace_s=detach_grace_s),
         )
         self.server = grpc_testing.server_from_dictionary(
             {SERVICE: TrainerServicer(self.runner)}, grpc_testing.strict_real_time()
@@ -101,7 +109,7 @@ def test_second_job_with_one_slot_is_resource_exhausted() -> None:
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "run-2" in details
     (info,) = unpack(rich_status(metadata), error_details_pb2.ErrorInfo)
-    assert (info.domain, info.reason) == ("trainwire", "NO_FREE_SLOT")
+    assert (info.domain, info.reason) == ("trainwire", "SLOTS_BUSY")
     first.cancel()
     assert harness.runner.wait_idle(WAIT)
     assert harness.runner.slots.free == 1
@@ -196,6 +204,81 @@ def test_cancellation_stops_the_provider_and_frees_the_slot() -> None:
     assert harness.runner.wait_idle(WAIT)
     assert harness.runner.slots.free == 1
     assert fake.jobs[0].stop_event.is_set()
+
+
+def unary(harness: Harness, method, request):  # type: ignore[no-untyped-def]
+    return harness.server.invoke_unary_unary(method, (), request, WAIT).termination()
+
+
+def test_a_broken_stream_keeps_its_job_for_a_reattach_and_cancel_job_ends_it() -> None:
+    fake = FakeProvider()
+    harness = Harness(fake, detach_grace_s=30.0)
+    request = imitation_request(max_episodes=100)
+    request.grant_through_episode = 2
+    rpc = harness.train(request)
+    assert rpc.take_response().episode.episode == 1
+    rpc.cancel()  # the gateway went away
+    assert not fake.finished.wait(0.2)
+    assert harness.runner.live_jobs == 1
+    response, _, code, _ = unary(harness, GRANT, trainer_service_pb2.GrantRequest(run_id="run-1"))
+    assert code is grpc.StatusCode.OK and response.last_episode == 2
+    again = imitation_request(max_episodes=100)
+    again.attach_after_episode = 1
+    again.grant_through_episode = 3
+    rpc = harness.train(again)
+    assert [rpc.take_response().episode.episode for _ in range(2)] == [2, 3]
+    response, _, code, _ = unary(
+        harness, CANCEL, trainer_service_pb2.CancelJobRequest(run_id="run-1")
+    )
+    assert code is grpc.StatusCode.OK and response.last_episode == 3
+    responses, (metadata, code, _) = take_all(rpc)
+    assert code is grpc.StatusCode.CANCELLED
+    (info,) = unpack(rich_status(metadata), error_details_pb2.ErrorInfo)
+    assert info.reason == "JOB_CANCELLED"
+    assert fake.finished.wait(WAIT) and harness.runner.wait_idle(WAIT)
+    assert harness.runner.slots.free == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "request_", "code", "reason"),
+    [
+        (GRANT, trainer_service_pb2.GrantRequest(run_id="ghost"), "NOT_FOUND", "JOB_NOT_FOUND"),
+        (CANCEL, trainer_service_pb2.CancelJobRequest(run_id="ghost"), "NOT_FOUND", None),
+    ],
+)
+def test_grant_and_cancel_of_an_unknown_run(method, request_, code, reason) -> None:  # type: ignore[no-untyped-def]
+    _, metadata, status_code, details = unary(Harness(FakeProvider()), method, request_)
+    assert status_code.name == code
+    assert "ghost" in details
+    (info,) = unpack(rich_status(metadata), error_details_pb2.ErrorInfo)
+    assert info.reason == (reason or "JOB_NOT_FOUND")
+
+
+def test_attach_statuses() -> None:
+    harness = Harness(FakeProvider(hold_after=1), detach_grace_s=30.0)
+    missing = imitation_request("run-9")
+    missing.attach_after_episode = 0
+    _, (metadata, code, _) = take_all(harness.train(missing))
+    assert code is grpc.StatusCode.NOT_FOUND
+    first = harness.train(imitation_request())
+    assert first.take_response().episode.episode == 1
+    _, (metadata, code, _) = take_all(harness.train(imitation_request()))
+    assert code is grpc.StatusCode.ALREADY_EXISTS
+    (info,) = unpack(rich_status(metadata), error_details_pb2.ErrorInfo)
+    assert info.reason == "JOB_EXISTS"
+    ahead = imitation_request()
+    ahead.attach_after_episode = 7
+    _, (metadata, code, details) = take_all(harness.train(ahead))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION and "episode 7" in details
+    second = imitation_request()
+    second.attach_after_episode = 1
+    attached = harness.train(second)
+    _, (_, code, _) = take_all(first)
+    assert code is grpc.StatusCode.ABORTED  # replaced by the re-attach
+    unary(harness, CANCEL, trainer_service_pb2.CancelJobRequest(run_id="run-1"))
+    _, (_, code, _) = take_all(attached)
+    assert code is grpc.StatusCode.CANCELLED
+    assert harness.runner.wait_idle(WAIT)
 
 
 def test_get_capabilities() -> None:

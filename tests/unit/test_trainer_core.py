@@ -7,10 +7,12 @@ import pathlib
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import pytest
 
+from trainer_service.core import errors as contract_errors
 from trainer_service.core.errors import InvalidRequest, NoFreeSlot, ShuttingDown
 from trainer_service.core.jobs import Heartbeat, JobRunner, RunnerSettings
 from trainer_service.core.provider import EpisodeCounter, ProviderError
@@ -25,12 +27,22 @@ WAIT = 10.0
 
 
 def make_runner(
-    provider: object, slots: int = 1, heartbeat_s: float = 5.0, queue_size: int = 4
+    provider: object,
+    slots: int = 1,
+    heartbeat_s: float = 5.0,
+    queue_size: int = 4,
+    detach_grace_s: float = 0.0,
+    retain: int = 1024,
 ) -> JobRunner:
     return JobRunner(
         ProviderRegistry({"imitation": provider}),
         SlotPool(slots),
-        RunnerSettings(heartbeat_s=heartbeat_s, queue_size=queue_size),
+        RunnerSettings(
+            heartbeat_s=heartbeat_s,
+            queue_size=queue_size,
+            detach_grace_s=detach_grace_s,
+            retain=retain,
+        ),
     )
 
 
@@ -201,7 +213,9 @@ def test_no_free_slot() -> None:
     with pytest.raises(NoFreeSlot) as info:
         runner.start(imitation_request("run-2"))
     assert "run-2" in str(info.value)
-    job.cancel()
+    runner.cancel_job("run-1")
+    with pytest.raises(contract_errors.JobCancelled):
+        list(job.events())
     assert runner.wait_idle(WAIT)
     assert runner.slots.free == 1
 
@@ -218,7 +232,8 @@ def test_heartbeats_while_the_provider_is_busy() -> None:
     assert [b.last_episode for b in beats] == [2, 2, 2]  # type: ignore[union-attr]
     assert beats[0].phase == "loading"  # type: ignore[union-attr]
     assert beats[0].time_ns > 0  # type: ignore[union-attr]
-    events.close()  # the handler stops reading: the job is cancelled
+    events.close()  # the handler stops reading, the RPC ends: no grace, so the job is cancelled
+    runner.detach(job)
     assert fake.stopped.wait(WAIT)
     assert runner.wait_idle(WAIT)
     assert runner.slots.free == 1
@@ -283,16 +298,17 @@ def test_full_channel_blocks_the_provider_until_read() -> None:
         def run(self, job):  # type: ignore[no-untyped-def]
             for episode in super().run(job):
                 produced.append(episode.episode)
-                if len(produced) == 3:
+                if len(produced) == 2:
                     blocked.set()
                 yield episode
 
     runner = make_runner(Counting(), queue_size=2)
     job = runner.start(imitation_request(max_episodes=50))
     assert blocked.wait(WAIT)
-    # Two episodes fit in the channel and the third waits in put(): nothing beyond it can be
-    # made until the handler reads.
-    assert produced == [1, 2, 3]
+    # Without a grant, a job runs at most queue_size episodes ahead of its stream: the third
+    # is made only once the handler has read.
+    time.sleep(0.2)
+    assert produced == [1, 2]
     assert runner.active_jobs == 1
     episodes = episodes_of(list(job.events()))
     assert len(episodes) == 50 and produced == list(range(1, 51))
@@ -304,12 +320,17 @@ def test_cancel_stops_the_provider_within_one_episode() -> None:
     job = runner.start(imitation_request(max_episodes=5000))
     events = job.events()
     next(events)
-    job.cancel()
+    assert runner.cancel_job("run-1") <= 2
     assert fake.finished.wait(WAIT)
     assert runner.wait_idle(WAIT)
     assert fake.jobs[0].stop_event.is_set()
-    # What is left is at most the channel's one episode; the stream then just ends.
-    assert len(episodes_of(list(events))) <= 1
+    # What is left is at most the one episode made ahead; the stream then ends cancelled.
+    left: list[object] = []
+    with pytest.raises(contract_errors.JobCancelled):
+        for event in events:
+            left.append(event)
+    assert len(episodes_of(left)) <= 1
+    assert runner.live_jobs == 0
 
 
 def test_shutdown_ends_streams_with_shutting_down_and_refuses_new_jobs() -> None:

@@ -29,7 +29,7 @@ class InvalidRequest(TrainerError):
 
 
 class NoFreeSlot(TrainerError):
-    """Every slot is busy (maps to ``RESOURCE_EXHAUSTED``)."""
+    """Every slot is busy (maps to ``RESOURCE_EXHAUSTED`` with reason ``SLOTS_BUSY``)."""
 
     def __init__(self, run_id: str, slots_total: int) -> None:
         super().__init__(
@@ -44,3 +44,47 @@ class ShuttingDown(TrainerError):
 
     def __init__(self, run_id: str) -> None:
         super().__init__(run_id, "the trainer is shutting down; try another trainer")
+
+
+class JobExists(TrainerError):
+    """A job of this run is live and the call did not ask to re-attach (``ALREADY_EXISTS``)."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(
+            run_id,
+            "a job of this run is already live; re-attach with attach_after_episode "
+            "or cancel it first",
+        )
+
+
+class JobNotFound(TrainerError):
+    """No live job has this run id (``NOT_FOUND``)."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id, "no live job of this run on this trainer")
+
+
+class EpisodesNotHeld(TrainerError):
+    """A re-attach asked for episodes the job no longer holds (``FAILED_PRECONDITION``)."""
+
+    def __init__(self, run_id: str, after_episode: int, first_held: int, last: int) -> None:
+        super().__init__(
+            run_id,
+            f"cannot re-attach after episode {after_episode}: the job holds episodes "
+            f"{first_held}..{last} only",
+        )
+        self.after_episode = after_episode
+
+
+class Reattached(TrainerError):
+    """Another ``Train`` call re-attached to this job; this stream ends (``ABORTED``)."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id, "another caller re-attached to this job; this stream ends")
+
+
+class JobCancelled(TrainerError):
+    """The job was cancelled with ``CancelJob`` while this stream was attached (``CANCELLED``)."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id, "the job was cancelled")

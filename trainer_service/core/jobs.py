@@ -1,43 +1,60 @@
-"""The job runner: validates a training request, takes a slot and runs the provider in a thread.
+"""The job runner: validates a training request, takes a slot and starts the job; finds live jobs
+by run id to grant them credit, cancel them and re-attach streams to them.
 
-Each job's provider generator runs in a thread the runner owns. Episodes reach the RPC handler
-through a small bounded channel, so a client that reads slowly (or a paused gateway) throttles the
-provider through gRPC flow control: the handler blocks sending, the channel fills, the provider
-blocks in ``yield``. The handler side checks every episode against the stream contract before
-handing it on and produces a heartbeat whenever nothing went out for the heartbeat interval.
-
-The slot is released by the job thread itself once the provider has stopped (its generator
-closed), whatever the outcome: success, provider error, crash or cancellation.
-
-A :class:`JobObserver` hears of job starts and ends, episodes and heartbeats sent and contract
-violations (the metrics hang off it); the core knows nothing of how they are recorded. Each job's
-outcome is decided once, on the handler side, and logged as one INFO line with the run id.
+Jobs (``trainer_service.core.job``) run their providers in threads they own. The runner keeps a
+table of live jobs by run id: a job enters it when it starts and leaves it once a stream has
+delivered its end, once it is cancelled, or once it stayed detached (no stream attached, its
+end not delivered) for ``detach_grace_s`` seconds, after which it is cancelled. Only a job with
+a grant (one a gateway started) is kept detached; a job without one (direct use: grpcurl, a
+script) is cancelled as soon as its stream ends, as nobody will re-attach to it. The slot is
+released by the job's own thread once its provider has stopped, whatever the outcome.
 """
 
 from __future__ import annotations
 
-import collections
-import enum
 import importlib.metadata
 import logging
 import pathlib
 import threading
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from trainer_service.core.errors import InvalidRequest, NoFreeSlot, ShuttingDown
+from trainer_service.core.errors import (
+    InvalidRequest,
+    JobExists,
+    JobNotFound,
+    NoFreeSlot,
+    ShuttingDown,
+)
+from trainer_service.core.job import Heartbeat, JobStream, RunningJob
+from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
 from trainer_service.core.provider import ProviderError, TrainJob
 from trainer_service.core.slots import SlotPool
 from trainwire import contract
-from trainwire.v1 import episode_pb2, trainer_service_pb2
+from trainwire.v1 import trainer_service_pb2
+
+__all__ = [
+    "Capabilities",
+    "Heartbeat",
+    "JobObserver",
+    "JobOutcome",
+    "JobRunner",
+    "JobStream",
+    "NullJobObserver",
+    "RunnerSettings",
+    "RunningJob",
+]
 
 _LOGGER = logging.getLogger(__name__)
 
-#: Episodes buffered between a provider and its RPC handler. Small, so that flow control reaches
-#: the provider quickly, but more than one so the provider can compute ahead of a slow send.
+#: Episodes a job may run ahead of its stream when it has no grant (direct use). Small, so that
+#: a slow reader throttles the provider quickly, but more than one so the provider can compute
+#: ahead of a slow send.
 DEFAULT_QUEUE_SIZE = 4
+#: Episodes a job holds for a re-attach. The gateway's lead (paced runs) and window (unpaced
+#: runs) stay far below it, so a restarted gateway always finds what it has not committed.
+DEFAULT_RETAIN = 1024
+DEFAULT_DETACH_GRACE_S = 60.0
 
 
 class ProviderLookup(Protocol):
@@ -54,91 +71,6 @@ class ProviderLookup(Protocol):
     def available(self) -> list[str]:  # pragma: no cover - protocol
         """Names of the importable providers."""
         ...
-
-
-class JobOutcome(enum.StrEnum):
-    """How a job ended, as its stream's consumer saw it."""
-
-    OK = "ok"  #: the done episode went out
-    ERROR = "error"  #: the provider failed with a message for users (``ProviderError``)
-    CRASH = "crash"  #: the provider raised something unexpected
-    CONTRACT_VIOLATION = "contract_violation"  #: the stream broke the contract
-    CANCELLED = "cancelled"  #: the client went away (cancel, deadline, disconnect)
-    SHUTDOWN = "shutdown"  #: the trainer shut down under it
-
-
-_OUTCOME_VERBS = {
-    JobOutcome.OK: "finished",
-    JobOutcome.ERROR: "failed",
-    JobOutcome.CRASH: "failed unexpectedly",
-    JobOutcome.CONTRACT_VIOLATION: "failed (contract violation)",
-    JobOutcome.CANCELLED: "cancelled",
-    JobOutcome.SHUTDOWN: "stopped by shutdown",
-}
-
-
-class JobObserver(Protocol):
-    """Hears what the runner does; implementations must be cheap and must not raise.
-
-    ``episode_sent`` and ``heartbeat_sent`` run on the streaming hot path, once per message.
-    ``kind`` is the task kind (``imitation``, ``grpo``).
-    """
-
-    def job_started(self, run_id: str, kind: str) -> None:  # pragma: no cover - protocol
-        """A job took a slot and its thread started."""
-        ...
-
-    def job_ended(
-        self, run_id: str, kind: str, outcome: JobOutcome
-    ) -> None:  # pragma: no cover - protocol
-        """A job's outcome was decided (called exactly once per started job)."""
-        ...
-
-    def episode_sent(self, kind: str) -> None:  # pragma: no cover - protocol
-        """An episode was written to the RPC (its handler asked for the next event)."""
-        ...
-
-    def heartbeat_sent(self, kind: str) -> None:  # pragma: no cover - protocol
-        """A heartbeat was written to the RPC."""
-        ...
-
-    def contract_violation(self, kind: str, rule: str) -> None:  # pragma: no cover - protocol
-        """The stream broke contract rule ``rule``."""
-        ...
-
-
-class NullJobObserver:
-    """The observer that ignores everything (the default)."""
-
-    def job_started(self, run_id: str, kind: str) -> None:
-        """Ignored."""
-
-    def job_ended(self, run_id: str, kind: str, outcome: JobOutcome) -> None:
-        """Ignored."""
-
-    def episode_sent(self, kind: str) -> None:
-        """Ignored."""
-
-    def heartbeat_sent(self, kind: str) -> None:
-        """Ignored."""
-
-    def contract_violation(self, kind: str, rule: str) -> None:
-        """Ignored."""
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """A sign of life while no episode is ready.
-
-    Attributes:
-        last_episode: The last episode handed out on this stream, 0 before the first.
-        phase: What the job is doing (``loading``, ``training``, ``finishing``).
-        time_ns: When it was produced, nanoseconds since the epoch.
-    """
-
-    last_episode: int
-    phase: str
-    time_ns: int
 
 
 @dataclass(frozen=True)
@@ -164,7 +96,10 @@ class RunnerSettings:
         data_root: Root of task-relative paths.
         image_cache_dir: Image cache for providers that decode images; ``None`` = off.
         heartbeat_s: Seconds without an episode after which a heartbeat goes out.
-        queue_size: Episodes buffered between a provider and its handler.
+        queue_size: Episodes a job without a grant may run ahead of its stream.
+        retain: Episodes a job holds for a re-attach.
+        detach_grace_s: Seconds a job whose stream broke stays alive for a re-attach (0: it is
+            cancelled at once).
     """
 
     device: str = "cpu"
@@ -173,6 +108,8 @@ class RunnerSettings:
     image_cache_dir: pathlib.Path | None = None
     heartbeat_s: float = 5.0
     queue_size: int = DEFAULT_QUEUE_SIZE
+    retain: int = DEFAULT_RETAIN
+    detach_grace_s: float = DEFAULT_DETACH_GRACE_S
 
 
 def _package_version(name: str) -> str:
@@ -183,275 +120,8 @@ def _package_version(name: str) -> str:
         return ""
 
 
-# -- the channel between a job thread and its handler ----------------------------------------
-
-
-class _Empty:
-    """Returned by ``_Channel.get`` on timeout."""
-
-
-_EMPTY = _Empty()
-
-
-@dataclass(frozen=True)
-class _Finished:
-    """Terminal item: the provider stopped; ``error`` is what it raised, if anything."""
-
-    error: BaseException | None
-
-
-class _Channel:
-    """A bounded FIFO whose ``close`` wakes every waiter (``queue.Queue`` cannot be closed)."""
-
-    def __init__(self, capacity: int) -> None:
-        self._items: collections.deque[object] = collections.deque()
-        self._capacity = capacity
-        self._closed = False
-        self._cond = threading.Condition()
-
-    def put(self, item: object) -> bool:
-        """Appends ``item``, blocking while full; False when the channel is closed."""
-        with self._cond:
-            while len(self._items) >= self._capacity and not self._closed:
-                self._cond.wait()
-            if self._closed:
-                return False
-            self._items.append(item)
-            self._cond.notify_all()
-            return True
-
-    def put_final(self, item: object) -> None:
-        """Appends the terminal item regardless of capacity (the job thread must never block)."""
-        with self._cond:
-            self._items.append(item)
-            self._cond.notify_all()
-
-    def get(self, timeout: float) -> object:
-        """Takes the next item, waiting at most ``timeout`` seconds; ``_EMPTY`` on timeout."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._items, timeout):
-                return _EMPTY
-            item = self._items.popleft()
-            self._cond.notify_all()
-            return item
-
-    def close(self) -> None:
-        """Rejects further ``put`` s and wakes a blocked producer."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
-# -- one job -----------------------------------------------------------------------------------
-
-
-class RunningJob:
-    """One training job: its provider thread and the handler-side event stream.
-
-    Created by :meth:`JobRunner.start` with a slot already taken. Iterate :meth:`events` in the
-    RPC handler; call :meth:`cancel` when the RPC ends for any reason.
-    """
-
-    def __init__(
-        self,
-        job: TrainJob,
-        provider: Any,
-        heartbeat_s: float,
-        queue_size: int,
-        on_exit: Callable[[RunningJob], None],
-        kind: str = "",
-        observer: JobObserver | None = None,
-    ) -> None:
-        self.run_id = job.run_id
-        self.kind = kind
-        self._observer: JobObserver = observer or NullJobObserver()
-        self._outcome: JobOutcome | None = None
-        self._consuming = False
-        self._job = job
-        self._provider = provider
-        self._heartbeat_s = heartbeat_s
-        self._channel = _Channel(queue_size)
-        self._checker = contract.StreamChecker.for_task(job.task, job.config, job.run_id)
-        self._on_exit = on_exit
-        self._phase = "loading"
-        self._stop_reason = ""
-        self._lock = threading.Lock()
-        self.exited = threading.Event()
-        self._thread = threading.Thread(
-            target=self._work, name=f"trainwire-job-{job.run_id}", daemon=True
-        )
-
-    @property
-    def phase(self) -> str:
-        """What the job is doing now."""
-        return self._phase
-
-    def set_phase(self, phase: str) -> None:
-        """Records the provider's phase (for heartbeats)."""
-        self._phase = phase
-
-    def start(self) -> None:
-        """Starts the job thread."""
-        self._thread.start()
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        """Stops the job at its next episode; idempotent, callable from any thread.
-
-        Args:
-            reason: ``cancelled`` (the client went away) or ``shutdown`` (the trainer stops; the
-                stream, if still read, ends with ``UNAVAILABLE``).
-        """
-        with self._lock:
-            if not self._stop_reason:
-                self._stop_reason = reason
-            consuming = self._consuming
-        self._job.stop_event.set()
-        self._channel.close()
-        if not consuming:
-            # Nobody iterates events(), so nobody else will decide the outcome.
-            self._conclude(JobOutcome.SHUTDOWN if reason == "shutdown" else JobOutcome.CANCELLED)
-
-    @property
-    def outcome(self) -> JobOutcome | None:
-        """How the job ended; ``None`` while it is still undecided."""
-        return self._outcome
-
-    def _conclude(self, outcome: JobOutcome) -> None:
-        """Records the job's outcome once (the first caller wins), logs it and reports it."""
-        with self._lock:
-            if self._outcome is not None:
-                return
-            self._outcome = outcome
-        _LOGGER.info(
-            "run %s: %s job %s at episode %d",
-            self.run_id,
-            self.kind,
-            _OUTCOME_VERBS[outcome],
-            self._checker.last_episode,
-            extra={"run_id": self.run_id, "outcome": outcome.value},
-        )
-        self._observer.job_ended(self.run_id, self.kind, outcome)
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Waits for the job thread to exit; returns whether it did."""
-        return self.exited.wait(timeout)
-
-    def _work(self) -> None:
-        """The job thread: drives the provider generator into the channel."""
-        error: BaseException | None = None
-        episodes: Iterator[episode_pb2.Episode] | None = None
-        try:
-            episodes = self._provider.run(self._job)
-            for episode in episodes:
-                if not self._channel.put(episode) or self._job.stop_event.is_set():
-                    break
-        except BaseException as exc:  # handed to the handler, which maps and logs it
-            error = exc
-        finally:
-            self._phase = "finishing"
-            if episodes is not None and hasattr(episodes, "close"):
-                try:
-                    # Runs the provider's own cleanup (freeing model memory) before the slot
-                    # is given back.
-                    episodes.close()
-                except Exception:
-                    _LOGGER.exception("run %s: provider failed while stopping", self.run_id)
-            self._on_exit(self)
-            self._channel.put_final(_Finished(error))
-            self.exited.set()
-
-    def events(self) -> Iterator[episode_pb2.Episode | Heartbeat]:
-        """Yields contract-checked episodes and heartbeats until the job ends.
-
-        Returns normally after the done episode, or when the job was cancelled by the client.
-
-        Raises:
-            ProviderError: The provider failed with a message for users.
-            ContractViolation: An episode (or the end of the stream) broke the contract; it is
-                logged as ``CONTRACT VIOLATION`` first.
-            ShuttingDown: The trainer is shutting down.
-            Exception: Whatever else the provider raised (an unexpected failure).
-        """
-        with self._lock:
-            self._consuming = True
-        last_sent = time.monotonic()
-        try:
-            while True:
-                if self._stop_reason == "shutdown":
-                    raise ShuttingDown(self.run_id)
-                wait = self._heartbeat_s - (time.monotonic() - last_sent)
-                item = self._channel.get(max(0.0, wait))
-                if item is _EMPTY:
-                    yield Heartbeat(self._checker.last_episode, self._phase, time.time_ns())
-                    # Resumed: the handler wrote it and asks for more.
-                    self._observer.heartbeat_sent(self.kind)
-                    last_sent = time.monotonic()
-                elif isinstance(item, _Finished):
-                    self._finish(item)
-                    self._conclude(JobOutcome.OK if self._checker.done else JobOutcome.CANCELLED)
-                    return
-                else:
-                    assert isinstance(item, episode_pb2.Episode)
-                    self._check(item)
-                    yield item
-                    # Resumed: the handler wrote it and asks for more.
-                    self._observer.episode_sent(self.kind)
-                    last_sent = time.monotonic()
-        except ShuttingDown:
-            self._conclude(JobOutcome.SHUTDOWN)
-            raise
-        except contract.ContractViolation:
-            self._conclude(JobOutcome.CONTRACT_VIOLATION)
-            raise
-        except ProviderError:
-            self._conclude(JobOutcome.ERROR)
-            raise
-        except Exception:
-            self._conclude(JobOutcome.CRASH)
-            raise
-        finally:
-            # Still undecided: the handler stopped reading (GeneratorExit), the client left.
-            self._conclude(
-                JobOutcome.SHUTDOWN if self._stop_reason == "shutdown" else JobOutcome.CANCELLED
-            )
-            self.cancel()
-
-    def _check(self, episode: episode_pb2.Episode) -> None:
-        try:
-            self._checker.check(episode)
-        except contract.ContractViolation as exc:
-            self._violated(exc)
-            raise
-
-    def _violated(self, exc: contract.ContractViolation) -> None:
-        _LOGGER.error(
-            "CONTRACT VIOLATION run %s rule %s: %s",
-            self.run_id,
-            exc.rule,
-            exc,
-            extra={"run_id": self.run_id, "rule": exc.rule},
-        )
-        self._observer.contract_violation(self.kind, exc.rule)
-
-    def _finish(self, finished: _Finished) -> None:
-        if self._stop_reason == "shutdown" and not self._checker.done:
-            raise ShuttingDown(self.run_id)
-        if finished.error is not None:
-            raise finished.error
-        if self._stop_reason and not self._checker.done:
-            return  # cancelled by the client: nobody reads the rest
-        try:
-            self._checker.finish()
-        except contract.ContractViolation as exc:
-            self._violated(exc)
-            raise
-
-
-# -- the runner --------------------------------------------------------------------------------
-
-
 class JobRunner:
-    """Starts training jobs in slots and tracks them until their threads exit.
+    """Starts training jobs in slots and keeps the live ones by run id.
 
     Args:
         registry: Provider name -> provider module (see ``trainer_service.providers``).
@@ -475,23 +145,49 @@ class JobRunner:
         self.slots = slots
         self.settings = settings or RunnerSettings()
         self._server_version = server_version
-        self._jobs: set[RunningJob] = set()
+        self._live: dict[str, RunningJob] = {}  # attachable jobs by run id
+        self._running: set[RunningJob] = set()  # jobs whose producer thread has not exited
+        self._expiry: dict[str, threading.Timer] = {}  # detached jobs' grace timers
         self._cond = threading.Condition()
         self._shutting_down = False
 
-    def start(self, request: trainer_service_pb2.TrainRequest) -> RunningJob:
-        """Validates a request, takes a slot and starts its job.
+    # -- starting and attaching --------------------------------------------------------------
+
+    def open(self, request: trainer_service_pb2.TrainRequest) -> JobStream:
+        """A stream for a ``Train`` call: a new job, or a re-attach when the request asks.
+
+        Raises:
+            See :meth:`start` and :meth:`attach`.
+        """
+        if request.HasField("attach_after_episode"):
+            return self.attach(request)
+        return self.start(request)
+
+    def _check(self, request: trainer_service_pb2.TrainRequest) -> list[contract.FieldViolation]:
+        violations = contract.check_train_request(request)
+        if request.grant_through_episode < 0:
+            violations.append(
+                contract.FieldViolation(
+                    "grant_through_episode",
+                    f"{request.grant_through_episode}; need >= 0 (0: no limit)",
+                )
+            )
+        return violations
+
+    def start(self, request: trainer_service_pb2.TrainRequest) -> JobStream:
+        """Validates a request, takes a slot and starts its job; returns its stream.
 
         Raises:
             InvalidRequest: Bad fields (every one of them).
             ProviderError: The task's provider is not available on this trainer.
+            JobExists: A job of this run is live.
             NoFreeSlot: Every slot is busy.
             ShuttingDown: The trainer is shutting down.
         """
         run_id = request.run_id
         if self._shutting_down:
             raise ShuttingDown(run_id)
-        violations = contract.check_train_request(request)
+        violations = self._check(request)
         if violations:
             raise InvalidRequest(run_id, violations)
         kind = contract.task_kind(request.task)
@@ -508,19 +204,19 @@ class JobRunner:
             violations = validate(request.task, self.settings.data_root)
             if violations:
                 raise InvalidRequest(run_id, violations)
-        if not self.slots.try_acquire():
-            raise NoFreeSlot(run_id, self.slots.total)
-        try:
-            job = self._make_job(request, provider, kind)
-        except BaseException:
-            self.slots.release()
-            raise
         with self._cond:
-            if self._shutting_down:
-                # Lost the race with shutdown: nothing started yet.
+            if run_id in self._live:
+                raise JobExists(run_id)
+            if not self.slots.try_acquire():
+                raise NoFreeSlot(run_id, self.slots.total)
+            try:
+                job = self._make_job(request, provider, kind)
+            except BaseException:
                 self.slots.release()
-                raise ShuttingDown(run_id)
-            self._jobs.add(job)
+                raise
+            self._live[run_id] = job
+            self._running.add(job)
+            stream = job.attach(0, request.grant_through_episode)
         _LOGGER.info(
             "run %s: %s job started on %s (%d/%d slots busy)",
             run_id,
@@ -532,7 +228,51 @@ class JobRunner:
         )
         self.observer.job_started(run_id, kind)
         job.start()
-        return job
+        return stream
+
+    def attach(self, request: trainer_service_pb2.TrainRequest) -> JobStream:
+        """Re-attaches a stream to the live job of ``request.run_id`` after
+        ``attach_after_episode``; a larger ``grant_through_episode`` moves its grant.
+
+        Raises:
+            InvalidRequest: Bad fields, or a task/config other than the job's.
+            JobNotFound: No job of this run is live.
+            EpisodesNotHeld: The job no longer holds the episodes asked for.
+            ShuttingDown: The trainer is shutting down.
+        """
+        run_id = request.run_id
+        if self._shutting_down:
+            raise ShuttingDown(run_id)
+        violations = self._check(request)
+        after = request.attach_after_episode
+        if after < 0:
+            violations.append(
+                contract.FieldViolation("attach_after_episode", f"{after}; need >= 0")
+            )
+        if violations:
+            raise InvalidRequest(run_id, violations)
+        with self._cond:
+            job = self._live.get(run_id)
+            if job is None:
+                raise JobNotFound(run_id)
+            if job.task != request.task or job.config != request.config:
+                raise InvalidRequest(
+                    run_id,
+                    [contract.FieldViolation("task", "differs from the live job's task/config")],
+                )
+            stream = job.attach(after, request.grant_through_episode)
+            timer = self._expiry.pop(run_id, None)
+        if timer is not None:
+            timer.cancel()
+        _LOGGER.info(
+            "run %s: stream re-attached after episode %d (job at %d, grant %d)",
+            run_id,
+            after,
+            job.produced,
+            job.grant,
+            extra={"run_id": run_id},
+        )
+        return stream
 
     def _make_job(
         self, request: trainer_service_pb2.TrainRequest, provider: Any, kind: str
@@ -551,40 +291,151 @@ class JobRunner:
         job = RunningJob(
             train_job,
             provider,
-            self.settings.heartbeat_s,
-            self.settings.queue_size,
-            self._exited,
-            kind=kind,
+            kind,
+            heartbeat_s=self.settings.heartbeat_s,
+            queue_size=self.settings.queue_size,
+            retain=self.settings.retain,
+            grant=request.grant_through_episode,
+            on_exit=self._exited,
             observer=self.observer,
         )
         holder.append(job)
         return job
 
+    # -- live jobs ---------------------------------------------------------------------------
+
+    def _find(self, run_id: str) -> RunningJob:
+        job = self._live.get(run_id)
+        if job is None:
+            raise JobNotFound(run_id)
+        return job
+
+    def grant(self, run_id: str, through_episode: int) -> int:
+        """Moves a job's grant forward; returns its last produced episode.
+
+        Raises:
+            InvalidRequest: A negative ``through_episode``.
+            JobNotFound: No job of this run is live.
+        """
+        if through_episode < 0:
+            raise InvalidRequest(
+                run_id,
+                [contract.FieldViolation("through_episode", f"{through_episode}; need >= 0")],
+            )
+        with self._cond:
+            job = self._find(run_id)
+        return job.move_grant(through_episode)
+
+    def cancel_job(self, run_id: str) -> int:
+        """Cancels a live job at once (attached or not); returns its last produced episode.
+
+        Raises:
+            JobNotFound: No job of this run is live.
+        """
+        with self._cond:
+            job = self._find(run_id)
+            self._retire(job)
+        job.cancel("cancelled")
+        _LOGGER.info(
+            "run %s: job cancelled at episode %d", run_id, job.produced, extra={"run_id": run_id}
+        )
+        return job.produced
+
+    def detach(self, stream: JobStream) -> None:
+        """Called when a stream's RPC ended for any reason. A job left undelivered (its stream
+        broke) stays live for ``detach_grace_s`` seconds, then is cancelled; a delivered job
+        leaves the table."""
+        job = stream.job
+        undelivered = job.detach(stream)
+        if undelivered is None:
+            return  # detached before, or replaced by a re-attach
+        with self._cond:
+            if self._live.get(job.run_id) is not job:
+                return
+            if not undelivered:
+                self._retire(job)
+                return
+            grace = self.settings.detach_grace_s
+            # A job without a grant is direct use (grpcurl, a script): nobody will re-attach.
+            if grace <= 0 or self._shutting_down or not job.grant:
+                self._retire(job)
+            else:
+                timer = threading.Timer(grace, self._expire, args=(job,))
+                timer.daemon = True
+                old = self._expiry.pop(job.run_id, None)
+                if old is not None:
+                    old.cancel()
+                self._expiry[job.run_id] = timer
+                timer.start()
+                _LOGGER.info(
+                    "run %s: stream broke at episode %d; job kept %g s for a re-attach",
+                    job.run_id,
+                    stream.cursor,
+                    grace,
+                    extra={"run_id": job.run_id},
+                )
+                return
+        job.cancel("cancelled")
+
+    def _expire(self, job: RunningJob) -> None:
+        with self._cond:
+            if self._live.get(job.run_id) is not job or job.attached:
+                return
+            self._retire(job)
+        if not job.stopped:
+            _LOGGER.info(
+                "run %s: nobody re-attached within %g s; job cancelled",
+                job.run_id,
+                self.settings.detach_grace_s,
+                extra={"run_id": job.run_id},
+            )
+        job.cancel("cancelled")
+
+    def _retire(self, job: RunningJob) -> None:
+        """Removes a job from the table (call with ``_cond`` held)."""
+        if self._live.get(job.run_id) is job:
+            del self._live[job.run_id]
+        timer = self._expiry.pop(job.run_id, None)
+        if timer is not None:
+            timer.cancel()
+
     def _exited(self, job: RunningJob) -> None:
         """Called by a job thread once its provider has stopped."""
         self.slots.release()
         with self._cond:
-            self._jobs.discard(job)
+            self._running.discard(job)
             self._cond.notify_all()
-        # The outcome line (INFO) comes from the handler side; this is bookkeeping.
         _LOGGER.debug("run %s: job thread exited, slot released", job.run_id)
+
+    def job(self, run_id: str) -> RunningJob | None:
+        """The live job of ``run_id``, if any."""
+        with self._cond:
+            return self._live.get(run_id)
 
     @property
     def active_jobs(self) -> int:
         """Number of jobs whose threads have not exited yet."""
         with self._cond:
-            return len(self._jobs)
+            return len(self._running)
+
+    @property
+    def live_jobs(self) -> int:
+        """Number of jobs that can be granted, cancelled or re-attached."""
+        with self._cond:
+            return len(self._live)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Blocks until no job thread is left; returns False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._jobs, timeout)
+            return self._cond.wait_for(lambda: not self._running, timeout)
 
     def shutdown(self) -> None:
-        """Refuses new jobs and stops the running ones at their next episode."""
+        """Refuses new jobs and stops every job at its next episode."""
         with self._cond:
             self._shutting_down = True
-            jobs = list(self._jobs)
+            jobs = list(self._running | set(self._live.values()))
+            for job in list(self._live.values()):
+                self._retire(job)
         for job in jobs:
             job.cancel("shutdown")
         if jobs:

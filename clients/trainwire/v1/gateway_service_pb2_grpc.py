@@ -126,8 +126,9 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PauseRun(self, request, context):
-        """Pauses publication of a running run; watchers get keepalives meanwhile.
-        Pausing a paused run is a no-op.
+        """Pauses a running run: publication stops at once and training stops at the
+        end of the run's lead (the trainer gets no new grant); watchers get
+        keepalives meanwhile. Pausing a paused run is a no-op.
 
         Status codes:
         OK                   the run, now PAUSED.
@@ -139,8 +140,8 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ResumeRun(self, request, context):
-        """Resumes a paused run at its paced rate. Resuming a running run is a
-        no-op.
+        """Resumes a paused run at its paced rate (publication and training).
+        Resuming a running run is a no-op.
 
         Status codes:
         OK                   the run, now RUNNING.
@@ -165,7 +166,8 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetRunSpeed(self, request, context):
-        """Changes a run's playback speed; clamped to 0.1..20, effective at once.
+        """Changes a run's speed; clamped to 0.1..20, effective at once for
+        publication and for how far ahead the trainer may train.
 
         Status codes:
         OK                   the run with its new speed.

@@ -11,14 +11,44 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TrainRequest(_message.Message):
-    __slots__ = ("run_id", "task", "config")
+    __slots__ = ("run_id", "task", "config", "grant_through_episode", "attach_after_episode")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    GRANT_THROUGH_EPISODE_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_AFTER_EPISODE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task: _episode_pb2.TrainTask
     config: _episode_pb2.TrainConfig
-    def __init__(self, run_id: _Optional[str] = ..., task: _Optional[_Union[_episode_pb2.TrainTask, _Mapping]] = ..., config: _Optional[_Union[_episode_pb2.TrainConfig, _Mapping]] = ...) -> None: ...
+    grant_through_episode: int
+    attach_after_episode: int
+    def __init__(self, run_id: _Optional[str] = ..., task: _Optional[_Union[_episode_pb2.TrainTask, _Mapping]] = ..., config: _Optional[_Union[_episode_pb2.TrainConfig, _Mapping]] = ..., grant_through_episode: _Optional[int] = ..., attach_after_episode: _Optional[int] = ...) -> None: ...
+
+class GrantRequest(_message.Message):
+    __slots__ = ("run_id", "through_episode")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_EPISODE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    through_episode: int
+    def __init__(self, run_id: _Optional[str] = ..., through_episode: _Optional[int] = ...) -> None: ...
+
+class GrantResponse(_message.Message):
+    __slots__ = ("last_episode",)
+    LAST_EPISODE_FIELD_NUMBER: _ClassVar[int]
+    last_episode: int
+    def __init__(self, last_episode: _Optional[int] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class CancelJobResponse(_message.Message):
+    __slots__ = ("last_episode",)
+    LAST_EPISODE_FIELD_NUMBER: _ClassVar[int]
+    last_episode: int
+    def __init__(self, last_episode: _Optional[int] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
     __slots__ = ("episode", "heartbeat")

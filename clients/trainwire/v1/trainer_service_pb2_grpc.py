@@ -40,6 +40,16 @@ class TrainerServiceStub:
                 request_serializer=trainwire_dot_v1_dot_trainer__service__pb2.TrainRequest.SerializeToString,
                 response_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.TrainResponse.FromString,
                 _registered_method=True)
+        self.Grant = channel.unary_unary(
+                '/trainwire.v1.TrainerService/Grant',
+                request_serializer=trainwire_dot_v1_dot_trainer__service__pb2.GrantRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.GrantResponse.FromString,
+                _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/trainwire.v1.TrainerService/CancelJob',
+                request_serializer=trainwire_dot_v1_dot_trainer__service__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.CancelJobResponse.FromString,
+                _registered_method=True)
         self.GetCapabilities = channel.unary_unary(
                 '/trainwire.v1.TrainerService/GetCapabilities',
                 request_serializer=trainwire_dot_v1_dot_trainer__service__pb2.GetCapabilitiesRequest.SerializeToString,
@@ -53,22 +63,65 @@ class TrainerServiceServicer:
 
     def Train(self, request, context):
         """Runs a training job and streams one episode per episode/optimizer step,
-        with heartbeats while no episode is ready. Every episode is checked
-        against the stream contract before it is sent. Cancelling the call stops
-        the job within one episode and frees its slot.
+        with heartbeats while no episode is ready (phase "waiting" while the job
+        is blocked at its grant). Every episode is checked against the stream
+        contract before it is sent.
+
+        A job with a grant outlives a broken stream: it stays alive, blocked at
+        its grant, for the trainer's --detach-grace seconds, and a Train call with
+        attach_after_episode set re-attaches to it (after a gateway restart or
+        failover). A job without a grant (direct use) is cancelled when its stream
+        ends. CancelJob ends a job at once.
 
         Status codes:
         OK                  the job finished; the last episode has done set.
-        INVALID_ARGUMENT    bad task or config (google.rpc.BadRequest lists
-        every bad field).
-        RESOURCE_EXHAUSTED  no free slot; try again later or another trainer.
-        FAILED_PRECONDITION (or the provider's code) the provider failed; the
+        INVALID_ARGUMENT    bad run_id, task or config (google.rpc.BadRequest
+        lists every bad field).
+        RESOURCE_EXHAUSTED  ErrorInfo reason SLOTS_BUSY: no free slot; try
+        again later or another trainer. Any other
+        RESOURCE_EXHAUSTED (a message too large, out of
+        memory) is not "busy".
+        ALREADY_EXISTS      a job for this run_id is live and the call did not
+        ask to re-attach (ErrorInfo JOB_EXISTS).
+        NOT_FOUND           attach_after_episode is set and no job of this
+        run_id is live (ErrorInfo JOB_NOT_FOUND).
+        FAILED_PRECONDITION attach_after_episode asks for episodes the job no
+        longer holds (ErrorInfo EPISODES_NOT_HELD); or (or
+        the provider's code) the provider failed: the
         details hold a google.rpc.LocalizedMessage for
         users and a google.rpc.ErrorInfo (domain
         "trainwire").
+        ABORTED             another Train call re-attached to this job.
         INTERNAL            a contract violation or an unexpected failure.
         UNAVAILABLE         the trainer is shutting down.
         CANCELLED           the client cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Grant(self, request, context):
+        """Lets a job produce episodes up to and including through_episode. Grants
+        only move forward: a value at or below the current grant is a no-op.
+
+        Status codes:
+        OK                the job's last produced episode.
+        INVALID_ARGUMENT  bad run_id or a negative through_episode.
+        NOT_FOUND         no job of this run_id is live.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Cancels a job at once, attached or not, and frees its slot (the
+        gateway's StopRun). Its open Train stream, if any, ends CANCELLED.
+
+        Status codes:
+        OK                the job is cancelled (its provider stops within one
+        episode).
+        INVALID_ARGUMENT  bad run_id.
+        NOT_FOUND         no job of this run_id is live.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,6 +144,16 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.Train,
                     request_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.TrainRequest.FromString,
                     response_serializer=trainwire_dot_v1_dot_trainer__service__pb2.TrainResponse.SerializeToString,
+            ),
+            'Grant': grpc.unary_unary_rpc_method_handler(
+                    servicer.Grant,
+                    request_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.GrantRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_trainer__service__pb2.GrantResponse.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.CancelJobRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_trainer__service__pb2.CancelJobResponse.SerializeToString,
             ),
             'GetCapabilities': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCapabilities,
@@ -126,6 +189,60 @@ class TrainerService:
             '/trainwire.v1.TrainerService/Train',
             trainwire_dot_v1_dot_trainer__service__pb2.TrainRequest.SerializeToString,
             trainwire_dot_v1_dot_trainer__service__pb2.TrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Grant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.TrainerService/Grant',
+            trainwire_dot_v1_dot_trainer__service__pb2.GrantRequest.SerializeToString,
+            trainwire_dot_v1_dot_trainer__service__pb2.GrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.TrainerService/CancelJob',
+            trainwire_dot_v1_dot_trainer__service__pb2.CancelJobRequest.SerializeToString,
+            trainwire_dot_v1_dot_trainer__service__pb2.CancelJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,437 @@
+"""One training job: its provider thread, its grant gate, the episodes it holds, and the streams
+attached to it.
+
+The provider generator runs in a thread the job owns (the *producer*). Before it pulls episode
+``n`` from the generator it waits for *credit*:
+
+- ``n <= grant`` when the job has a grant (credit-based flow control: the gateway grants a
+  bounded lead over what it has published, so a paused run stops training and a slow run trains
+  slowly); with no grant (``0``, direct use) ``n <= cursor + queue_size`` instead, where
+  ``cursor`` is the last episode the attached stream handed to its RPC, so a slow reader
+  throttles the provider as a bounded channel would;
+- ``n <= cursor + retain``: the job holds its last ``retain`` episodes for a re-attach, and never
+  drops one that no stream has sent yet.
+
+While the producer waits, the job's phase reads ``waiting`` (it goes into heartbeats). Every
+episode is checked against the stream contract in the producer, before any stream can send it.
+
+A *stream* (:class:`JobStream`, one per ``Train`` call) reads the held episodes after its start
+point and ends with the job's outcome. A job outlives a broken stream: it is *detached* (blocked
+at its credit) until another stream re-attaches or the runner's detach grace runs out. A second
+stream that attaches replaces the first, which ends with ``Reattached``.
+
+Invariants: ``produced`` only grows; held episodes are ``produced - len(held) + 1 .. produced``;
+the producer releases the job's slot (``on_exit``) once the provider has stopped, before the
+outcome is delivered to any stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from trainer_service.core.errors import (
+    EpisodesNotHeld,
+    JobCancelled,
+    Reattached,
+    ShuttingDown,
+)
+from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
+from trainer_service.core.provider import ProviderError, TrainJob
+from trainwire import contract
+from trainwire.v1 import episode_pb2
+
+_LOGGER = logging.getLogger(__name__)
+
+_OUTCOME_VERBS = {
+    JobOutcome.OK: "finished",
+    JobOutcome.ERROR: "failed",
+    JobOutcome.CRASH: "failed unexpectedly",
+    JobOutcome.CONTRACT_VIOLATION: "failed (contract violation)",
+    JobOutcome.CANCELLED: "cancelled",
+    JobOutcome.SHUTDOWN: "stopped by shutdown",
+}
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A sign of life while no episode is ready.
+
+    Attributes:
+        last_episode: The last episode handed out on this stream, 0 before the first.
+        phase: What the job is doing (``loading``, ``training``, ``waiting``, ``finishing``).
+        time_ns: When it was produced, nanoseconds since the epoch.
+    """
+
+    last_episode: int
+    phase: str
+    time_ns: int
+
+
+class RunningJob:
+    """One training job. Created by ``JobRunner`` with a slot already taken.
+
+    Args:
+        job: What the provider runs.
+        provider: The provider (``run(job)`` yields episodes).
+        kind: The task kind (``imitation``, ``grpo``), for logs and metrics.
+        heartbeat_s: Seconds without an episode after which a stream sends a heartbeat.
+        queue_size: Episodes the producer may run ahead of an attached stream without a grant.
+        retain: Episodes held for a re-attach (at least ``queue_size``).
+        grant: The initial grant (0: none).
+        on_exit: Called from the producer thread once the provider has stopped.
+        observer: Hears of the job's end, episodes and heartbeats sent and contract violations.
+    """
+
+    def __init__(
+        self,
+        job: TrainJob,
+        provider: Any,
+        kind: str,
+        heartbeat_s: float,
+        queue_size: int,
+        retain: int,
+        grant: int,
+        on_exit: Callable[[RunningJob], None],
+        observer: JobObserver | None = None,
+    ) -> None:
+        self.run_id = job.run_id
+        self.kind = kind
+        self.task = job.task
+        self.config = job.config
+        self._job = job
+        self._provider = provider
+        self._heartbeat_s = heartbeat_s
+        self._queue_size = max(1, queue_size)
+        self._retain = max(self._queue_size, retain)
+        self._on_exit = on_exit
+        self._observer: JobObserver = observer or NullJobObserver()
+        self._checker = contract.StreamChecker.for_task(job.task, job.config, job.run_id)
+        self._cond = threading.Condition()
+        self._grant = max(0, grant)
+        self._held: collections.deque[episode_pb2.Episode] = collections.deque()
+        self._produced = 0
+        self._cursor = 0  # the last episode the current (or last) stream handed to its RPC
+        self._stream: JobStream | None = None
+        self._stopped = False  # the producer exited
+        self._error: BaseException | None = None  # what the provider (or the checker) raised
+        self._stop_reason = ""  # "cancelled" or "shutdown" once stopped from outside
+        self._waiting = False
+        self._phase = "loading"
+        self._outcome: JobOutcome | None = None
+        self.exited = threading.Event()
+        self._thread = threading.Thread(
+            target=self._produce, name=f"trainwire-job-{job.run_id}", daemon=True
+        )
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> str:
+        """What the job is doing now (``waiting`` while blocked at its credit)."""
+        return "waiting" if self._waiting and not self._stopped else self._phase
+
+    def set_phase(self, phase: str) -> None:
+        """Records the provider's phase (for heartbeats)."""
+        self._phase = phase
+
+    @property
+    def produced(self) -> int:
+        """The last episode the provider produced (0 before the first)."""
+        return self._produced
+
+    @property
+    def grant(self) -> int:
+        """The last episode the job may produce (0: no grant)."""
+        return self._grant
+
+    @property
+    def attached(self) -> bool:
+        """Whether a stream is attached."""
+        return self._stream is not None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the provider has stopped (finished, failed or cancelled)."""
+        return self._stopped
+
+    @property
+    def outcome(self) -> JobOutcome | None:
+        """How the job ended; ``None`` while it runs."""
+        return self._outcome
+
+    @property
+    def delivered(self) -> bool:
+        """Whether the last stream sent everything, including the job's end."""
+        with self._cond:
+            return self._stopped and self._cursor >= self._produced and self._stream is None
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits for the producer thread to exit; returns whether it did."""
+        return self.exited.wait(timeout)
+
+    # -- control -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the producer thread."""
+        self._thread.start()
+
+    def move_grant(self, through_episode: int) -> int:
+        """Lets the job produce up to ``through_episode`` (grants only move forward); returns the
+        last produced episode."""
+        with self._cond:
+            if through_episode > self._grant:
+                self._grant = through_episode
+                self._cond.notify_all()
+            return self._produced
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stops the job at its next episode; idempotent, callable from any thread.
+
+        Args:
+            reason: ``cancelled`` (``CancelJob``, a detach that expired) or ``shutdown``.
+        """
+        with self._cond:
+            if not self._stop_reason and not self._stopped:
+                self._stop_reason = reason
+            self._cond.notify_all()
+        self._job.stop_event.set()
+
+    def attach(self, after_episode: int, grant: int) -> JobStream:
+        """A new stream of the episodes after ``after_episode``; replaces any attached stream.
+
+        Raises:
+            EpisodesNotHeld: Those episodes are no longer (or not yet) held.
+        """
+        with self._cond:
+            first = self._produced - len(self._held) + 1
+            if not first - 1 <= after_episode <= self._produced:
+                raise EpisodesNotHeld(self.run_id, after_episode, first, self._produced)
+            previous = self._stream
+            stream = JobStream(self, after_episode)
+            self._stream = stream
+            self._cursor = after_episode
+            if grant > self._grant:
+                self._grant = grant
+            self._cond.notify_all()
+        if previous is not None:
+            previous.replaced = True
+        return stream
+
+    def detach(self, stream: JobStream) -> bool | None:
+        """Called when ``stream``'s RPC ended. Returns None when ``stream`` was not attached (any
+        more), else whether the job is left undelivered (the stream broke before the job's end),
+        so the runner keeps it for a re-attach."""
+        with self._cond:
+            if self._stream is not stream:
+                return None
+            self._stream = None
+            self._cond.notify_all()
+            return not stream.finished
+
+    # -- the producer ------------------------------------------------------------------------
+
+    def _credit(self, n: int) -> bool:
+        """Whether episode ``n`` may be produced now (see the module docstring)."""
+        window = self._retain if self._grant else self._queue_size
+        if n > self._cursor + window:
+            return False
+        return not self._grant or n <= self._grant
+
+    def _wait_credit(self, n: int) -> bool:
+        """Blocks until episode ``n`` may be produced; False once the job is stopped."""
+        with self._cond:
+            if self._credit(n) or self._stop_reason:
+                return not self._stop_reason
+            self._waiting = True
+            try:
+                self._cond.wait_for(lambda: self._stop_reason or self._credit(n))
+            finally:
+                self._waiting = False
+            return not self._stop_reason
+
+    def _produce(self) -> None:
+        """The producer thread: pulls the provider's generator, one credited episode at a time."""
+        error: BaseException | None = None
+        episodes: Iterator[episode_pb2.Episode] | None = None
+        try:
+            episodes = self._provider.run(self._job)
+            while True:
+                # After the done episode the generator may only end: no credit needed to see it.
+                if not self._checker.done and not self._wait_credit(self._produced + 1):
+                    break
+                try:
+                    episode = next(episodes)
+                except StopIteration:
+                    if not self._job.stop_event.is_set():
+                        self._checker.finish()
+                    break
+                if self._job.stop_event.is_set():
+                    break
+                self._checker.check(episode)
+                self._hold(episode)
+        except contract.ContractViolation as exc:
+            _LOGGER.error(
+                "CONTRACT VIOLATION run %s rule %s: %s",
+                self.run_id,
+                exc.rule,
+                exc,
+                extra={"run_id": self.run_id, "rule": exc.rule},
+            )
+            self._observer.contract_violation(self.kind, exc.rule)
+            error = exc
+        except BaseException as exc:  # delivered to the stream, which maps it to a status
+            error = exc
+        finally:
+            self._phase = "finishing"
+            if episodes is not None and hasattr(episodes, "close"):
+                try:
+                    # Runs the provider's own cleanup (freeing model memory) before the slot
+                    # is given back.
+                    episodes.close()
+                except Exception:
+                    _LOGGER.exception("run %s: provider failed while stopping", self.run_id)
+            self._on_exit(self)
+            with self._cond:
+                self._error = error
+                self._stopped = True
+                self._cond.notify_all()
+            self._conclude(self._outcome_of(error))
+            self.exited.set()
+
+    def _hold(self, episode: episode_pb2.Episode) -> None:
+        with self._cond:
+            self._held.append(episode)
+            self._produced = episode.episode
+            while len(self._held) > self._retain:
+                self._held.popleft()
+            self._cond.notify_all()
+
+    def _outcome_of(self, error: BaseException | None) -> JobOutcome:
+        if self._stop_reason == "shutdown" and not self._checker.done:
+            return JobOutcome.SHUTDOWN
+        if error is None:
+            return JobOutcome.OK if self._checker.done else JobOutcome.CANCELLED
+        if isinstance(error, contract.ContractViolation):
+            return JobOutcome.CONTRACT_VIOLATION
+        if isinstance(error, ProviderError):
+            return JobOutcome.ERROR
+        return JobOutcome.CRASH
+
+    def _conclude(self, outcome: JobOutcome) -> None:
+        """Records the job's outcome once, logs it and reports it."""
+        if self._outcome is not None:
+            return
+        self._outcome = outcome
+        _LOGGER.info(
+            "run %s: %s job %s at episode %d",
+            self.run_id,
+            self.kind,
+            _OUTCOME_VERBS[outcome],
+            self._produced,
+            extra={"run_id": self.run_id, "outcome": outcome.value},
+        )
+        self._observer.job_ended(self.run_id, self.kind, outcome)
+
+    # -- what streams read -------------------------------------------------------------------
+
+    def _next(self, stream: JobStream, timeout: float) -> episode_pb2.Episode | None:
+        """The episode after ``stream.cursor`` once held; None on timeout.
+
+        Raises:
+            Reattached: another stream replaced this one.
+            ShuttingDown: the trainer is shutting down.
+            JobCancelled: the job was cancelled (``CancelJob``).
+            _End: the job ended and the stream has sent everything.
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready(stream), timeout)
+            if stream.replaced or self._stream is not stream:
+                raise Reattached(self.run_id)
+            if self._stop_reason == "shutdown" and not self._checker.done:
+                raise ShuttingDown(self.run_id)
+            n = stream.cursor + 1
+            if n <= self._produced:
+                return self._held[n - (self._produced - len(self._held) + 1)]
+            if not self._stopped:
+                return None
+            if self._stop_reason == "cancelled" and not self._checker.done:
+                raise JobCancelled(self.run_id)
+            raise _End(self._error)
+
+    def _ready(self, stream: JobStream) -> bool:
+        return (
+            stream.replaced
+            or self._stream is not stream
+            or stream.cursor < self._produced
+            or self._stopped
+            or self._stop_reason == "shutdown"
+        )
+
+    def _sent(self, stream: JobStream, episode: int) -> None:
+        with self._cond:
+            stream.cursor = episode
+            if self._stream is stream:
+                self._cursor = episode
+                self._cond.notify_all()
+
+
+class _End(Exception):
+    """The job ended and its stream sent every episode; ``error`` is what the job raised."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        super().__init__()
+        self.error = error
+
+
+class JobStream:
+    """One ``Train`` call's view of a job: the episodes after its start point, then the end."""
+
+    def __init__(self, job: RunningJob, after_episode: int) -> None:
+        self.job = job
+        self.cursor = after_episode
+        self.replaced = False
+        self.finished = False
+
+    def events(self) -> Iterator[episode_pb2.Episode | Heartbeat]:
+        """Yields episodes and heartbeats until the job ends.
+
+        Returns normally after the done episode (or when the provider stopped early because the
+        job was cancelled while detached, with nothing left to send).
+
+        Raises:
+            ProviderError: The provider failed with a message for users.
+            ContractViolation: The stream broke the contract (logged where detected).
+            ShuttingDown: The trainer is shutting down.
+            JobCancelled: The job was cancelled.
+            Reattached: Another stream replaced this one.
+            Exception: Whatever else the provider raised (an unexpected failure).
+        """
+        job = self.job
+        observer = job._observer
+        last_sent = time.monotonic()
+        while True:
+            wait = job._heartbeat_s - (time.monotonic() - last_sent)
+            try:
+                episode = job._next(self, max(0.0, wait))
+            except _End as end:
+                self.finished = True
+                if end.error is not None:
+                    raise end.error from None
+                return
+            if episode is None:
+                if time.monotonic() - last_sent < job._heartbeat_s:
+                    continue  # woken early (a grant, a phase change): nothing to send yet
+                yield Heartbeat(self.cursor, job.phase, time.time_ns())
+                observer.heartbeat_sent(job.kind)
+            else:
+                yield episode
+                # Resumed: the handler wrote it and asks for more.
+                job._sent(self, episode.episode)
+                observer.episode_sent(job.kind)
+            last_sent = time.monotonic()
