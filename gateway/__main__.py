@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from gateway.config import DEFAULT_DB, GatewayConfig
+from gateway.core.dblock import DatabaseLocked
 from gateway.server import Gateway
 from trainwire.logs import LOG_FORMATS, configure_logging
 
@@ -55,6 +56,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=30.0,
         help="seconds without an episode or heartbeat before a trainer counts as lost",
+    )
+    p.add_argument(
+        "--lead",
+        type=float,
+        default=2.0,
+        help="seconds of a paced run's rate x speed its trainer may train ahead of publication "
+        "(at least 4 episodes); a paused run's trainer gets no more",
     )
     p.add_argument(
         "--shutdown-grace",
@@ -107,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         episode_rate=args.episode_rate,
         keepalive_s=args.keepalive,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        lead_s=args.lead,
         shutdown_grace_s=args.shutdown_grace,
         schedule_poll_s=args.schedule_poll,
         history_cache_mb=args.history_cache_mb,
@@ -120,6 +129,9 @@ async def serve(config: GatewayConfig) -> int:
     gateway = Gateway(config)
     try:
         port = await gateway.start()
+    except DatabaseLocked as exc:
+        print(f"python -m gateway: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except (OSError, RuntimeError) as exc:  # a port that cannot be bound
         _LOGGER.error("%s", exc)
         return 1

@@ -19,7 +19,10 @@ class GatewayConfig:
         db: SQLite database file, or ``:memory:``.
         episode_rate: Default publication rate (episodes per second) of a run that sets none.
         keepalive_s: A watch stream idle this long gets a keepalive.
-        heartbeat_timeout_s: A trainer stream silent this long is considered lost.
+        heartbeat_timeout_s: A trainer stream silent this long is considered lost (a broken
+            stream is re-attached for this long before the run fails).
+        lead_s: How far ahead of publication a paced run's trainer may train, in seconds of
+            the run's rate x speed (at least 4 episodes); unpaced runs get 256 episodes.
         shutdown_grace_s: How long shutdown waits for in-flight RPCs.
         schedule_poll_s: How often PENDING runs re-ask busy trainers for a slot.
         trainer_call_timeout_s: Deadline of a ``GetCapabilities`` call.
@@ -38,6 +41,7 @@ class GatewayConfig:
     episode_rate: float = 20.0
     keepalive_s: float = 15.0
     heartbeat_timeout_s: float = 30.0
+    lead_s: float = 2.0
     shutdown_grace_s: float = 2.0
     schedule_poll_s: float = 1.0
     trainer_call_timeout_s: float = 5.0
@@ -68,6 +72,7 @@ class GatewayConfig:
         for name in (
             "keepalive_s",
             "heartbeat_timeout_s",
+            "lead_s",
             "schedule_poll_s",
             "trainer_call_timeout_s",
         ):

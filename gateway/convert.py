@@ -48,6 +48,8 @@ def run_to_proto(run: TrainingRun) -> gateway_service_pb2.Run:
         display_name=run.display_name,
         trainer=run.trainer,
         request_id=run.request_id,
+        trainer_episode=run.trainer_episode,
+        state_detail=run.state_detail,
     )
     if run.create_time:
         message.create_time.FromNanoseconds(run.create_time)

@@ -190,6 +190,10 @@ class GatewayMetrics(Observer):
         """Counts a created run."""
         self._runs_created.inc()
 
+    def run_recovered(self, run_id: str, state: str) -> None:
+        """Tracks an active run left by a previous gateway (counted by ``runs_loaded``)."""
+        self._states[run_id] = state
+
     def run_state_changed(self, run_id: str, state: str) -> None:
         """Moves the run from its previous state's gauge to ``state``'s."""
         previous = self._states.get(run_id)

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.config import GatewayConfig
+from gateway.core.dblock import DatabaseLock
 from gateway.core.registry import RunRegistry
 from gateway.core.store import SqliteStore, StoreThread
 from gateway.core.trainers import TrainerConnector
@@ -97,6 +98,8 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.metrics_endpoint: MetricsEndpoint | None = None
         self._health = health.aio.HealthServicer()
+        self._health_tasks: set[asyncio.Task[None]] = set()
+        self._lock = DatabaseLock(config.db)
         self.core: RunRegistry | None = None
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -105,10 +108,12 @@ class Gateway:
         """Opens the store, recovers, starts serving; returns the bound port.
 
         Raises:
+            DatabaseLocked: Another gateway uses the database (nothing was started).
             OSError: The metrics port cannot be bound (nothing was started).
             RuntimeError: The gRPC port cannot be bound.
         """
         metrics = self.metrics
+        self._lock.acquire()  # DatabaseLocked: another gateway uses this database
         if self.config.metrics_port is not None:
             self.metrics_endpoint = MetricsEndpoint.start(
                 metrics.registry, self.config.host, self.config.metrics_port
@@ -118,31 +123,58 @@ class Gateway:
                 SqliteStore(self.config.db), asyncio.get_running_loop(), metrics.store_commit
             )
             self.core = RunRegistry(
-                self.config, store, self._connector or GrpcTrainerConnector(), metrics
+                self.config,
+                store,
+                self._connector or GrpcTrainerConnector(),
+                metrics,
+                on_health=self._trainers_healthy,
             )
             await self.core.start()
             self.server, self.port = build_server(self.config, self.core, self._health, metrics)
             await self.server.start()
         except BaseException:
             await self._stop_metrics()
+            self._lock.release()
             raise
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(self.core.trainers_healthy)
         _LOGGER.info(
             "gateway serving on %s:%d (db %s)", self.config.host, self.port, self.config.db
         )
         return self.port
 
+    def _trainers_healthy(self, healthy: bool) -> None:
+        """The scheduler's verdict: SERVING while at least one trainer answers."""
+        if self.core is None or self.core.closing:
+            return
+        if healthy:
+            _LOGGER.info("a trainer answers: health SERVING")
+        else:
+            _LOGGER.warning("no trainer answers: health NOT_SERVING")
+        task = asyncio.get_running_loop().create_task(self._set_health(healthy))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _set_health(self, healthy: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if healthy
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
     async def stop(self) -> None:
         """Graceful stop: health NOT_SERVING, watches end UNAVAILABLE, in-flight calls get
-        ``shutdown_grace_s``, trainer streams are cancelled, active runs are recorded as
-        interrupted and the store is flushed."""
+        ``shutdown_grace_s``, trainer streams are cancelled (the trainers keep the jobs for the
+        next start to re-attach), active runs are stored as they are and the store is
+        flushed."""
         if self.core is None or self.server is None:
             return
         await self._health.enter_graceful_shutdown()
         self.core.begin_shutdown()
         await self.server.stop(self.config.shutdown_grace_s)
         await self.core.shutdown()
+        self._lock.release()
         await self._stop_metrics()
         _LOGGER.info("gateway stopped")
 

@@ -16,6 +16,8 @@ from gateway.core.trainers import (
     TrainerCrashed,
     TrainerError,
     TrainerFailed,
+    TrainerJobExists,
+    TrainerJobGone,
     TrainerLost,
 )
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
@@ -34,30 +36,62 @@ _LOST_CODES = frozenset(
 )
 
 
-def localized_message(error: grpc.aio.AioRpcError) -> str | None:
-    """The ``google.rpc.LocalizedMessage`` text in a status's details, if any."""
+def _rich_details(error: grpc.aio.AioRpcError) -> list[object]:
+    """The unpacked ``LocalizedMessage`` and ``ErrorInfo`` details of a status."""
+    found: list[object] = []
     for key, value in error.trailing_metadata() or ():
         if key != _STATUS_DETAILS_KEY or not isinstance(value, bytes):
             continue
         try:
             status = status_pb2.Status.FromString(value)
         except Exception:  # malformed details are the trainer's bug, not ours
-            return None
+            return found
         for detail in status.details:
-            if detail.Is(error_details_pb2.LocalizedMessage.DESCRIPTOR):
-                message = error_details_pb2.LocalizedMessage()
-                detail.Unpack(message)
-                if message.message:
-                    return message.message
+            for kind in (error_details_pb2.LocalizedMessage, error_details_pb2.ErrorInfo):
+                if detail.Is(kind.DESCRIPTOR):
+                    message = kind()
+                    detail.Unpack(message)
+                    found.append(message)
+    return found
+
+
+def localized_message(error: grpc.aio.AioRpcError) -> str | None:
+    """The ``google.rpc.LocalizedMessage`` text in a status's details, if any."""
+    for detail in _rich_details(error):
+        if isinstance(detail, error_details_pb2.LocalizedMessage) and detail.message:
+            return detail.message
     return None
 
 
+def error_reason(error: grpc.aio.AioRpcError) -> str:
+    """The ``google.rpc.ErrorInfo`` reason in a status's details ("" when none)."""
+    for detail in _rich_details(error):
+        if isinstance(detail, error_details_pb2.ErrorInfo):
+            return detail.reason
+    return ""
+
+
+#: ErrorInfo reasons of the trainer (trainer_service.status) that the gateway acts on.
+_REASONS: dict[str, type[TrainerError]] = {
+    "SLOTS_BUSY": TrainerBusy,
+    "JOB_EXISTS": TrainerJobExists,
+    "JOB_NOT_FOUND": TrainerJobGone,
+    "EPISODES_NOT_HELD": TrainerJobGone,
+}
+
+
 def classify(error: grpc.aio.AioRpcError, address: str) -> TrainerError:
-    """Maps a trainer's non-OK status to the core's error kinds."""
+    """Maps a trainer's non-OK status to the core's error kinds.
+
+    Busy is ``RESOURCE_EXHAUSTED`` with reason ``SLOTS_BUSY`` and nothing else: any other
+    ``RESOURCE_EXHAUSTED`` (a message too large, out of memory) fails the run, with the trainer's
+    ``LocalizedMessage`` when it sent one.
+    """
     code = error.code()
     detail = f"trainer {address}: {code.name}: {error.details()}"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return TrainerBusy(detail)
+    kind = _REASONS.get(error_reason(error))
+    if kind is not None:
+        return kind(detail)
     text = localized_message(error)
     if text is not None:
         return TrainerFailed(detail, text)
@@ -129,10 +163,39 @@ class GrpcTrainerConnector:
         run_id: str,
         task: episode_pb2.TrainTask,
         config: episode_pb2.TrainConfig,
+        grant_through_episode: int = 0,
+        attach_after_episode: int | None = None,
     ) -> _GrpcTrainerStream:
         """Starts a ``Train`` call (no deadline: the heartbeat timeout guards it)."""
-        request = trainer_service_pb2.TrainRequest(run_id=run_id, task=task, config=config)
+        request = trainer_service_pb2.TrainRequest(
+            run_id=run_id,
+            task=task,
+            config=config,
+            grant_through_episode=grant_through_episode,
+            attach_after_episode=attach_after_episode,
+        )
         return _GrpcTrainerStream(self._stub(address).Train(request), address)
+
+    async def grant(self, address: str, run_id: str, through_episode: int, timeout: float) -> int:
+        """Moves a job's grant forward; returns its last produced episode."""
+        try:
+            reply = await self._stub(address).Grant(
+                trainer_service_pb2.GrantRequest(run_id=run_id, through_episode=through_episode),
+                timeout=timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise classify(exc, address) from None
+        return reply.last_episode
+
+    async def cancel_job(self, address: str, run_id: str, timeout: float) -> None:
+        """Cancels a job at once; a job that is already gone is fine."""
+        try:
+            await self._stub(address).CancelJob(
+                trainer_service_pb2.CancelJobRequest(run_id=run_id), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise classify(exc, address) from None
 
     async def close(self) -> None:
         """Closes every channel (cancelling calls still open)."""

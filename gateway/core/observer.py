@@ -22,6 +22,9 @@ class Observer:
     def run_created(self, run_id: str) -> None:
         """A run was created."""
 
+    def run_recovered(self, run_id: str, state: str) -> None:
+        """At start-up: an active run a previous gateway left (already in ``runs_loaded``)."""
+
     def run_state_changed(self, run_id: str, state: str) -> None:
         """A run was stored in ``state`` (the ``RunState`` name); also after a speed change,
         with the state unchanged."""

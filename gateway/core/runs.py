@@ -71,6 +71,10 @@ class TrainingRun:
         trainer: Address of its trainer ("" while PENDING).
         request_id: Its idempotency key ("" when none).
         seq: Creation order in the store (newest is largest); 0 until stored.
+        trainer_episode: The last episode received from the trainer (0 before the first); at
+            most the lead ahead of ``episode`` while the run is paced.
+        state_detail: For people: why the run is in its state (not stored; filled in by the
+            registry for active runs).
     """
 
     id: str
@@ -90,6 +94,8 @@ class TrainingRun:
     trainer: str = ""
     request_id: str = ""
     seq: int = 0
+    trainer_episode: int = 0
+    state_detail: str = ""
 
     def snapshot(self) -> TrainingRun:
         """A copy that later transitions do not change (task and config are shared, read-only)."""

@@ -51,7 +51,8 @@ CREATE TABLE IF NOT EXISTS runs (
     start_time INTEGER NOT NULL,
     end_time INTEGER NOT NULL,
     display_name TEXT NOT NULL,
-    trainer TEXT NOT NULL
+    trainer TEXT NOT NULL,
+    trainer_episode INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS runs_state ON runs (state, seq);
 CREATE TABLE IF NOT EXISTS episodes (
@@ -64,7 +65,8 @@ CREATE TABLE IF NOT EXISTS episodes (
 
 _RUN_COLUMNS = (
     "seq, id, request_id, state, error_message, speed, episodes_per_second, episode, reward, "
-    "best_reward, task, config, create_time, start_time, end_time, display_name, trainer"
+    "best_reward, task, config, create_time, start_time, end_time, display_name, trainer, "
+    "trainer_episode"
 )
 
 
@@ -100,6 +102,7 @@ def _run_from_row(row: Sequence[Any]) -> TrainingRun:
         end_time=row[14],
         display_name=row[15],
         trainer=row[16],
+        trainer_episode=row[17],
     )
 
 
@@ -124,6 +127,11 @@ class SqliteStore:
         self._conn.execute("PRAGMA wal_autocheckpoint=0")
         self._conn.execute("PRAGMA foreign_keys=OFF")
         self._conn.executescript(_SCHEMA)
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(runs)")}
+        if "trainer_episode" not in columns:  # a database of the first release
+            self._conn.execute(
+                "ALTER TABLE runs ADD COLUMN trainer_episode INTEGER NOT NULL DEFAULT 0"
+            )
         self._in_tx = False
 
     @property
@@ -166,7 +174,7 @@ class SqliteStore:
     def insert_run(self, run: TrainingRun) -> int:
         """Inserts a new run; returns its creation sequence number."""
         cur = self._conn.execute(
-            f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 run.id,
                 run.request_id or None,
@@ -184,6 +192,7 @@ class SqliteStore:
                 run.end_time,
                 run.display_name,
                 run.trainer,
+                run.trainer_episode,
             ),
         )
         seq = cur.lastrowid
@@ -191,14 +200,14 @@ class SqliteStore:
         return seq
 
     def update_run(self, run: TrainingRun) -> None:
-        """Writes a run's state, speed, times and trainer.
+        """Writes a run's state, speed, times, trainer and trainer episode.
 
         The episode counters are not written: ``append_episodes`` owns them, and a snapshot
         taken before the last group commit must not rewind them.
         """
         self._conn.execute(
             "UPDATE runs SET state=?, error_message=?, speed=?, start_time=?, end_time=?, "
-            "trainer=? WHERE id=?",
+            "trainer=?, trainer_episode=? WHERE id=?",
             (
                 int(run.state),
                 run.error_message,
@@ -206,6 +215,7 @@ class SqliteStore:
                 run.start_time,
                 run.end_time,
                 run.trainer,
+                run.trainer_episode,
                 run.id,
             ),
         )
@@ -275,19 +285,14 @@ class SqliteStore:
         rows = self._conn.execute("SELECT state, COUNT(*) FROM runs GROUP BY state")
         return {RunState(state): count for state, count in rows}
 
-    def interrupt_active(self, message: str, now: int) -> list[str]:
-        """Marks every active run ERROR with ``message`` (after a crash); returns their ids."""
+    def active_runs(self) -> list[TrainingRun]:
+        """Every PENDING, RUNNING or PAUSED run, oldest first (what a restart recovers)."""
         active = [int(s) for s in RunState if s.active]
         marks = ",".join("?" * len(active))
-        ids = [
-            r[0]
-            for r in self._conn.execute(f"SELECT id FROM runs WHERE state IN ({marks})", active)
-        ]
-        self._conn.execute(
-            f"UPDATE runs SET state=?, error_message=?, end_time=? WHERE state IN ({marks})",
-            (int(RunState.ERROR), message, now, *active),
-        )
-        return ids
+        rows = self._conn.execute(
+            f"SELECT {_RUN_COLUMNS} FROM runs WHERE state IN ({marks}) ORDER BY seq", active
+        ).fetchall()
+        return [_run_from_row(r) for r in rows]
 
 
 class _Op:

@@ -1,4 +1,5 @@
-"""What the core needs from a trainer, without grpc: capabilities and an episode stream.
+"""What the core needs from a trainer, without grpc: capabilities, an episode stream, grants
+and cancellation.
 
 ``gateway.trainer_client`` implements ``TrainerConnector`` over gRPC; tests may plug in others.
 A stream yields ``Episode`` messages and ``None`` for heartbeats, and raises one of the
@@ -19,7 +20,18 @@ class TrainerError(Exception):
 
 
 class TrainerBusy(TrainerError):
-    """The trainer has no free slot (``RESOURCE_EXHAUSTED``); the run goes back in the queue."""
+    """The trainer has no free slot (``RESOURCE_EXHAUSTED`` with reason ``SLOTS_BUSY``, and only
+    that); the run goes back in the queue."""
+
+
+class TrainerJobExists(TrainerError):
+    """The trainer already has a live job of this run (``ALREADY_EXISTS``): one the gateway
+    started before it restarted. The gateway re-attaches to it."""
+
+
+class TrainerJobGone(TrainerError):
+    """A re-attach found no job of this run (``NOT_FOUND``), or one that no longer holds the
+    episodes the gateway needs (``FAILED_PRECONDITION`` ``EPISODES_NOT_HELD``)."""
 
 
 class TrainerFailed(TrainerError):
@@ -71,8 +83,20 @@ class TrainerConnector(Protocol):
         run_id: str,
         task: episode_pb2.TrainTask,
         config: episode_pb2.TrainConfig,
+        grant_through_episode: int = 0,
+        attach_after_episode: int | None = None,
     ) -> TrainerStream:
-        """Starts a ``Train`` call."""
+        """Starts a ``Train`` call: a new job, or a re-attach after ``attach_after_episode``."""
+        ...
+
+    async def grant(self, address: str, run_id: str, through_episode: int, timeout: float) -> int:
+        """Moves a job's grant forward; returns its last produced episode. Raises
+        ``TrainerError``."""
+        ...
+
+    async def cancel_job(self, address: str, run_id: str, timeout: float) -> None:
+        """Cancels a job at once (a job that is already gone is fine). Raises
+        ``TrainerError``."""
         ...
 
     async def close(self) -> None:

@@ -2,8 +2,11 @@
 
 Each ``Train`` call follows the next queued ``Script`` (or the default one): stream normally,
 slowly, only heartbeats, go silent, abort with a ``google.rpc.LocalizedMessage`` or plainly,
-break one contract rule, answer ``RESOURCE_EXHAUSTED``, or hold at an episode until the test
-releases it or kills the server mid-stream. It runs on its own thread pool (sync server), so it
+break one contract rule, answer ``RESOURCE_EXHAUSTED`` (busy, or another kind), or hold at an
+episode until the test releases it or kills the server mid-stream. Like the real trainer it
+honours grants (``grant_through_episode``, ``Grant``; ``Script.ignore_grants`` turns that off),
+answers ``CancelJob``, and refuses re-attaches (``NOT_FOUND``: it keeps no detached jobs).
+It runs on its own thread pool (sync server), so it
 is independent of the event loop of the gateway under test.
 """
 
@@ -16,9 +19,11 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -48,7 +53,10 @@ class Script:
         heartbeat_interval: Seconds between heartbeats while no episode goes out.
         heartbeats_only: Send heartbeats forever, never an episode.
         silent: Send nothing at all (until cancelled).
-        busy: Answer RESOURCE_EXHAUSTED at once.
+        busy: Answer RESOURCE_EXHAUSTED (reason SLOTS_BUSY) at once.
+        exhausted: Answer RESOURCE_EXHAUSTED without the SLOTS_BUSY reason (a message too
+            large, out of memory), with this LocalizedMessage text ("" for none).
+        ignore_grants: Stream without waiting for grants.
         abort_after: Abort after this many episodes (``abort_code``; with ``localized`` the
             details carry a LocalizedMessage).
         abort_code: Status code of the abort.
@@ -66,6 +74,8 @@ class Script:
     heartbeats_only: bool = False
     silent: bool = False
     busy: bool = False
+    exhausted: str | None = None
+    ignore_grants: bool = False
     abort_after: int | None = None
     abort_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     localized: str | None = None
@@ -165,6 +175,27 @@ def _break(ep: episode_pb2.Episode, rule: str) -> list[episode_pb2.Episode]:
     return [ep]
 
 
+def _abort_with(
+    context: grpc.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    reason: str,
+    localized: str | None = None,
+) -> NoReturn:
+    """Aborts with a rich status: an ErrorInfo with ``reason`` (and a LocalizedMessage)."""
+    details = []
+    messages: list[Message] = [error_details_pb2.ErrorInfo(reason=reason, domain="trainwire")]
+    if localized:
+        messages.append(error_details_pb2.LocalizedMessage(locale="en-US", message=localized))
+    for detail in messages:
+        packed = any_pb2.Any()
+        packed.Pack(detail)
+        details.append(packed)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
+    context.abort_with_status(rpc_status.to_status(status))
+    raise AssertionError("unreachable")
+
+
 class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
     """The fake trainer. ``start()`` returns its address; ``push`` queues scripts per call.
 
@@ -185,6 +216,10 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         self.default = default or Script()
         self.scripts: deque[Script] = deque()
         self.requests: list[trainer_service_pb2.TrainRequest] = []
+        self.grants: dict[str, int] = {}  # run id -> grant of its live call (0: none)
+        self.granted: list[tuple[str, int]] = []  # every Grant call
+        self.jobs_cancelled: list[str] = []  # every CancelJob call that found its run
+        self._ended_by_run: dict[str, threading.Event] = {}
         self.cancelled = 0
         self.active = 0
         self.sent = 0  # episodes sent over all calls
@@ -236,6 +271,29 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
 
     # -- TrainerService ----------------------------------------------------------------------
 
+    def Grant(
+        self, request: trainer_service_pb2.GrantRequest, context: grpc.ServicerContext
+    ) -> trainer_service_pb2.GrantResponse:
+        with self._cond:
+            self.granted.append((request.run_id, request.through_episode))
+            if request.run_id not in self.grants:
+                _abort_with(context, grpc.StatusCode.NOT_FOUND, "no such job", "JOB_NOT_FOUND")
+            if request.through_episode > self.grants[request.run_id]:
+                self.grants[request.run_id] = request.through_episode
+                self._cond.notify_all()
+        return trainer_service_pb2.GrantResponse(last_episode=0)
+
+    def CancelJob(
+        self, request: trainer_service_pb2.CancelJobRequest, context: grpc.ServicerContext
+    ) -> trainer_service_pb2.CancelJobResponse:
+        with self._cond:
+            ended = self._ended_by_run.get(request.run_id)
+            if ended is None:
+                _abort_with(context, grpc.StatusCode.NOT_FOUND, "no such job", "JOB_NOT_FOUND")
+            self.jobs_cancelled.append(request.run_id)
+        ended.set()
+        return trainer_service_pb2.CancelJobResponse()
+
     def GetCapabilities(
         self, request: trainer_service_pb2.GetCapabilitiesRequest, context: grpc.ServicerContext
     ) -> trainer_service_pb2.GetCapabilitiesResponse:
@@ -252,21 +310,42 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
     def Train(
         self, request: trainer_service_pb2.TrainRequest, context: grpc.ServicerContext
     ) -> Iterator[trainer_service_pb2.TrainResponse]:
+        if request.HasField("attach_after_episode"):
+            with self._cond:
+                self.requests.append(request)
+                self._cond.notify_all()
+            _abort_with(context, grpc.StatusCode.NOT_FOUND, "no such job", "JOB_NOT_FOUND")
         with self._cond:
             script = self.scripts.popleft() if self.scripts else self.default
             self.requests.append(request)
             full = self.active >= self.slots
-            if not (script.busy or full):
+            refused = script.busy or full or script.exhausted is not None
+            if not refused:
                 self.active += 1
             self._cond.notify_all()
+        if script.exhausted is not None:
+            _abort_with(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "request too large",
+                "MESSAGE_TOO_LARGE",
+                script.exhausted or None,
+            )
         if script.busy or full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot")
+            _abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot", "SLOTS_BUSY")
         ended = _Ended(self._closed)
         context.add_callback(ended.set)
+        run_id = request.run_id
+        with self._cond:
+            self.grants[run_id] = 0 if script.ignore_grants else request.grant_through_episode
+            self._ended_by_run[run_id] = ended
         try:
             yield from self._play(script, request, context, ended)
         finally:
             with self._cond:
+                if self._ended_by_run.get(run_id) is ended:
+                    del self._ended_by_run[run_id]
+                    self.grants.pop(run_id, None)
                 self.active -= 1
                 # The callback fires at termination: set before this point only when the call
                 # was cancelled (or the server killed) while the script was still playing.
@@ -287,6 +366,21 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
                 return
             if time.monotonic() < deadline:
                 yield _heartbeat(last)
+
+    def _wait_grant(
+        self, script: Script, run_id: str, n: int, ended: threading.Event
+    ) -> Iterator[trainer_service_pb2.TrainResponse]:
+        """Holds episode ``n`` until it is granted, with "waiting" heartbeats meanwhile."""
+        while not ended.is_set():
+            with self._cond:
+                grant = self.grants.get(run_id, 0)
+                if not grant or n <= grant:
+                    return
+                self._cond.wait(script.heartbeat_interval)
+                grant = self.grants.get(run_id, 0)
+                if not grant or n <= grant:
+                    return
+            yield _heartbeat(n - 1, "waiting")
 
     def _play(
         self,
@@ -318,6 +412,9 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
                     yield _heartbeat(n - 1)
             if script.interval > 0 and n > 1:
                 yield from self._wait(script, script.interval, n - 1, ended)
+            yield from self._wait_grant(script, request.run_id, n, ended)
+            if ended.is_set():
+                return
             if script.violate == "end_without_done" and ep.done:
                 return
             out = [ep]

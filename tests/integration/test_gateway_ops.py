@@ -170,11 +170,15 @@ async def test_cancelled_watch_is_counted_cancelled_and_detached(
     )
     assert metrics.value("trainwire_gateway_watchers") == 0
     assert metrics.value("trainwire_gateway_runs", {"state": "RUNNING"}) == 1
-    # A second run is placed after a GetCapabilities that sees the held run's slot busy.
+    # A second run comes and goes; the trainer is asked again once it ended and the gauge
+    # shows the held run's slot busy.
     other = await client.create(max_episodes=5)
     assert (await client.finished(other.id)).state == pb.Run.STATE_DONE
     trainer = {"trainer": fake.address}
-    assert metrics.value("trainwire_gateway_trainer_slots_busy", trainer) == 1
+    await until(
+        lambda: metrics.value("trainwire_gateway_trainer_slots_busy", trainer) == 1,
+        "the trainer probed after the second run ended",
+    )
     assert metrics.value("trainwire_gateway_trainer_slots", trainer) == 4
     await client.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
     assert metrics.value("trainwire_gateway_runs", {"state": "RUNNING"}) == 0
@@ -202,9 +206,13 @@ async def test_run_gauges_survive_a_restart_and_follow_deletes(
     async with running_gateway((fake.address,), db=db) as second:
         assert second.gateway.metrics_endpoint is None  # off unless a port is given
         metrics = second.gateway.metrics
-        # The held run was active at shutdown: recorded as interrupted (ERROR).
-        counts = {s: metrics.value("trainwire_gateway_runs", {"state": s}) for s in STATES}
-        assert counts == {s: (1.0 if s in ("DONE", "ERROR") else 0.0) for s in STATES}
+        # The held run was active at shutdown; the fake trainer keeps no job to re-attach to,
+        # so it ends interrupted (ERROR).
+        def counts() -> dict[str, float]:
+            return {s: metrics.value("trainwire_gateway_runs", {"state": s}) for s in STATES}
+
+        expected = {s: (1.0 if s in ("DONE", "ERROR") else 0.0) for s in STATES}
+        await until(lambda: counts() == expected, f"gauges {expected}")
         await second.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
         assert metrics.value("trainwire_gateway_runs", {"state": "DONE"}) == 0
 

@@ -1,4 +1,6 @@
-"""The gateway as a process: kill -9 mid-run loses nothing a watcher saw; SIGTERM is graceful."""
+"""The gateway as a process with the fake trainer (which keeps no detached jobs, so re-attaches
+fail): kill -9 mid-run loses nothing a watcher saw; SIGTERM is graceful. The restart that
+continues a run is tested with the real trainer in ``test_pacing_and_reattach``."""
 
 from __future__ import annotations
 
@@ -83,7 +85,10 @@ async def test_kill_9_mid_run_loses_nothing_a_watcher_saw(
         replay_bytes = [e.SerializeToString(deterministic=True) for e in replay.episodes]
         assert replay_bytes[: len(seen_bytes)] == seen_bytes
         assert replay.finished == run
-    assert [r.run_id for r in fake.requests] == [run_id]  # never restarted on a trainer
+    # Never started twice: the restarted gateway asked to re-attach, and the fake had no job.
+    assert [r.run_id for r in fake.requests] == [run_id, run_id]
+    assert not fake.requests[0].HasField("attach_after_episode")
+    assert fake.requests[1].attach_after_episode == run.episode
 
 
 async def test_sigterm_is_graceful(fake: FakeTrainer, tmp_path: Path) -> None:
@@ -115,7 +120,10 @@ async def test_sigterm_is_graceful(fake: FakeTrainer, tmp_path: Path) -> None:
         grpc.aio.insecure_channel(address) as channel,
     ):
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-        run = (await stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=TIMEOUT)).run
+        final = await collect(stub, run_id, after_episode=5)
+        run = final.finished
+        assert run is not None
         assert run.state == State.STATE_ERROR and run.error_message == INTERRUPTED_MESSAGE
         assert run.episode == 5 and got.numbers == [1, 2, 3, 4, 5]
+    assert fake.requests[-1].attach_after_episode == 5
     assert "Traceback" not in log.read_text()

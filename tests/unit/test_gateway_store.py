@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.core.runs import INTERRUPTED_MESSAGE, RunState, TrainingRun
+from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import EpisodeRecord, SqliteStore, StoreThread
 from tests.fakes.fake_trainer import valid_episodes
 from trainwire.v1 import episode_pb2
@@ -110,23 +110,20 @@ def test_delete_removes_run_and_history(store: SqliteStore) -> None:
     assert store.read_episodes("a", 1, 3) == []
 
 
-def test_interrupt_active_marks_only_active_runs(store: SqliteStore) -> None:
+def test_active_runs_are_the_ones_a_restart_recovers_oldest_first(store: SqliteStore) -> None:
     runs = [make_run(f"r{i}") for i in range(4)]
     runs[1].start("t", 1)
+    runs[1].trainer_episode = 7
     runs[2].start("t", 1)
     runs[2].pause()
     runs[3].stop(2)
     for run in runs:
         store.insert_run(run)
         store.update_run(run)
-    assert sorted(store.interrupt_active(INTERRUPTED_MESSAGE, 99)) == ["r0", "r1", "r2"]
-    for i in range(3):
-        loaded = store.get_run(f"r{i}")
-        assert loaded is not None
-        assert loaded.state is RunState.ERROR and loaded.error_message == INTERRUPTED_MESSAGE
-        assert loaded.end_time == 99
-    loaded = store.get_run("r3")
-    assert loaded is not None and loaded.state is RunState.STOPPED
+    active = store.active_runs()
+    assert [r.id for r in active] == ["r0", "r1", "r2"]
+    assert [r.state for r in active] == [RunState.PENDING, RunState.RUNNING, RunState.PAUSED]
+    assert active[1].trainer == "t" and active[1].trainer_episode == 7
 
 
 def test_file_store_uses_wal_and_survives_reopen(tmp_path: Path) -> None:

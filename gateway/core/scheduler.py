@@ -1,0 +1,313 @@
+"""Placement of PENDING runs on trainers: the queue, background probes and placement.
+
+Each configured trainer has a probe loop of its own that asks ``GetCapabilities`` (with a
+deadline) every ``schedule_poll_s`` while runs wait, and every ``IDLE_PROBE_S`` otherwise, and
+at once when something changed on it (a run placed there started, ended, or was refused as
+busy). Placement reads only the cached answers, so a hung or dead trainer delays nothing but its
+own probe. A trainer whose answer is older than a change on it is *stale* and gets no run until
+its next answer.
+
+Placement is first in, first out per task kind: a run waits behind earlier runs of its kind, and
+a run no trainer offers a provider for waits without blocking runs of other kinds. A trainer
+takes a run when it offers the kind and has a free slot: its reported ``slots_free`` less the
+runs dispatched to it that it has not answered yet. Every waiting run carries a ``pending_detail``
+saying what it waits for.
+
+The gateway is healthy while at least one trainer answers (``on_health``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.config import GatewayConfig
+from gateway.core.observer import Observer
+from gateway.core.trainers import Capabilities, TrainerConnector, TrainerError
+
+_LOGGER = logging.getLogger(__name__)
+
+#: Seconds between probes of a trainer while no run waits.
+IDLE_PROBE_S = 5.0
+
+
+class Placeable(Protocol):
+    """A run waiting for a trainer (``gateway.core.driver.RunDriver``)."""
+
+    @property
+    def seq(self) -> int:
+        """Creation order."""
+        ...
+
+    @property
+    def kind(self) -> str:
+        """Task kind (``imitation``, ``grpo``)."""
+        ...
+
+    @property
+    def placeable(self) -> bool:
+        """False once it was stopped or started."""
+        ...
+
+    pending_detail: str
+
+    def dispatch(self, trainer: str) -> None:
+        """Starts it on ``trainer``."""
+        ...
+
+
+@dataclass
+class TrainerState:
+    """What the gateway knows of one trainer.
+
+    Attributes:
+        address: ``HOST:PORT``.
+        caps: Its last answer; ``None`` while it does not answer.
+        error: Why it does not answer (for people).
+        starting: Runs dispatched to it that it has not answered yet.
+        stale: Something changed on it since its last answer.
+        wake: Set to probe it at once.
+        asked_at: When it was last asked (monotonic seconds).
+    """
+
+    address: str
+    caps: Capabilities | None = None
+    error: str = "not asked yet"
+    starting: int = 0
+    stale: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    asked_at: float = -math.inf
+
+    @property
+    def free(self) -> int:
+        """Slots it can take a run in now (0 while it does not answer or is stale)."""
+        if self.caps is None or self.stale:
+            return 0
+        return self.caps.slots_free - self.starting
+
+
+class Scheduler:
+    """Places queued runs on trainers (see the module docstring).
+
+    Args:
+        config: Trainers, poll interval, call deadline.
+        connector: How to reach trainers.
+        observer: Metrics hooks (probes).
+        on_health: Called with True/False when the first trainer answers / the last one stops.
+        clock: Monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        connector: TrainerConnector,
+        observer: Observer,
+        on_health: Callable[[bool], None] = lambda healthy: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._connector = connector
+        self._observer = observer
+        self._on_health = on_health
+        self._healthy: bool | None = None
+        self.trainers = {a: TrainerState(a) for a in config.trainers}
+        self._queue: list[tuple[int, int, Placeable]] = []  # (seq, tiebreak, run)
+        self._tiebreak = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._answered = asyncio.Event()  # every trainer was asked once
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the probe loops."""
+        self._tasks = [
+            asyncio.create_task(self._probe_loop(state), name=f"gateway-probe-{address}")
+            for address, state in self.trainers.items()
+        ]
+
+    async def first_round(self, timeout: float) -> None:
+        """Waits (at most ``timeout`` seconds) until every trainer was asked once."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._answered.wait()
+        except TimeoutError:
+            pass
+
+    async def stop(self) -> None:
+        """Stops the probe loops."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    @property
+    def healthy(self) -> bool:
+        """Whether at least one trainer answers."""
+        return any(s.caps is not None for s in self.trainers.values())
+
+    # -- the queue ---------------------------------------------------------------------------
+
+    def enqueue(self, run: Placeable) -> None:
+        """Adds a run at its place (by creation order) and places what it can."""
+        self._tiebreak += 1
+        bisect.insort(self._queue, (run.seq, self._tiebreak, run), key=lambda q: q[:2])
+        self.place()
+        if self._queue:
+            # Runs wait: trainers asked longer ago than the poll interval are asked now (their
+            # loops were on the idle interval).
+            due = self._clock() - self._config.schedule_poll_s
+            for state in self.trainers.values():
+                if state.asked_at < due:
+                    state.wake.set()
+
+    requeue = enqueue
+
+    def dequeue(self, run: Placeable) -> None:
+        """Removes a run from the queue (it was stopped)."""
+        self._queue = [q for q in self._queue if q[2] is not run]
+
+    @property
+    def waiting(self) -> int:
+        """Runs in the queue."""
+        return len(self._queue)
+
+    # -- hooks from drivers ------------------------------------------------------------------
+
+    def started(self, trainer: str) -> None:
+        """A run dispatched to ``trainer`` got its first answer (or failed before it)."""
+        state = self.trainers.get(trainer)
+        if state is not None and state.starting > 0:
+            state.starting -= 1
+            self._refresh(state)
+
+    def run_ended(self, trainer: str) -> None:
+        """A run on ``trainer`` ended: ask it again for its free slots."""
+        state = self.trainers.get(trainer)
+        if state is not None:
+            self._refresh(state)
+
+    def _refresh(self, state: TrainerState) -> None:
+        state.stale = True
+        state.wake.set()
+
+    # -- probing -----------------------------------------------------------------------------
+
+    async def _probe_loop(self, state: TrainerState) -> None:
+        while True:
+            await self._probe(state)
+            if all(s.error != "not asked yet" for s in self.trainers.values()):
+                self._answered.set()
+            interval = self._config.schedule_poll_s if self._queue else IDLE_PROBE_S
+            try:
+                async with asyncio.timeout(interval):
+                    await state.wake.wait()
+            except TimeoutError:
+                pass
+
+    async def _probe(self, state: TrainerState) -> None:
+        state.wake.clear()
+        state.asked_at = self._clock()
+        was_stale = state.stale
+        address = state.address
+        try:
+            caps = await self._connector.capabilities(address, self._config.trainer_call_timeout_s)
+        except TrainerError as exc:
+            self._observer.trainer_probed(address, None)
+            if state.caps is not None or state.error == "not asked yet":
+                _LOGGER.warning("trainer %s unreachable: %s", address, exc)
+            state.caps = None
+            state.error = _short_reason(str(exc))
+        except Exception as exc:  # the probe loop must survive anything
+            _LOGGER.exception("probing trainer %s failed", address)
+            state.caps = None
+            state.error = f"probe failed: {exc}"
+        else:
+            self._observer.trainer_probed(address, caps)
+            if state.caps is None and state.error != "not asked yet":
+                _LOGGER.info("trainer %s reachable again", address)
+            state.caps = caps
+            state.error = ""
+            if was_stale and not state.wake.is_set():
+                state.stale = False  # nothing changed on it while it was asked
+        self._health_changed()
+        self.place()
+
+    def _health_changed(self) -> None:
+        healthy = self.healthy
+        if healthy != self._healthy:
+            self._healthy = healthy
+            self._on_health(healthy)
+
+    # -- placement ---------------------------------------------------------------------------
+
+    def place(self) -> None:
+        """Places queued runs on trainers with free slots, FIFO per kind; says why the others
+        wait."""
+        blocked: dict[str, str] = {}  # kind -> why its runs wait
+        ahead: dict[str, int] = {}
+        keep: list[tuple[int, int, Placeable]] = []
+        for item in self._queue:
+            run = item[2]
+            if not run.placeable:
+                continue
+            kind = run.kind
+            if kind in blocked:
+                ahead[kind] = ahead.get(kind, 0) + 1
+                run.pending_detail = f"{blocked[kind]}; {ahead[kind]} run(s) ahead in the queue"
+                keep.append(item)
+                continue
+            target = next(
+                (
+                    s
+                    for s in self.trainers.values()
+                    if s.free > 0 and s.caps is not None and kind in s.caps.providers
+                ),
+                None,
+            )
+            if target is None:
+                blocked[kind] = self._why_waiting(kind)
+                run.pending_detail = blocked[kind]
+                keep.append(item)
+                continue
+            target.starting += 1
+            run.dispatch(target.address)
+        self._queue = keep
+
+    def _why_waiting(self, kind: str) -> str:
+        states = list(self.trainers.values())
+        reachable = [s for s in states if s.caps is not None]
+        if not reachable:
+            return "no trainer reachable: " + ", ".join(f"{s.address} ({s.error})" for s in states)
+        offering = [s for s in reachable if kind in s.caps.providers]  # type: ignore[union-attr]
+        if not offering:
+            offers = ", ".join(
+                f"{s.address} offers {', '.join(s.caps.providers) or 'nothing'}"  # type: ignore[union-attr]
+                for s in reachable
+            )
+            return f"no trainer offers {kind}: {offers}"
+        parts = []
+        for s in offering:
+            caps = s.caps
+            assert caps is not None
+            busy = caps.slots_total - caps.slots_free + s.starting
+            parts.append(f"{s.address} has {min(busy, caps.slots_total)}/{caps.slots_total} busy")
+        return "waiting for a free slot: " + ", ".join(parts)
+
+
+def _short_reason(detail: str) -> str:
+    """A few words of why a trainer does not answer, from a gRPC error's text."""
+    lowered = detail.lower()
+    if "connection refused" in lowered:
+        return "connection refused"
+    if "deadline" in lowered or "timed out" in lowered:
+        return "not answering (timed out)"
+    if "unavailable" in lowered:
+        return "unavailable"
+    return detail[:200]
