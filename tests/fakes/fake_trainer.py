@@ -213,6 +213,8 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
     ) -> None:
         self.slots = slots
         self.providers = providers
+        self.probes = 0  # GetCapabilities calls
+        self.hang_capabilities = threading.Event()  # set: GetCapabilities hangs
         self.default = default or Script()
         self.scripts: deque[Script] = deque()
         self.requests: list[trainer_service_pb2.TrainRequest] = []
@@ -298,7 +300,12 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         self, request: trainer_service_pb2.GetCapabilitiesRequest, context: grpc.ServicerContext
     ) -> trainer_service_pb2.GetCapabilitiesResponse:
         with self._cond:
+            self.probes += 1
             free = max(0, self.slots - self.active)
+        if self.hang_capabilities.is_set():
+            # A hung trainer (SIGSTOP, a stuck process): answers only after the caller gave up.
+            while self.hang_capabilities.is_set() and context.is_active():
+                self._closed.wait(0.05)
         return trainer_service_pb2.GetCapabilitiesResponse(
             providers=list(self.providers),
             device="cpu",

@@ -1,4 +1,5 @@
-"""Helpers for gateway tests: an in-process gateway on port 0 and watch-stream collectors."""
+"""Helpers for gateway tests: an in-process gateway on port 0, watch-stream collectors, and the
+real services as processes (``gateway_process``, ``trainer_process``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import contextlib
 import math
 import os
 import re
+import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,3 +212,43 @@ async def gateway_process(
         if proc.returncode is None:
             proc.kill()
         await proc.wait()
+
+
+@contextlib.contextmanager
+def trainer_process(
+    log: Path, *flags: str, slots: int = 2
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``python -m trainer_service --port 0 --device cpu`` (imitation and grpo providers) with
+    stderr appended to ``log``; yields the process, once it printed its address, and the
+    address. A process still running on exit is killed."""
+    with log.open("ab") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "trainer_service",
+                "--port",
+                "0",
+                "--device",
+                "cpu",
+                "--slots",
+                str(slots),
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
+        )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        match = re.fullmatch(r"trainer listening on 127\.0\.0\.1:(\d+)\n", line)
+        assert match, f"unexpected first line {line!r}; log: {log.read_text()[-2000:]}"
+        yield proc, f"127.0.0.1:{match.group(1)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

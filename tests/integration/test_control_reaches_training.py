@@ -1,0 +1,307 @@
+"""Control reaches the training, and runs survive gateway restarts: the real trainer process,
+the gateway in-process or as processes (kill -9, SIGTERM), the imitation provider.
+
+What must hold (issue: "Pause, pace and stop the training itself"): a paced run's trainer never
+trains more than the lead ahead of publication; a paused run's trainer trains nothing; stop frees
+the trainer slot within a second; a slow run stopped early has trained little; a gateway killed
+mid-run and restarted continues the run to DONE with every episode exactly once; PENDING runs
+survive SIGTERM; a second gateway on the same database refuses to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.fakes.gateway_harness import (
+    ROOT,
+    TIMEOUT,
+    WatchResult,
+    absorb,
+    collect,
+    create_request,
+    gateway_process,
+    running_gateway,
+    trainer_process,
+)
+from trainwire.v1 import (
+    gateway_service_pb2,
+    gateway_service_pb2_grpc,
+    trainer_service_pb2,
+    trainer_service_pb2_grpc,
+)
+
+State = gateway_service_pb2.Run.State
+pb = gateway_service_pb2
+SLOTS = 3
+GATEWAY_FLAGS = ("--keepalive", "0.5", "--heartbeat-timeout", "10", "--schedule-poll", "0.2")
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real trainer process for the module: imitation on the CPU, 3 slots, 60 s grace."""
+    log = tmp_path_factory.mktemp("trainer") / "trainer.log"
+    with trainer_process(log, "--heartbeat", "0.5", "--detach-grace", "60", slots=SLOTS) as (
+        _,
+        address,
+    ):
+        yield address
+
+
+class TrainerProbe:
+    """Asks the trainer itself how far a job trained and how many slots are free."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)
+
+    async def trained(self, run_id: str) -> int:
+        """The job's last produced episode (a Grant of 0 moves nothing)."""
+        reply = await self.stub.Grant(
+            trainer_service_pb2.GrantRequest(run_id=run_id, through_episode=0), timeout=TIMEOUT
+        )
+        return reply.last_episode
+
+    async def free_slots(self) -> int:
+        reply = await self.stub.GetCapabilities(
+            trainer_service_pb2.GetCapabilitiesRequest(), timeout=TIMEOUT
+        )
+        return reply.slots_free
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def get(stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str) -> pb.Run:
+    return (await stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=TIMEOUT)).run
+
+
+async def wait_state(
+    stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str, state: int
+) -> pb.Run:
+    deadline = time.monotonic() + 60
+    while True:
+        run = await get(stub, run_id)
+        if run.state == state:
+            return run
+        assert time.monotonic() < deadline, f"run {run_id} still {run.state}"
+        await asyncio.sleep(0.05)
+
+
+def lead_of(rate: float, lead_s: float = 2.0) -> int:
+    return max(4, math.ceil(lead_s * rate))
+
+
+async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
+    probe = TrainerProbe(trainer)
+    async with running_gateway(
+        (trainer,), heartbeat_timeout_s=10.0, keepalive_s=1.0, schedule_poll_s=0.2
+    ) as client:
+        stub = client.stub
+        slow = await client.create(max_episodes=2000, episodes_per_second=5)
+        paused = await client.create(max_episodes=2000, episodes_per_second=20)
+        await wait_state(stub, slow.id, State.STATE_RUNNING)
+        await wait_state(stub, paused.id, State.STATE_RUNNING)
+
+        async def slow_run() -> dict[str, float]:
+            lead = lead_of(5)
+            began = time.monotonic()
+            widest = 0
+            while time.monotonic() - began < 10:
+                trained = await probe.trained(slow.id)  # first: the grant bounds it by then
+                run = await get(stub, slow.id)
+                assert run.trainer_episode - run.episode <= lead, run
+                assert trained - run.episode <= lead, (trained, run.episode)
+                widest = max(widest, trained - run.episode)
+                await asyncio.sleep(0.25)
+            trained = await probe.trained(slow.id)
+            assert trained < 100, f"trained {trained} episodes in 10 s at 5 episodes/s"
+            free = await probe.free_slots()
+            stopped_at = time.monotonic()
+            await stub.StopRun(pb.StopRunRequest(run_id=slow.id), timeout=TIMEOUT)
+            while await probe.free_slots() <= free:
+                assert time.monotonic() - stopped_at < 5, "the slot was never freed"
+                await asyncio.sleep(0.01)
+            slot_free_s = time.monotonic() - stopped_at
+            assert slot_free_s < 1.0
+            final = await get(stub, slow.id)
+            assert final.state == State.STATE_STOPPED
+            return {"trained": trained, "lead": lead, "widest": widest, "slot_s": slot_free_s}
+
+        async def paused_run() -> dict[str, float]:
+            await asyncio.sleep(1.5)
+            await stub.PauseRun(pb.PauseRunRequest(run_id=paused.id), timeout=TIMEOUT)
+            await asyncio.sleep(0.5)  # a grant that was in flight lands
+            before = await probe.trained(paused.id)
+            run_before = await get(stub, paused.id)
+            await asyncio.sleep(5.0)
+            after = await probe.trained(paused.id)
+            run_after = await get(stub, paused.id)
+            assert after == before, f"trained {after - before} episodes while paused"
+            assert run_after.trainer_episode == run_before.trainer_episode
+            assert run_after.episode == run_before.episode
+            assert run_after.state == State.STATE_PAUSED
+            assert before - run_after.episode <= lead_of(20)
+            await stub.ResumeRun(pb.ResumeRunRequest(run_id=paused.id), timeout=TIMEOUT)
+            deadline = time.monotonic() + 30
+            while await probe.trained(paused.id) <= after:
+                assert time.monotonic() < deadline, "training did not resume"
+                await asyncio.sleep(0.05)
+            await stub.StopRun(pb.StopRunRequest(run_id=paused.id), timeout=TIMEOUT)
+            return {"paused_trained": after - before}
+
+        slow_figures, paused_figures = await asyncio.gather(slow_run(), paused_run())
+    await probe.close()
+    print(f"\ncontrol: {slow_figures} {paused_figures}")
+
+
+async def _watch_until(
+    stub: gateway_service_pb2_grpc.GatewayServiceStub,
+    run_id: str,
+    result: WatchResult,
+    count: int,
+) -> None:
+    call = stub.WatchRun(pb.WatchRunRequest(run_id=run_id), timeout=TIMEOUT)
+    async for message in call:
+        absorb(result, message)
+        if len(result.episodes) >= count:
+            call.cancel()
+            return
+
+
+async def test_kill_9_of_the_gateway_mid_run_and_a_restart_finish_the_run(
+    trainer: str, tmp_path: Path
+) -> None:
+    db, log = tmp_path / "gw.sqlite3", tmp_path / "gateway.log"
+    seen = WatchResult()
+    async with (
+        gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (proc, address),
+        grpc.aio.insecure_channel(address) as channel,
+    ):
+        stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+        reply = await stub.CreateRun(
+            create_request(max_episodes=600, episodes_per_second=60), timeout=TIMEOUT
+        )
+        run_id = reply.run.id
+        await _watch_until(stub, run_id, seen, 100)
+        proc.kill()  # SIGKILL
+        await proc.wait()
+    killed_at = time.monotonic()
+    async with gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (_, address):
+        assert time.monotonic() - killed_at < 10
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            rest = await collect(stub, run_id, after_episode=seen.numbers[-1], timeout=60)
+    numbers = seen.numbers + rest.numbers
+    assert numbers == list(range(1, 601)), "every episode exactly once"
+    assert rest.finished is not None and rest.finished.state == State.STATE_DONE
+    assert rest.finished.episode == 600
+    text = log.read_text()
+    assert f"run {run_id}: re-attaching to its job on {trainer} after episode" in text
+    assert "Traceback" not in text
+
+
+async def test_sigterm_and_restart_keep_pending_running_and_paused_runs(
+    trainer: str, tmp_path: Path
+) -> None:
+    db, log = tmp_path / "gw.sqlite3", tmp_path / "gateway.log"
+    nowhere = "127.0.0.1:9"  # discard: nothing listens
+    async with gateway_process(nowhere, log, "--db", str(db), *GATEWAY_FLAGS) as (proc, address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            pending = [
+                (await stub.CreateRun(create_request(max_episodes=30), timeout=TIMEOUT)).run.id
+                for _ in range(3)
+            ]
+            waiting = await get(stub, pending[0])
+            assert waiting.state == State.STATE_PENDING
+            assert waiting.state_detail.startswith(f"no trainer reachable: {nowhere}")
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    async with gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (proc, address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            finals = [await collect(stub, run_id, timeout=60) for run_id in pending]
+            assert [f.finished.state for f in finals if f.finished] == [State.STATE_DONE] * 3
+            assert all(f.numbers == list(range(1, 31)) for f in finals)
+            running = (
+                await stub.CreateRun(
+                    create_request(max_episodes=300, episodes_per_second=30), timeout=TIMEOUT
+                )
+            ).run.id
+            paused = (
+                await stub.CreateRun(
+                    create_request(max_episodes=300, episodes_per_second=30), timeout=TIMEOUT
+                )
+            ).run.id
+            await wait_state(stub, running, State.STATE_RUNNING)
+            await wait_state(stub, paused, State.STATE_RUNNING)
+            await asyncio.sleep(1.0)
+            held = (await stub.PauseRun(pb.PauseRunRequest(run_id=paused), timeout=TIMEOUT)).run
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    async with (
+        gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (_, address),
+        grpc.aio.insecure_channel(address) as channel,
+    ):
+        stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+        still = await get(stub, paused)
+        assert still.state == State.STATE_PAUSED and still.episode >= held.episode
+        done = await collect(stub, running, timeout=60)
+        assert done.numbers == list(range(1, 301))
+        assert done.finished is not None and done.finished.state == State.STATE_DONE
+        await stub.ResumeRun(pb.ResumeRunRequest(run_id=paused), timeout=TIMEOUT)
+        resumed = await collect(stub, paused, timeout=60)
+        assert resumed.numbers == list(range(1, 301))
+        assert resumed.finished is not None
+        assert resumed.finished.state == State.STATE_DONE
+    assert "Traceback" not in log.read_text()
+
+
+def test_a_second_gateway_on_the_same_database_refuses_to_start(tmp_path: Path) -> None:
+    db = tmp_path / "gw.sqlite3"
+    command = [sys.executable, "-m", "gateway", "--port", "0", "--db", str(db)]
+    first = subprocess.Popen(
+        [*command, "--trainer", "127.0.0.1:9"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert first.stdout is not None
+        assert first.stdout.readline().startswith(b"gateway listening on ")
+        time.sleep(1.5)  # the first checkpoint of an idle store has run
+        before = hashlib.sha256(db.read_bytes()).hexdigest()
+        second = subprocess.run(
+            [*command, "--trainer", "127.0.0.1:9"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert second.returncode == 2
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1, second.stderr
+        assert str(db) in lines[0] and f"process {first.pid}" in lines[0]
+        assert second.stdout == ""
+        assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=30)
+        if first.stdout is not None:
+            first.stdout.close()
