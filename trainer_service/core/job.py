@@ -165,12 +165,6 @@ class RunningJob:
         """How the job ended; ``None`` while it runs."""
         return self._outcome
 
-    @property
-    def delivered(self) -> bool:
-        """Whether the last stream sent everything, including the job's end."""
-        with self._cond:
-            return self._stopped and self._cursor >= self._produced and self._stream is None
-
     def join(self, timeout: float | None = None) -> bool:
         """Waits for the producer thread to exit; returns whether it did."""
         return self.exited.wait(timeout)
