@@ -1,6 +1,7 @@
 """``python -m gateway``: parse flags, set up logging, serve until SIGTERM/SIGINT.
 
-Prints ``gateway listening on HOST:PORT`` once serving and, with ``--metrics-port``,
+Prints ``gateway listening on HOST:PORT`` once serving, then ``gateway http on http://HOST:PORT``
+(the page and the JSON API; ``--http-port -1`` turns it off) and, with ``--metrics-port``,
 ``gateway metrics on http://HOST:PORT/metrics`` (scripts wait for these lines).
 """
 
@@ -22,6 +23,7 @@ _LOGGER = logging.getLogger("gateway")
 
 DEFAULT_PORT = 50051
 DEFAULT_TRAINER = "127.0.0.1:50052"
+DEFAULT_HTTP_PORT = 8080
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -95,6 +97,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="serve Prometheus metrics at http://HOST:PORT/metrics on this port "
         "(0 picks a free one; default: off)",
     )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="serve the page, the JSON API and event streams at http://HOST:PORT "
+        "(0 picks a free port; -1: off)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument(
         "--log-format",
@@ -121,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         history_cache_mb=args.history_cache_mb,
         live_coalesce_s=args.live_coalesce,
         metrics_port=args.metrics_port,
+        http_port=None if args.http_port == -1 else args.http_port,
     )
 
 
@@ -136,6 +146,8 @@ async def serve(config: GatewayConfig) -> int:
         _LOGGER.error("%s", exc)
         return 1
     print(f"gateway listening on {config.host}:{port}", flush=True)
+    if gateway.http is not None:
+        print(f"gateway http on {gateway.http.url}", flush=True)
     if gateway.metrics_endpoint is not None:
         print(f"gateway metrics on {gateway.metrics_endpoint.url}", flush=True)
     stop = asyncio.Event()

@@ -32,6 +32,9 @@ class GatewayConfig:
             published in between go out together as a batch (0: one wake-up per episode).
         metrics_port: Port of the Prometheus ``/metrics`` endpoint on ``host``; ``None`` = off,
             0 picks a free one.
+        http_port: Port of the HTTP side (JSON API, event streams, the page) on ``host``;
+            ``None`` = off (``python -m gateway`` serves it on 8080 unless told otherwise), 0
+            picks a free one.
     """
 
     host: str = "127.0.0.1"
@@ -48,6 +51,7 @@ class GatewayConfig:
     history_cache_mb: float = 64.0
     live_coalesce_s: float = 0.02
     metrics_port: int | None = None
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -56,6 +60,8 @@ class GatewayConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in 0..65535, got {self.http_port}")
         if not self.trainers:
             raise ValueError("at least one trainer address is required")
         for address in self.trainers:

@@ -1,5 +1,6 @@
 """The gateway's gRPC server: ``GatewayService`` on ``grpc.aio`` with health, reflection, an
-HTTP/2 keepalive policy and the RPC metrics interceptor; ``Gateway`` ties server, core, store and
+HTTP/2 keepalive policy and the RPC metrics interceptor; ``Gateway`` ties server, core, store,
+the HTTP side (``gateway.http``: JSON API, event streams, the page, with ``config.http_port``) and
 metrics (``/metrics`` over HTTP with ``config.metrics_port``) together for ``__main__``, tests
 and benchmarks."""
 
@@ -17,6 +18,7 @@ from gateway.core.dblock import DatabaseLock
 from gateway.core.registry import RunRegistry
 from gateway.core.store import SqliteStore, StoreThread
 from gateway.core.trainers import TrainerConnector
+from gateway.http import HttpFace
 from gateway.metrics import GatewayMetrics
 from gateway.servicer import GatewayServicer, add_to_server
 from gateway.trainer_client import GrpcTrainerConnector
@@ -85,6 +87,7 @@ class Gateway:
     Attributes:
         metrics: The gateway's metrics.
         metrics_endpoint: The HTTP ``/metrics`` endpoint while it serves; ``None`` when off.
+        http: The HTTP side while it serves (``http.url``); ``None`` when off.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class Gateway:
         self._connector = connector
         self.metrics = metrics or GatewayMetrics()
         self.metrics_endpoint: MetricsEndpoint | None = None
+        self.http: HttpFace | None = None
         self._health = health.aio.HealthServicer()
         self._health_tasks: set[asyncio.Task[None]] = set()
         self._lock = DatabaseLock(config.db)
@@ -109,7 +113,7 @@ class Gateway:
 
         Raises:
             DatabaseLocked: Another gateway uses the database (nothing was started).
-            OSError: The metrics port cannot be bound (nothing was started).
+            OSError: The metrics or HTTP port cannot be bound (nothing was started).
             RuntimeError: The gRPC port cannot be bound.
         """
         metrics = self.metrics
@@ -131,8 +135,12 @@ class Gateway:
             )
             await self.core.start()
             self.server, self.port = build_server(self.config, self.core, self._health, metrics)
+            if self.config.http_port is not None:
+                self.http = HttpFace(self.core, self.config.shutdown_grace_s)
+                await self.http.start(self.config.host, self.config.http_port)
             await self.server.start()
         except BaseException:
+            await self._stop_http()
             await self._stop_metrics()
             self._lock.release()
             raise
@@ -172,11 +180,16 @@ class Gateway:
             return
         await self._health.enter_graceful_shutdown()
         self.core.begin_shutdown()
-        await self.server.stop(self.config.shutdown_grace_s)
+        await asyncio.gather(self.server.stop(self.config.shutdown_grace_s), self._stop_http())
         await self.core.shutdown()
         self._lock.release()
         await self._stop_metrics()
         _LOGGER.info("gateway stopped")
+
+    async def _stop_http(self) -> None:
+        http, self.http = self.http, None
+        if http is not None:
+            await http.stop()
 
     async def _stop_metrics(self) -> None:
         endpoint, self.metrics_endpoint = self.metrics_endpoint, None

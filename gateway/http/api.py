@@ -1,0 +1,204 @@
+"""The JSON API: ``GatewayService`` over HTTP, in the protobuf JSON mapping.
+
+Each handler is a transcoder, like Google's HTTP rules (``google/api/http.proto``) served by a
+gRPC-JSON gateway: the path, the query and the JSON body make the request message; the same
+``GatewayServicer`` method that gRPC calls answers it (with an ``HttpContext``); the response
+message is the body, the JSON grpcurl shows.
+
+==========================================  ==================================================
+``GET /v1/runs``                            ListRuns (``?pageSize=&pageToken=&state=&view=``)
+``POST /v1/runs``                           CreateRun (body: ``CreateRunRequest``)
+``GET /v1/runs/{run_id}``                   GetRun
+``DELETE /v1/runs/{run_id}``                DeleteRun
+``POST /v1/runs/{run_id}:pause``            PauseRun (``:resume``, ``:stop`` alike)
+``POST /v1/runs/{run_id}:setSpeed``         SetRunSpeed (body ``{"speed": 2}``)
+``GET /v1/runs/{run_id}/motion``            an imitation run's rig and target clip
+``GET /v1/motions``                         the built-in rigs and clips
+==========================================  ==================================================
+
+A POST must say ``Content-Type: application/json`` (its body may be empty for the controls):
+a browser cannot send that cross-site without asking first, so another site's page cannot
+drive runs through a visitor's browser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+import grpc
+from aiohttp import web
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from gateway.core.errors import InvalidRequest
+from gateway.http.context import HttpContext
+from gateway.servicer import GatewayServicer
+from gateway.status import map_errors
+from trainwire import motion
+from trainwire.contract import FieldViolation
+from trainwire.v1 import gateway_service_pb2 as pb
+
+M = TypeVar("M", bound=Message)
+
+
+def json_reply(message: Message | dict[str, Any]) -> web.Response:
+    """A 200 response whose body is the message in the protobuf JSON mapping."""
+    if isinstance(message, Message):
+        message = json_format.MessageToDict(message)
+    return web.json_response(message)
+
+
+def _bad(field: str, message: str) -> InvalidRequest:
+    return InvalidRequest(message, [FieldViolation(field, message)])
+
+
+def from_query(request: web.Request, cls: type[M]) -> M:
+    """The request message of the query parameters (JSON names or proto names).
+
+    Raises:
+        InvalidRequest: an unknown parameter or a bad value.
+    """
+    query = request.query
+    if len(set(query)) != len(query):
+        raise _bad("query", f"a query parameter is repeated: {request.query_string}")
+    try:
+        return json_format.ParseDict(dict(query), cls())
+    except json_format.ParseError as exc:
+        raise _bad("query", f"bad query parameters for {cls.DESCRIPTOR.name}: {exc}") from None
+
+
+async def from_body(request: web.Request, cls: type[M], **path: str) -> M:
+    """The request message of a JSON body (may be empty) and the path's fields; a path field
+    the body also sets must agree.
+
+    Raises:
+        InvalidRequest: not JSON, not the message, or disagreeing with the path.
+    """
+    if request.content_type != "application/json":
+        raise _bad(
+            "Content-Type",
+            f"send the body as Content-Type: application/json, not {request.content_type!r}",
+        )
+    text = await request.text()
+    message = cls()
+    if text.strip():
+        try:
+            json_format.Parse(text, message)
+        except json_format.ParseError as exc:
+            raise _bad("body", f"the body is not a {cls.DESCRIPTOR.name}: {exc}") from None
+    for name, value in path.items():
+        current = getattr(message, name)
+        if current and current != value:
+            raise _bad(name, f"{name} {current!r} in the body is not {value!r} in the path")
+        setattr(message, name, value)
+    return message
+
+
+class _Motions:
+    """The motion of a run, with errors mapped like servicer methods."""
+
+    def __init__(self, servicer: GatewayServicer) -> None:
+        self._servicer = servicer
+
+    @map_errors
+    async def GetRunMotion(self, request: pb.GetRunRequest, context: HttpContext) -> dict[str, Any]:
+        reply = await self._servicer.GetRun(request, cast(grpc.aio.ServicerContext, context))
+        task = reply.run.task
+        if task.WhichOneof("kind") != "imitation":
+            raise InvalidRequest(
+                f"run {request.run_id!r} is not an imitation run: it has no motion",
+                [FieldViolation("run_id", "not an imitation run")],
+                request.run_id,
+            )
+        rig = motion.rig_from_task(task.imitation)
+        clip = motion.clip_from_task(task.imitation)
+        return {
+            "rig": json_format.MessageToDict(motion.rig_to_proto(rig)),
+            "clip": json_format.MessageToDict(motion.clip_to_proto(clip)),
+        }
+
+
+class JsonApi:
+    """The JSON API's handlers (see the module docstring)."""
+
+    def __init__(self, servicer: GatewayServicer) -> None:
+        self._servicer = servicer
+        self._motions = _Motions(servicer)
+
+    def routes(self) -> list[web.RouteDef]:
+        """The routes, for ``app.add_routes``."""
+        run = "/v1/runs/{run_id:[^/:]+}"
+        return [
+            web.get("/v1/runs", self.list_runs),
+            web.post("/v1/runs", self.create_run),
+            web.get(run, self.get_run),
+            web.delete(run, self.delete_run),
+            web.post(run + ":pause", self.pause_run),
+            web.post(run + ":resume", self.resume_run),
+            web.post(run + ":stop", self.stop_run),
+            web.post(run + ":setSpeed", self.set_speed),
+            web.get(run + "/motion", self.run_motion),
+            web.get("/v1/motions", self.motions),
+        ]
+
+    @staticmethod
+    async def _call(
+        method: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]],
+        message: Message,
+        request: web.Request,
+    ) -> web.Response:
+        context = cast(grpc.aio.ServicerContext, HttpContext(request))
+        return json_reply(await method(message, context))
+
+    async def list_runs(self, request: web.Request) -> web.Response:
+        """ListRuns."""
+        message = from_query(request, pb.ListRunsRequest)
+        return await self._call(self._servicer.ListRuns, message, request)
+
+    async def create_run(self, request: web.Request) -> web.Response:
+        """CreateRun."""
+        message = await from_body(request, pb.CreateRunRequest)
+        return await self._call(self._servicer.CreateRun, message, request)
+
+    async def get_run(self, request: web.Request) -> web.Response:
+        """GetRun."""
+        message = pb.GetRunRequest(run_id=request.match_info["run_id"])
+        return await self._call(self._servicer.GetRun, message, request)
+
+    async def delete_run(self, request: web.Request) -> web.Response:
+        """DeleteRun."""
+        message = pb.DeleteRunRequest(run_id=request.match_info["run_id"])
+        return await self._call(self._servicer.DeleteRun, message, request)
+
+    async def pause_run(self, request: web.Request) -> web.Response:
+        """PauseRun."""
+        message = await from_body(request, pb.PauseRunRequest, **request.match_info)
+        return await self._call(self._servicer.PauseRun, message, request)
+
+    async def resume_run(self, request: web.Request) -> web.Response:
+        """ResumeRun."""
+        message = await from_body(request, pb.ResumeRunRequest, **request.match_info)
+        return await self._call(self._servicer.ResumeRun, message, request)
+
+    async def stop_run(self, request: web.Request) -> web.Response:
+        """StopRun."""
+        message = await from_body(request, pb.StopRunRequest, **request.match_info)
+        return await self._call(self._servicer.StopRun, message, request)
+
+    async def set_speed(self, request: web.Request) -> web.Response:
+        """SetRunSpeed."""
+        message = await from_body(request, pb.SetRunSpeedRequest, **request.match_info)
+        return await self._call(self._servicer.SetRunSpeed, message, request)
+
+    async def run_motion(self, request: web.Request) -> web.Response:
+        """An imitation run's rig (bones: parent, length) and target clip (angles), from
+        ``trainwire.motion``: the page draws the learned pose over the target with them."""
+        message = pb.GetRunRequest(run_id=request.match_info["run_id"])
+        return json_reply(await self._motions.GetRunMotion(message, HttpContext(request)))
+
+    async def motions(self, request: web.Request) -> web.Response:
+        """The built-in rig and clip names (the page's New-run form offers them)."""
+        return json_reply(
+            {"rigs": sorted(motion.BUILTIN_RIGS), "clips": list(motion.BUILTIN_CLIP_NAMES)}
+        )

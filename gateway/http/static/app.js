@@ -1,0 +1,496 @@
+// Trainwire's page: the runs table, the New-run form and the run view.
+//
+// It talks to the gateway's JSON API (the protobuf JSON mapping: int64 fields arrive as strings,
+// fields at their default are left out) and follows a run over server-sent events. Requests go
+// through `api()` and streams through `eventsUrl()`: the one place each to add a bearer token.
+
+import { Avatar, Curve, rollingWindow } from "./draw.js";
+
+// -- the API ---------------------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(error) {
+    super(error.message || `HTTP ${error.code}`);
+    this.error = error;
+  }
+
+  /** The message and every field violation of a google.rpc.BadRequest detail. */
+  describe() {
+    const lines = [this.message];
+    for (const detail of this.error.details || []) {
+      for (const v of detail.fieldViolations || []) lines.push(`\u2022 ${v.field}: ${v.description}`);
+    }
+    return lines.join("\n");
+  }
+}
+
+/** Headers every request carries (a bearer token goes here once the gateway asks for one). */
+function authHeaders() {
+  return {};
+}
+
+async function api(method, path, body) {
+  const init = { method, headers: { Accept: "application/json", ...authHeaders() } };
+  if (method === "POST") {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body || {});
+  }
+  const response = await fetch(path, init);
+  const data = await response.json().catch(() => ({}));
+  if (!response.ok) {
+    throw new ApiError(data.error || { code: response.status, message: response.statusText });
+  }
+  return data;
+}
+
+/** The event stream of a run after an episode (EventSource sends no headers: a token would
+ * have to travel in this URL). */
+function eventsUrl(runId, after) {
+  return `/v1/runs/${encodeURIComponent(runId)}/events?after=${after}`;
+}
+
+// -- small helpers ---------------------------------------------------------------------------
+
+const $ = (selector, root = document) => root.querySelector(selector);
+const FINAL = new Set(["DONE", "STOPPED", "ERROR"]);
+
+function el(tag, props = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(props)) {
+    if (key === "dataset") Object.assign(node.dataset, value);
+    else if (key === "class") node.className = value;
+    else node[key] = value;
+  }
+  node.append(...children);
+  return node;
+}
+
+const stateName = (run) => (run.state || "STATE_UNSPECIFIED").replace(/^STATE_/, "");
+const num = (value) => Number(value || 0);
+const fixed = (value, digits = 3) => (value === undefined ? "\u2013" : Number(value).toFixed(digits));
+
+function speedText(speed) {
+  const s = num(speed) || 1;
+  return `\u00d7${s < 1 ? s.toFixed(2) : s.toFixed(1)}`;
+}
+
+function ageText(createTime) {
+  if (!createTime) return "";
+  const seconds = Math.max(0, (Date.now() - Date.parse(createTime)) / 1000);
+  if (seconds < 60) return `${Math.floor(seconds)} s`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)} min`;
+  if (seconds < 86400) return `${Math.floor(seconds / 3600)} h`;
+  return `${Math.floor(seconds / 86400)} d`;
+}
+
+function taskText(task) {
+  if (task && task.imitation) {
+    const t = task.imitation;
+    const rig = t.rigName || (t.rig ? t.rig.name || "custom rig" : "stickman");
+    const clip = t.clipName || (t.clip ? t.clip.name || "custom clip" : "?");
+    return `imitation \u00b7 ${rig} / ${clip}`;
+  }
+  if (task && task.grpo) return `grpo \u00b7 ${task.grpo.modelPath || "?"}`;
+  return "?";
+}
+
+function badge(node, run) {
+  const state = stateName(run);
+  node.textContent = state;
+  node.dataset.state = state;
+}
+
+/** The link indicator in the header: connecting, live, reconnecting (with a count), finished. */
+const link = {
+  set(state, reconnects) {
+    const node = $("#link");
+    node.dataset.state = state;
+    node.dataset.reconnects = String(reconnects);
+    const words = { connecting: "connecting\u2026", live: "live", reconnecting: "reconnecting\u2026", finished: "finished", idle: "" };
+    node.textContent = words[state] + (reconnects ? ` \u00b7 ${reconnects} reconnect${reconnects > 1 ? "s" : ""}` : "");
+  },
+};
+
+// -- runs view -------------------------------------------------------------------------------
+
+class RunsView {
+  constructor() {
+    this.timer = null;
+    this.form = $("#new-run");
+    this.form.addEventListener("submit", (e) => this.submit(e));
+    this.form.addEventListener("change", (e) => {
+      if (e.target.name === "kind") this.showKind();
+    });
+    this.fillClips();
+  }
+
+  async fillClips() {
+    const select = this.form.elements.clip;
+    try {
+      const motions = await api("GET", "/v1/motions");
+      select.replaceChildren(...motions.clips.map((name) => el("option", { value: name, textContent: name })));
+    } catch (err) {
+      select.replaceChildren(el("option", { value: "wave", textContent: "wave" }));
+    }
+  }
+
+  showKind() {
+    const kind = this.form.elements.kind.value;
+    for (const set of this.form.querySelectorAll("fieldset[data-kind]")) set.hidden = set.dataset.kind !== kind;
+    this.form.elements.episodes.value = kind === "grpo" ? 20 : 300;
+  }
+
+  start() {
+    $("#runs-view").hidden = false;
+    link.set("idle", 0);
+    this.refresh();
+    this.timer = setInterval(() => this.refresh(), 1000);
+  }
+
+  stop() {
+    clearInterval(this.timer);
+    $("#runs-view").hidden = true;
+  }
+
+  async refresh() {
+    try {
+      const reply = await api("GET", "/v1/runs?pageSize=100");
+      this.render(reply.runs || []);
+      $("#runs-status").textContent = "";
+    } catch (err) {
+      $("#runs-status").textContent = `cannot list runs: ${err.message}`;
+    }
+  }
+
+  render(runs) {
+    const rows = runs.map((run) => {
+      const episode = num(run.episode);
+      const max = num(run.config && run.config.maxEpisodes);
+      const share = max ? Math.min(100, (100 * episode) / max) : 0;
+      const state = el("span", { class: "badge" });
+      badge(state, run);
+      const fill = el("span");
+      fill.style.width = `${share}%`;
+      const row = el(
+        "tr",
+        { dataset: { runId: run.id, state: stateName(run), episode: String(episode) } },
+        el("td", {}, el("a", { href: `#/runs/${run.id}`, textContent: run.displayName || run.id })),
+        el("td", { class: "muted", textContent: taskText(run.task) }),
+        el("td", {}, state),
+        el("td", {}, el("div", { class: "progress" }, el("div", { class: "bar" }, fill), `${episode}/${max}`)),
+        el("td", { class: "num", textContent: episode ? fixed(run.reward) : "\u2013" }),
+        el("td", { class: "num", textContent: episode ? fixed(run.bestReward) : "\u2013" }),
+        el("td", { class: "num", textContent: speedText(run.speed) }),
+        el("td", { class: "num muted", textContent: ageText(run.createTime) }),
+      );
+      row.addEventListener("click", (e) => {
+        if (e.target.tagName !== "A") location.hash = `#/runs/${run.id}`;
+      });
+      return row;
+    });
+    $("#runs tbody").replaceChildren(...rows);
+    $("#runs-empty").hidden = runs.length > 0;
+  }
+
+  async submit(event) {
+    event.preventDefault();
+    const f = this.form.elements;
+    const kind = f.kind.value;
+    const task =
+      kind === "grpo"
+        ? {
+            grpo: {
+              modelPath: f.model.value.trim(),
+              datasetPath: f.dataset.value.trim(),
+              rewardFunctions: f.rewards.value.split(",").map((s) => s.trim()).filter(Boolean),
+            },
+          }
+        : { imitation: { rigName: "stickman", clipName: f.clip.value } };
+    const request = {
+      task,
+      config: { maxEpisodes: Number(f.episodes.value), seed: String(Math.trunc(Number(f.seed.value) || 0)) },
+      episodesPerSecond: Number(f.rate.value),
+      displayName: f.name.value.trim(),
+      requestId: crypto.randomUUID ? crypto.randomUUID() : `${Date.now()}-${Math.random()}`,
+    };
+    const error = $("#form-error");
+    error.hidden = true;
+    try {
+      const reply = await api("POST", "/v1/runs", request);
+      location.hash = `#/runs/${reply.run.id}`;
+    } catch (err) {
+      error.textContent = err instanceof ApiError ? err.describe() : String(err);
+      error.hidden = false;
+    }
+  }
+}
+
+// -- run view --------------------------------------------------------------------------------
+
+/** Follows a run's event stream; resumes after the last episode it saw, exactly once. */
+class RunStream {
+  constructor(runId, handlers) {
+    this.runId = runId;
+    this.handlers = handlers;
+    this.last = 0; // the last episode accepted
+    this.reconnects = 0;
+    this.gaps = 0;
+    this.duplicates = 0;
+    this.dropped = false;
+    this.closed = false;
+    this.source = null;
+    this.retry = null;
+    link.set("connecting", 0);
+    this.open();
+  }
+
+  open() {
+    const source = new EventSource(eventsUrl(this.runId, this.last));
+    this.source = source;
+    source.onopen = () => {
+      if (this.dropped) this.reconnects += 1;
+      this.dropped = false;
+      link.set("live", this.reconnects);
+    };
+    source.addEventListener("episode", (e) => this.episode(JSON.parse(e.data)));
+    source.addEventListener("caught_up", () => this.handlers.caughtUp());
+    source.addEventListener("finished", (e) => {
+      this.close();
+      link.set("finished", this.reconnects);
+      this.handlers.finished(JSON.parse(e.data));
+    });
+    source.onerror = () => {
+      if (this.closed) return;
+      this.dropped = true;
+      link.set("reconnecting", this.reconnects);
+      // EventSource reconnects by itself (with Last-Event-ID) unless the server answered an
+      // error status: then it gives up, and the page resumes after its last episode.
+      if (source.readyState === EventSource.CLOSED) this.reopen();
+    };
+  }
+
+  reopen() {
+    clearTimeout(this.retry);
+    if (this.source) this.source.close();
+    this.retry = setTimeout(() => this.open(), 1000);
+  }
+
+  episode(episode) {
+    const n = num(episode.episode);
+    if (n <= this.last) {
+      this.duplicates += 1;
+      this.handlers.anomaly();
+      return;
+    }
+    if (n !== this.last + 1) {
+      this.gaps += 1; // never expected: resume after the last one accepted
+      this.handlers.anomaly();
+      this.reopen();
+      return;
+    }
+    this.last = n;
+    this.handlers.episode(episode, n);
+  }
+
+  close() {
+    this.closed = true;
+    clearTimeout(this.retry);
+    if (this.source) this.source.close();
+  }
+}
+
+class RunView {
+  constructor() {
+    $("#pause").addEventListener("click", () => this.control("pause"));
+    $("#resume").addEventListener("click", () => this.control("resume"));
+    $("#stop").addEventListener("click", () => this.control("stop"));
+    const speed = $("#speed");
+    speed.addEventListener("input", () => ($("#speed-value").textContent = speedText(this.sliderSpeed())));
+    speed.addEventListener("change", () => this.setSpeed(this.sliderSpeed()));
+  }
+
+  /** The slider is logarithmic (0.1..20); its speed is rounded to two significant digits. */
+  sliderSpeed() {
+    return Math.min(20, Math.max(0.1, Number((10 ** Number($("#speed").value)).toPrecision(2))));
+  }
+
+  async start(runId) {
+    this.runId = runId;
+    this.run = null;
+    this.final = false;
+    this.pendingMotion = null;
+    this.timer = null;
+    $("#run-view").hidden = false;
+    $("#run-title").textContent = runId;
+    $("#run-id").textContent = runId;
+    for (const id of ["#run-task", "#run-detail", "#curve-note", "#avatar-note", "#completions-note"]) $(id).textContent = "";
+    $("#run-error").hidden = true;
+    $("#avatar-card").hidden = true;
+    $("#completions-card").hidden = true;
+    $("#completions").replaceChildren();
+    $("#metrics").replaceChildren();
+    this.counter(0);
+    const curveNode = $("#curve");
+    Object.assign(curveNode.dataset, { episodes: "0", last: "0", gaps: "0", duplicates: "0" });
+    let run;
+    try {
+      run = (await api("GET", `/v1/runs/${encodeURIComponent(runId)}`)).run;
+    } catch (err) {
+      $("#run-title").textContent = "Run not found";
+      this.showError(err.message);
+      return;
+    }
+    if (this.runId !== runId) return; // left meanwhile
+    this.curve = new Curve(curveNode, rollingWindow(num(run.config && run.config.maxEpisodes)));
+    $("#curve-note").textContent = `rolling mean of ${this.curve.window}`;
+    this.update(run);
+    if (run.task && run.task.imitation) this.loadAvatar(runId);
+    if (run.task && run.task.grpo) $("#completions-card").hidden = false;
+    this.stream = new RunStream(runId, {
+      episode: (episode, n) => this.episode(episode, n),
+      caughtUp: () => {},
+      finished: (final) => {
+        this.final = true;
+        this.update(final);
+      },
+      anomaly: () => {
+        curveNode.dataset.gaps = String(this.stream.gaps);
+        curveNode.dataset.duplicates = String(this.stream.duplicates);
+      },
+    });
+    this.timer = setInterval(() => this.poll(), 1000);
+  }
+
+  stop() {
+    this.runId = null;
+    clearInterval(this.timer);
+    if (this.stream) this.stream.close();
+    if (this.curve) this.curve.destroy();
+    if (this.avatar) this.avatar.destroy();
+    this.stream = this.curve = this.avatar = null;
+    link.set("idle", 0);
+    $("#run-view").hidden = true;
+  }
+
+  async loadAvatar(runId) {
+    try {
+      const motion = await api("GET", `/v1/runs/${encodeURIComponent(runId)}/motion`);
+      if (this.runId !== runId) return;
+      this.avatar = new Avatar($("#avatar"), motion.rig, motion.clip);
+      if (this.pendingMotion) this.avatar.setLearned(...this.pendingMotion);
+      $("#avatar-card").hidden = false;
+      $("#avatar-note").textContent = this.pendingMotion ? `episode ${this.pendingMotion[1]}` : "no learned motion yet";
+    } catch (err) {
+      $("#avatar-note").textContent = `no avatar: ${err.message}`;
+    }
+  }
+
+  counter(n) {
+    const node = $("#episode-counter");
+    const max = this.run ? num(this.run.config && this.run.config.maxEpisodes) : 0;
+    node.dataset.episode = String(n);
+    node.textContent = max ? `${n} / ${max}` : String(n);
+  }
+
+  episode(episode, n) {
+    this.curve.push(n, num(episode.reward), num(episode.bestReward));
+    this.counter(n);
+    $("#stat-reward").textContent = fixed(num(episode.reward));
+    $("#stat-best").textContent = fixed(num(episode.bestReward));
+    if (episode.imitation) {
+      this.pendingMotion = [episode.imitation, n];
+      if (this.avatar) {
+        this.avatar.setLearned(episode.imitation, n);
+        $("#avatar-note").textContent = `episode ${n}`;
+      }
+    }
+    if (episode.grpo) this.completions(episode.grpo.sampleCompletions || [], n);
+    if (episode.metrics) this.metrics(episode.metrics);
+  }
+
+  completions(texts, n) {
+    $("#completions").replaceChildren(...texts.map((text) => el("li", {}, el("pre", { textContent: text }))));
+    $("#completions-note").textContent = `episode ${n}`;
+  }
+
+  metrics(metrics) {
+    const rows = Object.keys(metrics)
+      .sort()
+      .map((key) => el("div", {}, el("dt", { textContent: key }), el("dd", { textContent: Number(metrics[key]).toPrecision(4) })));
+    $("#metrics").replaceChildren(...rows);
+  }
+
+  async poll() {
+    const runId = this.runId;
+    try {
+      const run = (await api("GET", `/v1/runs/${encodeURIComponent(runId)}`)).run;
+      if (this.runId === runId) this.update(run);
+      if (this.final || FINAL.has(stateName(run))) clearInterval(this.timer);
+    } catch (err) {
+      $("#run-detail").textContent = `cannot reach the gateway: ${err.message}`;
+    }
+  }
+
+  update(run) {
+    this.run = run;
+    const state = stateName(run);
+    $("#run-title").textContent = run.displayName || `Run ${run.id}`;
+    $("#run-task").textContent = taskText(run.task);
+    badge($("#run-state"), run);
+    $("#run-detail").textContent = run.stateDetail || "";
+    this.counter(num($("#episode-counter").dataset.episode));
+    const active = !FINAL.has(state);
+    $("#pause").disabled = state !== "RUNNING";
+    $("#resume").disabled = state !== "PAUSED";
+    $("#stop").disabled = !active;
+    $("#speed").disabled = !active;
+    if (document.activeElement !== $("#speed")) {
+      $("#speed").value = String(Math.log10(num(run.speed) || 1));
+      $("#speed-value").textContent = speedText(run.speed);
+    }
+    if (state === "ERROR") this.showError(run.errorMessage || "The run failed.");
+  }
+
+  showError(message) {
+    const banner = $("#run-error");
+    banner.textContent = message;
+    banner.hidden = false;
+  }
+
+  async control(action) {
+    try {
+      this.update((await api("POST", `/v1/runs/${encodeURIComponent(this.runId)}:${action}`)).run);
+    } catch (err) {
+      $("#run-detail").textContent = err.message;
+    }
+  }
+
+  async setSpeed(speed) {
+    try {
+      this.update((await api("POST", `/v1/runs/${encodeURIComponent(this.runId)}:setSpeed`, { speed })).run);
+    } catch (err) {
+      $("#run-detail").textContent = err.message;
+    }
+  }
+}
+
+// -- routing ---------------------------------------------------------------------------------
+
+const runsView = new RunsView();
+const runView = new RunView();
+let current = null;
+
+function route() {
+  if (current) current.stop();
+  const match = location.hash.match(/^#\/runs\/([^/]+)$/);
+  if (match) {
+    current = runView;
+    runView.start(decodeURIComponent(match[1]));
+  } else {
+    current = runsView;
+    runsView.start();
+  }
+}
+
+window.addEventListener("hashchange", route);
+route();
