@@ -9,7 +9,9 @@ PYTEST_ARGS ?=
 
 .PHONY: install run test gen lint bench clean
 
+# Python dependencies (when a dependency file changed), then Chromium for the browser tests.
 install: $(STAMP)
+	@bash scripts/install_browser.sh
 
 # Re-installs only when a dependency file changed; otherwise `make install` is a no-op.
 $(STAMP): pyproject.toml clients/pyproject.toml constraints.txt

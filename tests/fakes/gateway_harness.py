@@ -182,7 +182,8 @@ async def published(
 async def gateway_process(
     trainer: str, log: Path, *flags: str
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    """``python -m gateway --port 0 --trainer TRAINER FLAGS...`` with stderr appended to ``log``.
+    """``python -m gateway --port 0 --trainer TRAINER --http-port 0 FLAGS...`` with stderr
+    appended to ``log``.
 
     Yields the process, once it printed its ``gateway listening on`` line, and its address; the
     rest of its stdout is left for the caller. A process still running on exit is killed.
@@ -196,6 +197,8 @@ async def gateway_process(
             "0",
             "--trainer",
             trainer,
+            "--http-port",  # a free port: never the default 8080, which may be taken
+            "0",
             *flags,
             stdout=asyncio.subprocess.PIPE,
             stderr=err,

@@ -274,7 +274,7 @@ async def test_sigterm_and_restart_keep_pending_running_and_paused_runs(
 
 def test_a_second_gateway_on_the_same_database_refuses_to_start(tmp_path: Path) -> None:
     db = tmp_path / "gw.sqlite3"
-    command = [sys.executable, "-m", "gateway", "--port", "0", "--db", str(db)]
+    command = [sys.executable, "-m", "gateway", "--port", "0", "--http-port", "0", "--db", str(db)]
     first = subprocess.Popen(
         [*command, "--trainer", "127.0.0.1:9"],
         cwd=ROOT,

@@ -1,0 +1,192 @@
+"""``GET /v1/runs/{id}/events`` read with a strict parser: replay, resume exactly once
+(``Last-Event-ID``, ``?after``), keepalives, the end, cuts, and coalesced writes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gateway.http import sse
+from tests.fakes.fake_trainer import FakeTrainer, Script
+from tests.fakes.gateway_harness import collect
+from tests.http.conftest import Http, http_gateway
+from tests.http.harness import Stream, read_stream
+from tests.http.test_api import error_of, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def events_url(http: Http, run_id: str, query: str = "") -> str:
+    return f"{http.url}/v1/runs/{run_id}/events{query}"
+
+
+async def finished_run(http: Http, episodes: int) -> str:
+    run = await http.create(max_episodes=episodes)
+    await wait_for(http, run["id"], "STATE_DONE")
+    return str(run["id"])
+
+
+async def test_replay_of_a_finished_run_is_every_episode_once_then_caught_up_and_finished(
+    http: Http,
+) -> None:
+    run_id = await finished_run(http, 300)
+    stream = await read_stream(http.session, events_url(http, run_id))
+    assert stream.ended and stream.parser.retry == [sse.RETRY_MS]
+    assert stream.numbers == list(range(1, 301))
+    assert stream.kinds[-2:] == ["caught_up", "finished"]
+    assert stream.events[-2].data.replace(" ", "") == '{"lastEpisode":"300"}'
+    final = stream.finished
+    assert final is not None and final["state"] == "STATE_DONE" and final["episode"] == "300"
+    # The same episodes, field for field, as WatchRun sends them.
+    over_grpc = await collect(http.grpc.stub, run_id)
+    assert stream.episodes == over_grpc.episodes
+
+
+async def test_after_and_last_event_id_resume_exactly_once(http: Http) -> None:
+    run_id = await finished_run(http, 60)
+    stream = await read_stream(http.session, events_url(http, run_id, "?after=50"))
+    assert stream.numbers == list(range(51, 61))
+    # A reconnect: Last-Event-ID wins over the ?after= of the URL it first opened.
+    stream = await read_stream(
+        http.session, events_url(http, run_id, "?after=10"), headers={"Last-Event-ID": "55"}
+    )
+    assert stream.numbers == list(range(56, 61))
+    stream = await read_stream(http.session, events_url(http, run_id, "?after=60"))
+    assert stream.numbers == [] and stream.kinds == ["caught_up", "finished"]
+    stream = await read_stream(http.session, events_url(http, run_id, "?after=900"))
+    assert stream.kinds == ["caught_up", "finished"]
+
+
+@pytest.mark.parametrize(
+    ("query", "headers", "field"),
+    [
+        ("?after=-1", None, "after"),
+        ("?after=ten", None, "after"),
+        ("", {"Last-Event-ID": "x"}, "Last-Event-ID"),
+    ],
+)
+async def test_a_bad_resume_point_is_400(
+    http: Http, query: str, headers: dict[str, str] | None, field: str
+) -> None:
+    run_id = await finished_run(http, 3)
+    status, reply = await http.call("GET", f"/v1/runs/{run_id}/events{query}", headers=headers)
+    error = error_of(reply)
+    assert (status, error["status"]) == (400, "INVALID_ARGUMENT")
+    assert error["details"][0]["fieldViolations"][0]["field"] == field
+
+
+async def test_an_unknown_run_is_404_before_any_event(http: Http) -> None:
+    status, reply = await http.call("GET", "/v1/runs/nosuchrun/events")
+    assert (status, error_of(reply)["status"]) == (404, "NOT_FOUND")
+
+
+async def eventually(condition: Any, timeout: float = 30.0) -> None:
+    """Waits (generously: the machine is shared) until ``condition()`` holds."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
+async def test_live_episodes_keepalives_while_paused_and_the_end(http: Http) -> None:
+    run_id = (await http.create(max_episodes=3000, episodes_per_second=40))["id"]
+    base = f"/v1/runs/{run_id}"
+    stream = Stream()
+    reader = asyncio.create_task(
+        read_stream(http.session, events_url(http, run_id), stream=stream, timeout=60)
+    )
+    await eventually(lambda: len(stream.numbers) >= 10)
+    assert "caught_up" in stream.kinds
+    await http.ok("POST", f"{base}:pause")
+    await eventually(lambda: stream.parser.comments.count("keepalive") >= 3)  # every 0.2 s here
+    await http.ok("POST", f"{base}:resume")
+    count = len(stream.numbers)
+    await eventually(lambda: len(stream.numbers) >= count + 10)
+    await http.ok("POST", f"{base}:stop")
+    result = await reader
+    assert result.ended and result.kinds.count("caught_up") == 1
+    assert result.numbers == list(range(1, result.numbers[-1] + 1))
+    assert result.finished is not None and result.finished["state"] == "STATE_STOPPED"
+    assert result.finished["episode"] == str(result.numbers[-1])
+
+
+async def test_a_reconnect_with_last_event_id_continues_without_gap_or_duplicate(
+    http: Http,
+) -> None:
+    run_id = (await http.create(max_episodes=150, episodes_per_second=60))["id"]
+    url = events_url(http, run_id)
+    seen: list[int] = []
+    for _ in range(4):  # cut three times, each after a few more live episodes
+        headers = {"Last-Event-ID": str(seen[-1])} if seen else None
+        part = await read_stream(http.session, url, headers, until=lambda s: len(s.numbers) >= 15)
+        seen += part.numbers
+    rest = await read_stream(http.session, url, {"Last-Event-ID": str(seen[-1])}, timeout=60)
+    seen += rest.numbers
+    assert seen == list(range(1, 151))
+    assert rest.finished is not None and rest.finished["state"] == "STATE_DONE"
+
+
+async def test_restarting_the_http_side_cuts_streams_and_they_resume(http: Http) -> None:
+    run_id = (await http.create(max_episodes=200, episodes_per_second=50))["id"]
+    url = events_url(http, run_id)
+    stream = Stream()
+    reader = asyncio.create_task(read_stream(http.session, url, stream=stream))
+    await eventually(lambda: len(stream.numbers) >= 20)
+    face = http.grpc.gateway.http
+    assert face is not None and face.open_streams == 1
+    host, port = face.host, face.port
+    await face.stop()
+    cut = await reader
+    assert cut.ended and cut.finished is None and face.open_streams == 0
+    await face.start(host, port)
+    rest = await read_stream(http.session, url, {"Last-Event-ID": str(cut.numbers[-1])}, timeout=60)
+    assert cut.numbers + rest.numbers == list(range(1, 201))
+    assert rest.finished is not None
+
+
+async def test_a_client_that_goes_away_frees_its_stream_at_once(http: Http) -> None:
+    run_id = (await http.create(max_episodes=3000, episodes_per_second=10))["id"]
+    await wait_for(http, run_id, "STATE_RUNNING")
+    await http.ok("POST", f"/v1/runs/{run_id}:pause")  # nothing to write: only keepalives
+    face = http.grpc.gateway.http
+    assert face is not None
+    await read_stream(
+        http.session, events_url(http, run_id), until=lambda s: "caught_up" in s.kinds
+    )
+    await eventually(lambda: face.open_streams == 0, timeout=10)
+    await http.ok("POST", f"/v1/runs/{run_id}:stop")
+
+
+async def test_a_gateway_that_stops_ends_its_streams(fake: FakeTrainer) -> None:
+    async with http_gateway(fake) as http:
+        run_id = (await http.create(max_episodes=3000, episodes_per_second=10))["id"]
+        stream = Stream()
+        reader = asyncio.create_task(
+            read_stream(http.session, events_url(http, run_id), stream=stream)
+        )
+        await eventually(lambda: "caught_up" in stream.kinds)
+        await http.grpc.gateway.stop()
+        cut = await asyncio.wait_for(reader, 10)
+        assert cut.ended and cut.finished is None
+
+
+async def test_a_replay_goes_out_in_few_writes(
+    fake: FakeTrainer, http: Http, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake.default = Script(detail_every=50)
+    run_id = await finished_run(http, 2000)
+    writes = 0
+    write = web.StreamResponse.write
+
+    async def counting(self: web.StreamResponse, data: bytes) -> None:
+        nonlocal writes
+        writes += 1
+        await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", counting)
+    stream = await read_stream(http.session, events_url(http, run_id))
+    assert stream.numbers == list(range(1, 2001))
+    # 2000 episodes in batches of <= 256 (history pages of 256), caught_up and finished.
+    assert writes <= 2000 // 256 + 4, writes
