@@ -3,7 +3,8 @@
 # under var/), then, unless DEMO=0, creates a demo imitation run, watches it live, draws its
 # learning curve and avatar, prints grpcurl lines to try, and keeps both services up until Ctrl+C.
 #
-# Environment: DEMO (1), GATEWAY_PORT (50051), TRAINER_PORT (50052), METRICS (1: expose
+# Environment: DEMO (1), GATEWAY_PORT (50051), TRAINER_PORT (50052), HTTP_PORT (8080: the page
+# and the JSON API of the gateway), METRICS (1: expose
 # Prometheus metrics on GATEWAY_METRICS_PORT 9151 / TRAINER_METRICS_PORT 9152),
 # DEMO_EPISODES (300), DEMO_RATE (20 episodes/s), DEMO_CLIP (wave), VAR (var),
 # STAY_UP (1: keep serving after the demo; 0 exits once the demo is done, for tests).
@@ -17,6 +18,7 @@ DEMO=${DEMO:-1}
 STAY_UP=${STAY_UP:-1}
 GATEWAY_PORT=${GATEWAY_PORT:-50051}
 TRAINER_PORT=${TRAINER_PORT:-50052}
+HTTP_PORT=${HTTP_PORT:-8080}
 METRICS=${METRICS:-1}
 DEMO_EPISODES=${DEMO_EPISODES:-300}
 DEMO_RATE=${DEMO_RATE:-20}
@@ -53,6 +55,19 @@ wait_listening() {
   return 1
 }
 
+# Prints the page's URL the gateway logged ("gateway http on http://HOST:PORT").
+http_url() {
+  local log=$1 url
+  for _ in $(seq 1 50); do
+    if url=$(grep -m1 -oE "^gateway http on http://[^ ]+" "$log" 2>/dev/null); then
+      echo "${url##* }"
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "(none: see $log)"
+}
+
 # Prints the metrics URL a service logged ("<what> metrics on http://HOST:PORT/metrics").
 metrics_url() {
   local what=$1 log=$2 url
@@ -77,19 +92,23 @@ fi
 pids+=($!)
 trainer=$(wait_listening trainer "$VAR/logs/trainer.log" "${pids[-1]}")
 
-"$PY" -m gateway --host 127.0.0.1 --port "$GATEWAY_PORT" --trainer "$trainer" \
-  --db "$VAR/trainwire.sqlite3" "${gateway_metrics[@]}" >"$VAR/logs/gateway.log" 2>&1 &
+"$PY" -m gateway --host 127.0.0.1 --port "$GATEWAY_PORT" --http-port "$HTTP_PORT" \
+  --trainer "$trainer" --db "$VAR/trainwire.sqlite3" "${gateway_metrics[@]}" \
+  >"$VAR/logs/gateway.log" 2>&1 &
 pids+=($!)
 gateway=$(wait_listening gateway "$VAR/logs/gateway.log" "${pids[-1]}")
 
 echo "trainer  on $trainer  (log $VAR/logs/trainer.log)"
 echo "gateway  on $gateway  (log $VAR/logs/gateway.log)"
+page=$(http_url "$VAR/logs/gateway.log")
+echo "page     on $page/  (runs, live curves, controls: open it in a browser)"
 export TRAINWIRE_GATEWAY=$gateway
 
 if [[ $DEMO != 0 ]]; then
   run_id=$("$BIN/trainwire" runs create imitation --clip "$DEMO_CLIP" --episodes "$DEMO_EPISODES" \
     --rate "$DEMO_RATE" --seed 0 --name "demo: stickman learns to $DEMO_CLIP" -q)
   echo "demo run $run_id: watching (Ctrl+C detaches; the run keeps going)"
+  echo "  in a browser: $page/#/runs/$run_id"
   "$BIN/trainwire" watch "$run_id" || true
   "$BIN/trainwire" plot "$run_id" --out "$VAR/demo-curve.png"
   "$BIN/trainwire" avatar "$run_id" --out "$VAR/demo-avatar.png"
@@ -111,6 +130,8 @@ if [[ $METRICS == 1 ]]; then
   echo "Prometheus metrics: $(metrics_url gateway "$VAR/logs/gateway.log") (gateway)," \
     "$(metrics_url trainer "$VAR/logs/trainer.log") (trainer)"
 fi
+
+echo "Watch and steer runs in a browser: $page/"
 
 if [[ $STAY_UP == 1 ]]; then
   echo "services are up; Ctrl+C stops them"

@@ -24,6 +24,7 @@ def run_script(tmp_path: pathlib.Path, **env: str) -> subprocess.CompletedProces
         "VAR": str(tmp_path / "var"),
         "STAY_UP": "0",
         "GATEWAY_PORT": "0",
+        "HTTP_PORT": "0",
         "TRAINER_PORT": "0",
         "GATEWAY_METRICS_PORT": "0",
         "TRAINER_METRICS_PORT": "0",
