@@ -145,15 +145,16 @@ async def serve(config: GatewayConfig) -> int:
     except (OSError, RuntimeError) as exc:  # a port that cannot be bound
         _LOGGER.error("%s", exc)
         return 1
+    # Handlers before the ready lines: a SIGTERM sent as soon as they appear stops gracefully.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     print(f"gateway listening on {config.host}:{port}", flush=True)
     if gateway.http is not None:
         print(f"gateway http on {gateway.http.url}", flush=True)
     if gateway.metrics_endpoint is not None:
         print(f"gateway metrics on {gateway.metrics_endpoint.url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     _LOGGER.info("signal received: shutting down")
     try:
