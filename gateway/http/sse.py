@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -52,13 +53,51 @@ RETRY_MS = 1000
 _KEEPALIVE = b": keepalive\n\n"
 
 
-def episode_events(frames: Any) -> bytes:
-    """One ``episode`` event per frame, as one byte string."""
-    out = []
-    for frame in frames:
-        episode = episode_pb2.Episode.FromString(frame_payload(frame))
-        out.append(f"id: {episode.episode}\nevent: episode\ndata: {episode_json(episode)}\n\n")
-    return "".join(out).encode()
+def episode_event(frame: bytes) -> bytes:
+    """The ``episode`` event of a frame (``gateway.core.history``)."""
+    episode = episode_pb2.Episode.FromString(frame_payload(frame))
+    return f"id: {episode.episode}\nevent: episode\ndata: {episode_json(episode)}\n\n".encode()
+
+
+class EventCache:
+    """The events of large episodes, shared by every stream of the HTTP side.
+
+    Writing a motion detail (660 floats) costs about 0.3 ms, most of a replay's time; a run's
+    history is replayed to every page that opens it, again on every reload. An event is a pure
+    function of its frame's bytes, so the cache maps frame bytes to event bytes (equal bytes hit
+    even when the history was read again from the store), least recently used first out, within
+    a byte budget. Frames smaller than ``min_frame_bytes`` cost little to write and are not kept.
+
+    Args:
+        budget_bytes: Frames and events kept, in bytes.
+        min_frame_bytes: Smaller frames are written each time.
+    """
+
+    def __init__(self, budget_bytes: int = 32 << 20, min_frame_bytes: int = 1024) -> None:
+        self._budget = budget_bytes
+        self._min = min_frame_bytes
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self.size = 0
+
+    def events(self, frames: Sequence[bytes]) -> bytes:
+        """One ``episode`` event per frame, as one byte string."""
+        out = []
+        for frame in frames:
+            if len(frame) < self._min:
+                out.append(episode_event(frame))
+                continue
+            event = self._entries.get(frame)
+            if event is None:
+                event = episode_event(frame)
+                self._entries[frame] = event
+                self.size += len(frame) + len(event)
+                while self.size > self._budget:
+                    old_frame, old_event = self._entries.popitem(last=False)
+                    self.size -= len(old_frame) + len(old_event)
+            else:
+                self._entries.move_to_end(frame)
+            out.append(event)
+        return b"".join(out)
 
 
 def _message_event(name: str, message: Any) -> bytes:
@@ -66,10 +105,10 @@ def _message_event(name: str, message: Any) -> bytes:
     return f"event: {name}\ndata: {data}\n\n".encode()
 
 
-def encode_event(event: WatchEvent) -> bytes:
+def encode_event(event: WatchEvent, cache: EventCache) -> bytes:
     """The bytes of one watch event on the stream."""
     if isinstance(event, EpisodeFrames):
-        return episode_events(event.frames)
+        return cache.events(event.frames)
     if isinstance(event, Keepalive):
         return _KEEPALIVE
     if isinstance(event, CaughtUp):
@@ -128,6 +167,7 @@ class EventStreams:
     def __init__(self, core: Any) -> None:
         self._watch = _Watch(core)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.cache = EventCache()
 
     @property
     def open_streams(self) -> int:
@@ -156,14 +196,16 @@ class EventStreams:
                 first = await anext(events)
                 response = web.StreamResponse(headers=HEADERS)
                 await response.prepare(request)
-                await response.write(f"retry: {RETRY_MS}\n\n".encode() + encode_event(first))
+                await response.write(
+                    f"retry: {RETRY_MS}\n\n".encode() + encode_event(first, self.cache)
+                )
                 if isinstance(first, Finished):
                     return response
                 # Past the first byte an error (the run deleted, the gateway stopping; logged by
                 # map_errors) can only end the stream: the client resumes from its last id.
                 with contextlib.suppress(HttpAbort, ConnectionError):
                     async for event in events:
-                        await response.write(encode_event(event))
+                        await response.write(encode_event(event, self.cache))
                         if isinstance(event, Finished):
                             break
                 return response

@@ -187,19 +187,20 @@ def test_the_page_lists_a_running_run_and_it_updates_live(page: WebDriver, gw: L
         page.get(gw.url + "/")
         row = f"#runs tr[data-run-id='{run['id']}']"
 
-        def row_state() -> tuple[str, int] | None:
-            found = page.find_elements(By.CSS_SELECTOR, row)
-            if not found:
-                return None
-            return found[0].get_attribute("data-state") or "", int(
-                found[0].get_attribute("data-episode") or 0
+        def row_state() -> tuple[str, int, str]:
+            # One script, so the row cannot be replaced (the table is redrawn every second)
+            # between finding it and reading it.
+            found = page.execute_script(
+                "const r = document.querySelector(arguments[0]);"
+                "return r ? [r.dataset.state, r.dataset.episode, r.textContent] : null;",
+                row,
             )
+            return (found[0], int(found[1]), found[2]) if found else ("", 0, "")
 
-        wait_until(page, lambda: (row_state() or ("", 0))[0] == "RUNNING", "the row RUNNING")
-        first = row_state()
-        assert first is not None
-        assert "listed" in page.find_element(By.CSS_SELECTOR, row).text
-        wait_until(page, lambda: (row_state() or ("", 0))[1] > first[1] + 5, "the row to move")
+        wait_until(page, lambda: row_state()[0] == "RUNNING", "the row RUNNING")
+        _, episode, text = row_state()
+        assert "listed" in text and "/3000" in text
+        wait_until(page, lambda: row_state()[1] > episode + 5, "the row to move")
 
 
 def test_creating_a_run_through_the_form_starts_it(page: WebDriver, gw: LiveGateway) -> None:

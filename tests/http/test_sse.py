@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from gateway.core.history import encode_frame
 from gateway.http import sse
-from tests.fakes.fake_trainer import FakeTrainer, Script
+from tests.fakes.fake_trainer import FakeTrainer, Script, valid_episodes
 from tests.fakes.gateway_harness import collect
 from tests.http.conftest import Http, http_gateway
 from tests.http.harness import Stream, read_stream
@@ -190,3 +191,28 @@ async def test_a_replay_goes_out_in_few_writes(
     assert stream.numbers == list(range(1, 2001))
     # 2000 episodes in batches of <= 256 (history pages of 256), caught_up and finished.
     assert writes <= 2000 // 256 + 4, writes
+
+
+def test_the_event_cache_serves_equal_frames_within_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    frames = [encode_frame(e.SerializeToString()) for e in valid_episodes(100, detail_every=10)]
+    large = [f for f in frames if len(f) >= 1024]
+    assert len(large) == 10
+    written = b"".join(sse.episode_event(f) for f in frames)
+    budget = 3 * max(len(f) + len(sse.episode_event(f)) for f in large)  # 3 motions
+    cache = sse.EventCache(budget_bytes=budget)
+    assert cache.events(frames) == written
+    assert 0 < cache.size <= budget
+    calls: list[bytes] = []
+    encode = sse.episode_event
+
+    def counting(frame: bytes) -> bytes:
+        calls.append(frame)
+        return encode(frame)
+
+    monkeypatch.setattr(sse, "episode_event", counting)
+    copies = [bytes(bytearray(f)) for f in large[-3:]]  # equal bytes, read again elsewhere
+    assert cache.events(copies) == b"".join(encode(f) for f in copies)
+    assert calls == []  # all three kept: none written again
+    assert cache.events(large[:1]) == encode(large[0]) and calls == large[:1]  # evicted
