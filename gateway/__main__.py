@@ -18,6 +18,7 @@ from gateway.config import DEFAULT_DB, GatewayConfig
 from gateway.core.dblock import DatabaseLocked
 from gateway.server import Gateway
 from trainwire.logs import LOG_FORMATS, configure_logging
+from trainwire_ops.addresses import host_port
 
 _LOGGER = logging.getLogger("gateway")
 
@@ -91,6 +92,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="upper bound (s) of the window in which live episodes of a busy run are batched",
     )
     p.add_argument(
+        "--client-ping-interval",
+        type=float,
+        default=30.0,
+        help="seconds between HTTP/2 pings to clients",
+    )
+    p.add_argument(
+        "--client-ping-timeout",
+        type=float,
+        default=10.0,
+        help="a client that does not answer a ping within this long (frozen, vanished) is cut "
+        "off and its watches freed",
+    )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=1000,
+        help="the most runs waiting for a trainer; CreateRun beyond answers RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -129,6 +149,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         schedule_poll_s=args.schedule_poll,
         history_cache_mb=args.history_cache_mb,
         live_coalesce_s=args.live_coalesce,
+        max_pending=args.max_pending,
+        client_ping_interval_s=args.client_ping_interval,
+        client_ping_timeout_s=args.client_ping_timeout,
         metrics_port=args.metrics_port,
         http_port=None if args.http_port == -1 else args.http_port,
     )
@@ -150,7 +173,7 @@ async def serve(config: GatewayConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"gateway listening on {config.host}:{port}", flush=True)
+    print(f"gateway listening on {host_port(config.host, port)}", flush=True)
     if gateway.http is not None:
         print(f"gateway http on {gateway.http.url}", flush=True)
     if gateway.metrics_endpoint is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trainwire.contract import check_episode_rate
+
 DEFAULT_DB = "var/trainwire.sqlite3"
 
 
@@ -30,6 +32,11 @@ class GatewayConfig:
         live_coalesce_s: Upper bound of a run's live wake window: its watchers are woken at
             most once per window (0.2 ms per attached watcher, at most this); episodes
             published in between go out together as a batch (0: one wake-up per episode).
+        client_ping_interval_s: Seconds between the gateway's HTTP/2 pings to its clients.
+        client_ping_timeout_s: A client that does not answer a ping within this long (frozen,
+            vanished) is cut off: its watches end and free their memory.
+        max_pending: The most PENDING runs the gateway holds; CreateRun beyond answers
+            ``RESOURCE_EXHAUSTED``.
         metrics_port: Port of the Prometheus ``/metrics`` endpoint on ``host``; ``None`` = off,
             0 picks a free one.
         http_port: Port of the HTTP side (JSON API, event streams, the page) on ``host``;
@@ -50,6 +57,9 @@ class GatewayConfig:
     trainer_call_timeout_s: float = 5.0
     history_cache_mb: float = 64.0
     live_coalesce_s: float = 0.02
+    max_pending: int = 1000
+    client_ping_interval_s: float = 30.0
+    client_ping_timeout_s: float = 10.0
     metrics_port: int | None = None
     http_port: int | None = None
 
@@ -70,17 +80,21 @@ class GatewayConfig:
                 raise ValueError(f"trainer address {address!r} is not HOST:PORT")
         if not self.db:
             raise ValueError("db must be a file path or ':memory:'")
-        if not (math.isfinite(self.episode_rate) and self.episode_rate != 0):
+        if self.episode_rate == 0 or check_episode_rate(self.episode_rate, "episode_rate"):
             raise ValueError(
-                f"episode_rate must be finite and non-zero (negative = unpaced), "
+                f"episode_rate must be 0.01..10000 episodes per second (negative = unpaced), "
                 f"got {self.episode_rate}"
             )
+        if not 1 <= self.max_pending <= 1_000_000:
+            raise ValueError(f"max_pending must be in 1..1000000, got {self.max_pending}")
         for name in (
             "keepalive_s",
             "heartbeat_timeout_s",
             "lead_s",
             "schedule_poll_s",
             "trainer_call_timeout_s",
+            "client_ping_interval_s",
+            "client_ping_timeout_s",
         ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

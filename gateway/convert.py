@@ -23,6 +23,10 @@ from trainwire.contract import FieldViolation, check_create_run, describe_violat
 from trainwire.v1 import gateway_service_pb2
 
 _TOKEN_PREFIX = b"runs/v1/"
+#: The largest CreateRunRequest accepted (the gRPC server lets larger ones through, up to its
+#: own limit, so they get this clear answer).
+MAX_CREATE_REQUEST_BYTES = 1 << 20
+_SEQ_LIMIT = 1 << 63
 
 
 def timestamp_from_ns(ns: int) -> timestamp_pb2.Timestamp:
@@ -32,8 +36,11 @@ def timestamp_from_ns(ns: int) -> timestamp_pb2.Timestamp:
     return stamp
 
 
-def run_to_proto(run: TrainingRun) -> gateway_service_pb2.Run:
-    """The ``Run`` message of a run."""
+def run_to_proto(
+    run: TrainingRun, view: int = gateway_service_pb2.RUN_VIEW_FULL
+) -> gateway_service_pb2.Run:
+    """The ``Run`` message of a run, in a ``RunView`` (BASIC leaves out custom rig and clip
+    payloads)."""
     message = gateway_service_pb2.Run(
         id=run.id,
         state=int(run.state),  # type: ignore[arg-type]
@@ -57,15 +64,41 @@ def run_to_proto(run: TrainingRun) -> gateway_service_pb2.Run:
         message.start_time.FromNanoseconds(run.start_time)
     if run.end_time:
         message.end_time.FromNanoseconds(run.end_time)
+    if view != gateway_service_pb2.RUN_VIEW_FULL:
+        imitation = message.task.imitation
+        if imitation.HasField("rig"):
+            del imitation.rig.bones[:]
+        if imitation.HasField("clip"):
+            del imitation.clip.angles[:]
     return message
+
+
+def view_from_proto(view: int) -> int:
+    """The ``RunView`` of a ``ListRuns`` request (unspecified: BASIC).
+
+    Raises:
+        InvalidRequest: an unknown view number.
+    """
+    if view == gateway_service_pb2.RUN_VIEW_UNSPECIFIED:
+        return gateway_service_pb2.RUN_VIEW_BASIC
+    if view in (gateway_service_pb2.RUN_VIEW_BASIC, gateway_service_pb2.RUN_VIEW_FULL):
+        return view
+    raise InvalidRequest(f"unknown view {view}", [FieldViolation("view", f"unknown view {view}")])
 
 
 def run_spec_from_proto(request: gateway_service_pb2.CreateRunRequest) -> RunSpec:
     """A validated ``RunSpec`` from a ``CreateRunRequest``.
 
     Raises:
-        InvalidRequest: with every bad field.
+        InvalidRequest: with every bad field, or for a request larger than 1 MiB.
     """
+    size = request.ByteSize()
+    if size > MAX_CREATE_REQUEST_BYTES:
+        raise InvalidRequest(
+            f"the CreateRunRequest is {size:,} bytes; the limit is "
+            f"{MAX_CREATE_REQUEST_BYTES:,} bytes (1 MiB)",
+            [FieldViolation("task", f"request of {size:,} bytes; at most 1 MiB")],
+        )
     violations = check_create_run(request)
     if violations:
         raise InvalidRequest(
@@ -116,7 +149,7 @@ def seq_from_page_token(token: str) -> int | None:
         raw = base64.urlsafe_b64decode(token.encode())
         if raw.startswith(_TOKEN_PREFIX):
             seq = int(raw[len(_TOKEN_PREFIX) :])
-            if seq > 0:
+            if 0 < seq < _SEQ_LIMIT:
                 return seq
     except (binascii.Error, ValueError):
         pass

@@ -23,25 +23,35 @@ from gateway.metrics import GatewayMetrics
 from gateway.servicer import GatewayServicer, add_to_server
 from gateway.trainer_client import GrpcTrainerConnector
 from trainwire.v1 import gateway_service_pb2
+from trainwire_ops.addresses import host_port
 from trainwire_ops.rpc_metrics import MetricsEndpoint
 
 _LOGGER = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
-#: HTTP/2 policy. Watches are long and mostly idle: accept clients' keepalive pings (every
-#: >= 10 s, also without an active call) so NATs keep the connection, and ping idle clients
-#: ourselves so a vanished watcher's stream is cancelled (and freed) within ~40 s.
-SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-    ("grpc.http2.max_ping_strikes", 2),
-    ("grpc.http2.max_pings_without_data", 0),
-    # Two gateways must never share a port silently.
-    ("grpc.so_reuseport", 0),
-)
+def server_options(config: GatewayConfig) -> tuple[tuple[str, int], ...]:
+    """The HTTP/2 policy. Watches are long and mostly idle: accept clients' keepalive pings
+    (every >= 10 s, also without an active call) so NATs keep the connection, and ping clients
+    ourselves every ``client_ping_interval_s`` so a vanished or frozen watcher (one that stops
+    answering pings) is cut off, its stream cancelled and freed, within
+    ``client_ping_interval_s + client_ping_timeout_s`` seconds (40 by default)."""
+    return (
+        ("grpc.keepalive_time_ms", int(config.client_ping_interval_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.client_ping_timeout_s * 1000)),
+        # What actually bounds an unanswered ping in this gRPC (the keepalive timeout alone
+        # left a SIGSTOPped watcher attached for minutes).
+        ("grpc.http2.ping_timeout_ms", int(config.client_ping_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Two gateways must never share a port silently.
+        ("grpc.so_reuseport", 0),
+        # Requests up to 16 MiB reach the servicer, so one over CreateRun's 1 MiB gets a clear
+        # INVALID_ARGUMENT naming its size instead of gRPC's bare RESOURCE_EXHAUSTED.
+        ("grpc.max_receive_message_length", 16 << 20),
+    )
 
 
 def build_server(
@@ -62,16 +72,17 @@ def build_server(
         RuntimeError: the address cannot be bound.
     """
     interceptors = (metrics.interceptor(),) if metrics is not None else ()
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    server = grpc.aio.server(options=server_options(config), interceptors=interceptors)
     add_to_server(GatewayServicer(core), server)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = host_port(config.host, config.port)
+    port = server.add_insecure_port(address)
     if port == 0:
-        raise RuntimeError(f"cannot listen on {config.host}:{config.port}")
+        raise RuntimeError(f"cannot listen on {address}")
     return server, port
 
 
@@ -146,7 +157,7 @@ class Gateway:
             raise
         await self._set_health(self.core.trainers_healthy)
         _LOGGER.info(
-            "gateway serving on %s:%d (db %s)", self.config.host, self.port, self.config.db
+            "gateway serving on %s (db %s)", host_port(self.config.host, self.port), self.config.db
         )
         return self.port
 

@@ -25,6 +25,7 @@ from gateway.core.errors import (
     InvalidRequest,
     RunNotFound,
     ShuttingDown,
+    TooManyPending,
     TrainerUnavailable,
 )
 from trainwire.contract import ContractViolation, bad_request
@@ -39,6 +40,7 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     TrainerUnavailable: grpc.StatusCode.UNAVAILABLE,
+    TooManyPending: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ContractViolation: grpc.StatusCode.INTERNAL,
 }
 

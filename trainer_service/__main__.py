@@ -25,6 +25,7 @@ from trainer_service.metrics import TrainerMetrics
 from trainer_service.providers import default_registry
 from trainer_service.server import build_server
 from trainwire.logs import LOG_FORMATS, configure_logging
+from trainwire_ops.addresses import host_port
 
 # Under ``python -m`` __name__ is "__main__"; log under the module's real name.
 _LOGGER = logging.getLogger(__spec__.name if __spec__ is not None else __name__)
@@ -138,13 +139,23 @@ def main(argv: list[str] | None = None) -> int:
         server_version=__version__,
         observer=metrics.jobs,
     )
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        del frame
+        _LOGGER.info("received %s: shutting down", signal.Signals(signum).name)
+        stop_requested.set()
+
+    # Installed before the ready line: a SIGTERM right after it is never lost.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         server, port = build_server(config, runner, metrics)
         server.start()
     except (RuntimeError, OSError) as exc:
         _LOGGER.error("%s", exc)
         return 1
-    print(f"trainer listening on {config.host}:{port}", flush=True)
+    print(f"trainer listening on {host_port(config.host, port)}", flush=True)
     if server.metrics_endpoint is not None:
         print(f"trainer metrics on {server.metrics_endpoint.url}", flush=True)
     _LOGGER.info(
@@ -155,16 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         config.data_root,
         config.image_cache_dir or "off",
     )
-
-    stop_requested = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        del frame
-        _LOGGER.info("received %s: shutting down", signal.Signals(signum).name)
-        stop_requested.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     stop_requested.wait()
     stopped = server.stop(config.grace_s)
     stopped.wait(config.grace_s + 0.5)

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 
 from trainwire.logs import LOG_FORMATS, parse_level
+from trainwire_ops.addresses import host_port
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -81,14 +82,9 @@ class TrainerConfig:
     @property
     def address(self) -> str:
         """``host:port`` to bind (IPv6 hosts bracketed)."""
-        return f"{bracketed(self.host)}:{self.port}"
+        return host_port(self.host, self.port)
 
     @property
     def max_workers(self) -> int:
         """Size of the RPC thread pool: one per slot plus ``extra_workers``."""
         return self.slots + self.extra_workers
-
-
-def bracketed(host: str) -> str:
-    """``host`` with brackets if it is an IPv6 address (for ``host:port``)."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

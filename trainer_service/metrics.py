@@ -44,6 +44,7 @@ from trainwire_ops.rpc_metrics import (
     DEADLINE_SLACK_S,
     RPC_LABELS,
     RPC_LATENCY_BUCKETS,
+    AioMetricsServerInterceptor,
     MetricsEndpoint,
     MetricsServerInterceptor,
     RpcLabels,
@@ -192,8 +193,12 @@ class TrainerMetrics:
         self.registry.register(_SlotCollector(slots))
 
     def interceptor(self) -> MetricsServerInterceptor:
-        """The server interceptor that records :attr:`rpc`."""
+        """The (sync) server interceptor that records :attr:`rpc`."""
         return MetricsServerInterceptor(self.rpc)
+
+    def aio_interceptor(self) -> AioMetricsServerInterceptor:
+        """The ``grpc.aio`` server interceptor that records :attr:`rpc`."""
+        return AioMetricsServerInterceptor(self.rpc)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """One sample's current value (``None`` if absent), e.g. for tests and health probes."""

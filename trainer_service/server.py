@@ -1,19 +1,25 @@
 """Builds the trainer's gRPC server: TrainerService, health and reflection on one port.
 
-The server is a sync ``grpc.server`` with a bounded thread pool: one thread per job slot plus a
-few for capabilities, health, reflection and refused calls. Training runs in threads the job
-runner owns, not in the pool. Health reports NOT_SERVING until the providers have been imported
-(torch and friends take a while), then SERVING, and NOT_SERVING again once shutdown starts.
+The RPC surface is ``grpc.aio`` on an event loop of its own thread, so an idle stream (a
+reflection or health watch, a Train stream waiting for its grant) holds no thread: a hundred of
+them do not slow ``GetCapabilities`` or ``Train`` (a fixed sync pool of slots + 8 threads hung
+after nine). Training runs in threads the job runner owns. Health reports NOT_SERVING until the
+providers have been imported (torch and friends take a while), then SERVING, and NOT_SERVING
+again once shutdown starts.
 
-Every RPC goes through the metrics interceptor; with ``config.metrics_port`` set, the server also
-serves its Prometheus metrics over HTTP from ``start`` to ``stop``.
+``TrainerServer`` is the synchronous face of it all (start, stop, wait), for ``__main__``, tests
+and benchmarks. Every RPC goes through the metrics interceptor; with ``config.metrics_port``
+set, the server also serves its Prometheus metrics over HTTP from ``start`` to ``stop``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
-from concurrent import futures
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,21 +28,50 @@ from grpc_reflection.v1alpha import reflection
 from trainer_service.config import TrainerConfig
 from trainer_service.core.jobs import JobRunner
 from trainer_service.metrics import MetricsEndpoint, TrainerMetrics
-from trainer_service.servicer import TrainerServicer
-from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
+from trainer_service.servicer import TrainerServicer, add_to_server
+from trainwire.v1 import trainer_service_pb2
 
 _LOGGER = logging.getLogger(__name__)
 
 SERVICE_NAME = trainer_service_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+T = TypeVar("T")
+
+
+class _LoopThread:
+    """An asyncio event loop running in a daemon thread of its own."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="trainer-rpc-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Runs a coroutine on the loop and waits for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedules a coroutine on the loop."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def close(self) -> None:
+        """Stops the loop and joins its thread."""
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 class TrainerServer:
     """The running trainer: a gRPC server plus the job runner behind it.
 
     Attributes:
-        grpc_server: The underlying ``grpc.Server``.
         runner: The job runner.
-        health: The health servicer (overall ``""`` and ``trainwire.v1.TrainerService``).
         ready: Set once the providers are imported and health says SERVING.
         metrics: The server's metrics (its own registry).
         metrics_endpoint: The HTTP ``/metrics`` endpoint while it serves; ``None`` when off.
@@ -44,24 +79,45 @@ class TrainerServer:
 
     def __init__(
         self,
-        grpc_server: grpc.Server,
+        loop: _LoopThread,
+        grpc_server: grpc.aio.Server,
         runner: JobRunner,
-        health_servicer: health.HealthServicer,
-        metrics: TrainerMetrics | None = None,
+        health_servicer: health.aio.HealthServicer,
+        metrics: TrainerMetrics,
         metrics_bind: tuple[str, int] | None = None,
     ) -> None:
-        self.grpc_server = grpc_server
+        self._loop = loop
+        self._grpc_server = grpc_server
         self.runner = runner
-        self.health = health_servicer
-        self.metrics = metrics or TrainerMetrics()
+        self._health = health_servicer
+        self.metrics = metrics
         self.metrics_endpoint: MetricsEndpoint | None = None
         self._metrics_bind = metrics_bind
         self.ready = threading.Event()
         self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._health_set: int = health_pb2.HealthCheckResponse.NOT_SERVING
 
     def _set_health(self, status: int) -> None:
-        for service in ("", SERVICE_NAME):
-            self.health.set(service, status)
+        self._health_set = status
+
+        async def apply() -> None:
+            for service in ("", SERVICE_NAME):
+                await self._health.set(service, status)
+
+        self._loop.run(apply(), timeout=10)
+
+    def health_status(self, service: str = "") -> int:
+        """What the health service answers for ``service`` now (once stopped: what it was set
+        to last)."""
+        if self._stopped.is_set():
+            return self._health_set
+
+        async def check() -> int:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), None)
+            return reply.status
+
+        return self._loop.run(check(), timeout=10)
 
     def start(self, warm_up: bool = True) -> None:
         """Starts serving; health turns SERVING once the providers are imported.
@@ -78,7 +134,7 @@ class TrainerServer:
             self.metrics_endpoint = MetricsEndpoint.start(
                 self.metrics.registry, *self._metrics_bind
             )
-        self.grpc_server.start()
+        self._loop.run(self._grpc_server.start(), timeout=30)
         if not warm_up:
             self._mark_ready()
             return
@@ -101,20 +157,33 @@ class TrainerServer:
         """Stops accepting calls, stops running jobs at their next episode and shuts down.
 
         Returns:
-            An event set once the server has stopped (see ``grpc.Server.stop``).
+            An event set once the server has stopped.
         """
+        if self._stopping.is_set():
+            return self._stopped
         self._stopping.set()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        stopped = self.grpc_server.stop(grace)
+        # Jobs first: their streams end UNAVAILABLE while the server still delivers them.
         self.runner.shutdown()
+        stopping = self._loop.submit(self._grpc_server.stop(grace))
+
+        def finish() -> None:
+            try:
+                stopping.result()
+            except Exception:  # the server is going away regardless
+                _LOGGER.exception("stopping the gRPC server failed")
+            self._loop.close()
+            self._stopped.set()
+
+        threading.Thread(target=finish, name="trainer-stop", daemon=True).start()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.stop()
             self.metrics_endpoint = None
-        return stopped
+        return self._stopped
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         """Blocks until the server stops; returns False on timeout."""
-        return self.grpc_server.wait_for_termination(timeout)
+        return self._stopped.wait(timeout)
 
 
 def build_server(
@@ -123,7 +192,7 @@ def build_server(
     """Builds (but does not start) the trainer server and binds its port.
 
     Args:
-        config: Address, pool size and metrics port.
+        config: Address and metrics port.
         runner: The job runner behind the service.
         metrics: Where RPC and slot metrics go (a fresh ``TrainerMetrics`` by default). Job,
             episode and heartbeat counters come from the runner's observer: build the runner
@@ -137,28 +206,34 @@ def build_server(
     """
     metrics = metrics or TrainerMetrics()
     metrics.track_slots(runner.slots)
-    grpc_server = grpc.server(
-        futures.ThreadPoolExecutor(
-            max_workers=config.max_workers, thread_name_prefix="trainer-rpc"
-        ),
-        interceptors=(metrics.interceptor(),),
-        options=[("grpc.so_reuseport", 0)],
-    )
-    trainer_service_pb2_grpc.add_TrainerServiceServicer_to_server(
-        TrainerServicer(runner), grpc_server
-    )
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
-    )
+    loop = _LoopThread()
+
+    async def build() -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+        server = grpc.aio.server(
+            interceptors=(metrics.aio_interceptor(),),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        add_to_server(TrainerServicer(runner), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        try:
+            port = server.add_insecure_port(config.address)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot listen on {config.address}: {exc}") from exc
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {config.address}")
+        return server, health_servicer, port
+
     try:
-        port = grpc_server.add_insecure_port(config.address)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot listen on {config.address}: {exc}") from exc
-    if port == 0:
-        raise RuntimeError(f"cannot listen on {config.address}")
+        server, health_servicer, port = loop.run(build(), timeout=30)
+    except BaseException:
+        loop.close()
+        raise
     metrics_bind = None if config.metrics_port is None else (config.host, config.metrics_port)
-    return TrainerServer(grpc_server, runner, health_servicer, metrics, metrics_bind), port
+    trainer = TrainerServer(loop, server, runner, health_servicer, metrics, metrics_bind)
+    return trainer, port

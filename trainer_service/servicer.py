@@ -1,16 +1,21 @@
-"""The TrainerService servicer: parses requests, calls the job runner, converts events."""
+"""The TrainerService servicer (``grpc.aio``): parses requests, calls the job runner, converts
+events. Errors become statuses in ``trainer_service.status`` only."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterator
-from functools import partial
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
+from trainer_service.core.errors import InvalidRequest
 from trainer_service.core.jobs import Heartbeat, JobRunner
 from trainer_service.status import apply_status, to_status
-from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
+from trainwire.contract import FieldViolation
+from trainwire.v1 import trainer_service_pb2
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -24,30 +29,25 @@ def heartbeat_to_proto(heartbeat: Heartbeat) -> trainer_service_pb2.Heartbeat:
     return message
 
 
-class TrainerServicer(trainer_service_pb2_grpc.TrainerServiceServicer):
+class TrainerServicer:
     """Serves ``trainwire.v1.TrainerService`` over a :class:`JobRunner`."""
 
     def __init__(self, runner: JobRunner) -> None:
         self._runner = runner
 
-    def Train(
-        self, request: trainer_service_pb2.TrainRequest, context: grpc.ServicerContext
-    ) -> Iterator[trainer_service_pb2.TrainResponse]:
-        """Runs a training job and streams its episodes and heartbeats."""
+    async def Train(
+        self, request: trainer_service_pb2.TrainRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[trainer_service_pb2.TrainResponse]:
+        """Runs (or re-attaches to) a training job and streams its episodes and heartbeats."""
         run_id = request.run_id
         try:
-            stream = self._runner.open(request)
+            # Off the loop: validation reads files and a provider's first use imports torch.
+            stream = await asyncio.to_thread(self._runner.open, request)
         except Exception as exc:
             apply_status(context, to_status(exc, run_id))
             return
-        # Fires when the RPC ends for any reason (client cancel, deadline, disconnect, success):
-        # a stream that broke leaves its job detached, kept for a re-attach.
-        detach = partial(self._runner.detach, stream)
-        if not context.add_callback(detach):
-            detach()  # the RPC already ended: nobody will read the stream
-            return
         try:
-            for event in stream.events():
+            async for event in stream.aevents():
                 if isinstance(event, Heartbeat):
                     yield trainer_service_pb2.TrainResponse(heartbeat=heartbeat_to_proto(event))
                 else:
@@ -55,10 +55,12 @@ class TrainerServicer(trainer_service_pb2_grpc.TrainerServiceServicer):
         except Exception as exc:
             apply_status(context, to_status(exc, run_id))
         finally:
-            detach()
+            # However the RPC ended (done, failed, cancelled, disconnected): a stream that broke
+            # leaves its job detached, kept for a re-attach.
+            self._runner.detach(stream)
 
-    def Grant(
-        self, request: trainer_service_pb2.GrantRequest, context: grpc.ServicerContext
+    async def Grant(
+        self, request: trainer_service_pb2.GrantRequest, context: grpc.aio.ServicerContext
     ) -> trainer_service_pb2.GrantResponse:
         """Moves a job's grant forward."""
         try:
@@ -68,8 +70,8 @@ class TrainerServicer(trainer_service_pb2_grpc.TrainerServiceServicer):
             return trainer_service_pb2.GrantResponse()
         return trainer_service_pb2.GrantResponse(last_episode=last)
 
-    def CancelJob(
-        self, request: trainer_service_pb2.CancelJobRequest, context: grpc.ServicerContext
+    async def CancelJob(
+        self, request: trainer_service_pb2.CancelJobRequest, context: grpc.aio.ServicerContext
     ) -> trainer_service_pb2.CancelJobResponse:
         """Cancels a job at once."""
         try:
@@ -79,11 +81,14 @@ class TrainerServicer(trainer_service_pb2_grpc.TrainerServiceServicer):
             return trainer_service_pb2.CancelJobResponse()
         return trainer_service_pb2.CancelJobResponse(last_episode=last)
 
-    def GetCapabilities(
-        self, request: trainer_service_pb2.GetCapabilitiesRequest, context: grpc.ServicerContext
+    async def GetCapabilities(
+        self,
+        request: trainer_service_pb2.GetCapabilitiesRequest,
+        context: grpc.aio.ServicerContext,
     ) -> trainer_service_pb2.GetCapabilitiesResponse:
         """Describes the providers, device and slots of this trainer."""
-        caps = self._runner.capabilities()
+        # Off the loop: the first call imports the providers.
+        caps = await asyncio.to_thread(self._runner.capabilities)
         return trainer_service_pb2.GetCapabilitiesResponse(
             providers=caps.providers,
             device=caps.device,
@@ -93,3 +98,93 @@ class TrainerServicer(trainer_service_pb2_grpc.TrainerServiceServicer):
             trl_version=caps.trl_version,
             server_version=caps.server_version,
         )
+
+
+class _Undecodable:
+    """What a request that does not parse deserializes to; the handler answers it
+    ``INVALID_ARGUMENT`` instead of gRPC's ``INTERNAL``."""
+
+    def __init__(self, message_type: type[Message]) -> None:
+        self.full_name = message_type.DESCRIPTOR.full_name
+
+    def status(self) -> grpc.Status:
+        return to_status(
+            InvalidRequest(
+                "",
+                [FieldViolation("(request)", f"does not parse as {self.full_name}")],
+                f"the request is not a valid {self.full_name}",
+            ),
+            "",
+        )
+
+
+def _deserializer(message_type: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
+    def deserialize(data: bytes) -> Message | _Undecodable:
+        try:
+            return message_type.FromString(data)
+        except Exception:  # DecodeError, or worse: never a traceback to the client
+            return _Undecodable(message_type)
+
+    return deserialize
+
+
+def _guard_unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            apply_status(context, request.status())
+            return None
+        return await handler(request, context)
+
+    return guarded
+
+
+def _guard_stream(handler: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, _Undecodable):
+            apply_status(context, request.status())
+            return
+        async for item in handler(request, context):
+            yield item
+
+    return guarded
+
+
+#: Every method and its message types: the one hand-kept copy of the service
+#: (a test checks it against the proto).
+METHODS: dict[str, tuple[type[Message], type[Message], bool]] = {
+    "Train": (trainer_service_pb2.TrainRequest, trainer_service_pb2.TrainResponse, True),
+    "Grant": (trainer_service_pb2.GrantRequest, trainer_service_pb2.GrantResponse, False),
+    "CancelJob": (
+        trainer_service_pb2.CancelJobRequest,
+        trainer_service_pb2.CancelJobResponse,
+        False,
+    ),
+    "GetCapabilities": (
+        trainer_service_pb2.GetCapabilitiesRequest,
+        trainer_service_pb2.GetCapabilitiesResponse,
+        False,
+    ),
+}
+
+
+def add_to_server(servicer: TrainerServicer, server: grpc.aio.Server) -> None:
+    """Registers the servicer; like the generated ``add_TrainerServiceServicer_to_server``
+    except that a request that does not parse is answered ``INVALID_ARGUMENT``."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for name, (request_type, response_type, streaming) in METHODS.items():
+        method = getattr(servicer, name)
+        if streaming:
+            handlers[name] = grpc.unary_stream_rpc_method_handler(
+                _guard_stream(method),
+                request_deserializer=_deserializer(request_type),
+                response_serializer=response_type.SerializeToString,
+            )
+        else:
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                _guard_unary(method),
+                request_deserializer=_deserializer(request_type),
+                response_serializer=response_type.SerializeToString,
+            )
+    service = trainer_service_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)

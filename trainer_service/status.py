@@ -86,12 +86,19 @@ def to_status(exc: BaseException, run_id: str) -> grpc.Status:
     """Maps an exception raised while serving ``run_id`` to the status the client receives.
 
     Logs what the client does not see: a provider error's detail, an unexpected exception's
-    traceback (once, here).
+    traceback (once, here). An invalid ``run_id`` is never echoed whole nor put in metadata.
     """
+    shown = contract.display_run_id(run_id) if run_id else "(none)"
+    if contract.check_run_id(run_id):
+        run_id = ""
     details: list[Message]
     if isinstance(exc, InvalidRequest):
         code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        details = [contract.bad_request(exc.violations)]
+        # The LocalizedMessage is what the gateway shows the run's user.
+        details = [
+            contract.bad_request(exc.violations),
+            error_details_pb2.LocalizedMessage(locale=LOCALE, message=exc.user_message),
+        ]
     elif isinstance(exc, NoFreeSlot):
         code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
         details = [_error_info(SLOTS_BUSY, run_id, slots_total=str(exc.slots_total))]
@@ -101,14 +108,14 @@ def to_status(exc: BaseException, run_id: str) -> grpc.Status:
         details = [_error_info(reason, run_id)]
     elif isinstance(exc, ProviderError):
         code = _status_code(exc.code)
-        message = f"run {run_id}: {exc.user_message}"
+        message = f"run {shown}: {exc.user_message}"
         details = [
             error_details_pb2.LocalizedMessage(locale=LOCALE, message=exc.user_message),
             _error_info(exc.reason, run_id),
         ]
         _LOGGER.warning(
             "run %s: provider failed (%s, %s): %s | %s",
-            run_id,
+            shown,
             code.name,
             exc.reason,
             exc.user_message,
@@ -117,12 +124,12 @@ def to_status(exc: BaseException, run_id: str) -> grpc.Status:
     elif isinstance(exc, contract.ContractViolation):
         # Already logged as CONTRACT VIOLATION where it was detected.
         code = grpc.StatusCode.INTERNAL
-        message = f"run {run_id}: the trainer produced an invalid episode stream ({exc.rule})"
+        message = f"run {shown}: the trainer produced an invalid episode stream ({exc.rule})"
         details = [_error_info("CONTRACT_VIOLATION", run_id, rule=exc.rule)]
     else:
-        _LOGGER.error("run %s: training stopped unexpectedly", run_id, exc_info=exc)
+        _LOGGER.error("run %s: training stopped unexpectedly", shown, exc_info=exc)
         code = grpc.StatusCode.INTERNAL
-        message = f"run {run_id}: {UNEXPECTED_MESSAGE}"
+        message = f"run {shown}: {UNEXPECTED_MESSAGE}"
         details = [
             error_details_pb2.LocalizedMessage(locale=LOCALE, message=UNEXPECTED_MESSAGE),
             _error_info("INTERNAL_ERROR", run_id),

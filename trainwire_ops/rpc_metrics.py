@@ -35,6 +35,8 @@ import grpc
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from trainwire_ops.addresses import host_port
+
 _LOGGER = logging.getLogger(__name__)
 
 #: Label names of every RPC metric, in order (``grpc_code`` follows on handled/latency).
@@ -487,8 +489,7 @@ class MetricsEndpoint:
     @property
     def url(self) -> str:
         """``http://HOST:PORT/metrics`` (IPv6 hosts bracketed)."""
-        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"http://{host_port(self.host, self.port)}/metrics"
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stops serving, closes the socket and joins the thread; idempotent."""

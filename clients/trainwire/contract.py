@@ -37,7 +37,16 @@ MAX_COMPLETIONS = 8
 MAX_COMPLETION_BYTES = 4096
 MAX_GROUP_SIZE = 1024
 MAX_ID_LENGTH = 128
+MAX_RUN_ID_LENGTH = 64
+MAX_NAME_LENGTH = 64
 MAX_DISPLAY_NAME_LENGTH = 200
+#: Physical ranges: what passes here trains (outside them rewards overflow or never end).
+MIN_BONE_LENGTH = 1e-3
+MAX_BONE_LENGTH = 1e3
+MAX_ABS_ANGLE = 4 * math.pi
+MIN_EPISODE_RATE = 0.01
+MAX_EPISODE_RATE = 10_000.0
+_RUN_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 BUILTIN_RIG_BONES: dict[str, int] = {"stickman": 11}
 DEFAULT_RIG = "stickman"
@@ -285,6 +294,7 @@ def _check_rig(rig: episode_pb2.Rig, field: str, out: list[FieldViolation]) -> i
     """Validates a custom rig; returns its bone count when the rig is valid."""
     bones = rig.bones
     start = len(out)
+    _check_name(rig.name, f"{field}.name", out)
     if not 1 <= len(bones) <= MAX_BONES:
         out.append(FieldViolation(f"{field}.bones", f"{len(bones)} bones; need 1..{MAX_BONES}"))
         return None
@@ -307,14 +317,21 @@ def _check_rig(rig: episode_pb2.Rig, field: str, out: list[FieldViolation]) -> i
                     "this also rules out cycles",
                 )
             )
-        if not (math.isfinite(bone.length) and bone.length > 0):
-            out.append(FieldViolation(f"{where}.length", f"length {bone.length} must be > 0"))
+        _check_name(bone.name, f"{where}.name", out)
+        if not (math.isfinite(bone.length) and MIN_BONE_LENGTH <= bone.length <= MAX_BONE_LENGTH):
+            out.append(
+                FieldViolation(
+                    f"{where}.length",
+                    f"length {bone.length} must be in {MIN_BONE_LENGTH:g}..{MAX_BONE_LENGTH:g}",
+                )
+            )
     return len(bones) if len(out) == start else None
 
 
 def _check_clip(
     clip: episode_pb2.Clip, joints: int | None, field: str, out: list[FieldViolation]
 ) -> None:
+    _check_name(clip.name, f"{field}.name", out)
     if not (math.isfinite(clip.fps) and clip.fps > 0):
         out.append(FieldViolation(f"{field}.fps", f"fps {clip.fps} must be finite and > 0"))
     if not 1 <= clip.frame_count <= MAX_FRAMES:
@@ -344,17 +361,55 @@ def _check_clip(
                 f"{len(clip.angles)} angles; need frame_count x joint_count = {expected}",
             )
         )
-    elif not math.isfinite(sum(clip.angles)):
-        out.append(FieldViolation(f"{field}.angles", "every angle must be finite"))
+    else:
+        bad = next((a for a in clip.angles if not abs(a) <= MAX_ABS_ANGLE), None)
+        if bad is not None:
+            out.append(
+                FieldViolation(
+                    f"{field}.angles",
+                    f"angle {bad} is out of range: every angle must be finite and within "
+                    "+-4 pi radians",
+                )
+            )
+
+
+def _check_name(name: str, field: str, out: list[FieldViolation]) -> None:
+    """A name (rig, clip, bone, avatar): at most ``MAX_NAME_LENGTH`` printable characters."""
+    if len(name) > MAX_NAME_LENGTH:
+        out.append(FieldViolation(field, f"{len(name)} characters; at most {MAX_NAME_LENGTH}"))
+    elif not name.isprintable():
+        out.append(FieldViolation(field, "contains control characters"))
+
+
+def check_run_id(run_id: str, field: str = "run_id") -> list[FieldViolation]:
+    """A run id: 1..64 characters of ``A-Z a-z 0-9 . _ -`` (it appears in logs, errors and
+    metadata, so nothing else is accepted anywhere)."""
+    if not run_id:
+        return [FieldViolation(field, "required")]
+    if len(run_id) > MAX_RUN_ID_LENGTH:
+        return [FieldViolation(field, f"{len(run_id)} characters; at most {MAX_RUN_ID_LENGTH}")]
+    if not _RUN_ID_CHARS.issuperset(run_id):
+        return [FieldViolation(field, "may contain only letters, digits, '.', '_' and '-'")]
+    return []
+
+
+def display_run_id(run_id: str) -> str:
+    """A run id fit for a message or a log line: itself when valid, else a short quoted prefix
+    (a bad id may be huge, or hold a newline that would forge a log line)."""
+    if not check_run_id(run_id):
+        return run_id
+    return repr(run_id[:32]) + ("..." if len(run_id) > 32 else "")
 
 
 def _check_imitation(task: episode_pb2.ImitationTask, p: str, out: list[FieldViolation]) -> None:
-    if len(task.avatar_id) > MAX_ID_LENGTH:
-        out.append(FieldViolation(f"{p}.avatar_id", f"longer than {MAX_ID_LENGTH} characters"))
+    _check_name(task.avatar_id, f"{p}.avatar_id", out)
     joints: int | None
     rig_source = task.WhichOneof("rig_source")
     if rig_source == "rig":
         joints = _check_rig(task.rig, f"{p}.rig", out)
+    elif len(task.rig_name) > MAX_NAME_LENGTH:
+        joints = None
+        _check_name(task.rig_name, f"{p}.rig_name", out)
     else:
         name = task.rig_name or DEFAULT_RIG
         joints = BUILTIN_RIG_BONES.get(name)
@@ -368,6 +423,8 @@ def _check_imitation(task: episode_pb2.ImitationTask, p: str, out: list[FieldVio
     clip_source = task.WhichOneof("clip_source")
     if clip_source == "clip":
         _check_clip(task.clip, joints, f"{p}.clip", out)
+    elif len(task.clip_name) > MAX_NAME_LENGTH:
+        _check_name(task.clip_name, f"{p}.clip_name", out)
     elif clip_source is None or not task.clip_name:
         out.append(
             FieldViolation(
@@ -501,35 +558,54 @@ def check_task(
 
 def check_train_request(req: trainer_service_pb2.TrainRequest) -> list[FieldViolation]:
     """Validates a ``TrainRequest``: run_id, task and config; returns every violation."""
-    out: list[FieldViolation] = []
-    if not req.run_id:
-        out.append(FieldViolation("run_id", "required"))
-    elif len(req.run_id) > MAX_ID_LENGTH:
-        out.append(FieldViolation("run_id", f"longer than {MAX_ID_LENGTH} characters"))
+    out = check_run_id(req.run_id)
     out.extend(check_task(req.task, req.config))
     return out
+
+
+def check_episode_rate(rate: float, field: str = "episodes_per_second") -> list[FieldViolation]:
+    """A publication rate: 0 (the default), negative (unpaced) or 0.01..10000 episodes/s."""
+    if rate == 0 or (rate < 0 and math.isfinite(rate)):
+        return []
+    if math.isfinite(rate) and MIN_EPISODE_RATE <= rate <= MAX_EPISODE_RATE:
+        return []
+    return [
+        FieldViolation(
+            field,
+            f"{rate}; need {MIN_EPISODE_RATE:g}..{MAX_EPISODE_RATE:g} episodes per second "
+            "(0 = the gateway's default, negative = unpaced)",
+        )
+    ]
 
 
 def check_create_run(req: gateway_service_pb2.CreateRunRequest) -> list[FieldViolation]:
     """Validates a ``CreateRunRequest``; returns every violation (empty when valid)."""
     out = check_task(req.task, req.config)
-    if not math.isfinite(req.speed) or req.speed < 0:
-        out.append(
-            FieldViolation("speed", f"{req.speed}; need a finite value >= 0 (0 = default 1.0)")
-        )
-    if not math.isfinite(req.episodes_per_second):
+    if not math.isfinite(req.speed):
         out.append(
             FieldViolation(
-                "episodes_per_second",
-                f"{req.episodes_per_second}; need a finite value "
-                "(0 = the gateway's default, negative = unpaced)",
+                "speed", f"{req.speed}; need a finite value (clamped to 0.1..20; 0 = 1.0)"
             )
         )
+    out.extend(check_episode_rate(req.episodes_per_second))
     if len(req.request_id) > MAX_ID_LENGTH:
-        out.append(FieldViolation("request_id", f"longer than {MAX_ID_LENGTH} characters"))
+        out.append(
+            FieldViolation(
+                "request_id", f"{len(req.request_id)} characters; at most {MAX_ID_LENGTH}"
+            )
+        )
+    elif not req.request_id.isprintable():
+        out.append(FieldViolation("request_id", "contains control characters"))
     if len(req.display_name) > MAX_DISPLAY_NAME_LENGTH:
         out.append(
-            FieldViolation("display_name", f"longer than {MAX_DISPLAY_NAME_LENGTH} characters")
+            FieldViolation(
+                "display_name",
+                f"{len(req.display_name)} characters; at most {MAX_DISPLAY_NAME_LENGTH}",
+            )
+        )
+    elif not req.display_name.isprintable():
+        out.append(
+            FieldViolation("display_name", "contains control characters (newlines, escapes)")
         )
     return out
 

@@ -46,3 +46,7 @@ class ShuttingDown(GatewayError):
 
 class TrainerUnavailable(GatewayError):
     """No trainer could be reached."""
+
+
+class TooManyPending(GatewayError):
+    """The gateway already has its maximum of PENDING runs (``--max-pending``)."""

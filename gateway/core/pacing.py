@@ -13,15 +13,20 @@ MIN_SPEED = 0.1
 MAX_SPEED = 20.0
 
 
-def clamp_speed(speed: float) -> float:
-    """Clamps a finite speed to ``MIN_SPEED..MAX_SPEED``; 0 means the default 1.0.
+def clamp_speed(speed: float, zero_is_default: bool = False) -> float:
+    """Clamps a finite speed to ``MIN_SPEED..MAX_SPEED`` (one rule for every request).
+
+    Args:
+        speed: The requested speed.
+        zero_is_default: 0 means "unset", the default 1.0 (``CreateRunRequest.speed``);
+            otherwise 0 is clamped like any value (``SetRunSpeed(0)`` gives 0.1).
 
     Raises:
         ValueError: speed is NaN or infinite.
     """
     if not math.isfinite(speed):
         raise ValueError(f"speed must be finite, got {speed}")
-    if speed == 0:
+    if speed == 0 and zero_is_default:
         return 1.0
     return min(MAX_SPEED, max(MIN_SPEED, speed))
 

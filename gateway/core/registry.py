@@ -23,7 +23,13 @@ from dataclasses import dataclass
 
 from gateway.config import GatewayConfig
 from gateway.core.driver import DriverContext, RunDriver
-from gateway.core.errors import IllegalTransition, InvalidRequest, RunNotFound, ShuttingDown
+from gateway.core.errors import (
+    IllegalTransition,
+    InvalidRequest,
+    RunNotFound,
+    ShuttingDown,
+    TooManyPending,
+)
 from gateway.core.history import PageCache, encode_frame
 from gateway.core.observer import Observer
 from gateway.core.pacing import clamp_speed
@@ -32,7 +38,7 @@ from gateway.core.runs import INTERRUPTED_MESSAGE, RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
 from gateway.core.store import SqliteStore, StoreThread
 from gateway.core.trainers import TrainerConnector
-from trainwire.contract import FieldViolation, task_kind
+from trainwire.contract import FieldViolation, check_run_id, display_run_id, task_kind
 from trainwire.v1 import episode_pb2
 
 __all__ = [
@@ -64,8 +70,12 @@ class RunSpec:
 
 
 def _require_run_id(run_id: str) -> None:
-    if not run_id:
-        raise InvalidRequest("run_id is required", [FieldViolation("run_id", "required")])
+    violations = check_run_id(run_id)
+    if violations:
+        # A bad id is never echoed whole and never goes into trailing metadata.
+        raise InvalidRequest(
+            f"run_id {display_run_id(run_id)}: {violations[0].description}", violations
+        )
 
 
 class RunRegistry:
@@ -256,12 +266,18 @@ class RunRegistry:
         return driver.snapshot() if driver is not None else run.snapshot()
 
     async def _insert(self, spec: RunSpec) -> TrainingRun:
+        limit = self._config.max_pending
+        if self.scheduler.waiting >= limit:
+            raise TooManyPending(
+                f"the gateway already has {self.scheduler.waiting} runs waiting for a trainer "
+                f"(--max-pending {limit}); try again when some have started"
+            )
         rate = spec.episodes_per_second or self._config.episode_rate
         run = TrainingRun(
             id=uuid.uuid4().hex[:16],
             task=spec.task,
             config=spec.config,
-            speed=clamp_speed(spec.speed),
+            speed=clamp_speed(spec.speed, zero_is_default=True),
             episodes_per_second=rate,
             create_time=self._now(),
             display_name=spec.display_name,

@@ -180,7 +180,7 @@ def test_health_and_reflection() -> None:
         running.server.stop(None).wait(WAIT)
         # After stop the port is closed; health is NOT_SERVING in the servicer.
         assert (
-            running.server.health.Check(health_pb2.HealthCheckRequest(service=""), None).status
+            running.server.health_status("")
             == health_pb2.HealthCheckResponse.NOT_SERVING
         )
 
@@ -248,10 +248,50 @@ def test_health_is_not_serving_until_the_providers_are_ready() -> None:
     server, port = build_server(config, runner)
     assert port > 0
     request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
-    assert server.health.Check(request, None).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert server.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
     server.start()
     try:
         assert server.ready.wait(WAIT)
-        assert server.health.Check(request, None).status == health_pb2.HealthCheckResponse.SERVING
+        assert server.health_status() == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(None).wait(WAIT)
+
+
+def test_a_hundred_idle_streams_do_not_starve_the_trainer() -> None:
+    """Health watches and reflection streams that stay open hold no thread (grpc.aio)."""
+    with start_server({"imitation": FakeProvider()}, slots=1) as running:
+        health = health_pb2_grpc.HealthStub(running.channel)
+        reflect = reflection_pb2_grpc.ServerReflectionStub(running.channel)
+        blocker = threading.Event()
+
+        def idle_requests() -> Iterator[reflection_pb2.ServerReflectionRequest]:
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+            blocker.wait()
+
+        watches = [
+            health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+            for _ in range(80)
+        ]
+        reflections = [
+            reflect.ServerReflectionInfo(idle_requests(), timeout=120) for _ in range(20)
+        ]
+        try:
+            for watch in watches:
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            for stream in reflections:
+                assert next(stream).list_services_response.service
+            started = time.monotonic()
+            caps = running.capabilities()
+            assert caps.slots_free == 1
+            call = running.stub.Train(imitation_request("run-busy", max_episodes=20), timeout=30)
+            episodes = [r.episode for r in call if r.WhichOneof("event") == "episode"]
+            assert [e.episode for e in episodes] == list(range(1, 21))
+            # Generous: what matters is that the calls were served at all (the old fixed pool of
+            # slots + 8 threads hung after nine idle streams).
+            assert time.monotonic() - started < 20
+        finally:
+            blocker.set()
+            for watch in watches:
+                watch.cancel()
+            for stream in reflections:
+                stream.cancel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -35,17 +35,6 @@ from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 State = gateway_service_pb2.Run.State
 pb = gateway_service_pb2
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeTrainer]:
-    trainer = FakeTrainer(slots=4)
-    trainer.start()
-    yield trainer
-    for script in trainer.scripts:
-        script.release.set()
-    trainer.default.release.set()
-    trainer.kill()
 
 
 @pytest.fixture
@@ -384,7 +373,7 @@ async def test_health_and_reflection(client: Client) -> None:
     assert {"trainwire.v1.GatewayService", "grpc.health.v1.Health"} <= names
 
 
-async def test_shutdown_ends_watches_unavailable_and_records_interrupted(
+async def test_shutdown_ends_watches_unavailable_and_a_restart_without_the_job_interrupts(
     fake: FakeTrainer, tmp_path: Path
 ) -> None:
     db = str(tmp_path / "gw.sqlite3")
@@ -407,8 +396,12 @@ async def test_shutdown_ends_watches_unavailable_and_records_interrupted(
         with pytest.raises(grpc.aio.AioRpcError):
             await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
     await to_thread(fake.wait_idle)
+    # The fake trainer keeps no detached job: the restarted gateway's re-attach finds none.
     async with running_gateway((fake.address,), db=db) as again:
-        final = await again.get(run.id)
+        result = await collect(again.stub, run.id)
+        final = result.finished
+        assert final is not None
         assert final.state == State.STATE_ERROR and final.error_message == INTERRUPTED_MESSAGE
         assert final.episode == 3
-        assert (await collect(again.stub, run.id)).numbers == [1, 2, 3]
+        assert result.numbers == [1, 2, 3]
+    assert fake.requests[-1].attach_after_episode == 3

@@ -1,30 +1,56 @@
-"""The TrainerService servicer under grpc_testing, with fake providers behind a real job runner."""
+"""The TrainerService servicer (``grpc.aio``) on a real in-process server (port 0), with fake
+providers behind a real job runner. (grpc_testing cannot host an aio servicer: the trainer's
+surface is aio so that idle streams hold no thread.)"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import grpc
-import grpc_testing
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
+from trainer_service.config import TrainerConfig
 from trainer_service.core.jobs import JobRunner, RunnerSettings
 from trainer_service.core.provider import ProviderError
 from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
-from trainer_service.servicer import TrainerServicer
+from trainer_service.server import build_server
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire import contract
-from trainwire.v1 import episode_pb2, trainer_service_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 
 WAIT = 10.0
-SERVICE = trainer_service_pb2.DESCRIPTOR.services_by_name["TrainerService"]
-TRAIN = SERVICE.methods_by_name["Train"]
-CAPS = SERVICE.methods_by_name["GetCapabilities"]
-GRANT = SERVICE.methods_by_name["Grant"]
-CANCEL = SERVICE.methods_by_name["CancelJob"]
+GRANT = "Grant"
+CANCEL = "CancelJob"
+_HARNESSES: list[Harness] = []
+
+
+class Call:
+    """A Train call read the way the tests want it: one response at a time, then the end."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._responses = iter(call)
+
+    def take_response(self) -> trainer_service_pb2.TrainResponse:
+        """The next response; ValueError once the RPC has ended."""
+        try:
+            return next(self._responses)
+        except (StopIteration, grpc.RpcError):
+            raise ValueError("the RPC ended") from None
+
+    def termination(self) -> tuple[Any, grpc.StatusCode, str]:
+        return self._call.trailing_metadata(), self._call.code(), self._call.details()
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class Harness:
+    """A trainer server on port 0 with fake providers, and a stub to it."""
+
     def __init__(
         self,
         provider: object,
@@ -37,12 +63,25 @@ class Harness:
             SlotPool(slots),
             RunnerSettings(heartbeat_s=heartbeat_s, detach_grace_s=detach_grace_s),
         )
-        self.server = grpc_testing.server_from_dictionary(
-            {SERVICE: TrainerServicer(self.runner)}, grpc_testing.strict_real_time()
-        )
+        self.server, port = build_server(TrainerConfig(port=0, slots=slots), self.runner)
+        self.server.start(warm_up=False)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)
+        _HARNESSES.append(self)
 
-    def train(self, request: trainer_service_pb2.TrainRequest):  # type: ignore[no-untyped-def]
-        return self.server.invoke_unary_stream(TRAIN, (), request, WAIT)
+    def train(self, request: trainer_service_pb2.TrainRequest) -> Call:
+        return Call(self.stub.Train(request, timeout=WAIT))
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(None).wait(WAIT)
+
+
+@pytest.fixture(autouse=True)
+def _close_harnesses() -> Iterator[None]:
+    yield
+    while _HARNESSES:
+        _HARNESSES.pop().close()
 
 
 def take_all(rpc) -> tuple[list[trainer_service_pb2.TrainResponse], tuple]:  # type: ignore[no-untyped-def]
@@ -206,8 +245,13 @@ def test_cancellation_stops_the_provider_and_frees_the_slot() -> None:
     assert fake.jobs[0].stop_event.is_set()
 
 
-def unary(harness: Harness, method, request):  # type: ignore[no-untyped-def]
-    return harness.server.invoke_unary_unary(method, (), request, WAIT).termination()
+def unary(harness: Harness, method: str, request: Any) -> tuple[Any, Any, grpc.StatusCode, str]:
+    """(response, trailing metadata, code, details) of a unary call."""
+    try:
+        response, call = getattr(harness.stub, method).with_call(request, timeout=WAIT)
+    except grpc.RpcError as exc:
+        return None, exc.trailing_metadata(), exc.code(), exc.details()  # type: ignore[attr-defined]
+    return response, call.trailing_metadata(), call.code(), call.details()
 
 
 def test_a_broken_stream_keeps_its_job_for_a_reattach_and_cancel_job_ends_it() -> None:
@@ -231,7 +275,7 @@ def test_a_broken_stream_keeps_its_job_for_a_reattach_and_cancel_job_ends_it() -
         harness, CANCEL, trainer_service_pb2.CancelJobRequest(run_id="run-1")
     )
     assert code is grpc.StatusCode.OK and response.last_episode == 3
-    responses, (metadata, code, _) = take_all(rpc)
+    _, (metadata, code, _) = take_all(rpc)
     assert code is grpc.StatusCode.CANCELLED
     (info,) = unpack(rich_status(metadata), error_details_pb2.ErrorInfo)
     assert info.reason == "JOB_CANCELLED"
@@ -283,12 +327,46 @@ def test_attach_statuses() -> None:
 
 def test_get_capabilities() -> None:
     harness = Harness(FakeProvider(), slots=2)
-    rpc = harness.server.invoke_unary_unary(
-        CAPS, (), trainer_service_pb2.GetCapabilitiesRequest(), WAIT
+    response, _, code, _ = unary(
+        harness, "GetCapabilities", trainer_service_pb2.GetCapabilitiesRequest()
     )
-    response, _, code, _ = rpc.termination()
     assert code is grpc.StatusCode.OK
     assert list(response.providers) == ["imitation"]
     assert (response.slots_total, response.slots_free) == (2, 2)
     assert response.device == "cpu"
     assert response.torch_version and response.trl_version
+
+
+def test_requests_that_do_not_parse_and_bad_run_ids_are_invalid_argument() -> None:
+    harness = Harness(FakeProvider())
+    raw = harness.channel.unary_unary("/trainwire.v1.TrainerService/Grant")
+    with pytest.raises(grpc.RpcError) as info:
+        raw(b"\xff\xff garbage", timeout=WAIT)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert info.value.details() == "the request is not a valid trainwire.v1.GrantRequest"  # type: ignore[attr-defined]
+    stream = harness.channel.unary_stream("/trainwire.v1.TrainerService/Train")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream(b"\x0a\xff", timeout=WAIT))
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    for bad in ("x" * 3000, "run\nERROR forged"):
+        _, metadata, code, details = unary(
+            harness, GRANT, trainer_service_pb2.GrantRequest(run_id=bad, through_episode=1)
+        )
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert len(details) < 200 and "\n" not in details
+        responses, (metadata, code, details) = take_all(harness.train(imitation_request(bad)))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and responses == []
+        assert len(details) < 200 and "\n" not in details
+        (bad_request,) = unpack(rich_status(metadata), error_details_pb2.BadRequest)
+        assert [v.field for v in bad_request.field_violations] == ["run_id"]
+
+
+def test_an_invalid_task_carries_a_message_for_users() -> None:
+    flat = contract.FieldViolation("task.imitation.clip", "the rig lies flat in frame 0")
+    harness = Harness(FakeProvider(violations=[flat]))
+    responses, (metadata, code, _) = take_all(harness.train(imitation_request("run-flat")))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and responses == []
+    (localized,) = unpack(rich_status(metadata), error_details_pb2.LocalizedMessage)
+    assert localized.message == (
+        "The trainer refused this task: task.imitation.clip: the rig lies flat in frame 0"
+    )

@@ -12,6 +12,7 @@ from trainwire.contract import (
     BUILTIN_RIG_BONES,
     bad_request,
     check_create_run,
+    check_run_id,
     check_task,
     check_train_request,
     describe_violations,
@@ -221,11 +222,81 @@ def test_create_run_checks_speed_rate_and_names():
         task=imitation(), config=config(), speed=0, episodes_per_second=-1
     )
     assert check_create_run(ok) == []
+    # Speed is one rule everywhere: finite values are clamped (by the gateway), not refused.
     assert fields(check_create_run(gateway_service_pb2.CreateRunRequest(speed=-2))) == [
         "task",
         "config.max_episodes",
-        "speed",
     ]
+
+
+@pytest.mark.parametrize(
+    ("rate", "ok"),
+    [
+        (0, True),
+        (-1, True),
+        (-1e300, True),
+        (0.01, True),
+        (10_000, True),
+        (1e-300, False),
+        (0.009, False),
+        (10_001, False),
+        (math.inf, False),
+        (-math.inf, False),
+        (math.nan, False),
+    ],
+)
+def test_episode_rates_are_physical(rate: float, ok: bool) -> None:
+    req = gateway_service_pb2.CreateRunRequest(
+        task=imitation(), config=config(), episodes_per_second=rate
+    )
+    assert fields(check_create_run(req)) == ([] if ok else ["episodes_per_second"])
+
+
+def test_names_are_short_and_printable_and_run_ids_are_plain() -> None:
+    task = imitation()
+    task.imitation.avatar_id = "a" * 65
+    assert fields(check_task(task, config())) == ["task.imitation.avatar_id"]
+    task = imitation()
+    task.imitation.rig_name = "r" * 65
+    assert fields(check_task(task, config())) == ["task.imitation.rig_name"]
+    task = imitation()
+    task.imitation.clip_name = "c" * 3000
+    assert fields(check_task(task, config())) == ["task.imitation.clip_name"]
+    for bad in ("", "x" * 65, "run\nforged log line", "a b", "run/1", "ü"):
+        assert fields(check_run_id(bad)) == ["run_id"], bad
+    assert check_run_id("Run-1.a_b" + "x" * 55) == []
+    req = gateway_service_pb2.CreateRunRequest(
+        task=imitation(), config=config(), display_name="clear\x1b[2J\x07"
+    )
+    (violation,) = check_create_run(req)
+    assert violation.field == "display_name" and "control" in violation.description
+    req.display_name = "a run with spaces, accents é and 200 characters at most" + "." * 144
+    assert check_create_run(req) == []
+
+
+def test_custom_rigs_and_clips_stay_in_physical_ranges() -> None:
+    rig = episode_pb2.Rig(
+        name="two",
+        bones=[
+            episode_pb2.Bone(name="root", parent=-1, length=1e-300),
+            episode_pb2.Bone(name="b" * 65, parent=0, length=1e4),
+        ],
+    )
+    clip = episode_pb2.Clip(name="c", fps=30, frame_count=1, joint_count=2, angles=[0.0, 3e38])
+    task = episode_pb2.TrainTask(imitation=episode_pb2.ImitationTask(rig=rig, clip=clip))
+    assert fields(check_task(task, config())) == [
+        "task.imitation.rig.bones[0].length",
+        "task.imitation.rig.bones[1].name",
+        "task.imitation.rig.bones[1].length",
+        "task.imitation.clip.angles",
+    ]
+    fixed = task.imitation
+    fixed.rig.bones[0].length = 1e-3
+    fixed.rig.bones[1].length = 1e3
+    fixed.rig.bones[1].name = "arm"
+    del fixed.clip.angles[:]
+    fixed.clip.angles.extend([4 * math.pi - 1e-3, -4 * math.pi + 1e-3])
+    assert check_task(task, config()) == []
 
 
 def test_bad_request_packs_every_violation():

@@ -88,9 +88,16 @@ def test_restart_after_resume_publishes_at_once() -> None:
     assert pacer.delay() == 0
 
 
-@pytest.mark.parametrize(("given", "expected"), [(0, 1.0), (0.05, 0.1), (25, 20.0), (1.5, 1.5)])
+@pytest.mark.parametrize(
+    ("given", "expected"), [(0, 0.1), (-5, 0.1), (0.05, 0.1), (25, 20.0), (1.5, 1.5)]
+)
 def test_clamp_speed(given: float, expected: float) -> None:
     assert clamp_speed(given) == expected
+
+
+@pytest.mark.parametrize(("given", "expected"), [(0, 1.0), (-5, 0.1), (3, 3.0)])
+def test_clamp_speed_of_a_new_run_reads_zero_as_unset(given: float, expected: float) -> None:
+    assert clamp_speed(given, zero_is_default=True) == expected
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])

@@ -9,23 +9,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainwire.contract import FieldViolation, describe_violations
+from trainwire.contract import FieldViolation, check_run_id, describe_violations, display_run_id
 
 
 class TrainerError(Exception):
-    """Base of the trainer's domain errors; ``run_id`` names the job."""
+    """Base of the trainer's domain errors; ``run_id`` names the job ("" when the request's id
+    is missing or invalid: such an id is never echoed whole)."""
 
     def __init__(self, run_id: str, message: str) -> None:
-        super().__init__(f"run {run_id or '(none)'}: {message}")
-        self.run_id = run_id
+        super().__init__(f"run {display_run_id(run_id)}: {message}" if run_id else message)
+        self.run_id = run_id if run_id and not check_run_id(run_id) else ""
 
 
 class InvalidRequest(TrainerError):
-    """The request has bad fields (maps to ``INVALID_ARGUMENT`` + ``google.rpc.BadRequest``)."""
+    """The request has bad fields (maps to ``INVALID_ARGUMENT`` + ``google.rpc.BadRequest`` and
+    a ``LocalizedMessage`` that the gateway shows its user)."""
 
-    def __init__(self, run_id: str, violations: Sequence[FieldViolation]) -> None:
-        super().__init__(run_id, f"invalid request: {describe_violations(violations)}")
+    def __init__(
+        self, run_id: str, violations: Sequence[FieldViolation], message: str = ""
+    ) -> None:
+        super().__init__(run_id, message or f"invalid request: {describe_violations(violations)}")
         self.violations = tuple(violations)
+        self.user_message = message or (
+            f"The trainer refused this task: {describe_violations(violations)}"
+        )
 
 
 class NoFreeSlot(TrainerError):

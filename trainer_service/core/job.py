@@ -27,12 +27,15 @@ outcome is delivered to any stream.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from trainer_service.core.errors import (
@@ -118,6 +121,7 @@ class RunningJob:
         self._produced = 0
         self._cursor = 0  # the last episode the current (or last) stream handed to its RPC
         self._stream: JobStream | None = None
+        self._streams: set[JobStream] = set()  # every stream still being read
         self._stopped = False  # the producer exited
         self._error: BaseException | None = None  # what the provider (or the checker) raised
         self._stop_reason = ""  # "cancelled" or "shutdown" once stopped from outside
@@ -130,6 +134,14 @@ class RunningJob:
         )
 
     # -- state -------------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        """Wakes every waiter: threads on the condition and async streams (call with the
+        condition held)."""
+        self._cond.notify_all()
+        for stream in self._streams:
+            if stream.waker is not None:
+                stream.waker()
 
     @property
     def phase(self) -> str:
@@ -181,7 +193,7 @@ class RunningJob:
         with self._cond:
             if through_episode > self._grant:
                 self._grant = through_episode
-                self._cond.notify_all()
+                self._notify()
             return self._produced
 
     def cancel(self, reason: str = "cancelled") -> None:
@@ -193,7 +205,7 @@ class RunningJob:
         with self._cond:
             if not self._stop_reason and not self._stopped:
                 self._stop_reason = reason
-            self._cond.notify_all()
+            self._notify()
         self._job.stop_event.set()
 
     def attach(self, after_episode: int, grant: int) -> JobStream:
@@ -212,7 +224,7 @@ class RunningJob:
             self._cursor = after_episode
             if grant > self._grant:
                 self._grant = grant
-            self._cond.notify_all()
+            self._notify()
         if previous is not None:
             previous.replaced = True
         return stream
@@ -225,7 +237,7 @@ class RunningJob:
             if self._stream is not stream:
                 return None
             self._stream = None
-            self._cond.notify_all()
+            self._notify()
             return not stream.finished
 
     # -- the producer ------------------------------------------------------------------------
@@ -294,7 +306,7 @@ class RunningJob:
             with self._cond:
                 self._error = error
                 self._stopped = True
-                self._cond.notify_all()
+                self._notify()
             self._conclude(self._outcome_of(error))
             self.exited.set()
 
@@ -304,7 +316,7 @@ class RunningJob:
             self._produced = episode.episode
             while len(self._held) > self._retain:
                 self._held.popleft()
-            self._cond.notify_all()
+            self._notify()
 
     def _outcome_of(self, error: BaseException | None) -> JobOutcome:
         if self._stop_reason == "shutdown" and not self._checker.done:
@@ -334,8 +346,9 @@ class RunningJob:
 
     # -- what streams read -------------------------------------------------------------------
 
-    def _next(self, stream: JobStream, timeout: float) -> episode_pb2.Episode | None:
-        """The episode after ``stream.cursor`` once held; None on timeout.
+    def _poll(self, stream: JobStream) -> episode_pb2.Episode | None:
+        """The episode after ``stream.cursor`` if held, else None (call with the condition
+        held).
 
         Raises:
             Reattached: another stream replaced this one.
@@ -343,20 +356,28 @@ class RunningJob:
             JobCancelled: the job was cancelled (``CancelJob``).
             _End: the job ended and the stream has sent everything.
         """
+        if stream.replaced or self._stream is not stream:
+            raise Reattached(self.run_id)
+        if self._stop_reason == "shutdown" and not self._checker.done:
+            raise ShuttingDown(self.run_id)
+        n = stream.cursor + 1
+        if n <= self._produced:
+            return self._held[n - (self._produced - len(self._held) + 1)]
+        if not self._stopped:
+            return None
+        if self._stop_reason == "cancelled" and not self._checker.done:
+            raise JobCancelled(self.run_id)
+        raise _End(self._error)
+
+    def _next(self, stream: JobStream, timeout: float) -> episode_pb2.Episode | None:
+        """Like ``_poll``, waiting up to ``timeout`` seconds for something to happen."""
         with self._cond:
             self._cond.wait_for(lambda: self._ready(stream), timeout)
-            if stream.replaced or self._stream is not stream:
-                raise Reattached(self.run_id)
-            if self._stop_reason == "shutdown" and not self._checker.done:
-                raise ShuttingDown(self.run_id)
-            n = stream.cursor + 1
-            if n <= self._produced:
-                return self._held[n - (self._produced - len(self._held) + 1)]
-            if not self._stopped:
-                return None
-            if self._stop_reason == "cancelled" and not self._checker.done:
-                raise JobCancelled(self.run_id)
-            raise _End(self._error)
+            return self._poll(stream)
+
+    def _try(self, stream: JobStream) -> episode_pb2.Episode | None:
+        with self._cond:
+            return self._poll(stream)
 
     def _ready(self, stream: JobStream) -> bool:
         return (
@@ -372,7 +393,7 @@ class RunningJob:
             stream.cursor = episode
             if self._stream is stream:
                 self._cursor = episode
-                self._cond.notify_all()
+                self._notify()
 
 
 class _End(Exception):
@@ -384,16 +405,21 @@ class _End(Exception):
 
 
 class JobStream:
-    """One ``Train`` call's view of a job: the episodes after its start point, then the end."""
+    """One ``Train`` call's view of a job: the episodes after its start point, then the end.
+
+    Read it with :meth:`events` from a thread or :meth:`aevents` from an event loop.
+    """
 
     def __init__(self, job: RunningJob, after_episode: int) -> None:
         self.job = job
         self.cursor = after_episode
         self.replaced = False
         self.finished = False
+        #: Called (from any thread, with the job's condition held) when the job changed.
+        self.waker: Callable[[], None] | None = None
 
     def events(self) -> Iterator[episode_pb2.Episode | Heartbeat]:
-        """Yields episodes and heartbeats until the job ends.
+        """Yields episodes and heartbeats until the job ends (blocking; for threads).
 
         Returns normally after the done episode (or when the provider stopped early because the
         job was cancelled while detached, with nothing left to send).
@@ -407,25 +433,85 @@ class JobStream:
             Exception: Whatever else the provider raised (an unexpected failure).
         """
         job = self.job
-        observer = job._observer
-        last_sent = time.monotonic()
-        while True:
-            wait = job._heartbeat_s - (time.monotonic() - last_sent)
-            try:
-                episode = job._next(self, max(0.0, wait))
-            except _End as end:
-                self.finished = True
-                if end.error is not None:
-                    raise end.error from None
-                return
-            if episode is None:
-                if time.monotonic() - last_sent < job._heartbeat_s:
-                    continue  # woken early (a grant, a phase change): nothing to send yet
-                yield Heartbeat(self.cursor, job.phase, time.time_ns())
-                observer.heartbeat_sent(job.kind)
-            else:
-                yield episode
-                # Resumed: the handler wrote it and asks for more.
-                job._sent(self, episode.episode)
-                observer.episode_sent(job.kind)
+        with job._cond:
+            job._streams.add(self)
+        try:
             last_sent = time.monotonic()
+            while True:
+                wait = max(0.0, job._heartbeat_s - (time.monotonic() - last_sent))
+                episode = self._step(partial(job._next, self, wait))
+                if episode is None:
+                    if time.monotonic() - last_sent < job._heartbeat_s:
+                        continue  # woken early (a grant, a phase change): nothing to send yet
+                    yield self._heartbeat()
+                else:
+                    yield episode
+                    self._sent(episode)
+                last_sent = time.monotonic()
+        except _Ended:
+            return
+        finally:
+            with job._cond:
+                job._streams.discard(self)
+
+    async def aevents(self) -> AsyncIterator[episode_pb2.Episode | Heartbeat]:
+        """Like :meth:`events`, for an event loop: waits without holding a thread."""
+        job = self.job
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def waker() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(wake.set)
+
+        self.waker = waker
+        with job._cond:
+            job._streams.add(self)
+        try:
+            last_sent = time.monotonic()
+            while True:
+                # Cleared before polling: a change after the poll sets it again, so no wake-up
+                # is lost.
+                wake.clear()
+                episode = self._step(partial(job._try, self))
+                if episode is None:
+                    left = job._heartbeat_s - (time.monotonic() - last_sent)
+                    if left > 0:
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(left):
+                                await wake.wait()
+                        continue
+                    yield self._heartbeat()
+                else:
+                    yield episode
+                    self._sent(episode)
+                last_sent = time.monotonic()
+        except _Ended:
+            return
+        finally:
+            self.waker = None
+            with job._cond:
+                job._streams.discard(self)
+
+    def _step(self, take: Callable[[], episode_pb2.Episode | None]) -> episode_pb2.Episode | None:
+        """One poll of the job; raises ``_Ended`` after a normal end, or the job's failure."""
+        try:
+            return take()
+        except _End as end:
+            self.finished = True
+            if end.error is not None:
+                raise end.error from None
+            raise _Ended from None
+
+    def _heartbeat(self) -> Heartbeat:
+        self.job._observer.heartbeat_sent(self.job.kind)
+        return Heartbeat(self.cursor, self.job.phase, time.time_ns())
+
+    def _sent(self, episode: episode_pb2.Episode) -> None:
+        """The handler wrote ``episode`` and asks for more."""
+        self.job._sent(self, episode.episode)
+        self.job._observer.episode_sent(self.job.kind)
+
+
+class _Ended(Exception):
+    """The stream delivered the job's normal end."""

@@ -305,6 +305,9 @@ class JobRunner:
     # -- live jobs ---------------------------------------------------------------------------
 
     def _find(self, run_id: str) -> RunningJob:
+        violations = contract.check_run_id(run_id)
+        if violations:
+            raise InvalidRequest(run_id, violations)
         job = self._live.get(run_id)
         if job is None:
             raise JobNotFound(run_id)

@@ -26,13 +26,15 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from trainwire.v1 import episode_pb2 as trainwire_dot_v1_dot_episode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"trainwire/v1/gateway_service.proto\x12\x0ctrainwire.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1atrainwire/v1/episode.proto\"\x8a\x05\n\x03Run\x12\n\n\x02id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.trainwire.v1.Run.State\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\r\n\x05speed\x18\x04 \x01(\x01\x12\x1b\n\x13\x65pisodes_per_second\x18\x05 \x01(\x01\x12\x0f\n\x07\x65pisode\x18\x06 \x01(\x03\x12\x13\n\x0b\x62\x65st_reward\x18\x07 \x01(\x01\x12%\n\x04task\x18\x08 \x01(\x0b\x32\x17.trainwire.v1.TrainTask\x12)\n\x06\x63onfig\x18\t \x01(\x0b\x32\x19.trainwire.v1.TrainConfig\x12/\n\x0b\x63reate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x64isplay_name\x18\r \x01(\t\x12\x0f\n\x07trainer\x18\x0e \x01(\t\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\x0e\n\x06reward\x18\x10 \x01(\x01\x12\x17\n\x0ftrainer_episode\x18\x11 \x01(\x03\x12\x14\n\x0cstate_detail\x18\x12 \x01(\t\"\x8a\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x11\n\rSTATE_PENDING\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x10\n\x0cSTATE_PAUSED\x10\x03\x12\x0e\n\nSTATE_DONE\x10\x04\x12\x11\n\rSTATE_STOPPED\x10\x05\x12\x0f\n\x0bSTATE_ERROR\x10\x06\"\xba\x01\n\x10\x43reateRunRequest\x12%\n\x04task\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.TrainTask\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.trainwire.v1.TrainConfig\x12\r\n\x05speed\x18\x03 \x01(\x01\x12\x1b\n\x13\x65pisodes_per_second\x18\x04 \x01(\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x06 \x01(\t\"3\n\x11\x43reateRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"0\n\x0eGetRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"`\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.trainwire.v1.Run.State\"L\n\x10ListRunsResponse\x12\x1f\n\x04runs\x18\x01 \x03(\x0b\x32\x11.trainwire.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"!\n\x0fPauseRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"2\n\x10PauseRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"\"\n\x10ResumeRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"3\n\x11ResumeRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"1\n\x0fStopRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"3\n\x12SetRunSpeedRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05speed\x18\x02 \x01(\x01\"5\n\x13SetRunSpeedResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"\"\n\x10\x44\x65leteRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"3\n\x11\x44\x65leteRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"8\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rafter_episode\x18\x02 \x01(\x03\"\xf4\x01\n\x10WatchRunResponse\x12(\n\x07\x65pisode\x18\x01 \x01(\x0b\x32\x15.trainwire.v1.EpisodeH\x00\x12,\n\tkeepalive\x18\x02 \x01(\x0b\x32\x17.trainwire.v1.KeepaliveH\x00\x12+\n\tcaught_up\x18\x03 \x01(\x0b\x32\x16.trainwire.v1.CaughtUpH\x00\x12%\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x11.trainwire.v1.RunH\x00\x12+\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x1a.trainwire.v1.EpisodeBatchH\x00\x42\x07\n\x05\x65vent\"s\n\tKeepalive\x12\x14\n\x0clast_episode\x18\x01 \x01(\x03\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.trainwire.v1.Run.State\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\" \n\x08\x43\x61ughtUp\x12\x14\n\x0clast_episode\x18\x01 \x01(\x03\"7\n\x0c\x45pisodeBatch\x12\'\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x15.trainwire.v1.Episode2\xbe\x05\n\x0eGatewayService\x12L\n\tCreateRun\x12\x1e.trainwire.v1.CreateRunRequest\x1a\x1f.trainwire.v1.CreateRunResponse\x12\x43\n\x06GetRun\x12\x1b.trainwire.v1.GetRunRequest\x1a\x1c.trainwire.v1.GetRunResponse\x12I\n\x08ListRuns\x12\x1d.trainwire.v1.ListRunsRequest\x1a\x1e.trainwire.v1.ListRunsResponse\x12I\n\x08PauseRun\x12\x1d.trainwire.v1.PauseRunRequest\x1a\x1e.trainwire.v1.PauseRunResponse\x12L\n\tResumeRun\x12\x1e.trainwire.v1.ResumeRunRequest\x1a\x1f.trainwire.v1.ResumeRunResponse\x12\x46\n\x07StopRun\x12\x1c.trainwire.v1.StopRunRequest\x1a\x1d.trainwire.v1.StopRunResponse\x12R\n\x0bSetRunSpeed\x12 .trainwire.v1.SetRunSpeedRequest\x1a!.trainwire.v1.SetRunSpeedResponse\x12L\n\tDeleteRun\x12\x1e.trainwire.v1.DeleteRunRequest\x1a\x1f.trainwire.v1.DeleteRunResponse\x12K\n\x08WatchRun\x12\x1d.trainwire.v1.WatchRunRequest\x1a\x1e.trainwire.v1.WatchRunResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"trainwire/v1/gateway_service.proto\x12\x0ctrainwire.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1atrainwire/v1/episode.proto\"\x8a\x05\n\x03Run\x12\n\n\x02id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.trainwire.v1.Run.State\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\r\n\x05speed\x18\x04 \x01(\x01\x12\x1b\n\x13\x65pisodes_per_second\x18\x05 \x01(\x01\x12\x0f\n\x07\x65pisode\x18\x06 \x01(\x03\x12\x13\n\x0b\x62\x65st_reward\x18\x07 \x01(\x01\x12%\n\x04task\x18\x08 \x01(\x0b\x32\x17.trainwire.v1.TrainTask\x12)\n\x06\x63onfig\x18\t \x01(\x0b\x32\x19.trainwire.v1.TrainConfig\x12/\n\x0b\x63reate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x64isplay_name\x18\r \x01(\t\x12\x0f\n\x07trainer\x18\x0e \x01(\t\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\x0e\n\x06reward\x18\x10 \x01(\x01\x12\x17\n\x0ftrainer_episode\x18\x11 \x01(\x03\x12\x14\n\x0cstate_detail\x18\x12 \x01(\t\"\x8a\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x11\n\rSTATE_PENDING\x10\x01\x12\x11\n\rSTATE_RUNNING\x10\x02\x12\x10\n\x0cSTATE_PAUSED\x10\x03\x12\x0e\n\nSTATE_DONE\x10\x04\x12\x11\n\rSTATE_STOPPED\x10\x05\x12\x0f\n\x0bSTATE_ERROR\x10\x06\"\xba\x01\n\x10\x43reateRunRequest\x12%\n\x04task\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.TrainTask\x12)\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x19.trainwire.v1.TrainConfig\x12\r\n\x05speed\x18\x03 \x01(\x01\x12\x1b\n\x13\x65pisodes_per_second\x18\x04 \x01(\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x06 \x01(\t\"3\n\x11\x43reateRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"0\n\x0eGetRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"\x85\x01\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.trainwire.v1.Run.State\x12#\n\x04view\x18\x04 \x01(\x0e\x32\x15.trainwire.v1.RunView\"L\n\x10ListRunsResponse\x12\x1f\n\x04runs\x18\x01 \x03(\x0b\x32\x11.trainwire.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"!\n\x0fPauseRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"2\n\x10PauseRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"\"\n\x10ResumeRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"3\n\x11ResumeRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"1\n\x0fStopRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"3\n\x12SetRunSpeedRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05speed\x18\x02 \x01(\x01\"5\n\x13SetRunSpeedResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"\"\n\x10\x44\x65leteRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"3\n\x11\x44\x65leteRunResponse\x12\x1e\n\x03run\x18\x01 \x01(\x0b\x32\x11.trainwire.v1.Run\"8\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rafter_episode\x18\x02 \x01(\x03\"\xf4\x01\n\x10WatchRunResponse\x12(\n\x07\x65pisode\x18\x01 \x01(\x0b\x32\x15.trainwire.v1.EpisodeH\x00\x12,\n\tkeepalive\x18\x02 \x01(\x0b\x32\x17.trainwire.v1.KeepaliveH\x00\x12+\n\tcaught_up\x18\x03 \x01(\x0b\x32\x16.trainwire.v1.CaughtUpH\x00\x12%\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x11.trainwire.v1.RunH\x00\x12+\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x1a.trainwire.v1.EpisodeBatchH\x00\x42\x07\n\x05\x65vent\"s\n\tKeepalive\x12\x14\n\x0clast_episode\x18\x01 \x01(\x03\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.trainwire.v1.Run.State\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\" \n\x08\x43\x61ughtUp\x12\x14\n\x0clast_episode\x18\x01 \x01(\x03\"7\n\x0c\x45pisodeBatch\x12\'\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x15.trainwire.v1.Episode*J\n\x07RunView\x12\x18\n\x14RUN_VIEW_UNSPECIFIED\x10\x00\x12\x12\n\x0eRUN_VIEW_BASIC\x10\x01\x12\x11\n\rRUN_VIEW_FULL\x10\x02\x32\xbe\x05\n\x0eGatewayService\x12L\n\tCreateRun\x12\x1e.trainwire.v1.CreateRunRequest\x1a\x1f.trainwire.v1.CreateRunResponse\x12\x43\n\x06GetRun\x12\x1b.trainwire.v1.GetRunRequest\x1a\x1c.trainwire.v1.GetRunResponse\x12I\n\x08ListRuns\x12\x1d.trainwire.v1.ListRunsRequest\x1a\x1e.trainwire.v1.ListRunsResponse\x12I\n\x08PauseRun\x12\x1d.trainwire.v1.PauseRunRequest\x1a\x1e.trainwire.v1.PauseRunResponse\x12L\n\tResumeRun\x12\x1e.trainwire.v1.ResumeRunRequest\x1a\x1f.trainwire.v1.ResumeRunResponse\x12\x46\n\x07StopRun\x12\x1c.trainwire.v1.StopRunRequest\x1a\x1d.trainwire.v1.StopRunResponse\x12R\n\x0bSetRunSpeed\x12 .trainwire.v1.SetRunSpeedRequest\x1a!.trainwire.v1.SetRunSpeedResponse\x12L\n\tDeleteRun\x12\x1e.trainwire.v1.DeleteRunRequest\x1a\x1f.trainwire.v1.DeleteRunResponse\x12K\n\x08WatchRun\x12\x1d.trainwire.v1.WatchRunRequest\x1a\x1e.trainwire.v1.WatchRunResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trainwire.v1.gateway_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RUNVIEW']._serialized_start=2276
+  _globals['_RUNVIEW']._serialized_end=2350
   _globals['_RUN']._serialized_start=114
   _globals['_RUN']._serialized_end=764
   _globals['_RUN_STATE']._serialized_start=626
@@ -45,40 +47,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETRUNREQUEST']._serialized_end=1039
   _globals['_GETRUNRESPONSE']._serialized_start=1041
   _globals['_GETRUNRESPONSE']._serialized_end=1089
-  _globals['_LISTRUNSREQUEST']._serialized_start=1091
-  _globals['_LISTRUNSREQUEST']._serialized_end=1187
-  _globals['_LISTRUNSRESPONSE']._serialized_start=1189
-  _globals['_LISTRUNSRESPONSE']._serialized_end=1265
-  _globals['_PAUSERUNREQUEST']._serialized_start=1267
-  _globals['_PAUSERUNREQUEST']._serialized_end=1300
-  _globals['_PAUSERUNRESPONSE']._serialized_start=1302
-  _globals['_PAUSERUNRESPONSE']._serialized_end=1352
-  _globals['_RESUMERUNREQUEST']._serialized_start=1354
-  _globals['_RESUMERUNREQUEST']._serialized_end=1388
-  _globals['_RESUMERUNRESPONSE']._serialized_start=1390
-  _globals['_RESUMERUNRESPONSE']._serialized_end=1441
-  _globals['_STOPRUNREQUEST']._serialized_start=1443
-  _globals['_STOPRUNREQUEST']._serialized_end=1475
-  _globals['_STOPRUNRESPONSE']._serialized_start=1477
-  _globals['_STOPRUNRESPONSE']._serialized_end=1526
-  _globals['_SETRUNSPEEDREQUEST']._serialized_start=1528
-  _globals['_SETRUNSPEEDREQUEST']._serialized_end=1579
-  _globals['_SETRUNSPEEDRESPONSE']._serialized_start=1581
-  _globals['_SETRUNSPEEDRESPONSE']._serialized_end=1634
-  _globals['_DELETERUNREQUEST']._serialized_start=1636
-  _globals['_DELETERUNREQUEST']._serialized_end=1670
-  _globals['_DELETERUNRESPONSE']._serialized_start=1672
-  _globals['_DELETERUNRESPONSE']._serialized_end=1723
-  _globals['_WATCHRUNREQUEST']._serialized_start=1725
-  _globals['_WATCHRUNREQUEST']._serialized_end=1781
-  _globals['_WATCHRUNRESPONSE']._serialized_start=1784
-  _globals['_WATCHRUNRESPONSE']._serialized_end=2028
-  _globals['_KEEPALIVE']._serialized_start=2030
-  _globals['_KEEPALIVE']._serialized_end=2145
-  _globals['_CAUGHTUP']._serialized_start=2147
-  _globals['_CAUGHTUP']._serialized_end=2179
-  _globals['_EPISODEBATCH']._serialized_start=2181
-  _globals['_EPISODEBATCH']._serialized_end=2236
-  _globals['_GATEWAYSERVICE']._serialized_start=2239
-  _globals['_GATEWAYSERVICE']._serialized_end=2941
+  _globals['_LISTRUNSREQUEST']._serialized_start=1092
+  _globals['_LISTRUNSREQUEST']._serialized_end=1225
+  _globals['_LISTRUNSRESPONSE']._serialized_start=1227
+  _globals['_LISTRUNSRESPONSE']._serialized_end=1303
+  _globals['_PAUSERUNREQUEST']._serialized_start=1305
+  _globals['_PAUSERUNREQUEST']._serialized_end=1338
+  _globals['_PAUSERUNRESPONSE']._serialized_start=1340
+  _globals['_PAUSERUNRESPONSE']._serialized_end=1390
+  _globals['_RESUMERUNREQUEST']._serialized_start=1392
+  _globals['_RESUMERUNREQUEST']._serialized_end=1426
+  _globals['_RESUMERUNRESPONSE']._serialized_start=1428
+  _globals['_RESUMERUNRESPONSE']._serialized_end=1479
+  _globals['_STOPRUNREQUEST']._serialized_start=1481
+  _globals['_STOPRUNREQUEST']._serialized_end=1513
+  _globals['_STOPRUNRESPONSE']._serialized_start=1515
+  _globals['_STOPRUNRESPONSE']._serialized_end=1564
+  _globals['_SETRUNSPEEDREQUEST']._serialized_start=1566
+  _globals['_SETRUNSPEEDREQUEST']._serialized_end=1617
+  _globals['_SETRUNSPEEDRESPONSE']._serialized_start=1619
+  _globals['_SETRUNSPEEDRESPONSE']._serialized_end=1672
+  _globals['_DELETERUNREQUEST']._serialized_start=1674
+  _globals['_DELETERUNREQUEST']._serialized_end=1708
+  _globals['_DELETERUNRESPONSE']._serialized_start=1710
+  _globals['_DELETERUNRESPONSE']._serialized_end=1761
+  _globals['_WATCHRUNREQUEST']._serialized_start=1763
+  _globals['_WATCHRUNREQUEST']._serialized_end=1819
+  _globals['_WATCHRUNRESPONSE']._serialized_start=1822
+  _globals['_WATCHRUNRESPONSE']._serialized_end=2066
+  _globals['_KEEPALIVE']._serialized_start=2068
+  _globals['_KEEPALIVE']._serialized_end=2183
+  _globals['_CAUGHTUP']._serialized_start=2185
+  _globals['_CAUGHTUP']._serialized_end=2217
+  _globals['_EPISODEBATCH']._serialized_start=2219
+  _globals['_EPISODEBATCH']._serialized_end=2274
+  _globals['_GATEWAYSERVICE']._serialized_start=2353
+  _globals['_GATEWAYSERVICE']._serialized_end=3055
 # @@protoc_insertion_point(module_scope)

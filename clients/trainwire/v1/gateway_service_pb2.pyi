@@ -11,6 +11,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RunView(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_VIEW_UNSPECIFIED: _ClassVar[RunView]
+    RUN_VIEW_BASIC: _ClassVar[RunView]
+    RUN_VIEW_FULL: _ClassVar[RunView]
+RUN_VIEW_UNSPECIFIED: RunView
+RUN_VIEW_BASIC: RunView
+RUN_VIEW_FULL: RunView
+
 class Run(_message.Message):
     __slots__ = ("id", "state", "error_message", "speed", "episodes_per_second", "episode", "best_reward", "task", "config", "create_time", "start_time", "end_time", "display_name", "trainer", "request_id", "reward", "trainer_episode", "state_detail")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -102,14 +111,16 @@ class GetRunResponse(_message.Message):
     def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
-    __slots__ = ("page_size", "page_token", "state")
+    __slots__ = ("page_size", "page_token", "state", "view")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     page_token: str
     state: Run.State
-    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., state: _Optional[_Union[Run.State, str]] = ...) -> None: ...
+    view: RunView
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., state: _Optional[_Union[Run.State, str]] = ..., view: _Optional[_Union[RunView, str]] = ...) -> None: ...
 
 class ListRunsResponse(_message.Message):
     __slots__ = ("runs", "next_page_token")

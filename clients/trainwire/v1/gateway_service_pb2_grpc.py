@@ -94,20 +94,26 @@ class GatewayServiceServicer:
         returns the run it created, never a duplicate.
 
         Status codes:
-        OK                the run (PENDING or later).
-        INVALID_ARGUMENT  bad task, config, speed or rate (google.rpc.BadRequest
-        lists every bad field).
+        OK                  the run (PENDING or later).
+        INVALID_ARGUMENT    bad task, config, speed or rate, a request larger
+        than 1 MiB, or a request_id seen before with a
+        different request (google.rpc.BadRequest lists every
+        bad field).
+        RESOURCE_EXHAUSTED  the gateway already has --max-pending runs waiting.
+        UNAVAILABLE         the gateway is shutting down, or cannot save runs
+        (disk full or not writable).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetRun(self, request, context):
-        """Returns one run.
+        """Returns one run, everything in it (RUN_VIEW_FULL).
 
         Status codes:
         OK                the run.
-        INVALID_ARGUMENT  empty run_id.
+        INVALID_ARGUMENT  a run_id that is empty, longer than 64 characters or
+        not made of A-Z a-z 0-9 . _ -.
         NOT_FOUND         no such run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -115,7 +121,8 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListRuns(self, request, context):
-        """Lists runs, newest first.
+        """Lists runs, newest first, in the requested view (RUN_VIEW_BASIC by
+        default).
 
         Status codes:
         OK                a page of runs.
