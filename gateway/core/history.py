@@ -17,7 +17,9 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 MAX_BATCH_EPISODES = 256
-MAX_BATCH_BYTES = 1 << 20
+#: The largest batch message. A watcher holds at most one message in flight, and gRPC a copy of
+#: it, so this bounds what a watcher that stopped reading costs the gateway (~256 KiB).
+MAX_BATCH_BYTES = 128 << 10
 PAGE_EPISODES = 256
 #: Seconds of live wake window per attached watcher (see ``EpisodeLog``).
 WAKE_WINDOW_PER_WATCHER = 0.0002
@@ -53,6 +55,30 @@ def encode_batch(frames: Sequence[bytes]) -> bytes:
     return _BATCH_TAG + _varint(len(body)) + body
 
 
+def batch_end(
+    frames: Sequence[bytes],
+    lo: int,
+    end: int,
+    max_episodes: int = MAX_BATCH_EPISODES,
+    max_bytes: int = MAX_BATCH_BYTES,
+) -> int:
+    """The end of the batch that starts at ``frames[lo]``: at most ``max_episodes`` frames up to
+    ``end`` and, unless a single frame is larger, at most ``max_bytes`` bytes (message overhead
+    included)."""
+    # 6 bytes: the batch tag and its length varint (a 1 MiB body needs 3-4 bytes).
+    budget = max_bytes - 6
+    hi = lo
+    size = 0
+    limit = min(end, lo + max_episodes)
+    while hi < limit:
+        n = len(frames[hi])
+        if hi > lo and size + n > budget:
+            break
+        size += n
+        hi += 1
+    return hi
+
+
 def split_batches(
     frames: Sequence[bytes],
     start: int,
@@ -60,22 +86,10 @@ def split_batches(
     max_episodes: int = MAX_BATCH_EPISODES,
     max_bytes: int = MAX_BATCH_BYTES,
 ) -> Iterator[tuple[int, int]]:
-    """Splits ``frames[start:end]`` into ``(lo, hi)`` ranges of at most ``max_episodes`` frames
-    and, unless a single frame is larger, at most ``max_bytes`` bytes (message overhead
-    included)."""
+    """Splits ``frames[start:end]`` into ``(lo, hi)`` ranges (see ``batch_end``)."""
     lo = start
-    # 6 bytes: the batch tag and its length varint (a 1 MiB body needs 3-4 bytes).
-    budget = max_bytes - 6
     while lo < end:
-        hi = lo
-        size = 0
-        limit = min(end, lo + max_episodes)
-        while hi < limit:
-            n = len(frames[hi])
-            if hi > lo and size + n > budget:
-                break
-            size += n
-            hi += 1
+        hi = batch_end(frames, lo, end, max_episodes, max_bytes)
         yield lo, hi
         lo = hi
 

@@ -1,19 +1,29 @@
 """Watching runs: replay of the history, then live episodes, keepalives and the end.
 
 A watcher of an active run walks the run's in-memory ``EpisodeLog`` with its own cursor (an
-int); nothing is queued per watcher. A watcher of a finished run reads its history from the
-store through a page cache shared by every watcher. Both send the history that exists at attach
-time in batches, then ``CaughtUp`` once, then (active runs) live episodes as they are committed,
-keepalives while idle, and finally the final run.
+int); nothing is queued per watcher. Batches adapt to the watcher (``BatchSizer``): small while
+its writes are slow, larger while they are quick, never over ``MAX_BATCH_BYTES``, so a watcher
+that stopped reading holds at most one small message (and gRPC's copy of it).
+
+A watcher of a finished run reads its history from the store through a page cache shared by
+every watcher. Both send the history that exists at attach time in batches, then ``CaughtUp``
+once, then (active runs) live episodes as they are committed, keepalives while idle, and
+finally the final run.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gateway.core.errors import RunNotFound, ShuttingDown
-from gateway.core.history import PAGE_EPISODES, EpisodeLog, PageCache, split_batches
+from gateway.core.history import (
+    MAX_BATCH_BYTES,
+    PAGE_EPISODES,
+    EpisodeLog,
+    PageCache,
+    batch_end,
+)
 from gateway.core.runs import RunState, TrainingRun
 
 
@@ -52,6 +62,41 @@ class Finished:
 
 
 WatchEvent = EpisodeFrames | CaughtUp | Keepalive | Finished
+
+#: A write slower than this halves the watcher's batch size; a quicker one doubles it.
+SLOW_WRITE_S = 0.05
+FIRST_BATCH_BYTES = 32 << 10
+SMALLEST_BATCH_BYTES = 4 << 10
+
+
+class BatchSizer:
+    """One watcher's batch size, adapted to how fast its writes complete.
+
+    A write completes when gRPC took the message (flow control holds it while the watcher does
+    not read), so a slow write means a slow or stalled reader: its batches shrink, down to one
+    episode; quick writes let them grow back to ``MAX_BATCH_BYTES``.
+    """
+
+    __slots__ = ("_clock", "budget")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.budget = FIRST_BATCH_BYTES
+
+    def batches(self, frames: Sequence[bytes], start: int, end: int) -> Iterator[tuple[int, int]]:
+        """``(lo, hi)`` ranges covering ``frames[start:end]``, each sized when it is taken."""
+        lo = start
+        while lo < end:
+            hi = batch_end(frames, lo, end, max_bytes=self.budget)
+            yield lo, hi
+            lo = hi
+
+    def wrote(self, seconds: float) -> None:
+        """Adapts to how long the last write took."""
+        if seconds > SLOW_WRITE_S:
+            self.budget = max(SMALLEST_BATCH_BYTES, self.budget // 2)
+        else:
+            self.budget = min(MAX_BATCH_BYTES, self.budget * 2)
 
 
 class Replay:
@@ -117,9 +162,12 @@ class Replay:
         frames = log.frames  # the list only grows; a finished run's log stays readable
         cursor = after_episode
         attach = log.last_episode
-        for lo, hi in split_batches(frames, cursor, attach):
+        sizer = BatchSizer(self._clock)
+        for lo, hi in sizer.batches(frames, cursor, attach):
             self._check_closing(run_id, lo)
+            began = self._clock()
             yield EpisodeFrames(frames[lo:hi], True)
+            sizer.wrote(self._clock() - began)
         # The run's real last episode, even when after_episode is beyond it.
         yield CaughtUp(attach)
         cursor = max(cursor, attach)
@@ -130,8 +178,10 @@ class Replay:
             if visible > cursor:
                 # A watcher that fell behind (slow network, unpaced run) gets its backlog in
                 # batches rather than one message per episode.
-                for lo, hi in split_batches(frames, cursor, visible):
+                for lo, hi in sizer.batches(frames, cursor, visible):
+                    began = self._clock()
                     yield EpisodeFrames(frames[lo:hi], hi - lo > 1)
+                    sizer.wrote(self._clock() - began)
                 cursor = visible
                 last_sent = self._clock()
                 continue
@@ -149,6 +199,7 @@ class Replay:
         """Watches a finished run from the store."""
         cursor = after_episode
         last = run.episode
+        sizer = BatchSizer(self._clock)
         while cursor < last:
             self._check_closing(run.id, cursor)
             index = cursor // PAGE_EPISODES
@@ -157,8 +208,10 @@ class Replay:
             expected = min(last, first + PAGE_EPISODES) - first
             if len(page) < expected:
                 raise RunNotFound(run.id)  # deleted while being replayed
-            for lo, hi in split_batches(page, cursor - first, len(page)):
+            for lo, hi in sizer.batches(page, cursor - first, len(page)):
+                began = self._clock()
                 yield EpisodeFrames(page[lo:hi], True)
+                sizer.wrote(self._clock() - began)
             cursor = first + len(page)
         yield CaughtUp(last)
         yield Finished(run)

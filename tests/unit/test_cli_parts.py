@@ -242,3 +242,23 @@ def test_watch_view_renders_every_part() -> None:
     text = console.export_text()
     for part in ("run r-1", "imitation wave/stickman", "20/100", "ERROR", "1.0000", "▁", "boom"):
         assert part in text, part
+
+
+def test_server_text_never_reaches_the_terminal_raw() -> None:
+    hostile = "clear\x1b[2J ring\x07 back\r csi\x9b31m"
+    run = gateway_service_pb2.Run(
+        id="r1",
+        display_name=hostile,
+        error_message=hostile,
+        state_detail=hostile,
+        state=gateway_service_pb2.Run.STATE_ERROR,
+    )
+    texts = [_format.run_line(run), _format.run_details(run), _format.runs_table([run])]
+    for text in texts:
+        assert not any(ch in text for ch in "\x1b\x07\r\x9b"), repr(text)
+        assert "clear\\x1b[2J ring\\x07 back\\x0d csi\\x9b31m" in text
+    line = _format.dumps(_format.to_dict(run))
+    assert not any(ch in line for ch in "\x1b\x07\r\x9b")
+    assert json.loads(line)["display_name"] == hostile  # escaped, not lost
+    error = tc.NotFound(hostile, field_violations=[FieldViolation("run_id", hostile)])
+    assert not any(ch in "\n".join(_format.error_lines(error, "gw:1", 5.0)) for ch in "\x1b\x07")

@@ -17,6 +17,7 @@ from gateway.core.history import (
     frame_payload,
     split_batches,
 )
+from gateway.core.replay import SMALLEST_BATCH_BYTES, BatchSizer
 from tests.fakes.fake_trainer import valid_episodes
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
@@ -64,10 +65,10 @@ def test_split_batches_covers_the_range_within_limits(
 
 
 def test_batches_of_the_real_limits() -> None:
-    big = [b"y" * 30_000] * 100  # 30 KB frames: the 1 MiB cap binds before 256 episodes
+    big = [b"y" * 30_000] * 100  # 30 KB frames: the 128 KiB cap binds before 256 episodes
     ranges = list(split_batches(big, 0, 100))
     assert all(sum(len(f) for f in big[lo:hi]) <= MAX_BATCH_BYTES for lo, hi in ranges)
-    assert ranges[0] == (0, 34)
+    assert ranges[0] == (0, 4)
     small = [b"z" * 10] * 600
     assert [hi - lo for lo, hi in split_batches(small, 0, 600)] == [256, 256, 88]
 
@@ -169,3 +170,19 @@ def test_episode_roundtrip_of_valid_stream_is_byte_stable() -> None:
     # Map entries make plain serialization order-dependent; the gateway stores deterministic
     # bytes, which any receiver reproduces.
     assert again.SerializeToString(deterministic=True) == ep.SerializeToString(deterministic=True)
+
+
+def test_the_batch_sizer_shrinks_for_slow_writes_and_grows_back() -> None:
+    sizer = BatchSizer(lambda: 0.0)
+    frames = [b"f" * 1000] * 1000
+    sizes = []
+    for _, (lo, hi) in zip(range(8), sizer.batches(frames, 0, 1000), strict=False):
+        sizes.append(hi - lo)
+        sizer.wrote(1.0)  # each write blocked a second: the reader stalls
+    assert sizes[0] == 32 and sizes[-1] == 4  # 32 KiB first, then down to the 4 KiB floor
+    assert sizer.budget == SMALLEST_BATCH_BYTES
+    for _ in range(10):
+        sizer.wrote(0.001)
+    assert sizer.budget == MAX_BATCH_BYTES
+    huge = [b"h" * 200_000] * 3  # one frame over the budget still goes out, alone
+    assert list(sizer.batches(huge, 0, 3)) == [(0, 1), (1, 2), (2, 3)]

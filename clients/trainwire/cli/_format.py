@@ -1,9 +1,15 @@
-"""Plain-text and JSON rendering of runs and errors for the ``trainwire`` CLI (no rich needed)."""
+"""Plain-text and JSON rendering of runs and errors for the ``trainwire`` CLI (no rich needed).
+
+Every string that comes from a server goes through ``clean`` before it reaches the terminal: a
+display name holding ``ESC[2J``, BEL or CR must not clear, ring or overwrite anything. JSON output
+escapes control characters the same way (``\\u001b``), C1 ones included.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -13,6 +19,13 @@ from google.protobuf import json_format, message
 from trainwire.client import Run, TrainwireError, state_name
 
 _SPARK = "▁▂▃▄▅▆▇█"
+# C0 controls, DEL and the C1 controls (0x80-0x9f: 0x9b is a one-byte CSI on some terminals).
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def clean(text: str) -> str:
+    """``text`` with every control character shown as an escape (``\\x1b``), never sent raw."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def to_dict(msg: message.Message) -> dict[str, Any]:
@@ -27,8 +40,9 @@ def to_dict(msg: message.Message) -> dict[str, Any]:
 
 
 def dumps(data: Any) -> str:
-    """One line of JSON."""
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    """One line of JSON; control characters (C1 ones too, which ``json`` leaves raw) escaped."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return _CONTROLS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def task_summary(run: Run) -> str:
@@ -38,9 +52,9 @@ def task_summary(run: Run) -> str:
         task = run.task.imitation
         clip = task.clip_name if task.WhichOneof("clip_source") == "clip_name" else task.clip.name
         rig = task.rig.name if task.WhichOneof("rig_source") == "rig" else task.rig_name
-        return f"imitation {clip or 'custom'}/{rig or 'stickman'}"
+        return clean(f"imitation {clip or 'custom'}/{rig or 'stickman'}")
     if kind == "grpo":
-        return f"grpo {run.task.grpo.model_path} on {run.task.grpo.dataset_path}"
+        return clean(f"grpo {run.task.grpo.model_path} on {run.task.grpo.dataset_path}")
     return "-"
 
 
@@ -71,7 +85,7 @@ def run_line(run: Run) -> str:
     parts.append(f"speed {run.speed:g}x")
     line = "  ".join(parts)
     if run.error_message:
-        line += f"  error: {run.error_message}"
+        line += f"  error: {clean(run.error_message)}"
     return line
 
 
@@ -79,7 +93,7 @@ def run_details(run: Run) -> str:
     """A ``key: value`` block with everything people look at."""
     rows = [
         ("id", run.id),
-        ("name", run.display_name or "-"),
+        ("name", clean(run.display_name) or "-"),
         ("state", state_name(run.state).upper()),
         ("task", task_summary(run)),
         ("episode", f"{run.episode}/{run.config.max_episodes}"),
@@ -87,15 +101,17 @@ def run_details(run: Run) -> str:
         ("best reward", f"{run.best_reward:.6g}" if run.episode else "-"),
         ("rate", rate_text(run)),
         ("seed", str(run.config.seed)),
-        ("trainer", run.trainer or "-"),
+        ("trainer", clean(run.trainer) or "-"),
         ("created", time_text(run, "create_time")),
         ("started", time_text(run, "start_time")),
         ("ended", time_text(run, "end_time")),
     ]
+    if run.state_detail:
+        rows.append(("detail", clean(run.state_detail)))
     if run.request_id:
-        rows.append(("request id", run.request_id))
+        rows.append(("request id", clean(run.request_id)))
     if run.error_message:
-        rows.append(("error", run.error_message))
+        rows.append(("error", clean(run.error_message)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k + ':':<{width + 1}} {v}" for k, v in rows)
 
@@ -113,7 +129,7 @@ def runs_table(runs: Sequence[Run]) -> str:
                 f"{run.reward:.4g}" if run.episode else "-",
                 f"{run.best_reward:.4g}" if run.episode else "-",
                 task_summary(run),
-                run.display_name or "-",
+                clean(run.display_name) or "-",
                 time_text(run, "create_time"),
             )
         )
@@ -126,14 +142,14 @@ def runs_table(runs: Sequence[Run]) -> str:
 
 def error_lines(exc: TrainwireError, gateway: str, timeout: float) -> list[str]:
     """``error: CODE: message`` and, when the message lacks them, one line per bad field."""
-    message = exc.message
+    message = clean(exc.message)
     if exc.code_name == "UNAVAILABLE" and "connect" in message.lower():
         message = f"cannot reach the gateway at {gateway} ({message})"
     elif exc.code_name == "DEADLINE_EXCEEDED":
         message = f"{message} (no answer from {gateway} within {timeout:g} s; see --timeout)"
     lines = [f"error: {exc.code_name}: {message}"]
     for violation in exc.field_violations:
-        text = f"{violation.field}: {violation.description}"
+        text = clean(f"{violation.field}: {violation.description}")
         if text not in message:
             lines.append(f"  {text}")
     return lines

@@ -508,7 +508,8 @@ def _report_end(run: Run) -> int:
     code = _watch_exit(run)
     if run.state == Run.State.STATE_ERROR:
         print(
-            f"error: run {run.id} failed: {run.error_message or 'no reason given'}", file=sys.stderr
+            f"error: run {run.id} failed: {_format.clean(run.error_message) or 'no reason given'}",
+            file=sys.stderr,
         )
     else:
         print(f"run {run.id} {state_name(run.state)} after episode {run.episode}", file=sys.stderr)
@@ -529,7 +530,10 @@ def _watch_json(client: GatewayClient, args: argparse.Namespace) -> int:
     if interrupted.is_set() or finished is None:
         return _detached(args.run_id, stream.last_episode)
     if finished.state == Run.State.STATE_ERROR:
-        print(f"error: run {finished.id} failed: {finished.error_message}", file=sys.stderr)
+        print(
+            f"error: run {finished.id} failed: {_format.clean(finished.error_message)}",
+            file=sys.stderr,
+        )
     return _watch_exit(finished)
 
 

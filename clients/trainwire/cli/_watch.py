@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from trainwire.cli._format import duration_text, sparkline, task_summary
+from trainwire.cli._format import clean, duration_text, sparkline, task_summary
 from trainwire.client import Reconnect, Run, WatchEvent, state_name
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
@@ -172,8 +172,8 @@ class WatchView:
         grid.add_row("link", Text(("● " if style == "green" else "◌ ") + text, style=style))
         parts: list[RenderableType] = [grid]
         if self.finished is not None and self.finished.error_message:
-            parts.append(Text(f"error: {self.finished.error_message}", style="bold red"))
+            parts.append(Text(f"error: {clean(self.finished.error_message)}", style="bold red"))
         title = f"run {self.run.id} · {task_summary(self.run)}"
         if self.run.display_name:
-            title += f" · {self.run.display_name}"
+            title += f" · {clean(self.run.display_name)}"
         return Panel(Group(*parts), title=title, title_align="left", expand=False)
