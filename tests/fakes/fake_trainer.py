@@ -66,6 +66,7 @@ class Script:
         hold_at: Before sending this episode, wait for ``release`` (or cancellation).
         detail_every: Imitation detail on every n-th episode and on the last.
         frames: Frames of the imitation detail.
+        joints: Joints of the imitation detail (32 with 240 frames: the contract's largest).
     """
 
     episodes: int | None = None
@@ -85,6 +86,7 @@ class Script:
     release: threading.Event = field(default_factory=threading.Event)
     detail_every: int = 10
     frames: int = 60
+    joints: int = 11
 
 
 def reward_of(n: int) -> float:
@@ -93,7 +95,7 @@ def reward_of(n: int) -> float:
 
 
 def make_episode(
-    n: int, best: float, last: bool, detail: bool, frames: int = 60
+    n: int, best: float, last: bool, detail: bool, frames: int = 60, joints: int = 11
 ) -> episode_pb2.Episode:
     """A valid imitation episode n (best = running max so far, including n)."""
     ep = episode_pb2.Episode(
@@ -105,7 +107,6 @@ def make_episode(
     )
     ep.produce_time.FromNanoseconds(time.time_ns())
     if detail:
-        joints = 11
         ep.imitation.frame_count = frames
         ep.imitation.joint_count = joints
         ep.imitation.angles.extend(
@@ -115,14 +116,14 @@ def make_episode(
 
 
 def valid_episodes(
-    count: int, detail_every: int = 10, frames: int = 60
+    count: int, detail_every: int = 10, frames: int = 60, joints: int = 11
 ) -> Iterator[episode_pb2.Episode]:
     """A valid imitation stream of ``count`` episodes (``produce_time`` set when built)."""
     best = -math.inf
     for n in range(1, count + 1):
         best = max(best, reward_of(n))
         last = n == count
-        yield make_episode(n, best, last, last or n % detail_every == 0, frames)
+        yield make_episode(n, best, last, last or n % detail_every == 0, frames, joints)
 
 
 class _Ended(threading.Event):
@@ -236,7 +237,12 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
 
     def start(self) -> str:
         """Starts serving on 127.0.0.1:0; returns ``HOST:PORT``."""
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="fake"))
+        # Every live Train stream holds a worker; Grant, CancelJob and GetCapabilities need
+        # free ones besides, or streams waiting for a grant would wait forever.
+        workers = max(32, self.slots + 16)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fake")
+        )
         trainer_service_pb2_grpc.add_TrainerServiceServicer_to_server(self, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
@@ -406,7 +412,7 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
                 yield _heartbeat(0, "loading")
             return
         count = script.episodes or request.config.max_episodes
-        for ep in valid_episodes(count, script.detail_every, script.frames):
+        for ep in valid_episodes(count, script.detail_every, script.frames, script.joints):
             n = ep.episode
             if ended.is_set():
                 return
