@@ -1,8 +1,8 @@
 """``python -m gateway``: parse flags, set up logging, serve until SIGTERM/SIGINT.
 
-Prints ``gateway listening on HOST:PORT`` once serving, then ``gateway http on http://HOST:PORT``
-(the page and the JSON API; ``--http-port -1`` turns it off) and, with ``--metrics-port``,
-``gateway metrics on http://HOST:PORT/metrics`` (scripts wait for these lines).
+Prints ``gateway listening on HOST:PORT`` once serving, with ``--metrics-port``
+``gateway metrics on http://HOST:PORT/metrics``, then ``gateway http on http://HOST:PORT`` (the
+page and the JSON API; ``--http-port -1`` turns it off). Scripts wait for these lines.
 """
 
 from __future__ import annotations
@@ -174,10 +174,10 @@ async def serve(config: GatewayConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"gateway listening on {host_port(config.host, port)}", flush=True)
-    if gateway.http is not None:
-        print(f"gateway http on {gateway.http.url}", flush=True)
     if gateway.metrics_endpoint is not None:
         print(f"gateway metrics on {gateway.metrics_endpoint.url}", flush=True)
+    if gateway.http is not None:
+        print(f"gateway http on {gateway.http.url}", flush=True)
     await stop.wait()
     _LOGGER.info("signal received: shutting down")
     try:

@@ -6,13 +6,16 @@ import math
 
 import pytest
 
-from gateway.__main__ import config_from_args, parse_args
+from gateway.__main__ import DEFAULT_HTTP_PORT, config_from_args, parse_args
 from gateway.config import DEFAULT_DB, GatewayConfig
 
 
 def test_defaults_match_the_documented_flags() -> None:
     config = config_from_args(parse_args([]))
-    assert config == GatewayConfig()
+    # One deliberate difference: the command line serves the page on 8080, while a gateway
+    # embedded in a program (tests, benchmarks) opens no HTTP port unless asked.
+    assert config == GatewayConfig(http_port=DEFAULT_HTTP_PORT) and DEFAULT_HTTP_PORT == 8080
+    assert GatewayConfig().http_port is None
     assert config.port == 50051 and config.db == DEFAULT_DB == "var/trainwire.sqlite3"
     assert config.episode_rate == 20 and config.keepalive_s == 15
     assert config.heartbeat_timeout_s == 30
