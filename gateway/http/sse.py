@@ -34,7 +34,14 @@ from google.protobuf import json_format
 from gateway import convert
 from gateway.core.errors import InvalidRequest
 from gateway.core.history import frame_payload
-from gateway.core.registry import CaughtUp, EpisodeFrames, Finished, Keepalive, WatchEvent
+from gateway.core.registry import (
+    CaughtUp,
+    EpisodeFrames,
+    Finished,
+    Keepalive,
+    RunRegistry,
+    WatchEvent,
+)
 from gateway.http.context import HttpContext
 from gateway.http.episode_json import episode_json
 from gateway.http.errors import HttpAbort
@@ -125,7 +132,7 @@ def _episode_number(text: str, field: str) -> int:
         value = int(text)
     except ValueError:
         value = -1
-    if value < 0:
+    if not 0 <= value < 1 << 63:  # an int64 episode number
         raise InvalidRequest(
             f"{field} must be an episode number >= 0, got {text!r}",
             [FieldViolation(field, f"{text!r}; need an integer >= 0")],
@@ -149,7 +156,7 @@ def resume_point(request: web.Request) -> int:
 class _Watch:
     """The watch behind a stream; errors are mapped as ``WatchRun`` maps them."""
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: RunRegistry) -> None:
         self._core = core
 
     @map_errors
@@ -164,7 +171,7 @@ class EventStreams:
     """The events handler, and the streams it has open (so that stopping the HTTP side ends
     them at once instead of waiting for their next keepalive)."""
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: RunRegistry) -> None:
         self._watch = _Watch(core)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.cache = EventCache()
@@ -191,16 +198,14 @@ class EventStreams:
         self._tasks.add(task)
         try:
             async with contextlib.aclosing(self._watch.WatchRun(watch_request, context)) as events:
-                # The first event comes at once (a batch or caught_up); an unknown run raises
-                # here, before any byte is sent, and is answered with a JSON error.
+                # The first event comes at once (a batch, or caught_up: never finished); an
+                # unknown run raises here, before any byte is sent, and gets a JSON error.
                 first = await anext(events)
                 response = web.StreamResponse(headers=HEADERS)
                 await response.prepare(request)
                 await response.write(
                     f"retry: {RETRY_MS}\n\n".encode() + encode_event(first, self.cache)
                 )
-                if isinstance(first, Finished):
-                    return response
                 # Past the first byte an error (the run deleted, the gateway stopping; logged by
                 # map_errors) can only end the stream: the client resumes from its last id.
                 with contextlib.suppress(HttpAbort, ConnectionError):

@@ -67,6 +67,7 @@ async def test_after_and_last_event_id_resume_exactly_once(http: Http) -> None:
         ("?after=-1", None, "after"),
         ("?after=ten", None, "after"),
         ("", {"Last-Event-ID": "x"}, "Last-Event-ID"),
+        ("", {"Last-Event-ID": str(1 << 63)}, "Last-Event-ID"),
     ],
 )
 async def test_a_bad_resume_point_is_400(
