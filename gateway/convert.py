@@ -57,6 +57,7 @@ def run_to_proto(
         request_id=run.request_id,
         trainer_episode=run.trainer_episode,
         state_detail=run.state_detail,
+        creator=run.creator,
     )
     if run.create_time:
         message.create_time.FromNanoseconds(run.create_time)

@@ -67,6 +67,7 @@ class RunSpec:
     episodes_per_second: float = 0.0
     request_id: str = ""
     display_name: str = ""
+    creator: str = ""  # the authenticated caller's name ("" without authentication)
 
 
 def _require_run_id(run_id: str) -> None:
@@ -282,6 +283,7 @@ class RunRegistry:
             create_time=self._now(),
             display_name=spec.display_name,
             request_id=spec.request_id,
+            creator=spec.creator,
         )
         run.seq = await self._store.call(SqliteStore.insert_run, run)
         if self._closing:

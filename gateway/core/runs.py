@@ -75,6 +75,7 @@ class TrainingRun:
             most the lead ahead of ``episode`` while the run is paced.
         state_detail: For people: why the run is in its state (not stored; filled in by the
             registry for active runs).
+        creator: The name of the token that created it ("" without authentication).
     """
 
     id: str
@@ -96,6 +97,7 @@ class TrainingRun:
     seq: int = 0
     trainer_episode: int = 0
     state_detail: str = ""
+    creator: str = ""
 
     def snapshot(self) -> TrainingRun:
         """A copy that later transitions do not change (task and config are shared, read-only)."""

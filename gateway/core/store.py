@@ -52,7 +52,8 @@ CREATE TABLE IF NOT EXISTS runs (
     end_time INTEGER NOT NULL,
     display_name TEXT NOT NULL,
     trainer TEXT NOT NULL,
-    trainer_episode INTEGER NOT NULL DEFAULT 0
+    trainer_episode INTEGER NOT NULL DEFAULT 0,
+    creator TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS runs_state ON runs (state, seq);
 CREATE TABLE IF NOT EXISTS episodes (
@@ -66,7 +67,7 @@ CREATE TABLE IF NOT EXISTS episodes (
 _RUN_COLUMNS = (
     "seq, id, request_id, state, error_message, speed, episodes_per_second, episode, reward, "
     "best_reward, task, config, create_time, start_time, end_time, display_name, trainer, "
-    "trainer_episode"
+    "trainer_episode, creator"
 )
 
 
@@ -103,6 +104,7 @@ def _run_from_row(row: Sequence[Any]) -> TrainingRun:
         display_name=row[15],
         trainer=row[16],
         trainer_episode=row[17],
+        creator=row[18],
     )
 
 
@@ -132,6 +134,8 @@ class SqliteStore:
             self._conn.execute(
                 "ALTER TABLE runs ADD COLUMN trainer_episode INTEGER NOT NULL DEFAULT 0"
             )
+        if "creator" not in columns:  # a database from before token authentication
+            self._conn.execute("ALTER TABLE runs ADD COLUMN creator TEXT NOT NULL DEFAULT ''")
         self._in_tx = False
 
     @property
@@ -174,7 +178,7 @@ class SqliteStore:
     def insert_run(self, run: TrainingRun) -> int:
         """Inserts a new run; returns its creation sequence number."""
         cur = self._conn.execute(
-            f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 run.id,
                 run.request_id or None,
@@ -193,6 +197,7 @@ class SqliteStore:
                 run.display_name,
                 run.trainer,
                 run.trainer_episode,
+                run.creator,
             ),
         )
         seq = cur.lastrowid

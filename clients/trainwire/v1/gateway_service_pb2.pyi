@@ -21,7 +21,7 @@ RUN_VIEW_BASIC: RunView
 RUN_VIEW_FULL: RunView
 
 class Run(_message.Message):
-    __slots__ = ("id", "state", "error_message", "speed", "episodes_per_second", "episode", "best_reward", "task", "config", "create_time", "start_time", "end_time", "display_name", "trainer", "request_id", "reward", "trainer_episode", "state_detail")
+    __slots__ = ("id", "state", "error_message", "speed", "episodes_per_second", "episode", "best_reward", "task", "config", "create_time", "start_time", "end_time", "display_name", "trainer", "request_id", "reward", "trainer_episode", "state_detail", "creator")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Run.State]
@@ -56,6 +56,7 @@ class Run(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     TRAINER_EPISODE_FIELD_NUMBER: _ClassVar[int]
     STATE_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CREATOR_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: Run.State
     error_message: str
@@ -74,7 +75,8 @@ class Run(_message.Message):
     reward: float
     trainer_episode: int
     state_detail: str
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[Run.State, str]] = ..., error_message: _Optional[str] = ..., speed: _Optional[float] = ..., episodes_per_second: _Optional[float] = ..., episode: _Optional[int] = ..., best_reward: _Optional[float] = ..., task: _Optional[_Union[_episode_pb2.TrainTask, _Mapping]] = ..., config: _Optional[_Union[_episode_pb2.TrainConfig, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., display_name: _Optional[str] = ..., trainer: _Optional[str] = ..., request_id: _Optional[str] = ..., reward: _Optional[float] = ..., trainer_episode: _Optional[int] = ..., state_detail: _Optional[str] = ...) -> None: ...
+    creator: str
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[Run.State, str]] = ..., error_message: _Optional[str] = ..., speed: _Optional[float] = ..., episodes_per_second: _Optional[float] = ..., episode: _Optional[int] = ..., best_reward: _Optional[float] = ..., task: _Optional[_Union[_episode_pb2.TrainTask, _Mapping]] = ..., config: _Optional[_Union[_episode_pb2.TrainConfig, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., display_name: _Optional[str] = ..., trainer: _Optional[str] = ..., request_id: _Optional[str] = ..., reward: _Optional[float] = ..., trainer_episode: _Optional[int] = ..., state_detail: _Optional[str] = ..., creator: _Optional[str] = ...) -> None: ...
 
 class CreateRunRequest(_message.Message):
     __slots__ = ("task", "config", "speed", "episodes_per_second", "request_id", "display_name")

@@ -28,6 +28,14 @@ if _version_not_supported:
 class GatewayServiceStub:
     """Creates, controls and streams training runs. Every error message names the
     run id.
+
+    A gateway started with --auth-tokens wants "authorization: Bearer TOKEN" on
+    every call, and every RPC may also answer:
+    UNAUTHENTICATED    no token, or one the gateway does not know.
+    PERMISSION_DENIED  the token's role is too low; the message names the
+    role needed (viewer: GetRun, ListRuns, WatchRun;
+    operator: also CreateRun, PauseRun, ResumeRun,
+    StopRun, SetRunSpeed; admin: also DeleteRun).
     """
 
     def __init__(self, channel):
@@ -86,6 +94,14 @@ class GatewayServiceStub:
 class GatewayServiceServicer:
     """Creates, controls and streams training runs. Every error message names the
     run id.
+
+    A gateway started with --auth-tokens wants "authorization: Bearer TOKEN" on
+    every call, and every RPC may also answer:
+    UNAUTHENTICATED    no token, or one the gateway does not know.
+    PERMISSION_DENIED  the token's role is too low; the message names the
+    role needed (viewer: GetRun, ListRuns, WatchRun;
+    operator: also CreateRun, PauseRun, ResumeRun,
+    StopRun, SetRunSpeed; admin: also DeleteRun).
     """
 
     def CreateRun(self, request, context):
@@ -275,6 +291,14 @@ def add_GatewayServiceServicer_to_server(servicer, server):
 class GatewayService:
     """Creates, controls and streams training runs. Every error message names the
     run id.
+
+    A gateway started with --auth-tokens wants "authorization: Bearer TOKEN" on
+    every call, and every RPC may also answer:
+    UNAUTHENTICATED    no token, or one the gateway does not know.
+    PERMISSION_DENIED  the token's role is too low; the message names the
+    role needed (viewer: GetRun, ListRuns, WatchRun;
+    operator: also CreateRun, PauseRun, ResumeRun,
+    StopRun, SetRunSpeed; admin: also DeleteRun).
     """
 
     @staticmethod
