@@ -63,10 +63,12 @@ class Finished:
 
 WatchEvent = EpisodeFrames | CaughtUp | Keepalive | Finished
 
-#: A write slower than this halves the watcher's batch size; a quicker one doubles it.
-SLOW_WRITE_S = 0.05
+#: A write slower than this halves the watcher's batch size; a quicker one doubles it. Seconds,
+#: not milliseconds: a busy event loop delays every writer a little, and shrinking batches then
+#: would only add messages (CPU) where CPU is short; a reader that stopped blocks for good.
+SLOW_WRITE_S = 1.0
 FIRST_BATCH_BYTES = 32 << 10
-SMALLEST_BATCH_BYTES = 4 << 10
+SMALLEST_BATCH_BYTES = 16 << 10
 
 
 class BatchSizer:

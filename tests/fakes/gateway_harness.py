@@ -79,7 +79,9 @@ async def running_gateway(trainers: tuple[str, ...], **overrides: Any) -> AsyncI
         "trainers": trainers,
         "db": ":memory:",
         "keepalive_s": 0.2,
-        "heartbeat_timeout_s": 1.0,
+        # Seconds, not one: a starved test process must not lose a healthy trainer. Tests of
+        # the timeout itself set a short one.
+        "heartbeat_timeout_s": 10.0,
         "schedule_poll_s": 0.05,
         "shutdown_grace_s": 0.5,
         "trainer_call_timeout_s": 2.0,
@@ -180,19 +182,19 @@ async def published(
 
 @contextlib.asynccontextmanager
 async def gateway_process(
-    trainer: str, log: Path, *flags: str
+    trainer: str, log: Path, *flags: str, command: tuple[str, ...] = ("-m", "gateway")
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
     """``python -m gateway --port 0 --trainer TRAINER --http-port 0 FLAGS...`` with stderr
     appended to ``log``.
 
     Yields the process, once it printed its ``gateway listening on`` line, and its address; the
     rest of its stdout is left for the caller. A process still running on exit is killed.
+    ``command`` replaces ``-m gateway`` (a benchmark's variant of the gateway's entry point).
     """
     with log.open("ab") as err:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
-            "-m",
-            "gateway",
+            *command,
             "--port",
             "0",
             "--trainer",

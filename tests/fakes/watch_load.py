@@ -36,8 +36,7 @@ CLIENT = textwrap.dedent(
             await call.initial_metadata()
         print("open", flush=True)
         await asyncio.to_thread(sys.stdin.readline)
-        results = []
-        for call in calls[:readers]:
+        async def read(call):
             numbers = []
             async for message in call:
                 kind = message.WhichOneof("event")
@@ -45,10 +44,12 @@ CLIENT = textwrap.dedent(
                     numbers.append(message.episode.episode)
                 elif kind == "batch":
                     numbers.extend(e.episode for e in message.batch.episodes)
-            results.append(numbers)
+            return numbers
+
+        results = await asyncio.gather(*(read(call) for call in calls[:readers]))
         for call in calls[readers:]:
             call.cancel()
-        print(json.dumps(results), flush=True)
+        print(json.dumps(list(results)), flush=True)
         for channel in channels:
             await channel.close()
 
@@ -109,7 +110,7 @@ async def stalled_watchers(
         stalled = await _settled_rss(gateway)
         client.stdin.write(b"read\n")
         await client.stdin.drain()
-        line = await asyncio.wait_for(client.stdout.readline(), 300)
+        line = await asyncio.wait_for(client.stdout.readline(), 1800)
         received = json.loads(line)
     finally:
         if client.returncode is None:

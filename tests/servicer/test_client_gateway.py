@@ -73,7 +73,8 @@ def test_a_hung_stream_is_resumed_after_the_idle_timeout() -> None:
     fake = FakeGateway(
         publish_interval=0.0, keepalive_interval=10.0, faults=[WatchFault(0, 5, "hang")]
     )
-    with serve_in_thread(fake) as served, _client(served, idle_timeout=0.3) as client:
+    # Seconds, not tenths: on a loaded machine a healthy stream may pause that long.
+    with serve_in_thread(fake) as served, _client(served, idle_timeout=2.0) as client:
         run = client.create_run(tc.imitation_task(clip="jump"), tc.train_config(20))
         reconnects: list[tc.Reconnect] = []
         events = list(client.watch(run.id, on_reconnect=reconnects.append))
@@ -90,8 +91,8 @@ def test_a_stream_closed_without_finished_is_resumed() -> None:
 
 
 def test_keepalives_keep_a_quiet_stream_alive(pool: ThreadPoolExecutor) -> None:
-    fake = FakeGateway(publish_interval=None, keepalive_interval=0.05)
-    with serve_in_thread(fake) as served, _client(served, idle_timeout=0.3) as client:
+    fake = FakeGateway(publish_interval=None, keepalive_interval=0.1)
+    with serve_in_thread(fake) as served, _client(served, idle_timeout=2.0) as client:
         run = client.create_run(tc.imitation_task(clip="wave"), tc.train_config(3))
         reconnects: list[tc.Reconnect] = []
         arrived: queue.Queue[tc.WatchEvent] = queue.Queue()
@@ -105,7 +106,7 @@ def test_keepalives_keep_a_quiet_stream_alive(pool: ThreadPoolExecutor) -> None:
 
         future = pool.submit(follow)
         keepalives = 0
-        while keepalives < 10:  # 0.5 s of silence but for keepalives: longer than idle_timeout
+        while keepalives < 25:  # 2.5 s of silence but for keepalives: longer than idle_timeout
             if isinstance(arrived.get(timeout=5), gateway_service_pb2.Keepalive):
                 keepalives += 1
         served.call(fake.publish(run.id, 3))

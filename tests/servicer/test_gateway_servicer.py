@@ -269,21 +269,24 @@ async def test_resource_exhausted_requeues_the_run(client: Client, fake: FakeTra
     ids=["localized", "plain", "plain-at-start", "silent", "silent-mid-run"],
 )
 async def test_trainer_failures_become_user_messages(
-    client: Client, fake: FakeTrainer, script: Script, message: str
+    fake: FakeTrainer, script: Script, message: str
 ) -> None:
     fake.push(script)
-    run = await client.create(max_episodes=10)
-    final = await client.finished(run.id)
+    # A short heartbeat timeout: the silent scripts are detected by it (an early timeout on a
+    # loaded machine reads the same).
+    async with running_gateway((fake.address,), heartbeat_timeout_s=1.0) as client:
+        run = await client.create(max_episodes=10)
+        final = await client.finished(run.id)
     assert final.state == State.STATE_ERROR
     assert final.error_message == message
     script.release.set()
 
 
 async def test_heartbeats_keep_a_slow_trainer_alive(fake: FakeTrainer) -> None:
-    # Heartbeats every 0.1 s for 3 x the heartbeat timeout: the run must stay RUNNING.
+    # Heartbeats every 0.1 s for 2.5 x the heartbeat timeout: the run must stay RUNNING.
     script = Script(heartbeats_only=True, heartbeat_interval=0.1)
     fake.push(script)
-    async with running_gateway((fake.address,), heartbeat_timeout_s=0.5, keepalive_s=0.1) as c:
+    async with running_gateway((fake.address,), heartbeat_timeout_s=2.0, keepalive_s=0.25) as c:
         await _heartbeats_keep_alive(c, fake)
 
 
@@ -295,19 +298,21 @@ async def _heartbeats_keep_alive(client: Client, fake: FakeTrainer) -> None:
     async for message in watch:
         if message.WhichOneof("event") == "keepalive":
             keepalives += 1
-            if keepalives == 15:  # 15 x 0.1 s = 1.5 s = 3 x the heartbeat timeout
+            if keepalives == 20:  # 20 x 0.25 s = 5 s = 2.5 x the heartbeat timeout
                 break
     watch.cancel()
     assert (await client.get(run.id)).state == State.STATE_RUNNING
     await client.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
 
 
-async def test_trainer_killed_mid_stream(client: Client, fake: FakeTrainer) -> None:
+async def test_trainer_killed_mid_stream(fake: FakeTrainer) -> None:
     fake.push(Script(hold_at=6))
-    run = await client.create(max_episodes=10)
-    await published(client.stub, run.id, 5)
-    await to_thread(fake.kill)
-    final = await client.finished(run.id)
+    # The broken stream is re-attached for up to the heartbeat timeout before the run fails.
+    async with running_gateway((fake.address,), heartbeat_timeout_s=2.0) as client:
+        run = await client.create(max_episodes=10)
+        await published(client.stub, run.id, 5)
+        await to_thread(fake.kill)
+        final = await client.finished(run.id)
     assert final.state == State.STATE_ERROR and final.error_message == LOST_MESSAGE
     assert final.episode == 5
 

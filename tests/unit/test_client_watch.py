@@ -205,7 +205,7 @@ def test_other_dropped_streams_resume_too(
 def test_an_idle_stream_is_cancelled_and_resumed(
     recorder: RecordingChannel, server: Scripted, pool: ThreadPoolExecutor
 ) -> None:
-    watcher = Watcher(pool, _client(recorder, idle_timeout=0.2))
+    watcher = Watcher(pool, _client(recorder, idle_timeout=2.0))
     _, first = server.next_stream(_ep(1, 2))  # ...then silence: no keepalive, no close
     second, _ = server.next_stream(_ep(2, 2), _finished())
     assert _numbers(watcher.result()) == [1, 2]
