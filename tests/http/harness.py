@@ -15,24 +15,12 @@ from typing import Any
 import aiohttp
 from google.protobuf import json_format
 
-from gateway.config import GatewayConfig
 from gateway.server import Gateway
+from tests.fakes.gateway_harness import running_gateway
 from tests.fakes_gateway import ThreadedServer
 from trainwire.v1 import episode_pb2
 
 TIMEOUT = 20.0  # every HTTP call of a test has a deadline
-
-#: The settings of ``tests.fakes.gateway_harness.running_gateway``, with the HTTP side on.
-TEST_SETTINGS: dict[str, Any] = {
-    "port": 0,
-    "http_port": 0,
-    "db": ":memory:",
-    "keepalive_s": 0.2,
-    "heartbeat_timeout_s": 1.0,
-    "schedule_poll_s": 0.05,
-    "shutdown_grace_s": 0.5,
-    "trainer_call_timeout_s": 2.0,
-}
 
 
 class ApiError(Exception):
@@ -113,15 +101,20 @@ class LiveGateway:
 
 @contextlib.contextmanager
 def threaded_gateway(trainers: tuple[str, ...], **overrides: Any) -> Iterator[LiveGateway]:
-    """A gateway with its HTTP side on 127.0.0.1:0, on its own loop in a thread."""
-    gateway = Gateway(GatewayConfig(trainers=trainers, **{**TEST_SETTINGS, **overrides}))
+    """``running_gateway`` (the one gateway harness) with its HTTP side on 127.0.0.1:0, on its
+    own event loop in a thread."""
+    stack = contextlib.AsyncExitStack()
+    gateways: list[Gateway] = []
 
     async def start() -> Any:
-        port = await gateway.start()
-        return gateway.server, port
+        client = await stack.enter_async_context(
+            running_gateway(trainers, **{"http_port": 0, **overrides})
+        )
+        gateways.append(client.gateway)
+        return client.gateway.server, client.gateway.port
 
-    with ThreadedServer(start, gateway.stop) as served:
-        yield LiveGateway(gateway, served)
+    with ThreadedServer(start, stack.aclose) as served:
+        yield LiveGateway(gateways[0], served)
 
 
 # -- server-sent events ----------------------------------------------------------------------
