@@ -14,11 +14,13 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from gateway.auth import TokenFileError
 from gateway.config import DEFAULT_DB, GatewayConfig
 from gateway.core.dblock import DatabaseLocked
 from gateway.server import Gateway
 from trainwire.logs import LOG_FORMATS, configure_logging
 from trainwire_ops.addresses import host_port
+from trainwire_ops.tls import TlsFileError
 
 _LOGGER = logging.getLogger("gateway")
 
@@ -124,6 +126,41 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="serve the page, the JSON API and event streams at http://HOST:PORT "
         "(0 picks a free port; -1: off)",
     )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="interface of the metrics endpoint (loopback unless you say otherwise)",
+    )
+    tls = p.add_argument_group(
+        "TLS and authentication", "certificates and the tokens file are re-read on SIGHUP"
+    )
+    tls.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this PEM certificate chain")
+    tls.add_argument("--tls-key", metavar="FILE", help="the PEM private key of --tls-cert")
+    tls.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help="also require client certificates signed by this PEM CA (mutual TLS)",
+    )
+    tls.add_argument(
+        "--trainer-ca", metavar="FILE", help="reach trainers over TLS, trusting this PEM CA"
+    )
+    tls.add_argument(
+        "--trainer-cert",
+        metavar="FILE",
+        help="present this PEM client certificate to trainers (their --tls-client-ca)",
+    )
+    tls.add_argument("--trainer-key", metavar="FILE", help="the PEM private key of --trainer-cert")
+    tls.add_argument(
+        "--auth-tokens",
+        metavar="FILE",
+        help="require 'authorization: Bearer TOKEN' (lines TOKEN_SHA256 ROLE NAME; make them "
+        "with python -m gateway.tools.add_token); health stays open",
+    )
+    tls.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plaintext on a non-loopback --host (refused without it)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument(
         "--log-format",
@@ -154,6 +191,15 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         client_ping_timeout_s=args.client_ping_timeout,
         metrics_port=args.metrics_port,
         http_port=None if args.http_port == -1 else args.http_port,
+        metrics_host=args.metrics_host,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        trainer_ca=args.trainer_ca,
+        trainer_cert=args.trainer_cert,
+        trainer_key=args.trainer_key,
+        auth_tokens=args.auth_tokens,
+        insecure=args.insecure,
     )
 
 
@@ -162,7 +208,7 @@ async def serve(config: GatewayConfig) -> int:
     gateway = Gateway(config)
     try:
         port = await gateway.start()
-    except DatabaseLocked as exc:
+    except (DatabaseLocked, TlsFileError, TokenFileError) as exc:
         print(f"python -m gateway: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except (OSError, RuntimeError) as exc:  # a port that cannot be bound
@@ -173,6 +219,7 @@ async def serve(config: GatewayConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, gateway.reload)
     print(f"gateway listening on {host_port(config.host, port)}", flush=True)
     if gateway.metrics_endpoint is not None:
         print(f"gateway metrics on {gateway.metrics_endpoint.url}", flush=True)

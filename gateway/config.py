@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from trainwire.contract import check_episode_rate
+from trainwire_ops.tls import check_plaintext_bind
 
 DEFAULT_DB = "var/trainwire.sqlite3"
 
@@ -42,6 +43,19 @@ class GatewayConfig:
         http_port: Port of the HTTP side (JSON API, event streams, the page) on ``host``;
             ``None`` = off (``python -m gateway`` serves it on 8080 unless told otherwise), 0
             picks a free one.
+        metrics_host: Interface of the metrics endpoint (loopback unless told otherwise: the
+            metrics are for the local scraper, not for the network).
+        tls_cert: PEM certificate chain to serve gRPC and HTTP over TLS (with ``tls_key``);
+            re-read on SIGHUP.
+        tls_key: Its PEM private key.
+        tls_client_ca: Also require client certificates signed by this PEM CA (mutual TLS).
+        trainer_ca: Reach trainers over TLS, trusting this PEM CA.
+        trainer_cert: Present this PEM client certificate to trainers (with ``trainer_key``;
+            for trainers started with ``--tls-client-ca``).
+        trainer_key: Its PEM private key.
+        auth_tokens: File of ``TOKEN_SHA256 ROLE NAME`` lines; every call but health then needs
+            ``authorization: Bearer TOKEN`` of a role that may make it (``gateway.auth``).
+        insecure: Serve plaintext on an address other machines can reach (refused otherwise).
     """
 
     host: str = "127.0.0.1"
@@ -62,10 +76,28 @@ class GatewayConfig:
     client_ping_timeout_s: float = 10.0
     metrics_port: int | None = None
     http_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    trainer_ca: str | None = None
+    trainer_cert: str | None = None
+    trainer_key: str | None = None
+    auth_tokens: str | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must not be empty")
+        if not self.metrics_host:
+            raise ValueError("metrics_host must not be empty")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+        if (self.trainer_cert is None) != (self.trainer_key is None):
+            raise ValueError("--trainer-cert and --trainer-key go together")
+        check_plaintext_bind(self.host, tls=self.tls_cert is not None, insecure=self.insecure)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -105,3 +137,8 @@ class GatewayConfig:
             raise ValueError(f"live_coalesce_s must be in 0..1, got {self.live_coalesce_s}")
         if not (math.isfinite(self.history_cache_mb) and self.history_cache_mb >= 0):
             raise ValueError(f"history_cache_mb must be >= 0, got {self.history_cache_mb}")
+
+    @property
+    def trainer_tls(self) -> bool:
+        """Whether trainers are reached over TLS."""
+        return self.trainer_ca is not None or self.trainer_cert is not None

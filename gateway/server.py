@@ -8,27 +8,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import Authenticator, AuthInterceptor
 from gateway.config import GatewayConfig
 from gateway.core.dblock import DatabaseLock
 from gateway.core.registry import RunRegistry
 from gateway.core.store import SqliteStore, StoreThread
 from gateway.core.trainers import TrainerConnector
 from gateway.http import HttpFace
+from gateway.http.auth import http_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.servicer import GatewayServicer, add_to_server
 from gateway.trainer_client import GrpcTrainerConnector
 from trainwire.v1 import gateway_service_pb2
 from trainwire_ops.addresses import host_port
 from trainwire_ops.rpc_metrics import MetricsEndpoint
+from trainwire_ops.tls import ClientTls, ClientTlsFiles, ServerTls
 
 _LOGGER = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
 
 def server_options(config: GatewayConfig) -> tuple[tuple[str, int], ...]:
     """The HTTP/2 policy. Watches are long and mostly idle: accept clients' keepalive pings
@@ -59,6 +64,8 @@ def build_server(
     core: RunRegistry,
     health_servicer: health.aio.HealthServicer | None = None,
     metrics: GatewayMetrics | None = None,
+    authenticator: Authenticator | None = None,
+    tls: ServerTls | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Builds (does not start) the aio server; returns it and the port it is bound to.
 
@@ -67,11 +74,17 @@ def build_server(
         core: The run registry the servicer calls.
         health_servicer: The health service to register (a fresh one by default).
         metrics: Where the RPC metrics go (unmeasured without).
+        authenticator: Checks every call but health's (``gateway.auth``); none: all open.
+        tls: Serve TLS (mutual with a client CA) with these files; none: plaintext.
 
     Raises:
         RuntimeError: the address cannot be bound.
     """
-    interceptors = (metrics.interceptor(),) if metrics is not None else ()
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if metrics is not None:  # outermost: refused calls are counted too
+        interceptors.append(metrics.interceptor())
+    if authenticator is not None:
+        interceptors.append(AuthInterceptor(authenticator))
     server = grpc.aio.server(options=server_options(config), interceptors=interceptors)
     add_to_server(GatewayServicer(core), server)
     health_servicer = health_servicer or health.aio.HealthServicer()
@@ -80,7 +93,10 @@ def build_server(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = host_port(config.host, config.port)
-    port = server.add_insecure_port(address)
+    if tls is not None:
+        port = server.add_secure_port(address, tls.grpc_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"cannot listen on {address}")
     return server, port
@@ -115,6 +131,9 @@ class Gateway:
         self._health = health.aio.HealthServicer()
         self._health_tasks: set[asyncio.Task[None]] = set()
         self._lock = DatabaseLock(config.db)
+        self.tls: ServerTls | None = None
+        self.trainer_tls: ClientTls | None = None
+        self.authenticator: Authenticator | None = None
         self.core: RunRegistry | None = None
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -123,15 +142,18 @@ class Gateway:
         """Opens the store, recovers, starts serving; returns the bound port.
 
         Raises:
+            TlsFileError: A certificate, key or CA file cannot be used (nothing was started).
+            TokenFileError: The tokens file cannot be used (nothing was started).
             DatabaseLocked: Another gateway uses the database (nothing was started).
             OSError: The metrics or HTTP port cannot be bound (nothing was started).
             RuntimeError: The gRPC port cannot be bound.
         """
         metrics = self.metrics
+        self._load_security()
         self._lock.acquire()  # DatabaseLocked: another gateway uses this database
         if self.config.metrics_port is not None:
             self.metrics_endpoint = MetricsEndpoint.start(
-                metrics.registry, self.config.host, self.config.metrics_port
+                metrics.registry, self.config.metrics_host, self.config.metrics_port
             )
         try:
             store = StoreThread(
@@ -140,15 +162,24 @@ class Gateway:
             self.core = RunRegistry(
                 self.config,
                 store,
-                self._connector or GrpcTrainerConnector(),
+                self._connector or self._grpc_connector(),
                 metrics,
                 on_health=self._trainers_healthy,
             )
             await self.core.start()
-            self.server, self.port = build_server(self.config, self.core, self._health, metrics)
+            self.server, self.port = build_server(
+                self.config, self.core, self._health, metrics, self.authenticator, self.tls
+            )
             if self.config.http_port is not None:
-                self.http = HttpFace(self.core, self.config.shutdown_grace_s)
-                await self.http.start(self.config.host, self.config.http_port)
+                middlewares = (
+                    [http_middleware(self.authenticator)] if self.authenticator is not None else []
+                )
+                self.http = HttpFace(self.core, self.config.shutdown_grace_s, middlewares)
+                await self.http.start(
+                    self.config.host,
+                    self.config.http_port,
+                    self.tls.ssl_context() if self.tls is not None else None,
+                )
             await self.server.start()
         except BaseException:
             await self._stop_http()
@@ -160,6 +191,40 @@ class Gateway:
             "gateway serving on %s (db %s)", host_port(self.config.host, self.port), self.config.db
         )
         return self.port
+
+    def _load_security(self) -> None:
+        config = self.config
+        if config.tls_cert is not None and config.tls_key is not None:
+            client_ca = Path(config.tls_client_ca) if config.tls_client_ca else None
+            self.tls = ServerTls(Path(config.tls_cert), Path(config.tls_key), client_ca)
+        if config.trainer_tls:
+            self.trainer_tls = ClientTls(
+                ClientTlsFiles(
+                    ca=Path(config.trainer_ca) if config.trainer_ca else None,
+                    cert=Path(config.trainer_cert) if config.trainer_cert else None,
+                    key=Path(config.trainer_key) if config.trainer_key else None,
+                )
+            )
+        if config.auth_tokens is not None:
+            self.authenticator = Authenticator(Path(config.auth_tokens))
+
+    def _grpc_connector(self) -> GrpcTrainerConnector:
+        if self.trainer_tls is None:
+            return GrpcTrainerConnector()
+        connector = GrpcTrainerConnector(self.trainer_tls.current)
+        self.trainer_tls.on_change.append(connector.set_credentials)
+        return connector
+
+    def reload(self) -> None:
+        """SIGHUP: re-reads the certificates and the tokens file. New connections use the new
+        ones; open connections and their streams go on. A bad file is logged and ignored."""
+        _LOGGER.info("SIGHUP: re-reading certificates and tokens")
+        if self.tls is not None:
+            self.tls.reload()
+        if self.trainer_tls is not None:
+            self.trainer_tls.reload()
+        if self.authenticator is not None:
+            self.authenticator.reload()
 
     def _trainers_healthy(self, healthy: bool) -> None:
         """The scheduler's verdict: SERVING while at least one trainer answers."""

@@ -6,6 +6,7 @@ status codes) is documented in ``protos/trainwire/v1/gateway_service.proto``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import grpc
 from google.protobuf.message import Message
 
 from gateway import convert
+from gateway.auth import current_principal
 from gateway.core.errors import InvalidRequest
 from gateway.core.registry import RunRegistry
 from gateway.status import map_errors, to_status
@@ -31,7 +33,11 @@ class GatewayServicer:
         self, request: pb.CreateRunRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreateRunResponse:
         """Creates a run (idempotent per request_id)."""
-        run = await self._core.create(convert.run_spec_from_proto(request))
+        spec = convert.run_spec_from_proto(request)
+        caller = current_principal()
+        if caller is not None:
+            spec = dataclasses.replace(spec, creator=caller.name)
+        run = await self._core.create(spec)
         return pb.CreateRunResponse(run=convert.run_to_proto(run))
 
     @map_errors

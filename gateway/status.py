@@ -23,10 +23,12 @@ from gateway.core.errors import (
     GatewayError,
     IllegalTransition,
     InvalidRequest,
+    PermissionDenied,
     RunNotFound,
     ShuttingDown,
     TooManyPending,
     TrainerUnavailable,
+    Unauthenticated,
 )
 from trainwire.contract import ContractViolation, bad_request
 
@@ -42,6 +44,8 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     TrainerUnavailable: grpc.StatusCode.UNAVAILABLE,
     TooManyPending: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ContractViolation: grpc.StatusCode.INTERNAL,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -72,6 +76,7 @@ def to_status(exc: Exception) -> grpc.Status:
     run_id = getattr(exc, "run_id", "")
     if run_id:
         info.metadata["run_id"] = run_id
+    info.metadata.update(getattr(exc, "metadata", {}))
     packed = any_pb2.Any()
     packed.Pack(info)
     details.append(packed)

@@ -132,16 +132,36 @@ class _GrpcTrainerStream:
 
 
 class GrpcTrainerConnector:
-    """Reaches trainers over gRPC, one channel per address (created on first use)."""
+    """Reaches trainers over gRPC, one channel per address (created on first use).
 
-    def __init__(self) -> None:
+    Args:
+        credentials: TLS (and a client certificate for trainers that require one); plaintext
+            without.
+    """
+
+    def __init__(self, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: list[grpc.aio.Channel] = []
         self._stubs: dict[str, trainer_service_pb2_grpc.TrainerServiceStub] = {}
+
+    def set_credentials(self, credentials: grpc.ChannelCredentials) -> None:
+        """New credentials (re-read certificates): later calls go over new channels with them;
+        calls open on the old channels (Train streams) go on until they end."""
+        self._credentials = credentials
+        self._retired.extend(self._channels.values())
+        self._channels.clear()
+        self._stubs.clear()
 
     def _stub(self, address: str) -> trainer_service_pb2_grpc.TrainerServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            if self._credentials is not None:
+                channel = grpc.aio.secure_channel(
+                    address, self._credentials, options=_CHANNEL_OPTIONS
+                )
+            else:
+                channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
             self._channels[address] = channel
             stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
             self._stubs[address] = stub
@@ -199,7 +219,8 @@ class GrpcTrainerConnector:
 
     async def close(self) -> None:
         """Closes every channel (cancelling calls still open)."""
-        for channel in self._channels.values():
+        for channel in (*self._channels.values(), *self._retired):
             await channel.close(grace=None)
         self._channels.clear()
+        self._retired.clear()
         self._stubs.clear()

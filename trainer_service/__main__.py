@@ -26,6 +26,7 @@ from trainer_service.providers import default_registry
 from trainer_service.server import build_server
 from trainwire.logs import LOG_FORMATS, configure_logging
 from trainwire_ops.addresses import host_port
+from trainwire_ops.tls import PlaintextRefused, ServerTls, TlsFileError
 
 # Under ``python -m`` __name__ is "__main__"; log under the module's real name.
 _LOGGER = logging.getLogger(__spec__.name if __spec__ is not None else __name__)
@@ -82,6 +83,30 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
         "(0 picks a free one; default: off)",
     )
     parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="interface of the metrics endpoint (loopback unless you say otherwise)",
+    )
+    tls = parser.add_argument_group("TLS", "the certificate files are re-read on SIGHUP")
+    tls.add_argument(
+        "--tls-cert", type=pathlib.Path, metavar="FILE", help="serve TLS with this PEM chain"
+    )
+    tls.add_argument(
+        "--tls-key", type=pathlib.Path, metavar="FILE", help="the PEM private key of --tls-cert"
+    )
+    tls.add_argument(
+        "--tls-client-ca",
+        type=pathlib.Path,
+        metavar="FILE",
+        help="accept only callers whose client certificate this PEM CA signed (mutual TLS: "
+        "only gateways holding one can start training)",
+    )
+    tls.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plaintext on a non-loopback --host (refused without it)",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
     )
     parser.add_argument(
@@ -107,7 +132,15 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
             metrics_port=args.metrics_port,
             log_level=args.log_level,
             log_format=args.log_format,
+            metrics_host=args.metrics_host,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            insecure=args.insecure,
         )
+    except PlaintextRefused as exc:  # one line that says why and how, no usage block
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -117,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the trainer until SIGTERM/SIGINT; returns the exit status."""
     config = parse_args(argv)
     configure_logging(config.log_level, config.log_format)
+    tls: ServerTls | None = None
+    if config.tls_cert is not None and config.tls_key is not None:
+        try:
+            tls = ServerTls(config.tls_cert, config.tls_key, config.tls_client_ca)
+        except TlsFileError as exc:
+            print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
+            return 2
     from trainer_service.providers._device import resolve_device
 
     try:
@@ -146,11 +186,17 @@ def main(argv: list[str] | None = None) -> int:
         _LOGGER.info("received %s: shutting down", signal.Signals(signum).name)
         stop_requested.set()
 
+    def on_hangup(signum: int, frame: FrameType | None) -> None:
+        del signum, frame
+        if tls is not None:  # off the signal handler: it reads files and logs
+            threading.Thread(target=tls.reload, name="trainer-tls-reload", daemon=True).start()
+
     # Installed before the ready line: a SIGTERM right after it is never lost.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     try:
-        server, port = build_server(config, runner, metrics)
+        server, port = build_server(config, runner, metrics, tls)
         server.start()
     except (RuntimeError, OSError) as exc:
         _LOGGER.error("%s", exc)

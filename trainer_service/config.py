@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from trainwire.logs import LOG_FORMATS, parse_level
 from trainwire_ops.addresses import host_port
+from trainwire_ops.tls import check_plaintext_bind
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -34,6 +35,12 @@ class TrainerConfig:
             0 picks a free one.
         log_level: Logging level name (``DEBUG``, ``INFO``, ...).
         log_format: ``text`` or ``json`` (one JSON object per line).
+        metrics_host: Interface of the metrics endpoint (loopback unless told otherwise).
+        tls_cert: PEM certificate chain to serve TLS with (with ``tls_key``); re-read on SIGHUP.
+        tls_key: Its PEM private key.
+        tls_client_ca: Accept only callers with a client certificate signed by this PEM CA
+            (mutual TLS: only gateways holding one can start training).
+        insecure: Serve plaintext on an address other machines can reach (refused otherwise).
     """
 
     host: str = "127.0.0.1"
@@ -49,6 +56,11 @@ class TrainerConfig:
     metrics_port: int | None = None
     log_level: str = "INFO"
     log_format: str = "text"
+    metrics_host: str = "127.0.0.1"
+    tls_cert: pathlib.Path | None = None
+    tls_key: pathlib.Path | None = None
+    tls_client_ca: pathlib.Path | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -76,8 +88,15 @@ class TrainerConfig:
             problems.append(str(exc))
         if self.log_format not in LOG_FORMATS:
             problems.append(f"log format {self.log_format!r} must be text or json")
+        if not self.metrics_host:
+            problems.append("metrics host must not be empty")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            problems.append("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            problems.append("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
         if problems:
             raise ValueError("invalid trainer config: " + "; ".join(problems))
+        check_plaintext_bind(self.host, tls=self.tls_cert is not None, insecure=self.insecure)
 
     @property
     def address(self) -> str:

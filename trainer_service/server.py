@@ -30,6 +30,7 @@ from trainer_service.core.jobs import JobRunner
 from trainer_service.metrics import MetricsEndpoint, TrainerMetrics
 from trainer_service.servicer import TrainerServicer, add_to_server
 from trainwire.v1 import trainer_service_pb2
+from trainwire_ops.tls import ServerTls
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -187,7 +188,10 @@ class TrainerServer:
 
 
 def build_server(
-    config: TrainerConfig, runner: JobRunner, metrics: TrainerMetrics | None = None
+    config: TrainerConfig,
+    runner: JobRunner,
+    metrics: TrainerMetrics | None = None,
+    tls: ServerTls | None = None,
 ) -> tuple[TrainerServer, int]:
     """Builds (but does not start) the trainer server and binds its port.
 
@@ -197,6 +201,8 @@ def build_server(
         metrics: Where RPC and slot metrics go (a fresh ``TrainerMetrics`` by default). Job,
             episode and heartbeat counters come from the runner's observer: build the runner
             with ``observer=metrics.jobs`` to have them in the same registry.
+        tls: Serve TLS with these files (mutual TLS with their client CA: only callers with
+            a certificate it signed get in); ``tls.reload()`` rotates them. Plaintext without.
 
     Returns:
         The server and the port it bound (the free port picked when ``config.port`` is 0).
@@ -222,7 +228,10 @@ def build_server(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         try:
-            port = server.add_insecure_port(config.address)
+            if tls is not None:
+                port = server.add_secure_port(config.address, tls.grpc_credentials())
+            else:
+                port = server.add_insecure_port(config.address)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen on {config.address}: {exc}") from exc
         if port == 0:
@@ -234,6 +243,8 @@ def build_server(
     except BaseException:
         loop.close()
         raise
-    metrics_bind = None if config.metrics_port is None else (config.host, config.metrics_port)
+    metrics_bind = (
+        None if config.metrics_port is None else (config.metrics_host, config.metrics_port)
+    )
     trainer = TrainerServer(loop, server, runner, health_servicer, metrics, metrics_bind)
     return trainer, port

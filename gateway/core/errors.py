@@ -50,3 +50,19 @@ class TrainerUnavailable(GatewayError):
 
 class TooManyPending(GatewayError):
     """The gateway already has its maximum of PENDING runs (``--max-pending``)."""
+
+
+class Unauthenticated(GatewayError):
+    """No token, or one the gateway does not know (``--auth-tokens``)."""
+
+
+class PermissionDenied(GatewayError):
+    """The caller's role is too low for the call; the message names the role needed.
+
+    Attributes:
+        metadata: ``required_role``, for ``ErrorInfo``.
+    """
+
+    def __init__(self, message: str, required_role: str) -> None:
+        super().__init__(message)
+        self.metadata = {"required_role": required_role}

@@ -15,6 +15,7 @@ the same JSON shape, on every route, the event streams included.
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -126,20 +127,22 @@ class HttpFace:
         self._streams: EventStreams | None = None
         self.host = ""
         self.port = 0
+        self._tls = False
 
     @property
     def url(self) -> str:
-        """``http://HOST:PORT`` (brackets around an IPv6 host)."""
+        """``http://HOST:PORT``, ``https://`` over TLS (brackets around an IPv6 host)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self._tls else 'http'}://{host}:{self.port}"
 
     @property
     def open_streams(self) -> int:
         """Event streams open now."""
         return self._streams.open_streams if self._streams is not None else 0
 
-    async def start(self, host: str, port: int) -> int:
-        """Serves on ``host:port`` (0 picks a free port); returns the port.
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Serves on ``host:port`` (0 picks a free port), over TLS with ``ssl_context``;
+        returns the port.
 
         Raises:
             OSError: the address cannot be bound.
@@ -152,7 +155,8 @@ class HttpFace:
             app, handler_cancellation=True, access_log=None, shutdown_timeout=self._grace
         )
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+        self._tls = ssl_context is not None
         try:
             await site.start()
         except OSError as exc:

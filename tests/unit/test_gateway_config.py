@@ -26,6 +26,7 @@ def test_flags_are_parsed() -> None:
         [
             "--host", "0.0.0.0", "--port", "0", "--trainer", "a:1, b:2", "--db", ":memory:",
             "--episode-rate", "-1", "--keepalive", "0.05", "--heartbeat-timeout", "0.5",
+            "--insecure",
         ]
     )  # fmt: skip
     config = config_from_args(args)

@@ -24,29 +24,65 @@ class ApiError extends Error {
   }
 }
 
-/** Headers every request carries (a bearer token goes here once the gateway asks for one). */
+// A gateway started with --auth-tokens answers 401 without a token: the page asks for one once,
+// keeps it for this tab only (sessionStorage, gone when the tab closes) and sends it on every
+// request and stream from then on.
+const TOKEN_KEY = "trainwire.token";
+
+function storedToken() {
+  try {
+    return sessionStorage.getItem(TOKEN_KEY) || "";
+  } catch {
+    return "";
+  }
+}
+
+/** Headers every request carries: the bearer token, once there is one. */
 function authHeaders() {
-  return {};
+  const token = storedToken();
+  return token ? { Authorization: `Bearer ${token}` } : {};
+}
+
+/** Asks for a token after a 401 (unless another request already got a new one since `sent`
+ * went out); true when there is one to retry with. */
+function askToken(sent, error) {
+  const now = storedToken();
+  if (now && now !== sent) return true;
+  const why = sent ? "The gateway did not accept the token." : "This gateway needs a token.";
+  const token = (window.prompt(`${why}\n${error.message || ""}\n\nToken:`) || "").trim();
+  if (!token) return false;
+  try {
+    sessionStorage.setItem(TOKEN_KEY, token);
+  } catch {
+    return false;
+  }
+  return true;
 }
 
 async function api(method, path, body) {
-  const init = { method, headers: { Accept: "application/json", ...authHeaders() } };
-  if (method === "POST") {
-    init.headers["Content-Type"] = "application/json";
-    init.body = JSON.stringify(body || {});
+  for (let attempt = 0; ; attempt += 1) {
+    const sent = storedToken();
+    const init = { method, headers: { Accept: "application/json", ...authHeaders() } };
+    if (method === "POST") {
+      init.headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(body || {});
+    }
+    const response = await fetch(path, init);
+    const data = await response.json().catch(() => ({}));
+    if (response.ok) return data;
+    const error = data.error || { code: response.status, message: response.statusText };
+    if (response.status === 401 && attempt < 3 && askToken(sent, error)) continue;
+    throw new ApiError(error);
   }
-  const response = await fetch(path, init);
-  const data = await response.json().catch(() => ({}));
-  if (!response.ok) {
-    throw new ApiError(data.error || { code: response.status, message: response.statusText });
-  }
-  return data;
 }
 
-/** The event stream of a run after an episode (EventSource sends no headers: a token would
- * have to travel in this URL). */
+/** The event stream of a run after an episode. EventSource sends no headers, so the token
+ * travels in the URL (RFC 6750's access_token; the gateway takes it on this route only, keeps
+ * no access log and the page sends no Referer). */
 function eventsUrl(runId, after) {
-  return `/v1/runs/${encodeURIComponent(runId)}/events?after=${after}`;
+  const token = storedToken();
+  const auth = token ? `&access_token=${encodeURIComponent(token)}` : "";
+  return `/v1/runs/${encodeURIComponent(runId)}/events?after=${after}${auth}`;
 }
 
 // -- small helpers ---------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Operator tools of the gateway (``python -m gateway.tools.NAME``)."""
