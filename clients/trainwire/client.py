@@ -31,6 +31,12 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from trainwire.contract import FieldViolation
+from trainwire.tls import (
+    channel_credentials,
+    describe_connection_failure,
+    is_certificate_failure,
+    is_loopback_target,
+)
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
 if TYPE_CHECKING:
@@ -415,6 +421,14 @@ class GatewayClient:
         stream_timeout: Deadline of each watch stream; when it expires, ``watch`` resumes on a
             new stream, so long watches still carry a deadline. ``None`` for none.
         options: Extra channel arguments for a channel the client creates.
+        root_certificates: PEM CA(s) to verify a TLS gateway with; giving this (or a client
+            certificate) makes the channel TLS.
+        certificate_chain: PEM client certificate, for a gateway that requires one (with
+            ``private_key``).
+        private_key: Its PEM private key.
+        token: A bearer token, sent as ``authorization: Bearer TOKEN`` on every call.
+        tls: Force TLS on (with the system's roots when no ``root_certificates``) or off;
+            ``None``: TLS when certificate material is given.
     """
 
     def __init__(
@@ -427,13 +441,36 @@ class GatewayClient:
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         stream_timeout: float | None = 3600.0,
         options: Sequence[tuple[str, Any]] = (),
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        token: str | None = None,
+        tls: bool | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
+        if tls is None:
+            tls = root_certificates is not None or certificate_chain is not None
+        self._tls = tls
+        self._client_certificate = certificate_chain is not None
+        if token is not None and (not token.strip() or any(c in token for c in "\r\n")):
+            raise ValueError("token must be one line of text")
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token.strip()}"),) if token else ()
+        )
         if channel is None:
             if not target:
                 raise ValueError("give a target (host:port) or a channel")
-            channel = grpc.insecure_channel(target, options=list(options))
+            if tls:
+                credentials = channel_credentials(root_certificates, certificate_chain, private_key)
+                channel = grpc.secure_channel(target, credentials, options=list(options))
+            else:
+                if token and not is_loopback_target(target):
+                    _LOGGER.warning(
+                        "sending a token to %s without TLS: anyone on the way can read it",
+                        target,
+                    )
+                channel = grpc.insecure_channel(target, options=list(options))
             self._owns_channel = True
         else:
             self._owns_channel = False
@@ -460,11 +497,29 @@ class GatewayClient:
 
     # unary calls
 
+    def _error(self, exc: grpc.RpcError) -> TrainwireError:
+        """``error_from_rpc``, with a failed connection said in one line (TLS problems)."""
+        error = error_from_rpc(exc)
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            text = describe_connection_failure(
+                error.message,
+                self.target,
+                tls=self._tls,
+                client_certificate=self._client_certificate,
+            )
+            if text is not None:
+                return Unavailable(text, code=grpc.StatusCode.UNAVAILABLE)
+        return error
+
     def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
         try:
-            return method(request, timeout=self.timeout if timeout is None else timeout)
+            return method(
+                request,
+                timeout=self.timeout if timeout is None else timeout,
+                metadata=self._metadata or None,
+            )
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise self._error(exc) from exc
 
     def create_run(
         self,
@@ -706,7 +761,9 @@ class _WatchState:
             request = gateway_service_pb2.WatchRunRequest(
                 run_id=run_id, after_episode=self.last_episode
             )
-            call = client._stub.WatchRun(request, timeout=client.stream_timeout)
+            call = client._stub.WatchRun(
+                request, timeout=client.stream_timeout, metadata=client._metadata or None
+            )
             with self.lock:
                 self.call = call
             if self.cancel.is_set():  # cancel() ran before it could see this call
@@ -743,11 +800,15 @@ class _WatchState:
                     return
                 if watchdog.fired:
                     reason = f"no message for {client.idle_timeout:g} s"
-                elif _is_retriable(exc):
+                elif _is_retriable(exc) and not (
+                    client._tls
+                    and isinstance(exc, grpc.Call)
+                    and is_certificate_failure(exc.details() or "")
+                ):
                     code = exc.code() if isinstance(exc, grpc.Call) else None
                     reason = (exc.details() if isinstance(exc, grpc.Call) else "") or "dropped"
                 else:
-                    raise error_from_rpc(exc) from exc
+                    raise client._error(exc) from exc
                 error = exc
             finally:
                 watchdog.stop()
@@ -758,7 +819,7 @@ class _WatchState:
                 return
             if failures >= client.retry.max_retries:
                 if error is not None and not watchdog.fired:
-                    raise error_from_rpc(error) from error
+                    raise client._error(error) from error
                 raise Unavailable(
                     f"run {run_id}: the watch stream keeps dropping ({reason}); gave up after "
                     f"episode {self.last_episode} and {failures} retries"

@@ -124,6 +124,24 @@ def _common_options(suppress: bool) -> argparse.ArgumentParser:
         if not suppress
         else argparse.SUPPRESS,
     )
+    for flag, env, meta, text in (
+        ("--ca", "TRAINWIRE_CA", "FILE", "PEM CA to verify a TLS gateway with (turns TLS on)"),
+        ("--cert", "TRAINWIRE_CERT", "FILE", "PEM client certificate (mutual TLS; with --key)"),
+        ("--key", "TRAINWIRE_KEY", "FILE", "PEM private key of --cert"),
+        (
+            "--token",
+            "TRAINWIRE_TOKEN",
+            "TOKEN",
+            "bearer token for a gateway with --auth-tokens (prefer the variable: arguments "
+            "show in ps)",
+        ),
+    ):
+        parser.add_argument(
+            flag,
+            metavar=meta,
+            default=default(os.environ.get(env) or None),
+            help=f"{text} (default: ${env})" if not suppress else argparse.SUPPRESS,
+        )
     parser.add_argument(
         "-v",
         "--verbose",
@@ -611,6 +629,33 @@ def _cmd_avatar(client: GatewayClient, args: argparse.Namespace, out: _Output) -
 # -- entry point -------------------------------------------------------------------------------
 
 
+def _read_pem(path: str | None, flag: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as exc:
+        raise CliError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
+
+
+def _client(args: argparse.Namespace) -> GatewayClient:
+    """The client of the connection options (TLS with --ca/--cert/--key, a --token)."""
+    if (args.cert is None) != (args.key is None):
+        raise CliError("--cert and --key go together (TRAINWIRE_CERT, TRAINWIRE_KEY)")
+    try:
+        return GatewayClient(
+            args.gateway,
+            timeout=args.timeout,
+            root_certificates=_read_pem(args.ca, "--ca"),
+            certificate_chain=_read_pem(args.cert, "--cert"),
+            private_key=_read_pem(args.key, "--key"),
+            token=args.token,
+        )
+    except ValueError as exc:  # a token of several lines, ...
+        raise CliError(str(exc)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``trainwire`` command line; returns the exit code.
 
@@ -629,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     out = _Output(args.json)
     try:
-        with GatewayClient(args.gateway, timeout=args.timeout) as client:
+        with _client(args) as client:
             code: int = args.handler(client, args, out)
             return code
     except TrainwireError as exc:
