@@ -234,3 +234,26 @@ async def test_cli_and_client_speak_tls_with_a_token(fake: FakeTrainer, tmp_path
         await asyncio.to_thread(client_calls)
     finally:
         await gateway.stop()
+
+
+async def test_sighup_rotates_the_trainers_certificate_too(tmp_path: Path) -> None:
+    from tests.fakes.gateway_harness import trainer_process
+
+    old, new = Pki(tmp_path / "old", "old"), Pki(tmp_path / "new", "new")
+    live = CertFiles(tmp_path / "live.pem", tmp_path / "live.key")
+    _install(old.server, live)
+    log = tmp_path / "trainer.log"
+    flags = ("--tls-cert", str(live.cert), "--tls-key", str(live.key))
+    with trainer_process(log, *flags, slots=1) as (proc, address):
+        assert await _health(address, old.ca_pem()) == grpc.StatusCode.OK
+        _install(new.server, live)
+        proc.send_signal(signal.SIGHUP)
+        for _ in range(100):
+            if await _health(address, new.ca_pem()) == grpc.StatusCode.OK:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"the new certificate never served; log: {log.read_text()[-2000:]}")
+        assert proc.poll() is None  # SIGHUP reloads; it does not end the trainer
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, TIMEOUT) == 0

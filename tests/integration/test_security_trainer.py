@@ -3,8 +3,6 @@ callers holding a certificate that CA signed, and a gateway that has one trains 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -13,34 +11,11 @@ import pytest
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from tests.fakes.gateway_harness import create_request
-from tests.security_fixtures import Pki, Tokens
-from trainer_service.config import TrainerConfig
-from trainer_service.core.jobs import JobRunner, RunnerSettings
-from trainer_service.core.registry import ProviderRegistry
-from trainer_service.core.slots import SlotPool
-from trainer_service.server import TrainerServer, build_server
-from trainer_service.testing import FakeProvider
+from tests.security_fixtures import Pki, Tokens, mtls_trainer
 from trainwire.v1 import gateway_service_pb2 as pb
 from trainwire.v1 import gateway_service_pb2_grpc, trainer_service_pb2, trainer_service_pb2_grpc
-from trainwire_ops.tls import ServerTls
 
 TIMEOUT = 20.0
-
-
-@contextlib.contextmanager
-def mtls_trainer(pki: Pki) -> Iterator[tuple[TrainerServer, str]]:
-    """A trainer (fake imitation provider) that wants client certificates from ``pki``'s CA."""
-    config = TrainerConfig(host="127.0.0.1", port=0, slots=2, heartbeat_s=1.0)
-    runner = JobRunner(
-        ProviderRegistry({"imitation": FakeProvider()}), SlotPool(2), RunnerSettings()
-    )
-    tls = ServerTls(pki.server.cert, pki.server.key, client_ca=pki.ca_file)
-    server, port = build_server(config, runner, tls=tls)
-    server.start(warm_up=False)
-    try:
-        yield server, f"127.0.0.1:{port}"
-    finally:
-        server.stop(None).wait(TIMEOUT)
 
 
 def _capabilities(address: str, credentials: grpc.ChannelCredentials) -> grpc.StatusCode:
