@@ -7,7 +7,9 @@ every watcher (gRPC clients parse every message). Figures:
 (a/b) episodes/s of a 5000-episode history streamed to 1, 10 and 100 watchers by a bare aio
       server (one episode per message, and batches of 50) vs the gateway replaying a finished
       run; ratio gateway / bare-batched. Targets: >= 100k episodes/s at 100 watchers and
-      >= 0.5x bare-batched.
+      >= 0.5x bare-batched. Then the same replay from a second gateway serving TLS and
+      checking a bearer token on every call (``--tls-cert``, ``--auth-tokens``; trustme
+      certificates); ratio TLS + token / plaintext. Target >= 0.7x.
 (c)   live latency, trainer send -> watcher receive, 100 watchers, unpaced run, the trainer
       sending 200 and 50 episodes/s; CPU use of the gateway and watcher processes (100 % =
       one core). Target p99 < 50 ms.
@@ -15,7 +17,8 @@ every watcher (gRPC clients parse every message). Figures:
 (e)   ingest episodes/s of an unpaced 5000-episode run, --db file vs :memory:. Target: the
       file store costs <= 15 %.
 
-Run: ``.venv/bin/python bench/gateway_fanout.py`` (about a minute).
+Run: ``.venv/bin/python bench/gateway_fanout.py`` (about a minute); ``BENCH_ONLY=replay`` runs
+(a/b) and the TLS + token row only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +52,7 @@ LIVE_WATCHERS = int(os.environ.get("BENCH_LIVE_WATCHERS", "100"))
 # (seconds between trainer episodes, episodes): 200/s and 50/s
 LIVE_RUNS = ((0.005, 1000), (0.02, 300))
 IDLE_WATCHERS = 500
+SECURE_REPEATS = 5
 CHANNELS = 10
 
 
@@ -81,14 +86,17 @@ def _trainer_main(conn: Connection) -> None:
 # -- watcher process --------------------------------------------------------------------------
 
 
-def _channels(port: int) -> list[grpc.aio.Channel]:
+def _channels(port: int, ca: bytes | None = None) -> list[grpc.aio.Channel]:
     # Separate connections, as separate browsers/services would have.
-    return [
-        grpc.aio.insecure_channel(
-            f"127.0.0.1:{port}", options=(("grpc.use_local_subchannel_pool", 1),)
-        )
-        for _ in range(CHANNELS)
-    ]
+    options = (("grpc.use_local_subchannel_pool", 1),)
+    if ca is not None:
+        credentials = grpc.ssl_channel_credentials(ca)
+        return [
+            grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials, options=options)
+            for _ in range(CHANNELS)
+        ]
+    address = f"127.0.0.1:{port}"
+    return [grpc.aio.insecure_channel(address, options=options) for _ in range(CHANNELS)]
 
 
 def _count(message: gateway_service_pb2.WatchRunResponse) -> int:
@@ -100,15 +108,20 @@ def _count(message: gateway_service_pb2.WatchRunResponse) -> int:
     return 0
 
 
-async def _watch_all(port: int, run_id: str, watchers: int) -> tuple[float, int]:
-    channels = _channels(port)
+async def _watch_all(
+    port: int, run_id: str, watchers: int, ca: bytes | None = None, token: str | None = None
+) -> tuple[float, int]:
+    channels = _channels(port, ca)
     for ch in channels:
         await ch.channel_ready()
     stubs = [gateway_service_pb2_grpc.GatewayServiceStub(ch) for ch in channels]
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     async def one(i: int) -> int:
         n = 0
-        call = stubs[i % CHANNELS].WatchRun(gateway_service_pb2.WatchRunRequest(run_id=run_id))
+        call = stubs[i % CHANNELS].WatchRun(
+            gateway_service_pb2.WatchRunRequest(run_id=run_id), metadata=metadata
+        )
         async for msg in call:
             n += _count(msg)
         return n
@@ -224,6 +237,9 @@ def _watcher_main(conn: Connection) -> None:
         kind = job[0]
         if kind == "replay":
             conn.send(asyncio.run(_watch_all(*job[1:])))
+        elif kind == "replay_tls":  # (kind, port, run_id, ca, token, watchers)
+            port, run_id, ca, token, watchers = job[1:]
+            conn.send(asyncio.run(_watch_all(port, run_id, watchers, ca, token)))
         elif kind == "bare":
             conn.send(asyncio.run(_bare_all(*job[1:])))
         elif kind == "live":
@@ -297,6 +313,78 @@ async def _ingest(trainer: str, db: str) -> float:
         elapsed = time.perf_counter() - start
     await gateway.stop()
     return EPISODES / elapsed
+
+
+async def _secure_replay(
+    trainer: str, tmp: str, watch_conn: Connection, plain_port: int, plain_run: str
+) -> tuple[list[float], list[float]]:
+    """Replay rates of the plaintext gateway and of a second one serving TLS and checking a
+    viewer's token on every call, best of ``SECURE_REPEATS`` each, measured alternately."""
+    import trustme
+
+    from gateway.auth import Role
+    from gateway.config import GatewayConfig
+    from gateway.server import Gateway
+    from gateway.tools.add_token import add_token
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    cert, key = os.path.join(tmp, "server.pem"), os.path.join(tmp, "server.key")
+    leaf.cert_chain_pems[0].write_to_path(cert)
+    leaf.private_key_pem.write_to_path(key)
+    tokens = os.path.join(tmp, "tokens")
+    viewer = add_token(Path(tokens), "bench-viewer", Role.VIEWER)
+    operator = add_token(Path(tokens), "bench-operator", Role.OPERATOR)
+    config = GatewayConfig(
+        port=0,
+        trainers=(trainer,),
+        db=os.path.join(tmp, "bench-tls.sqlite3"),
+        keepalive_s=15,
+        tls_cert=cert,
+        tls_key=key,
+        auth_tokens=tokens,
+    )
+    secure = Gateway(config)
+    port = await secure.start()
+    ca_pem = ca.cert_pem.bytes()
+    channel = grpc.aio.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca_pem))
+    metadata = (("authorization", f"Bearer {operator}"),)
+    stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+    reply = await stub.CreateRun(
+        gateway_service_pb2.CreateRunRequest(
+            task=_task(),
+            config=episode_pb2.TrainConfig(max_episodes=EPISODES),
+            episodes_per_second=-1.0,
+        ),
+        timeout=10,
+        metadata=metadata,
+    )
+    run_id = reply.run.id
+    finished = stub.WatchRun(
+        gateway_service_pb2.WatchRunRequest(run_id=run_id, after_episode=EPISODES),
+        timeout=300,
+        metadata=metadata,
+    )
+    async for msg in finished:
+        if msg.WhichOneof("event") == "finished":
+            break
+    await _ask(watch_conn, ("replay_tls", port, run_id, ca_pem, viewer, 1))  # warm-up
+    plain_rates, tls_rates = [], []
+    for w in WATCHER_COUNTS:
+        best = {"plain": 0.0, "tls": 0.0}
+        for _ in range(SECURE_REPEATS):
+            for kind, job in (
+                ("plain", ("replay", plain_port, plain_run, w)),
+                ("tls", ("replay_tls", port, run_id, ca_pem, viewer, w)),
+            ):
+                elapsed, count = await _ask(watch_conn, job)
+                assert count == w * EPISODES, (kind, count)
+                best[kind] = max(best[kind], count / elapsed)
+        plain_rates.append(best["plain"])
+        tls_rates.append(best["tls"])
+    await channel.close()
+    await secure.stop()
+    return plain_rates, tls_rates
 
 
 def _row(label: str, *cells: str) -> None:
@@ -373,6 +461,31 @@ async def main() -> None:
         )
     ]
     _row("ratio gateway / bare-batched", *(f"{r:.2f}x" for r in ratios))
+
+    # (a/b) with TLS and a bearer token on every call: a second gateway, the same history,
+    # measured alternately with the plaintext one (a replay to one watcher lasts ~10 ms: best
+    # of several, as for ingest below).
+    plain_rates, secure_rates = await _secure_replay(trainer, tmp, watch_conn, port, run_id)
+    print()
+    _row(
+        f"replay, plaintext vs TLS (best of {SECURE_REPEATS})",
+        *(f"{w} watcher(s)" for w in WATCHER_COUNTS),
+    )
+    _row("gateway replay, plaintext (episodes/s)", *(f"{r:,.0f}" for r in plain_rates))
+    _row("gateway replay, TLS + token (episodes/s)", *(f"{r:,.0f}" for r in secure_rates))
+    _row(
+        "ratio TLS + token / plaintext (target >= 0.7x)",
+        *(f"{t / p:.2f}x" for t, p in zip(secure_rates, plain_rates, strict=True)),
+    )
+    if ONLY == "replay":
+        trainer_conn.send(None)
+        watch_conn.send(None)
+        await channel.close()
+        await gateway.stop()
+        await bare.stop(0)
+        trainer_proc.join(5)
+        watcher_proc.join(5)
+        return
 
     # (c) live latency. The trainer holds before episode 1 until every watcher has attached:
     # all deliveries are live ones (none replayed from before attach).
