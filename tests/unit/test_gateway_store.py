@@ -1,9 +1,13 @@
-"""The SQLite store: runs, histories, paging, crash recovery, and group commit on its thread."""
+"""The SQLite store: runs, histories, paging, crash recovery, group commit on its thread, and
+the WAL kept bounded under a writer that never pauses."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+import struct
+import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -178,3 +182,150 @@ def test_checkpoints_happen_off_the_commit_path(tmp_path: Path) -> None:
     busy, frames, done = sqlite3.connect(path).execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     assert busy == 0 and frames == done  # everything in the WAL is in the database file
     assert SqliteStore(path).read_episodes("a", 300, 300) == [recs[-1].data]
+
+
+def wal_restarts(path: str) -> int:
+    """How many times the WAL of ``path`` started again from its beginning (the checkpoint
+    sequence number in the WAL header)."""
+    with open(f"{path}-wal", "rb") as f:
+        return int(struct.unpack(">I", f.read(16)[12:16])[0])
+
+
+async def hold(thread: StoreThread) -> threading.Event:
+    """Holds the store thread in an operation until the returned event is set: what is
+    submitted meanwhile is queued together."""
+    entered, release = threading.Event(), threading.Event()
+
+    def wait(_store: SqliteStore) -> None:
+        entered.set()
+        release.wait(60)
+
+    thread.submit(wait)
+    assert await asyncio.to_thread(entered.wait, 60)
+    return release
+
+
+async def test_queued_appends_commit_in_one_transaction_before_any_callback(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "db.sqlite3")
+    commits: list[int] = []
+    thread = StoreThread(
+        SqliteStore(path), asyncio.get_running_loop(), on_commit=lambda n, _s: commits.append(n)
+    )
+    thread.start()
+    await thread.call(SqliteStore.insert_run, make_run("a"))
+    await thread.call(SqliteStore.insert_run, make_run("b"))
+    reader = sqlite3.connect(path)  # another connection sees committed rows only
+    seen: list[tuple[str, int, int]] = []
+
+    def committed(run_id: str, n: int, _result: object, error: BaseException | None) -> None:
+        assert error is None
+        seen.append((run_id, n, reader.execute("SELECT COUNT(*) FROM episodes").fetchone()[0]))
+
+    release = await hold(thread)
+    a, b = records("a", 300), records("b", 300)
+    order = [rec for pair in zip(a, b, strict=True) for rec in pair]  # two runs interleaved
+    for rec in order:
+        committed_rec = partial(committed, rec.run_id, rec.episode)
+        thread.submit(SqliteStore.append_episodes, (rec,), callback=committed_rec)
+    del commits[:]
+    release.set()
+    run_a = await thread.call(SqliteStore.get_run, "a")
+    run_b = await thread.call(SqliteStore.get_run, "b")
+    # The held operation, then one transaction for the 600 appends (and maybe the get_run).
+    assert commits[0] == 1 and commits[1] in (600, 601)
+    # Every callback ran after that transaction committed, in submission order.
+    assert seen == [(rec.run_id, rec.episode, 600) for rec in order]
+    for run, recs in ((run_a, a), (run_b, b)):
+        assert run is not None
+        assert (run.episode, run.reward, run.best_reward) == (
+            300,
+            recs[-1].reward,
+            recs[-1].best_reward,
+        )
+    assert await thread.call(SqliteStore.read_episodes, "b", 1, 300) == [r.data for r in b]
+    reader.close()
+    await thread.close()
+    assert not Path(f"{path}-wal").exists()  # a clean close folds the WAL into the database
+
+
+async def test_a_failing_append_among_queued_appends_fails_alone(tmp_path: Path) -> None:
+    thread = StoreThread(SqliteStore(str(tmp_path / "db.sqlite3")), asyncio.get_running_loop())
+    thread.start()
+    await thread.call(SqliteStore.insert_run, make_run("a"))
+    recs = records("a", 20)
+    await thread.call(SqliteStore.append_episodes, recs[:5])
+    duplicate = EpisodeRecord("a", 3, 0.0, 0.0, b"not what episode 3 is")
+    outcomes: list[tuple[EpisodeRecord, BaseException | None]] = []
+    release = await hold(thread)
+    for rec in [*recs[5:10], duplicate, *recs[10:]]:
+        thread.submit(
+            SqliteStore.append_episodes,
+            (rec,),
+            callback=lambda _r, error, rec=rec: outcomes.append((rec, error)),
+        )
+    release.set()
+    run = await thread.call(SqliteStore.get_run, "a")
+    assert [rec.episode for rec, _ in outcomes] == [*range(6, 11), 3, *range(11, 21)]
+    failed = [(rec, error) for rec, error in outcomes if error is not None]
+    assert len(failed) == 1 and failed[0][0] is duplicate
+    assert isinstance(failed[0][1], sqlite3.IntegrityError)
+    assert await thread.call(SqliteStore.read_episodes, "a", 1, 20) == [r.data for r in recs]
+    assert run is not None and run.episode == 20
+    await thread.close()
+
+
+def test_a_checkpoint_between_transactions_lets_the_next_commit_restart_the_wal(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "db.sqlite3")
+    store = SqliteStore(path)
+    store.insert_run(make_run("a"))
+    recs = records("a", 3000)
+
+    def append(first: int, last: int) -> None:
+        store.begin()
+        store.append_episodes(recs[first:last])
+        store.commit()
+
+    append(0, 1000)
+    store.checkpoint()  # the checkpointer's pass ...
+    append(1000, 2000)  # ... and the writer goes on meanwhile
+    grown, restarts = Path(f"{path}-wal").stat().st_size, wal_restarts(path)
+    busy, frames, copied = store.checkpoint_writer()
+    assert busy == 0 and frames == copied > 0
+    append(2000, 2100)
+    assert wal_restarts(path) == restarts + 1  # the WAL started again from its beginning ...
+    assert Path(f"{path}-wal").stat().st_size < grown / 4  # ... and its file was cut back
+    assert SqliteStore(path).read_episodes("a", 1, 2100) == [r.data for r in recs[:2100]]
+
+
+async def test_the_wal_stays_bounded_under_a_writer_that_never_pauses(tmp_path: Path) -> None:
+    path = str(tmp_path / "db.sqlite3")
+    limit = 256 * 1024
+    thread = StoreThread(SqliteStore(path), asyncio.get_running_loop(), wal_limit_bytes=limit)
+    thread.start()
+    runs = [f"r{i}" for i in range(8)]
+    for run_id in runs:
+        await thread.call(SqliteStore.insert_run, make_run(run_id))
+    episodes = {run_id: records(run_id, 5000) for run_id in runs}
+    wal = Path(f"{path}-wal")
+    peak = n = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    # One commit after another, as many runs ingesting unpaced give: the store thread never
+    # waits for work long enough for a checkpoint to catch up by chance.
+    while wal_restarts(path) < 4 and n < 5000 and loop.time() < deadline:
+        for run_id in runs:
+            for rec in episodes[run_id][n : n + 5]:
+                thread.submit(SqliteStore.append_episodes, (rec,))
+        n += 5
+        await thread.call(SqliteStore.get_run, runs[0])
+        peak = max(peak, wal.stat().st_size)
+    assert wal_restarts(path) >= 4, f"the WAL never started again ({peak} bytes)"
+    # The store thread restarts it at the limit (waiting for the checkpointer past one and a
+    # half times the limit); a commit or two of 40 episodes more may come first.
+    assert peak <= 1.5 * limit + 256 * 1024, peak
+    await thread.close()
+    assert SqliteStore(path).read_episodes("r7", 1, n) == [r.data for r in episodes["r7"][:n]]
