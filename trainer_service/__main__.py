@@ -212,9 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         config.data_root,
         config.image_cache_dir or "off",
     )
-    stop_requested.wait()
+    # Polled, not one blocking wait: a signal is delivered to whichever thread does not block
+    # it (gRPC's, torch's), and Python runs its handler only when the main thread next runs
+    # bytecode; a main thread asleep in one wait would never see a SIGTERM that landed
+    # elsewhere.
+    while not stop_requested.wait(0.25):
+        pass
     stopped = server.stop(config.grace_s)
-    stopped.wait(config.grace_s + 0.5)
+    # Bounded: a stop during the warm-up waits for the providers' import to finish (see stop).
+    stopped.wait(config.grace_s + 60)
     if not runner.wait_idle(1.0):
         _LOGGER.warning("%d job(s) still stopping at exit", runner.active_jobs)
     _LOGGER.info("trainer stopped")

@@ -98,6 +98,7 @@ class TrainerServer:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._health_set: int = health_pb2.HealthCheckResponse.NOT_SERVING
+        self._warming: threading.Thread | None = None
 
     def _set_health(self, status: int) -> None:
         self._health_set = status
@@ -139,7 +140,8 @@ class TrainerServer:
         if not warm_up:
             self._mark_ready()
             return
-        threading.Thread(target=self._warm_up, name="trainer-warm-up", daemon=True).start()
+        self._warming = threading.Thread(target=self._warm_up, name="trainer-warm-up", daemon=True)
+        self._warming.start()
 
     def _warm_up(self) -> None:
         try:
@@ -174,6 +176,10 @@ class TrainerServer:
             except Exception:  # the server is going away regardless
                 _LOGGER.exception("stopping the gRPC server failed")
             self._loop.close()
+            if self._warming is not None:
+                # An interpreter that exits while a thread imports torch can crash on the way
+                # out: a stop during warm-up waits for the import.
+                self._warming.join(60)
             self._stopped.set()
 
         threading.Thread(target=finish, name="trainer-stop", daemon=True).start()

@@ -53,7 +53,7 @@ async def test_both_services_listen_on_ipv6_loopback_and_print_brackets(tmp_path
         assert match, line
         trainer_address = f"[::1]:{match.group(1)}"
         gateway, line = _spawn(
-            "gateway", "--host", "::1", "--port", "0", "--db", ":memory:",
+            "gateway", "--host", "::1", "--port", "0", "--http-port", "0", "--db", ":memory:",
             "--trainer", trainer_address, log=log,
         )  # fmt: skip
         try:
