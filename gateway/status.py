@@ -1,8 +1,10 @@
 """The one place where domain errors become gRPC statuses.
 
-``STATUS_CODES`` is the table (style.md, "Errors"); ``map_errors`` applies it to a servicer
-method, unary or streaming. An unexpected exception is logged once with its traceback and
-answered ``INTERNAL`` with a plain message, never a traceback.
+Each ``GatewayError`` carries its code and ``ErrorInfo`` reason as class data
+(``gateway.core.errors``); ``to_status`` builds the rich status with
+``trainwire_ops.rich_status``, the builder the trainer and the test fakes use too.
+``map_errors`` applies it to a servicer method, unary or streaming. An unexpected exception is
+logged once with its traceback and answered ``INTERNAL`` with a plain message, never a traceback.
 """
 
 from __future__ import annotations
@@ -10,78 +12,55 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
 
-from gateway.core.errors import (
-    GatewayError,
-    IllegalTransition,
-    InvalidRequest,
-    PermissionDenied,
-    RunNotFound,
-    ShuttingDown,
-    TooManyPending,
-    TrainerUnavailable,
-    Unauthenticated,
-)
-from trainwire.contract import ContractViolation, bad_request
+from gateway.core.errors import GatewayError
+from trainwire.contract import ContractViolation
+from trainwire.reasons import ErrorReason
+from trainwire_ops.rich_status import error_status, rich_status, status_code
 
 _LOGGER = logging.getLogger(__name__)
 
-ERROR_DOMAIN = "trainwire"
 
-STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
-    RunNotFound: grpc.StatusCode.NOT_FOUND,
-    IllegalTransition: grpc.StatusCode.FAILED_PRECONDITION,
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
-    TrainerUnavailable: grpc.StatusCode.UNAVAILABLE,
-    TooManyPending: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ContractViolation: grpc.StatusCode.INTERNAL,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-}
+def _domain_errors(base: type[GatewayError]) -> list[type[GatewayError]]:
+    found = []
+    for cls in base.__subclasses__():
+        found.append(cls)
+        found.extend(_domain_errors(cls))
+    return found
 
 
 def status_code_for(exc: Exception) -> grpc.StatusCode:
     """The status code of a domain error (INTERNAL for anything unknown)."""
-    for cls in type(exc).__mro__:
-        code = STATUS_CODES.get(cls)
-        if code is not None:
-            return code
+    if isinstance(exc, GatewayError):
+        return status_code(type(exc).status_code)
     return grpc.StatusCode.INTERNAL
 
 
-def _reason(class_name: str) -> str:
-    """``RunNotFound`` -> ``RUN_NOT_FOUND``: ErrorInfo reasons are UPPER_SNAKE_CASE."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", class_name).upper()
+def status_codes() -> dict[type[Exception], grpc.StatusCode]:
+    """Every domain error the gateway answers with, and its status code (the table, as data)."""
+    table: dict[type[Exception], grpc.StatusCode] = {
+        cls: status_code(cls.status_code) for cls in _domain_errors(GatewayError)
+    }
+    table[ContractViolation] = grpc.StatusCode.INTERNAL
+    return table
+
+
+#: The table, derived from the classes' data (tests and the HTTP side read it).
+STATUS_CODES = status_codes()
 
 
 def to_status(exc: Exception) -> grpc.Status:
-    """The rich status of a domain error: code, message, ``ErrorInfo`` and, for bad requests,
-    ``BadRequest`` with every field violation."""
-    code = status_code_for(exc)
-    details: list[any_pb2.Any] = []
-    if isinstance(exc, InvalidRequest):
-        packed = any_pb2.Any()
-        packed.Pack(bad_request(exc.violations))
-        details.append(packed)
-    info = error_details_pb2.ErrorInfo(reason=_reason(type(exc).__name__), domain=ERROR_DOMAIN)
-    run_id = getattr(exc, "run_id", "")
-    if run_id:
-        info.metadata["run_id"] = run_id
-    info.metadata.update(getattr(exc, "metadata", {}))
-    packed = any_pb2.Any()
-    packed.Pack(info)
-    details.append(packed)
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(exc), details=details)
-    return rpc_status.to_status(status)
+    """The rich status of a domain error: code, message, ``ErrorInfo`` with its reason and
+    metadata and, for bad requests, ``BadRequest`` with every field violation."""
+    if isinstance(exc, GatewayError):
+        return error_status(exc)
+    if isinstance(exc, ContractViolation):
+        return rich_status(grpc.StatusCode.INTERNAL, str(exc), ErrorReason.CONTRACT_VIOLATION)
+    return rich_status(grpc.StatusCode.INTERNAL, str(exc), ErrorReason.INTERNAL_ERROR)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -94,7 +73,13 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
         _LOGGER.info("%s: %s: %s", method, status_code_for(exc).name, exc, extra=extra)
         await context.abort_with_status(to_status(exc))
     _LOGGER.exception("%s failed unexpectedly", method)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: internal error (logged)")
+    await context.abort_with_status(
+        rich_status(
+            grpc.StatusCode.INTERNAL,
+            f"{method} failed: internal error (logged)",
+            ErrorReason.INTERNAL_ERROR,
+        )
+    )
 
 
 def map_errors(method: F) -> F:

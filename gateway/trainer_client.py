@@ -20,6 +20,7 @@ from gateway.core.trainers import (
     TrainerJobGone,
     TrainerLost,
 )
+from trainwire.reasons import ERROR_DOMAIN, ErrorReason
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 
 _LOGGER = logging.getLogger(__name__)
@@ -66,17 +67,17 @@ def localized_message(error: grpc.aio.AioRpcError) -> str | None:
 def error_reason(error: grpc.aio.AioRpcError) -> str:
     """The ``google.rpc.ErrorInfo`` reason in a status's details ("" when none)."""
     for detail in _rich_details(error):
-        if isinstance(detail, error_details_pb2.ErrorInfo):
+        if isinstance(detail, error_details_pb2.ErrorInfo) and detail.domain == ERROR_DOMAIN:
             return detail.reason
     return ""
 
 
-#: ErrorInfo reasons of the trainer (trainer_service.status) that the gateway acts on.
+#: ErrorInfo reasons of the trainer (trainwire.reasons) that the gateway acts on.
 _REASONS: dict[str, type[TrainerError]] = {
-    "SLOTS_BUSY": TrainerBusy,
-    "JOB_EXISTS": TrainerJobExists,
-    "JOB_NOT_FOUND": TrainerJobGone,
-    "EPISODES_NOT_HELD": TrainerJobGone,
+    ErrorReason.SLOTS_BUSY: TrainerBusy,
+    ErrorReason.JOB_EXISTS: TrainerJobExists,
+    ErrorReason.JOB_NOT_FOUND: TrainerJobGone,
+    ErrorReason.EPISODES_NOT_HELD: TrainerJobGone,
 }
 
 

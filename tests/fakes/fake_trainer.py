@@ -22,12 +22,10 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 import grpc
-from google.protobuf import any_pb2
-from google.protobuf.message import Message
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
 
+from trainwire.reasons import ErrorReason
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+from trainwire_ops.rich_status import rich_status
 
 #: Contract rules a script can break (``Script.violate``).
 VIOLATIONS = (
@@ -183,17 +181,8 @@ def _abort_with(
     reason: str,
     localized: str | None = None,
 ) -> NoReturn:
-    """Aborts with a rich status: an ErrorInfo with ``reason`` (and a LocalizedMessage)."""
-    details = []
-    messages: list[Message] = [error_details_pb2.ErrorInfo(reason=reason, domain="trainwire")]
-    if localized:
-        messages.append(error_details_pb2.LocalizedMessage(locale="en-US", message=localized))
-    for detail in messages:
-        packed = any_pb2.Any()
-        packed.Pack(detail)
-        details.append(packed)
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
-    context.abort_with_status(rpc_status.to_status(status))
+    """Aborts with a rich status, built as the real trainer builds its own."""
+    context.abort_with_status(rich_status(code, message, reason, localized=localized))
     raise AssertionError("unreachable")
 
 
@@ -285,7 +274,9 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         with self._cond:
             self.granted.append((request.run_id, request.through_episode))
             if request.run_id not in self.grants:
-                _abort_with(context, grpc.StatusCode.NOT_FOUND, "no such job", "JOB_NOT_FOUND")
+                _abort_with(
+                    context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
+                )
             if request.through_episode > self.grants[request.run_id]:
                 self.grants[request.run_id] = request.through_episode
                 self._cond.notify_all()
@@ -297,7 +288,9 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         with self._cond:
             ended = self._ended_by_run.get(request.run_id)
             if ended is None:
-                _abort_with(context, grpc.StatusCode.NOT_FOUND, "no such job", "JOB_NOT_FOUND")
+                _abort_with(
+                    context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
+                )
             self.jobs_cancelled.append(request.run_id)
         ended.set()
         return trainer_service_pb2.CancelJobResponse()
@@ -327,7 +320,9 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
             with self._cond:
                 self.requests.append(request)
                 self._cond.notify_all()
-            _abort_with(context, grpc.StatusCode.NOT_FOUND, "no such job", "JOB_NOT_FOUND")
+            _abort_with(
+                context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
+            )
         with self._cond:
             script = self.scripts.popleft() if self.scripts else self.default
             self.requests.append(request)
@@ -341,11 +336,13 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "request too large",
-                "MESSAGE_TOO_LARGE",
+                "MESSAGE_TOO_LARGE",  # not a Trainwire reason: a transport's own
                 script.exhausted or None,
             )
         if script.busy or full:
-            _abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot", "SLOTS_BUSY")
+            _abort_with(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot", ErrorReason.SLOTS_BUSY
+            )
         ended = _Ended(self._closed)
         context.add_callback(ended.set)
         run_id = request.run_id
@@ -453,17 +450,10 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
     ) -> None:
         if script.localized is None:
             context.abort(script.abort_code, f"run {request.run_id}: the fake trainer gave up")
-        details = []
-        for message in (
-            error_details_pb2.LocalizedMessage(locale="en-US", message=script.localized),
-            error_details_pb2.ErrorInfo(reason="PROVIDER_FAILED", domain="trainwire"),
-        ):
-            packed = any_pb2.Any()
-            packed.Pack(message)
-            details.append(packed)
-        status = status_pb2.Status(
-            code=getattr(code_pb2, script.abort_code.name),
-            message=f"run {request.run_id}: provider failed",
-            details=details,
+        _abort_with(
+            context,
+            script.abort_code,
+            f"run {request.run_id}: provider failed",
+            ErrorReason.PROVIDER_FAILED,
+            script.localized,
         )
-        context.abort_with_status(rpc_status.to_status(status))
