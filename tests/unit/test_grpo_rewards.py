@@ -40,6 +40,31 @@ def test_exact_match() -> None:
     assert rewards == [1.0, 0.0, 1.0, None]
 
 
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("red", 1.0),
+        (" Red. ", 1.0),
+        ("RED!", 1.0),
+        ("<answer> red </answer> because it is", 1.0),
+        ("light  Red", 0.0),
+        ("red green blue yellow", 0.0),  # listing every candidate must not score
+        ("the red", 0.0),
+        ("reddish", 0.0),
+        ("<answer>blue</answer> red", 0.0),  # the tagged answer is the answer
+        ("", 0.0),
+    ],
+)
+def test_exact_match_is_equality_not_containment(completion: str, reward: float) -> None:
+    assert exact_match([_chat(completion)], solution=["red"]) == [reward]
+
+
+def test_exact_match_normalises_multi_word_solutions() -> None:
+    got = exact_match([_chat("Light   blue."), _chat("light")], solution=["light blue"] * 2)
+    assert got == [1.0, 0.0]
+    assert exact_match([_chat("x")], solution=["  "]) == [None]
+
+
 def test_format() -> None:
     completions = [
         _chat("<answer>a</answer>"),

@@ -5,8 +5,12 @@ Reward functions follow TRL's calling convention: keyword arguments ``prompts``,
 dataset column (``solution``, ...) as a list with one entry per completion; they return one float
 per completion (``None`` = not scorable).
 
-- ``exact_match``: 1.0 when the row's ``solution`` appears in the completion (case-insensitive,
-  surrounding whitespace ignored), else 0.0; ``None`` for rows without a solution.
+- ``exact_match``: 1.0 when the completion's answer equals the row's ``solution``, else 0.0;
+  ``None`` for rows without a solution. The answer is the text of the first
+  ``<answer>...</answer>`` when there is one, else the whole completion; both sides are compared
+  case-insensitively with surrounding whitespace and punctuation stripped and inner whitespace
+  collapsed. Equality, not containment: a completion that lists every candidate ("red green
+  blue") must not score, or GRPO learns to list instead of to look.
 - ``format``: 1.0 when the completion holds ``<answer>...</answer>``, else 0.0.
 - ``length``: 0.0 up to 80 % of ``max_completion_length`` tokens, then falling linearly to -1.0
   at the limit (a completion that hits the limit was cut off).
@@ -27,6 +31,8 @@ REWARD_NAMES: tuple[str, ...] = ("exact_match", "format", "length")
 DEFAULT_REWARDS: tuple[str, ...] = ("exact_match", "format")
 
 _ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+_ANSWER_BODY = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_EDGE = " \t\r\n.,;:!?\"'`"
 _LENGTH_FREE_FRACTION = 0.8
 
 RewardFunction = Callable[..., list[float | None]]
@@ -50,18 +56,34 @@ def completion_text(completion: Any) -> str:
     return str(completion)
 
 
+def normalize_answer(text: str) -> str:
+    """``text`` lower-cased, inner whitespace collapsed, edge whitespace/punctuation stripped."""
+    return " ".join(text.lower().split()).strip(_EDGE)
+
+
+def extract_answer(text: str) -> str:
+    """The completion's answer: the first ``<answer>...</answer>`` body, else the whole text."""
+    tagged = _ANSWER_BODY.search(text)
+    return normalize_answer(tagged.group(1) if tagged else text)
+
+
 def exact_match(
     completions: Sequence[Any], solution: Sequence[Any] | None = None, **_: Any
 ) -> list[float | None]:
-    """1.0 when the row's ``solution`` is in the completion, else 0.0 (``None``: no solution)."""
+    """1.0 when the completion's answer equals the row's ``solution`` (see the module docstring).
+
+    Returns:
+        One reward per completion; ``None`` for rows without a (non-blank) solution.
+    """
     solutions = list(solution) if solution is not None else [None] * len(completions)
     rewards: list[float | None] = []
     for completion, expected in zip(completions, solutions, strict=True):
-        if expected is None or not str(expected).strip():
+        wanted = normalize_answer(str(expected)) if expected is not None else ""
+        if not wanted:
             rewards.append(None)
             continue
-        found = str(expected).strip().lower() in completion_text(completion).lower()
-        rewards.append(1.0 if found else 0.0)
+        answer = extract_answer(completion_text(completion))
+        rewards.append(1.0 if answer == wanted else 0.0)
     return rewards
 
 
