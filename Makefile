@@ -4,13 +4,17 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The code generator's own pinned venv: the client's oldest supported toolchain (see
+# scripts/gen-requirements.txt), which the services' pinned venv cannot hold.
+GEN_VENV := $(VENV)/gen
+GEN_STAMP := $(GEN_VENV)/.installed-stamp
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 PYTEST_ARGS ?=
 
 .PHONY: install run test gen lint bench clean
 
 # Python dependencies (when a dependency file changed), then Chromium for the browser tests.
-install: $(STAMP)
+install: $(STAMP) $(GEN_STAMP)
 	@bash scripts/install_browser.sh
 
 # Re-installs only when a dependency file changed; otherwise `make install` is a no-op.
@@ -20,16 +24,22 @@ $(STAMP): pyproject.toml clients/pyproject.toml constraints.txt
 	$(PIP_INSTALL) -e './clients[cli]' -e '.[trainer,dev]'
 	@touch $@
 
+$(GEN_STAMP): scripts/gen-requirements.txt
+	@test -x $(GEN_VENV)/bin/python || $(PYTHON) -m venv $(GEN_VENV)
+	$(GEN_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		-r scripts/gen-requirements.txt
+	@touch $@
+
 run: install
 	@bash scripts/run.sh
 
 test: install
 	cd protos && ../$(VENV)/bin/buf lint
-	@set +e; $(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	@set +e; TRAINWIRE_GEN_PYTHON=$(GEN_VENV)/bin/python $(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 gen: install
-	$(PY) scripts/gen_protos.py
+	TRAINWIRE_GEN_PYTHON=$(GEN_VENV)/bin/python $(PY) scripts/gen_protos.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -23,10 +23,11 @@ __all__ = [
 ]
 
 Run = gateway_service_pb2.Run
-RunState: TypeAlias = int  # a gateway_service_pb2.Run.State value
+#: A ``Run.State`` value (an int at run time).
+RunState: TypeAlias = "gateway_service_pb2.Run.State.ValueType"
 
 #: The states a run never leaves.
-TERMINAL_STATES: frozenset[int] = frozenset(
+TERMINAL_STATES: frozenset[RunState] = frozenset(
     {Run.State.STATE_DONE, Run.State.STATE_STOPPED, Run.State.STATE_ERROR}
 )
 
@@ -142,7 +143,7 @@ def parse_state(name: str) -> RunState:
     if not full.startswith("STATE_"):
         full = "STATE_" + full
     try:
-        value: int = Run.State.Value(full)
+        value = Run.State.Value(full)
     except ValueError:
         names = ", ".join(state_name(v) for v in Run.State.values() if v)
         raise ValueError(f"unknown run state {name!r}; one of: {names}") from None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import grpc
 
@@ -127,6 +127,39 @@ DEFAULT_TIMEOUT = 10.0
 DEFAULT_IDLE_TIMEOUT = 30.0
 
 
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries ``token`` (none without one).
+
+    Raises:
+        ValueError: a token that is not one line of text.
+    """
+    if token is not None and (not token.strip() or any(c in token for c in "\r\n")):
+        raise ValueError("token must be one line of text")
+    return (("authorization", f"Bearer {token.strip()}"),) if token else ()
+
+
+def channel_plan(
+    target: str | None,
+    tls: bool,
+    token: str | None,
+    root_certificates: bytes | None,
+    certificate_chain: bytes | None,
+    private_key: bytes | None,
+) -> grpc.ChannelCredentials | None:
+    """The credentials of a channel the client creates to ``target``; None for plaintext.
+
+    Raises:
+        ValueError: no target.
+    """
+    if not target:
+        raise ValueError("give a target (host:port) or a channel")
+    if tls:
+        return channel_credentials(root_certificates, certificate_chain, private_key)
+    if token and not is_loopback_target(target):
+        _LOGGER.warning("sending a token to %s without TLS: anyone on the way can read it", target)
+    return None
+
+
 def connection_error(
     error: TrainwireError, target: str, tls: bool, client_certificate: bool
 ) -> TrainwireError:
@@ -189,23 +222,15 @@ class GatewayClient:
             tls = root_certificates is not None or certificate_chain is not None
         self._tls = tls
         self._client_certificate = certificate_chain is not None
-        if token is not None and (not token.strip() or any(c in token for c in "\r\n")):
-            raise ValueError("token must be one line of text")
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {token.strip()}"),) if token else ()
-        )
+        self._metadata = bearer_metadata(token)
         if channel is None:
-            if not target:
-                raise ValueError("give a target (host:port) or a channel")
-            if tls:
-                credentials = channel_credentials(root_certificates, certificate_chain, private_key)
+            credentials = channel_plan(
+                target, tls, token, root_certificates, certificate_chain, private_key
+            )
+            assert target  # channel_plan checked it
+            if credentials is not None:
                 channel = grpc.secure_channel(target, credentials, options=list(options))
             else:
-                if token and not is_loopback_target(target):
-                    _LOGGER.warning(
-                        "sending a token to %s without TLS: anyone on the way can read it",
-                        target,
-                    )
                 channel = grpc.insecure_channel(target, options=list(options))
             self._owns_channel = True
         else:
@@ -249,6 +274,10 @@ class GatewayClient:
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
 
+    def _control(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Run:
+        run: Run = self._unary(method, request, timeout).run
+        return run
+
     def create_run(
         self,
         task: episode_pb2.TrainTask,
@@ -282,13 +311,12 @@ class GatewayClient:
             request_id=request_id,
             display_name=display_name,
         )
-        response = self._unary(self._stub.CreateRun, request, timeout)
-        return response.run
+        return self._control(self._stub.CreateRun, request, timeout)
 
     def get_run(self, run_id: str, *, timeout: float | None = None) -> Run:
         """Returns one run (``GetRun``). Raises ``NotFound`` for an unknown run."""
         request = gateway_service_pb2.GetRunRequest(run_id=run_id)
-        return self._unary(self._stub.GetRun, request, timeout).run
+        return self._control(self._stub.GetRun, request, timeout)
 
     def list_runs_page(
         self,
@@ -300,7 +328,7 @@ class GatewayClient:
     ) -> gateway_service_pb2.ListRunsResponse:
         """Returns one page of runs, newest first (``ListRuns``)."""
         request = gateway_service_pb2.ListRunsRequest(
-            page_size=page_size, page_token=page_token, state=cast("Run.State", state)
+            page_size=page_size, page_token=page_token, state=state
         )
         response: gateway_service_pb2.ListRunsResponse = self._unary(
             self._stub.ListRuns, request, timeout
@@ -333,27 +361,27 @@ class GatewayClient:
     def pause_run(self, run_id: str, *, timeout: float | None = None) -> Run:
         """Pauses a running run (``PauseRun``); a no-op on a paused run."""
         request = gateway_service_pb2.PauseRunRequest(run_id=run_id)
-        return self._unary(self._stub.PauseRun, request, timeout).run
+        return self._control(self._stub.PauseRun, request, timeout)
 
     def resume_run(self, run_id: str, *, timeout: float | None = None) -> Run:
         """Resumes a paused run (``ResumeRun``); a no-op on a running run."""
         request = gateway_service_pb2.ResumeRunRequest(run_id=run_id)
-        return self._unary(self._stub.ResumeRun, request, timeout).run
+        return self._control(self._stub.ResumeRun, request, timeout)
 
     def stop_run(self, run_id: str, *, timeout: float | None = None) -> Run:
         """Stops a run (``StopRun``); its history is kept."""
         request = gateway_service_pb2.StopRunRequest(run_id=run_id)
-        return self._unary(self._stub.StopRun, request, timeout).run
+        return self._control(self._stub.StopRun, request, timeout)
 
     def set_run_speed(self, run_id: str, speed: float, *, timeout: float | None = None) -> Run:
         """Sets a run's playback speed (``SetRunSpeed``); the gateway clamps it to 0.1..20."""
         request = gateway_service_pb2.SetRunSpeedRequest(run_id=run_id, speed=speed)
-        return self._unary(self._stub.SetRunSpeed, request, timeout).run
+        return self._control(self._stub.SetRunSpeed, request, timeout)
 
     def delete_run(self, run_id: str, *, timeout: float | None = None) -> Run:
         """Deletes a finished run and its history (``DeleteRun``); returns it as it was."""
         request = gateway_service_pb2.DeleteRunRequest(run_id=run_id)
-        return self._unary(self._stub.DeleteRun, request, timeout).run
+        return self._control(self._stub.DeleteRun, request, timeout)
 
     # streaming
 

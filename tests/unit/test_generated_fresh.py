@@ -36,3 +36,27 @@ def test_every_proto_is_generated() -> None:
     gen = _load_generator()
     names = {p.stem for p in gen.proto_files()}
     assert names == {"episode", "trainer_service", "gateway_service"}
+
+
+def _client_requirements() -> dict[str, str]:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "clients" / "pyproject.toml").read_text())["project"]
+    found = {}
+    for spec in project["dependencies"]:
+        name, _, rest = spec.partition(">=")
+        found[name.strip()] = rest.split(",")[0].strip()
+    return found
+
+
+def test_the_client_range_starts_where_the_generated_code_does() -> None:
+    """The lower bounds of clients/pyproject.toml are the generator's versions: a newer
+    generator without a new floor would publish code that refuses the floor at import."""
+    gen = _load_generator()
+    floors = _client_requirements()
+    v1 = ROOT / "clients" / "trainwire" / "v1"
+    grpc_code = (v1 / "gateway_service_pb2_grpc.py").read_text()
+    assert f"GRPC_GENERATED_VERSION = '{gen.pinned('grpcio-tools')}'" in grpc_code
+    assert floors["grpcio"] == floors["grpcio-status"] == gen.pinned("grpcio-tools")
+    pb2 = (v1 / "gateway_service_pb2.py").read_text()
+    assert f"# Protobuf Python Version: {floors['protobuf']}\n" in pb2

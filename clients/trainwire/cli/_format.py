@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from google.protobuf import json_format, message
 
@@ -65,7 +65,7 @@ def rate_text(run: Run) -> str:
     return f"{run.episodes_per_second:g}/s x {run.speed:g}"
 
 
-def time_text(run: Run, field: str) -> str:
+def time_text(run: Run, field: Literal["create_time", "start_time", "end_time"]) -> str:
     """A timestamp field as local ISO time without microseconds, or ``-`` when unset."""
     if not run.HasField(field):
         return "-"

@@ -5,7 +5,7 @@ import warnings
 
 from trainwire.v1 import gateway_service_pb2 as trainwire_dot_v1_dot_gateway__service__pb2
 
-GRPC_GENERATED_VERSION = '1.85.0'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in trainwire/v1/gateway_service_pb2_grpc.py depends on'
+        + f' but the generated code in trainwire/v1/gateway_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class GatewayServiceStub:
+class GatewayServiceStub(object):
     """Creates, controls and streams training runs. Every error message names the
     run id.
 
@@ -91,7 +91,7 @@ class GatewayServiceStub:
                 _registered_method=True)
 
 
-class GatewayServiceServicer:
+class GatewayServiceServicer(object):
     """Creates, controls and streams training runs. Every error message names the
     run id.
 
@@ -288,7 +288,7 @@ def add_GatewayServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class GatewayService:
+class GatewayService(object):
     """Creates, controls and streams training runs. Every error message names the
     run id.
 

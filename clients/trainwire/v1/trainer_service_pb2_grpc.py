@@ -5,7 +5,7 @@ import warnings
 
 from trainwire.v1 import trainer_service_pb2 as trainwire_dot_v1_dot_trainer__service__pb2
 
-GRPC_GENERATED_VERSION = '1.85.0'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in trainwire/v1/trainer_service_pb2_grpc.py depends on'
+        + f' but the generated code in trainwire/v1/trainer_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class TrainerServiceStub:
+class TrainerServiceStub(object):
     """Runs one training job per slot and streams its episodes.
     """
 
@@ -57,7 +57,7 @@ class TrainerServiceStub:
                 _registered_method=True)
 
 
-class TrainerServiceServicer:
+class TrainerServiceServicer(object):
     """Runs one training job per slot and streams its episodes.
     """
 
@@ -168,7 +168,7 @@ def add_TrainerServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class TrainerService:
+class TrainerService(object):
     """Runs one training job per slot and streams its episodes.
     """
 
