@@ -96,7 +96,7 @@ def _legacy_gateway(argv: list[str]) -> int:
     """``python -m gateway ARGV`` with the legacy store thread over this tree's schema."""
     import sqlite3
 
-    import gateway.server
+    import gateway.core.store.sqlite_backend as backend
     from gateway.__main__ import main
     from gateway.core.store import SqliteStore
 
@@ -105,8 +105,8 @@ def _legacy_gateway(argv: list[str]) -> int:
     class LegacySqliteStore(SqliteStore):
         """This tree's schema and queries with the legacy WAL settings and checkpoint."""
 
-        def __init__(self, path: str) -> None:
-            super().__init__(path)
+        def __init__(self, path: str, migrate: bool = False) -> None:
+            super().__init__(path, migrate)
             self.journal_size_limit(-1)  # the legacy store never truncated the WAL file
 
         def checkpoint(self) -> tuple[int, int, int]:
@@ -117,8 +117,17 @@ def _legacy_gateway(argv: list[str]) -> int:
                 conn.close()
             return busy, frames, copied
 
-    gateway.server.SqliteStore = LegacySqliteStore  # type: ignore[misc]
-    gateway.server.StoreThread = legacy.StoreThread
+    class LegacyStoreThread(legacy.StoreThread):  # type: ignore[name-defined,misc]
+        """The legacy thread, built the way this tree's backend builds its thread."""
+
+        def __init__(
+            self, store: Any, loop: Any, on_commit: Any = None, *, wal_limit_bytes: Any = None
+        ) -> None:
+            del wal_limit_bytes  # the legacy thread knew no limit
+            super().__init__(store, loop, on_commit)
+
+    backend.SqliteStore = LegacySqliteStore  # type: ignore[misc]
+    backend.StoreThread = LegacyStoreThread  # type: ignore[misc]
     return main(argv)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from gateway.auth import TokenFileError
 from gateway.config import DEFAULT_DB, GatewayConfig
 from gateway.core.dblock import DatabaseLocked
+from gateway.core.store import DatabaseProblem
 from gateway.server import Gateway
 from trainwire.logs import LOG_FORMATS, configure_logging
 from trainwire_ops.addresses import host_port
@@ -44,6 +45,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="trainer address(es) HOST:PORT, comma-separated, tried in order",
     )
     p.add_argument("--db", default=DEFAULT_DB, help="SQLite database file, or :memory:")
+    p.add_argument(
+        "--migrate",
+        action="store_true",
+        help="migrate a database of an older schema on start (without it such a database is "
+        "refused; see `python -m gateway migrate`)",
+    )
     p.add_argument(
         "--episode-rate",
         type=float,
@@ -178,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         port=args.port,
         trainers=tuple(a.strip() for a in args.trainer.split(",") if a.strip()),
         db=args.db,
+        migrate=args.migrate,
         episode_rate=args.episode_rate,
         keepalive_s=args.keepalive,
         heartbeat_timeout_s=args.heartbeat_timeout,
@@ -208,7 +216,7 @@ async def serve(config: GatewayConfig) -> int:
     gateway = Gateway(config)
     try:
         port = await gateway.start()
-    except (DatabaseLocked, TlsFileError, TokenFileError) as exc:
+    except (DatabaseLocked, DatabaseProblem, TlsFileError, TokenFileError) as exc:
         print(f"python -m gateway: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except (OSError, RuntimeError) as exc:  # a port that cannot be bound
@@ -236,7 +244,12 @@ async def serve(config: GatewayConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point."""
+    """Entry point (``python -m gateway migrate ...`` migrates a database)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["migrate"]:
+        from gateway.tools import migrate
+
+        return migrate.main(argv[1:])
     args = parse_args(argv)
     try:
         config = config_from_args(args)

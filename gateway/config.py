@@ -20,6 +20,8 @@ class GatewayConfig:
         port: Port to listen on; 0 picks a free one.
         trainers: Trainer addresses (``HOST:PORT``), tried in order.
         db: SQLite database file, or ``:memory:``.
+        migrate: Migrate a database of an older schema on start (otherwise it is refused with
+            one line saying how to migrate it).
         episode_rate: Default publication rate (episodes per second) of a run that sets none.
         keepalive_s: A watch stream idle this long gets a keepalive.
         heartbeat_timeout_s: A trainer stream silent this long is considered lost (a broken
@@ -62,6 +64,7 @@ class GatewayConfig:
     port: int = 50051
     trainers: tuple[str, ...] = ("127.0.0.1:50052",)
     db: str = DEFAULT_DB
+    migrate: bool = False
     episode_rate: float = 20.0
     keepalive_s: float = 15.0
     heartbeat_timeout_s: float = 30.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import time
 
 from google.protobuf import timestamp_pb2
@@ -112,7 +113,17 @@ def run_spec_from_proto(request: gateway_service_pb2.CreateRunRequest) -> RunSpe
         episodes_per_second=request.episodes_per_second,
         request_id=request.request_id,
         display_name=request.display_name,
+        request_hash=request_fingerprint(request),
     )
+
+
+def request_fingerprint(request: gateway_service_pb2.CreateRunRequest) -> str:
+    """The sha256 of a CreateRunRequest's canonical bytes without its request_id: what the
+    idempotency key names."""
+    unkeyed = gateway_service_pb2.CreateRunRequest()
+    unkeyed.CopyFrom(request)
+    unkeyed.ClearField("request_id")
+    return hashlib.sha256(unkeyed.SerializeToString(deterministic=True)).hexdigest()
 
 
 def state_from_proto(state: int) -> RunState | None:

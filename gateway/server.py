@@ -18,7 +18,7 @@ from gateway.auth import Authenticator, AuthInterceptor
 from gateway.config import GatewayConfig
 from gateway.core.dblock import DatabaseLock
 from gateway.core.registry import RunRegistry
-from gateway.core.store import SqliteStore, StoreThread
+from gateway.core.store import open_store
 from gateway.core.trainers import TrainerConnector
 from gateway.http import HttpFace
 from gateway.http.auth import http_middleware
@@ -145,6 +145,8 @@ class Gateway:
             TlsFileError: A certificate, key or CA file cannot be used (nothing was started).
             TokenFileError: The tokens file cannot be used (nothing was started).
             DatabaseLocked: Another gateway uses the database (nothing was started).
+            DatabaseProblem: The database cannot be used, or needs a migration (nothing was
+                started).
             OSError: The metrics or HTTP port cannot be bound (nothing was started).
             RuntimeError: The gRPC port cannot be bound.
         """
@@ -156,15 +158,15 @@ class Gateway:
                 metrics.registry, self.config.metrics_host, self.config.metrics_port
             )
         try:
-            store = StoreThread(
-                SqliteStore(self.config.db), asyncio.get_running_loop(), metrics.store_commit
+            store = open_store(
+                self.config.db, migrate=self.config.migrate, on_commit=metrics.store_commit
             )
             self.core = RunRegistry(
                 self.config,
                 store,
                 self._connector or self._grpc_connector(),
                 metrics,
-                on_health=self._trainers_healthy,
+                on_health=self._health_changed,
             )
             await self.core.start()
             self.server, self.port = build_server(
@@ -186,7 +188,7 @@ class Gateway:
             await self._stop_metrics()
             self._lock.release()
             raise
-        await self._set_health(self.core.trainers_healthy)
+        await self._set_health(self.core.healthy)
         _LOGGER.info(
             "gateway serving on %s (db %s)", host_port(self.config.host, self.port), self.config.db
         )
@@ -226,14 +228,14 @@ class Gateway:
         if self.authenticator is not None:
             self.authenticator.reload()
 
-    def _trainers_healthy(self, healthy: bool) -> None:
-        """The scheduler's verdict: SERVING while at least one trainer answers."""
+    def _health_changed(self, healthy: bool) -> None:
+        """The core's verdict: SERVING while a trainer answers and the store can be written."""
         if self.core is None or self.core.closing:
             return
         if healthy:
-            _LOGGER.info("a trainer answers: health SERVING")
+            _LOGGER.info("a trainer answers and the store can be written: health SERVING")
         else:
-            _LOGGER.warning("no trainer answers: health NOT_SERVING")
+            _LOGGER.warning("no trainer answers or the store cannot be written: NOT_SERVING")
         task = asyncio.get_running_loop().create_task(self._set_health(healthy))
         self._health_tasks.add(task)
         task.add_done_callback(self._health_tasks.discard)

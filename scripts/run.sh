@@ -93,7 +93,7 @@ pids+=($!)
 trainer=$(wait_listening trainer "$VAR/logs/trainer.log" "${pids[-1]}")
 
 "$PY" -m gateway --host 127.0.0.1 --port "$GATEWAY_PORT" --http-port "$HTTP_PORT" \
-  --trainer "$trainer" --db "$VAR/trainwire.sqlite3" "${gateway_metrics[@]}" \
+  --trainer "$trainer" --db "$VAR/trainwire.sqlite3" --migrate "${gateway_metrics[@]}" \
   >"$VAR/logs/gateway.log" 2>&1 &
 pids+=($!)
 gateway=$(wait_listening gateway "$VAR/logs/gateway.log" "${pids[-1]}")

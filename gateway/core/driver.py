@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.config import GatewayConfig
+from gateway.core.errors import StoreUnavailable
 from gateway.core.history import EpisodeLog, encode_frame
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
@@ -48,7 +49,7 @@ from gateway.core.runs import (
     RunState,
     TrainingRun,
 )
-from gateway.core.store import EpisodeRecord, SqliteStore, StoreThread
+from gateway.core.store import STORE_MESSAGE, EpisodeRecord, Store, StoreWriteFailed
 from gateway.core.trainers import (
     TrainerBusy,
     TrainerConnector,
@@ -113,7 +114,7 @@ class DriverContext:
     """What every driver of a registry shares."""
 
     config: GatewayConfig
-    store: StoreThread
+    store: Store
     connector: TrainerConnector
     observer: Observer
     scheduler: SchedulerHooks
@@ -123,6 +124,8 @@ class DriverContext:
     on_end: Callable[[RunDriver], None]
     #: Keeps a background task (a CancelJob) referenced until it is done.
     spawn: Callable[[asyncio.Task[None]], None]
+    #: Takes a run whose final state the store could not take, to write it later.
+    unsaved: Callable[[TrainingRun], None]
 
 
 def _log_end(run: TrainingRun) -> None:
@@ -336,9 +339,20 @@ class RunDriver:
             )
 
     async def persist(self) -> None:
-        """Stores the run's state, speed, times and trainer."""
-        await self._ctx.store.call(SqliteStore.update_run, self.run.snapshot())
+        """Stores the run's state, speed, times and trainer.
+
+        Raises:
+            StoreUnavailable: the store cannot be written (the change holds in memory, and a
+                finished run's final state is written once the store can be again).
+        """
         self._ctx.observer.run_state_changed(self.run.id, self.run.state.name)
+        snapshot = self.run.snapshot()
+        try:
+            await self._ctx.store.update_run(snapshot)
+        except StoreWriteFailed:
+            if snapshot.state.finished:
+                self._ctx.unsaved(snapshot)
+            raise StoreUnavailable(f"run {self.run.id!r}: {STORE_MESSAGE}", self.run.id) from None
 
     # -- driving -----------------------------------------------------------------------------
 
@@ -380,6 +394,8 @@ class RunDriver:
             )
         except TrainerError as exc:
             message = self._failed(exc, trainer)
+        except (StoreWriteFailed, StoreUnavailable):
+            message = STORE_MESSAGE  # logged where the write failed
         except Exception:
             message = UNEXPECTED_MESSAGE
             _LOGGER.exception(
@@ -396,9 +412,17 @@ class RunDriver:
         self.task = None
         try:
             await self._flush()
+        except StoreWriteFailed:
+            message = message or STORE_MESSAGE  # logged where the write failed
         except Exception:
             _LOGGER.exception("run %s: store failure", run.id, extra={"run_id": run.id})
             message = message or UNEXPECTED_MESSAGE
+        if message in (CONTRACT_MESSAGE, STORE_MESSAGE, UNEXPECTED_MESSAGE) and self._trainer:
+            # The failure is the gateway's side: the trainer's job would run on for its detach
+            # grace, computing for nobody.
+            self._ctx.spawn(
+                asyncio.create_task(self._cancel_job(), name=f"gateway-cancel-{run.id}")
+            )
         if message is None:
             run.complete(self._ctx.now())
         else:
@@ -623,17 +647,19 @@ class RunDriver:
         self._pending.append((n, episode.reward, episode.best_reward, encode_frame(data)))
         self.pacer.published()
         record = EpisodeRecord(self.run.id, n, episode.reward, episode.best_reward, data)
-        self._ctx.store.submit(SqliteStore.append_episodes, (record,), callback=self._on_commit)
+        self._ctx.store.append_episode(record, self._on_commit)
 
-    def _on_commit(self, _result: object, error: BaseException | None) -> None:
+    def _on_commit(self, error: BaseException | None) -> None:
         self._committed.set()
         if error is not None:
-            _LOGGER.error(
-                "run %s: storing an episode failed: %s",
-                self.run.id,
-                error,
-                extra={"run_id": self.run.id},
-            )
+            if self._commit_error is None:
+                _LOGGER.error(
+                    "run %s: storing episode %d failed: %s",
+                    self.run.id,
+                    self._pending[0][0] if self._pending else 0,
+                    error,
+                    extra={"run_id": self.run.id},
+                )
             self._commit_error = error
             self._control.set()
             return
@@ -711,12 +737,21 @@ class RunDriver:
         run = self.run
         try:
             await self._flush()
+        except StoreWriteFailed:
+            pass  # logged where the write failed; the run ended with the store's message
         except Exception:
             _LOGGER.exception(
                 "run %s: episodes lost on the way to the store", run.id, extra={"run_id": run.id}
             )
         try:
             await self.persist()
+        except StoreUnavailable:
+            _LOGGER.error(
+                "run %s: its final state %s is saved once the store can be written again",
+                run.id,
+                run.state.name,
+                extra={"run_id": run.id},
+            )
         except Exception:
             _LOGGER.exception(
                 "run %s: could not store its final state", run.id, extra={"run_id": run.id}

@@ -90,6 +90,13 @@ class TrainerUnavailable(GatewayError):
     reason = ErrorReason.TRAINER_UNAVAILABLE
 
 
+class StoreUnavailable(GatewayError):
+    """The store cannot be written (disk full, read-only): runs cannot be created or saved."""
+
+    status_code = "UNAVAILABLE"
+    reason = ErrorReason.STORE_UNAVAILABLE
+
+
 class TooManyPending(GatewayError):
     """The gateway already has its maximum of PENDING runs (``--max-pending``)."""
 

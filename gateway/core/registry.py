@@ -28,6 +28,7 @@ from gateway.core.errors import (
     InvalidRequest,
     RunNotFound,
     ShuttingDown,
+    StoreUnavailable,
     TooManyPending,
 )
 from gateway.core.history import PageCache, encode_frame
@@ -36,7 +37,7 @@ from gateway.core.pacing import clamp_speed
 from gateway.core.replay import CaughtUp, EpisodeFrames, Finished, Keepalive, Replay, WatchEvent
 from gateway.core.runs import INTERRUPTED_MESSAGE, RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
-from gateway.core.store import SqliteStore, StoreThread
+from gateway.core.store import STORE_MESSAGE, Store, StoreWriteFailed
 from gateway.core.trainers import TrainerConnector
 from trainwire.contract import FieldViolation, check_run_id, display_run_id, task_kind
 from trainwire.v1 import episode_pb2
@@ -68,6 +69,24 @@ class RunSpec:
     request_id: str = ""
     display_name: str = ""
     creator: str = ""  # the authenticated caller's name ("" without authentication)
+    #: The fingerprint of the request (without its request_id): the same request_id with
+    #: another fingerprint is a reused key, not a retry.
+    request_hash: str = ""
+
+
+def _check_same_request(request_id: str, run: TrainingRun, spec: RunSpec) -> None:
+    """A request_id names one request: the same key with another request is refused.
+
+    Raises:
+        InvalidRequest: the fingerprints differ (runs stored before fingerprints match any).
+    """
+    if run.request_hash in ("", spec.request_hash):
+        return
+    raise InvalidRequest(
+        f"request_id {request_id!r} was used for a different request (run {run.id}); an "
+        "idempotency key names one request",
+        [FieldViolation("request_id", f"already used by run {run.id} for another request")],
+    )
 
 
 def _require_run_id(run_id: str) -> None:
@@ -84,7 +103,7 @@ class RunRegistry:
 
     Args:
         config: Gateway settings (rates, timeouts, trainers).
-        store: The store thread (not yet started).
+        store: The store (not yet started).
         connector: How to reach trainers.
         observer: Metrics hooks.
         clock: Monotonic clock in seconds (pacing, keepalives).
@@ -95,7 +114,7 @@ class RunRegistry:
     def __init__(
         self,
         config: GatewayConfig,
-        store: StoreThread,
+        store: Store,
         connector: TrainerConnector,
         observer: Observer | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -113,7 +132,12 @@ class RunRegistry:
         self._background: set[asyncio.Task[None]] = set()
         self._closing = False
         self._started = False
-        self.scheduler = Scheduler(config, connector, self._observer, on_health, clock)
+        self._on_health = on_health
+        self._healthy: bool | None = None
+        self._trainers_ok = False
+        # Final states the store could not take (disk full): written once it can again.
+        self._unsaved: dict[str, TrainingRun] = {}
+        self.scheduler = Scheduler(config, connector, self._observer, self._trainers_changed, clock)
         self._pages = PageCache(self._load_page, int(config.history_cache_mb * (1 << 20)))
         self._replay = Replay(self._pages, config.keepalive_s, clock, lambda: self._closing)
         self._ctx = DriverContext(
@@ -126,6 +150,7 @@ class RunRegistry:
             now=wall_clock,
             on_end=self._ended,
             spawn=self._spawn,
+            unsaved=self._remember_unsaved,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -133,12 +158,13 @@ class RunRegistry:
     async def start(self) -> None:
         """Starts the store and the trainer probes and recovers the runs a previous gateway
         left active (see the module docstring)."""
-        self._store.start()
+        await self._store.start()
+        self._store.on_writable(self._store_changed)
         self._started = True
         self.scheduler.start()
-        counts = await self._store.call(SqliteStore.count_by_state)
+        counts = await self._store.count_by_state()
         self._observer.runs_loaded({state.name: n for state, n in counts.items()})
-        for run in await self._store.call(SqliteStore.active_runs):
+        for run in await self._store.active_runs():
             await self._recover(run)
         await self.scheduler.first_round(min(2.0, self._config.trainer_call_timeout_s))
 
@@ -154,7 +180,7 @@ class RunRegistry:
             )
             self.scheduler.enqueue(driver)
             return
-        frames = await self._store.call(SqliteStore.read_episodes, run.id, 1, run.episode)
+        frames = await self._store.read_episodes(run.id, 1, run.episode)
         if len(frames) != run.episode:
             _LOGGER.error(
                 "run %s: %d of %d episodes in the store; cannot continue it",
@@ -219,10 +245,49 @@ class RunRegistry:
             del self._active[driver.run.id]
         self.scheduler.dequeue(driver)
 
+    # -- health ------------------------------------------------------------------------------
+
     @property
-    def trainers_healthy(self) -> bool:
-        """Whether at least one trainer answers."""
-        return self.scheduler.healthy
+    def healthy(self) -> bool:
+        """Whether the gateway can take runs: a trainer answers and the store can be written."""
+        return self.scheduler.healthy and self._store.writable
+
+    def _trainers_changed(self, healthy: bool) -> None:
+        self._health_changed()
+
+    def _store_changed(self, writable: bool) -> None:
+        if writable and self._unsaved:
+            self._spawn(asyncio.create_task(self._save_unsaved(), name="gateway-store-catch-up"))
+        self._health_changed()
+
+    def _health_changed(self) -> None:
+        healthy = self.healthy
+        if healthy != self._healthy:
+            self._healthy = healthy
+            self._on_health(healthy)
+
+    def _remember_unsaved(self, run: TrainingRun) -> None:
+        self._unsaved[run.id] = run
+
+    async def _save_unsaved(self) -> None:
+        """Writes the final states the store could not take while it was not writable."""
+        for run_id, run in list(self._unsaved.items()):
+            try:
+                await self._store.update_run(run)
+            except StoreWriteFailed:
+                return  # not writable after all: the next recovery tries again
+            if self._unsaved.get(run_id) is run:
+                del self._unsaved[run_id]
+            _LOGGER.info(
+                "run %s: its final state %s is saved now",
+                run_id,
+                run.state.name,
+                extra={"run_id": run_id},
+            )
+
+    def _require_writable(self, what: str) -> None:
+        if not self._store.writable:
+            raise StoreUnavailable(f"cannot {what}: {STORE_MESSAGE}")
 
     # -- runs --------------------------------------------------------------------------------
 
@@ -239,12 +304,16 @@ class RunRegistry:
             return await self._insert(spec)
         in_flight = self._creating.get(rid)
         if in_flight is not None:
-            return self._current(await asyncio.shield(in_flight))
+            run = await asyncio.shield(in_flight)
+            _check_same_request(rid, run, spec)
+            return self._current(run)
         future: asyncio.Future[TrainingRun] = asyncio.get_running_loop().create_future()
         self._creating[rid] = future
         existing: TrainingRun | None = None
         try:
-            existing = await self._store.call(SqliteStore.find_request, rid)
+            existing = await self._store.find_request(rid)
+            if existing is not None:
+                _check_same_request(rid, existing, spec)
             run = existing if existing is not None else await self._insert(spec)
         except BaseException as exc:
             future.set_exception(exc)
@@ -263,10 +332,15 @@ class RunRegistry:
         return self._current(run)
 
     def _current(self, run: TrainingRun) -> TrainingRun:
+        """The freshest copy of a run: its driver's, an end the store could not take yet, or
+        what the store has."""
         driver = self._active.get(run.id)
-        return driver.snapshot() if driver is not None else run.snapshot()
+        if driver is not None:
+            return driver.snapshot()
+        return self._unsaved.get(run.id, run).snapshot()
 
     async def _insert(self, spec: RunSpec) -> TrainingRun:
+        self._require_writable("create a run")
         limit = self._config.max_pending
         if self.scheduler.waiting >= limit:
             raise TooManyPending(
@@ -284,8 +358,12 @@ class RunRegistry:
             display_name=spec.display_name,
             request_id=spec.request_id,
             creator=spec.creator,
+            request_hash=spec.request_hash,
         )
-        run.seq = await self._store.call(SqliteStore.insert_run, run)
+        try:
+            run.seq = await self._store.insert_run(run)
+        except StoreWriteFailed:
+            raise StoreUnavailable(f"cannot create a run: {STORE_MESSAGE}") from None
         if self._closing:
             raise ShuttingDown(f"the gateway is shutting down; run {run.id!r} was not started")
         driver = RunDriver(run, self._ctx)
@@ -314,10 +392,10 @@ class RunRegistry:
         driver = self._active.get(run_id)
         if driver is not None:
             return driver.snapshot()
-        run = await self._store.call(SqliteStore.get_run, run_id)
+        run = await self._store.get_run(run_id)
         if run is None:
             raise RunNotFound(run_id)
-        return run
+        return self._current(run)
 
     async def list_runs(
         self, page_size: int, before_seq: int | None, state: RunState | None
@@ -333,7 +411,7 @@ class RunRegistry:
                 [FieldViolation("page_size", f"{page_size}; need 0..{MAX_PAGE_SIZE}")],
             )
         limit = page_size or DEFAULT_PAGE_SIZE
-        rows = await self._store.call(SqliteStore.list_runs, state, before_seq, limit + 1)
+        rows = await self._store.list_runs(state, before_seq, limit + 1)
         more = len(rows) > limit
         runs = [self._current(r) for r in rows[:limit]]
         return runs, (runs[-1].seq if more else None)
@@ -352,10 +430,13 @@ class RunRegistry:
                 f"cannot delete run {run_id!r}: it is {driver.run.state.name}; stop it first",
                 run_id,
             )
-        run = await self._store.call(SqliteStore.get_run, run_id)
+        run = await self._store.get_run(run_id)
         if run is None:
             raise RunNotFound(run_id)
-        await self._store.call(SqliteStore.delete_run, run_id)
+        try:
+            await self._store.delete_run(run_id)
+        except StoreWriteFailed:
+            raise StoreUnavailable(f"cannot delete run {run_id!r}: {STORE_MESSAGE}") from None
         self._pages.forget(run_id)
         self._observer.run_deleted(run_id, run.state.name)
         _LOGGER.info("run %s deleted", run_id, extra={"run_id": run_id, "event": "deleted"})
@@ -420,7 +501,7 @@ class RunRegistry:
     # -- watching ----------------------------------------------------------------------------
 
     async def _load_page(self, run_id: str, first: int, last: int) -> list[bytes]:
-        return await self._store.call(SqliteStore.read_episodes, run_id, first, last)
+        return await self._store.read_episodes(run_id, first, last)
 
     async def watch(self, run_id: str, after_episode: int) -> AsyncIterator[WatchEvent]:
         """Streams a run's history after ``after_episode``, then its live episodes.

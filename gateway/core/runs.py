@@ -75,6 +75,8 @@ class TrainingRun:
             most the lead ahead of ``episode`` while the run is paced.
         state_detail: For people: why the run is in its state (not stored; filled in by the
             registry for active runs).
+        request_hash: The fingerprint of the request that created it (tells a retried
+            request_id from a reused one; "" for runs stored before fingerprints).
         creator: The name of the token that created it ("" without authentication).
     """
 
@@ -97,6 +99,7 @@ class TrainingRun:
     seq: int = 0
     trainer_episode: int = 0
     state_detail: str = ""
+    request_hash: str = ""
     creator: str = ""
 
     def snapshot(self) -> TrainingRun:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.core import store as store_module
+from gateway.core.store import sqlite_thread
 from tests.fakes.fake_trainer import FakeTrainer
 from tests.fakes.gateway_harness import collect, running_gateway
 from trainwire.v1 import gateway_service_pb2
@@ -59,7 +59,7 @@ def wal_restarts(wal: Path) -> int:
 async def test_the_wal_stays_bounded_under_sustained_unpaced_ingest(
     fake: FakeTrainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "WAL_LIMIT_BYTES", LIMIT)
+    monkeypatch.setattr(sqlite_thread, "WAL_LIMIT_BYTES", LIMIT)
     db = tmp_path / "gw.sqlite3"
     wal = Path(f"{db}-wal")
     async with running_gateway((fake.address,), db=str(db)) as client:

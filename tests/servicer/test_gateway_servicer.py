@@ -98,10 +98,22 @@ async def test_request_id_is_idempotent_even_concurrently(client: Client) -> Non
     requests = [create_request(max_episodes=5, request_id="same-key") for _ in range(10)]
     replies = await asyncio.gather(*(client.stub.CreateRun(r, timeout=TIMEOUT) for r in requests))
     assert len({r.run.id for r in replies}) == 1
-    later = await client.create(max_episodes=9, request_id="same-key")
+    later = await client.create(max_episodes=5, request_id="same-key")
     assert later.id == replies[0].run.id
     listed = await client.stub.ListRuns(pb.ListRunsRequest(), timeout=TIMEOUT)
     assert [r.id for r in listed.runs] == [later.id]
+    # The same key with another request is a client bug, not a retry.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.create(max_episodes=9, request_id="same-key")
+    assert status_of(info) == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id 'same-key' was used for a different request" in (
+        info.value.details() or ""
+    )
+    concurrent = [create_request(max_episodes=n, request_id="racy") for n in (3, 3, 4)]
+    outcomes = await asyncio.gather(
+        *(client.stub.CreateRun(r, timeout=TIMEOUT) for r in concurrent), return_exceptions=True
+    )
+    assert sum(isinstance(o, grpc.aio.AioRpcError) for o in outcomes) == 1
 
 
 async def test_unknown_and_empty_run_ids(client: Client) -> None:

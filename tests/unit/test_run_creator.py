@@ -20,6 +20,10 @@ CREATE TABLE runs (
     display_name TEXT NOT NULL, trainer TEXT NOT NULL,
     trainer_episode INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE episodes (
+    run_id TEXT NOT NULL, episode INTEGER NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (run_id, episode)
+);
 """
 
 
@@ -53,7 +57,7 @@ def test_a_database_from_before_creator_gets_the_column(tmp_path: Path) -> None:
     )
     conn.commit()
     conn.close()
-    store = SqliteStore(str(path))
+    store = SqliteStore(str(path), migrate=True)
     old = store.get_run("old")
     assert old is not None and old.creator == ""
     store.insert_run(_run("new", creator="bob"))

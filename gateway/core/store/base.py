@@ -1,0 +1,133 @@
+"""What the gateway core needs of a store, whatever the database: the ``Store`` interface, the
+record it appends, and the errors every backend raises.
+
+Two backends implement it: SQLite (``gateway.core.store.sqlite``, the embedded default) and
+PostgreSQL (``gateway.core.store.postgres``, shared by gateway replicas). One behavioural test
+suite runs against both.
+
+Contract every backend keeps:
+
+- ``append_episode`` is the hot path: it queues the record and calls ``callback(error)`` on the
+  event loop once the episode is durable (``None``) or could not be stored. Episodes that arrive
+  together are committed together (group commit). An episode is never visible to a reader
+  before its commit.
+- ``update_run`` never rewinds the episode counters (``append_episode`` owns them).
+- A write that fails because the database cannot be written (disk full, read-only, gone)
+  raises ``StoreWriteFailed`` and turns ``writable`` off until a later write succeeds (the
+  backend probes by itself); reads go on working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.core.runs import RunState, TrainingRun
+
+#: What a run fails with, for users, when its history cannot be saved.
+STORE_MESSAGE = "The gateway could not save this run's history (disk full or not writable)."
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeRecord:
+    """One published episode: its number, the run's counters after it, and its bytes."""
+
+    run_id: str
+    episode: int
+    reward: float
+    best_reward: float
+    data: bytes
+
+
+class DatabaseProblem(Exception):
+    """The database at ``--db`` cannot be used: a directory, unreadable, corrupt, read-only,
+    another program's, or written by a newer gateway. ``str()`` is one line naming the place and
+    the problem."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"cannot use the database {where}: {problem}")
+        self.where = where
+        self.problem = problem
+
+
+class SchemaOutdated(DatabaseProblem):
+    """The database has an older schema; the gateway migrates it only when told to."""
+
+    def __init__(self, where: str, version: int, latest: int) -> None:
+        super().__init__(
+            where,
+            f"its schema is version {version}, this gateway's is {latest}; migrate it with "
+            f"`python -m gateway migrate --db {where}` (or start with --migrate)",
+        )
+        self.version = version
+        self.latest = latest
+
+
+class StoreWriteFailed(Exception):
+    """A write to the store failed (disk full, not writable); ``str()`` says what happened."""
+
+
+class Store(Protocol):
+    """Durable runs and episode histories (see the module docstring)."""
+
+    @property
+    def writable(self) -> bool:
+        """False after a write failed, until a write succeeds again."""
+        ...
+
+    async def start(self) -> None:
+        """Opens connections and starts background work."""
+        ...
+
+    async def close(self) -> None:
+        """Commits what is queued and closes."""
+        ...
+
+    async def insert_run(self, run: TrainingRun) -> int:
+        """Inserts a new run; returns its creation sequence number."""
+        ...
+
+    async def update_run(self, run: TrainingRun) -> None:
+        """Writes a run's state, speed, times, trainer and trainer episode."""
+        ...
+
+    def append_episode(
+        self, record: EpisodeRecord, callback: Callable[[BaseException | None], None]
+    ) -> None:
+        """Queues an episode; ``callback(error)`` runs on the loop once it is committed."""
+        ...
+
+    async def get_run(self, run_id: str) -> TrainingRun | None:
+        """The run with this id, or None."""
+        ...
+
+    async def find_request(self, request_id: str) -> TrainingRun | None:
+        """The run created with this request id, or None."""
+        ...
+
+    async def list_runs(
+        self, state: RunState | None, before_seq: int | None, limit: int
+    ) -> list[TrainingRun]:
+        """Runs newest first, optionally in one state, created before ``before_seq``."""
+        ...
+
+    async def read_episodes(self, run_id: str, first: int, last: int) -> list[bytes]:
+        """The stored bytes of episodes ``first..last`` (inclusive), in order."""
+        ...
+
+    async def delete_run(self, run_id: str) -> None:
+        """Deletes a run and its history."""
+        ...
+
+    async def count_by_state(self) -> dict[RunState, int]:
+        """How many runs are in each state (states without runs are left out)."""
+        ...
+
+    async def active_runs(self) -> list[TrainingRun]:
+        """Every PENDING, RUNNING or PAUSED run, oldest first."""
+        ...
+
+    def on_writable(self, callback: Callable[[bool], None]) -> None:
+        """Registers ``callback(writable)``, called on the loop whenever writability changes."""
+        ...

@@ -1,0 +1,179 @@
+"""The SQLite ``Store``: a ``StoreThread`` over a ``SqliteStore``, and the store's writability.
+
+A write that fails because the database cannot be written (disk full, read-only) turns
+``writable`` off; the backend then probes every ``PROBE_INTERVAL_S`` with a write of a few
+hundred KiB and turns it back on once one succeeds. Other writes are still tried meanwhile (a
+run's final state may fit), but only the probe turns ``writable`` back on: a small write can
+fit in pages the database already has while it cannot grow. Reads go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gateway.core.runs import RunState, TrainingRun
+from gateway.core.store.base import EpisodeRecord, StoreWriteFailed
+from gateway.core.store.sqlite import SqliteStore
+from gateway.core.store.sqlite_thread import StoreThread
+
+_LOGGER = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Seconds between two write probes while the store cannot be written.
+PROBE_INTERVAL_S = 2.0
+
+
+class SqliteBackend:
+    """The embedded default store (see the module docstring).
+
+    Args:
+        path: Database file, or ``:memory:``.
+        migrate: Migrate a database of an older schema (otherwise it is refused).
+        on_commit: Called on the store thread after each commit with the batch size and its
+            duration (metrics).
+        wal_limit_bytes: The WAL limit of the store thread (``WAL_LIMIT_BYTES`` by default).
+
+    Raises:
+        DatabaseProblem: the database cannot be used (see ``gateway.core.store.base``).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        migrate: bool = False,
+        on_commit: Callable[[int, float], None] | None = None,
+        wal_limit_bytes: int | None = None,
+    ) -> None:
+        self.path = path
+        self.db = SqliteStore(path, migrate)
+        self._on_commit = on_commit
+        self._wal_limit_bytes = wal_limit_bytes
+        self._thread: StoreThread | None = None
+        self._writable = True
+        self._listeners: list[Callable[[bool], None]] = []
+        self._probe: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts the store thread."""
+        self._thread = StoreThread(
+            self.db,
+            asyncio.get_running_loop(),
+            self._on_commit,
+            wal_limit_bytes=self._wal_limit_bytes,
+        )
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Commits what is queued, stops the thread, closes the database."""
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+            self._probe = None
+        if self._thread is not None:
+            await self._thread.close()
+
+    # -- writability -------------------------------------------------------------------------
+
+    @property
+    def writable(self) -> bool:
+        """False after a write failed, until a write succeeds again."""
+        return self._writable
+
+    def on_writable(self, callback: Callable[[bool], None]) -> None:
+        """Registers ``callback(writable)`` for every change."""
+        self._listeners.append(callback)
+
+    def _set_writable(self, writable: bool, why: str = "") -> None:
+        if writable == self._writable:
+            return
+        self._writable = writable
+        if writable:
+            _LOGGER.info("the database %s can be written again", self.path)
+        else:
+            _LOGGER.error("the database %s cannot be written: %s", self.path, why)
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.get_running_loop().create_task(
+                    self._probe_loop(), name="gateway-store-probe"
+                )
+        for listener in self._listeners:
+            listener(writable)
+
+    async def _probe_loop(self) -> None:
+        while not self._writable:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            try:
+                await self._call(SqliteStore.probe_write)
+            except StoreWriteFailed:
+                continue
+            self._set_writable(True)
+
+    # -- operations --------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        assert self._thread is not None, "the store is not started"
+        return await self._thread.call(fn, *args)
+
+    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return await self._call(fn, *args)
+        except StoreWriteFailed as exc:
+            self._set_writable(False, str(exc))
+            raise
+
+    async def insert_run(self, run: TrainingRun) -> int:
+        """Inserts a new run; returns its creation sequence number."""
+        return await self._write(SqliteStore.insert_run, run)
+
+    async def update_run(self, run: TrainingRun) -> None:
+        """Writes a run's state, speed, times, trainer and trainer episode."""
+        await self._write(SqliteStore.update_run, run)
+
+    async def delete_run(self, run_id: str) -> None:
+        """Deletes a run and its history."""
+        await self._write(SqliteStore.delete_run, run_id)
+
+    def append_episode(
+        self, record: EpisodeRecord, callback: Callable[[BaseException | None], None]
+    ) -> None:
+        """Queues an episode; ``callback(error)`` runs on the loop once it is committed."""
+        assert self._thread is not None, "the store is not started"
+
+        def committed(_result: object, error: BaseException | None) -> None:
+            if isinstance(error, StoreWriteFailed):
+                self._set_writable(False, str(error))
+            callback(error)
+
+        self._thread.submit(SqliteStore.append_episodes, (record,), callback=committed)
+
+    async def get_run(self, run_id: str) -> TrainingRun | None:
+        """The run with this id, or None."""
+        return await self._call(SqliteStore.get_run, run_id)
+
+    async def find_request(self, request_id: str) -> TrainingRun | None:
+        """The run created with this request id, or None."""
+        return await self._call(SqliteStore.find_request, request_id)
+
+    async def list_runs(
+        self, state: RunState | None, before_seq: int | None, limit: int
+    ) -> list[TrainingRun]:
+        """Runs newest first, optionally in one state, created before ``before_seq``."""
+        return await self._call(SqliteStore.list_runs, state, before_seq, limit)
+
+    async def read_episodes(self, run_id: str, first: int, last: int) -> list[bytes]:
+        """The stored bytes of episodes ``first..last`` (inclusive), in order."""
+        return await self._call(SqliteStore.read_episodes, run_id, first, last)
+
+    async def count_by_state(self) -> dict[RunState, int]:
+        """How many runs are in each state."""
+        return await self._call(SqliteStore.count_by_state)
+
+    async def active_runs(self) -> list[TrainingRun]:
+        """Every PENDING, RUNNING or PAUSED run, oldest first."""
+        return await self._call(SqliteStore.active_runs)

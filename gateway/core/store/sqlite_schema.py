@@ -1,0 +1,163 @@
+"""The SQLite schema: its versions, how a database is recognised, and the migrations.
+
+A Trainwire database carries ``PRAGMA application_id`` = ``APPLICATION_ID`` ("TWIR") and its
+schema version in ``PRAGMA user_version``. The first release wrote neither: a database without
+them whose ``runs`` and ``episodes`` tables have the first release's columns is version 1; any
+other database with tables is another program's and is refused, never touched.
+
+Versions:
+
+1. The first release.
+2. ``runs`` gains ``trainer_episode``, ``creator`` and ``request_hash`` (the fingerprint that
+   tells a reused ``request_id`` from a retried one); ``episodes`` becomes a ``WITHOUT ROWID``
+   table keyed on (run, episode), so each episode is stored once instead of in the table and
+   again in its key's index; ``gateway_meta`` holds the write probe.
+
+A database at an older version is migrated only when asked (``migrate=True``): a migration runs
+in one transaction, so a failed one leaves the database as it was.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from gateway.core.store.base import DatabaseProblem, SchemaOutdated
+
+APPLICATION_ID = 0x54574952  # "TWIR"
+SCHEMA_VERSION = 2
+
+_RUNS_V2 = """
+CREATE TABLE runs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    request_id TEXT UNIQUE,
+    state INTEGER NOT NULL,
+    error_message TEXT NOT NULL,
+    speed REAL NOT NULL,
+    episodes_per_second REAL NOT NULL,
+    episode INTEGER NOT NULL,
+    reward REAL NOT NULL,
+    best_reward REAL NOT NULL,
+    task BLOB NOT NULL,
+    config BLOB NOT NULL,
+    create_time INTEGER NOT NULL,
+    start_time INTEGER NOT NULL,
+    end_time INTEGER NOT NULL,
+    display_name TEXT NOT NULL,
+    trainer TEXT NOT NULL,
+    trainer_episode INTEGER NOT NULL DEFAULT 0,
+    creator TEXT NOT NULL DEFAULT '',
+    request_hash TEXT NOT NULL DEFAULT ''
+)"""
+_EPISODES_V2 = """
+CREATE TABLE {name} (
+    run_id TEXT NOT NULL,
+    episode INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (run_id, episode)
+) WITHOUT ROWID"""
+_INDEX = "CREATE INDEX IF NOT EXISTS runs_state ON runs (state, seq)"
+_META = "CREATE TABLE IF NOT EXISTS gateway_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+
+#: The first release's columns that identify its ``runs`` table.
+_V1_RUN_COLUMNS = frozenset(
+    {"seq", "id", "request_id", "state", "task", "config", "episode", "best_reward", "trainer"}
+)
+
+
+def _tables(conn: sqlite3.Connection) -> set[str]:
+    rows = conn.execute(
+        "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'"
+    )
+    return {name for (name,) in rows}
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+
+
+def schema_version(conn: sqlite3.Connection, where: str) -> int:
+    """The schema version of the database (0: empty).
+
+    Raises:
+        DatabaseProblem: another program's database.
+    """
+    application = conn.execute("PRAGMA application_id").fetchone()[0]
+    tables = _tables(conn)
+    if application == APPLICATION_ID:
+        return int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if application != 0:
+        raise DatabaseProblem(
+            where, f"it belongs to another program (application id {application:#010x})"
+        )
+    if not tables:
+        return 0
+    if {"runs", "episodes"} <= tables and _columns(conn, "runs") >= _V1_RUN_COLUMNS:
+        return 1
+    shown = ", ".join(sorted(tables)[:8])
+    raise DatabaseProblem(where, f"it is not a Trainwire database (its tables: {shown})")
+
+
+def check(conn: sqlite3.Connection, where: str, migrate: bool) -> int:
+    """The database's schema version, refusing what this gateway must not use; reads only, so
+    a refused database is left exactly as it was.
+
+    Raises:
+        DatabaseProblem: another program's database, or one from a newer gateway.
+        SchemaOutdated: an older schema and ``migrate`` not set.
+    """
+    version = schema_version(conn, where)
+    if version > SCHEMA_VERSION:
+        raise DatabaseProblem(
+            where,
+            f"it was written by a newer gateway (schema version {version}; this one knows "
+            f"up to {SCHEMA_VERSION})",
+        )
+    if 0 < version < SCHEMA_VERSION and not migrate:
+        raise SchemaOutdated(where, version, SCHEMA_VERSION)
+    return version
+
+
+def upgrade(conn: sqlite3.Connection, version: int) -> None:
+    """Creates the schema in an empty database (version 0) or migrates an older one to
+    ``SCHEMA_VERSION``, in one transaction."""
+    if version == 0:
+        _in_transaction(conn, _create)
+    elif version < SCHEMA_VERSION:
+        _in_transaction(conn, _migrate_1_to_2)
+
+
+def _in_transaction(conn: sqlite3.Connection, step: object) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        step(conn)  # type: ignore[operator]
+        conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _create(conn: sqlite3.Connection) -> None:
+    conn.execute(_RUNS_V2)
+    conn.execute(_INDEX)
+    conn.execute(_EPISODES_V2.format(name="episodes"))
+    conn.execute(_META)
+
+
+def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
+    columns = _columns(conn, "runs")
+    for name, ddl in (
+        ("trainer_episode", "trainer_episode INTEGER NOT NULL DEFAULT 0"),
+        ("creator", "creator TEXT NOT NULL DEFAULT ''"),
+        ("request_hash", "request_hash TEXT NOT NULL DEFAULT ''"),
+    ):
+        if name not in columns:
+            conn.execute(f"ALTER TABLE runs ADD COLUMN {ddl}")
+    conn.execute(_INDEX)
+    conn.execute(_EPISODES_V2.format(name="episodes_v2"))
+    conn.execute("INSERT INTO episodes_v2 SELECT run_id, episode, data FROM episodes")
+    conn.execute("DROP TABLE episodes")
+    conn.execute("ALTER TABLE episodes_v2 RENAME TO episodes")
+    conn.execute(_META)

@@ -1,0 +1,52 @@
+"""``python -m gateway migrate --db DB``: brings a database to this gateway's schema.
+
+It takes the database's lock first (a running gateway holds it: stop that one), migrates in one
+transaction, and says what it did in one line; a database it cannot use is one line and exit
+code 2, as for the gateway itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from gateway.config import DEFAULT_DB
+from gateway.core.dblock import DatabaseLock, DatabaseLocked
+from gateway.core.store import DatabaseProblem, SqliteStore
+from gateway.core.store.sqlite_schema import SCHEMA_VERSION
+
+PROG = "python -m gateway migrate"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Migrate a gateway database to this gateway's schema "
+        f"(version {SCHEMA_VERSION}); a database at that version is left as it is.",
+    )
+    parser.add_argument("--db", default=DEFAULT_DB, help="the SQLite database file")
+    args = parser.parse_args(argv)
+    lock = DatabaseLock(args.db)
+    try:
+        lock.acquire()
+        store = SqliteStore(args.db, migrate=True)
+    except (DatabaseLocked, DatabaseProblem) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        lock.release()
+    found = store.found_version
+    store.close()
+    if found == SCHEMA_VERSION:
+        print(f"{args.db} is at schema version {SCHEMA_VERSION} already")
+    elif found == 0:
+        print(f"{args.db}: created at schema version {SCHEMA_VERSION}")
+    else:
+        print(f"{args.db}: migrated from schema version {found} to {SCHEMA_VERSION}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The SQLite schema: versions, recognising a database, refusing what is not ours, migrating."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gateway.core.runs import TrainingRun
+from gateway.core.store import DatabaseProblem, EpisodeRecord, SchemaOutdated, SqliteStore
+from gateway.core.store.sqlite_schema import APPLICATION_ID, SCHEMA_VERSION
+from trainwire.v1 import episode_pb2
+
+#: The first release's schema, as it wrote it (no application id, no user_version).
+V1_SCHEMA = """
+CREATE TABLE runs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, request_id TEXT UNIQUE,
+    state INTEGER NOT NULL, error_message TEXT NOT NULL, speed REAL NOT NULL,
+    episodes_per_second REAL NOT NULL, episode INTEGER NOT NULL, reward REAL NOT NULL,
+    best_reward REAL NOT NULL, task BLOB NOT NULL, config BLOB NOT NULL,
+    create_time INTEGER NOT NULL, start_time INTEGER NOT NULL, end_time INTEGER NOT NULL,
+    display_name TEXT NOT NULL, trainer TEXT NOT NULL
+);
+CREATE INDEX runs_state ON runs (state, seq);
+CREATE TABLE episodes (
+    run_id TEXT NOT NULL, episode INTEGER NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (run_id, episode)
+);
+"""
+
+
+def v1_database(path: Path, episodes: int = 3) -> None:
+    """A database as the first release left it: one finished run with its history."""
+    task = episode_pb2.TrainTask(
+        imitation=episode_pb2.ImitationTask(rig_name="stickman", clip_name="wave")
+    )
+    config = episode_pb2.TrainConfig(max_episodes=episodes)
+    conn = sqlite3.connect(path)
+    conn.executescript(V1_SCHEMA)
+    conn.execute(
+        "INSERT INTO runs VALUES (NULL,'old','req-1',4,'',1,20,?,0.5,0.9,?,?,1,2,3,'old run','t')",
+        (episodes, task.SerializeToString(), config.SerializeToString()),
+    )
+    conn.executemany(
+        "INSERT INTO episodes VALUES ('old', ?, ?)",
+        [(n, f"episode {n}".encode()) for n in range(1, episodes + 1)],
+    )
+    conn.commit()
+    conn.close()
+
+
+def pragma(path: Path, name: str) -> int:
+    conn = sqlite3.connect(path)
+    try:
+        return int(conn.execute(f"PRAGMA {name}").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def test_a_new_database_is_marked_and_at_the_latest_version(tmp_path: Path) -> None:
+    path = tmp_path / "new.sqlite3"
+    store = SqliteStore(str(path))
+    assert store.found_version == 0
+    store.close()
+    assert pragma(path, "application_id") == APPLICATION_ID
+    assert pragma(path, "user_version") == SCHEMA_VERSION
+    SqliteStore(str(path)).close()  # opens again without a migration
+
+
+def test_an_older_database_is_refused_until_migrated_and_keeps_everything(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "v1.sqlite3"
+    v1_database(path)
+    before = path.read_bytes()
+    with pytest.raises(SchemaOutdated) as info:
+        SqliteStore(str(path))
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    assert f"schema is version 1, this gateway's is {SCHEMA_VERSION}" in message
+    assert f"python -m gateway migrate --db {path}" in message
+    assert path.read_bytes() == before  # refused without a change
+    store = SqliteStore(str(path), migrate=True)
+    assert store.found_version == 1
+    old = store.get_run("old")
+    assert old is not None and old.display_name == "old run" and old.request_id == "req-1"
+    assert (old.trainer_episode, old.creator, old.request_hash) == (0, "", "")
+    assert store.read_episodes("old", 1, 3) == [b"episode 1", b"episode 2", b"episode 3"]
+    store.begin()
+    store.append_episodes([EpisodeRecord("old", 4, 0.1, 0.9, b"episode 4")])
+    store.commit()
+    store.close()
+    conn = sqlite3.connect(path)
+    ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='episodes'").fetchone()[0]
+    conn.close()
+    assert "WITHOUT ROWID" in ddl
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda p: p.mkdir(), "it is a directory"),
+        (
+            lambda p: p.write_bytes(b"not a database at all " * 100),
+            "it is not a SQLite database (corrupt, or another kind of file)",
+        ),
+        (
+            lambda p: sqlite3.connect(p).executescript("CREATE TABLE invoices (id INTEGER);"),
+            "it is not a Trainwire database (its tables: invoices)",
+        ),
+        (
+            lambda p: sqlite3.connect(p).executescript(
+                "PRAGMA application_id=1234; CREATE TABLE t (x);"
+            ),
+            "it belongs to another program (application id 0x000004d2)",
+        ),
+        (
+            lambda p: sqlite3.connect(p).executescript(
+                f"PRAGMA application_id={APPLICATION_ID}; PRAGMA user_version=99; "
+                "CREATE TABLE runs (x);"
+            ),
+            f"it was written by a newer gateway (schema version 99; this one knows up to "
+            f"{SCHEMA_VERSION})",
+        ),
+    ],
+    ids=["directory", "corrupt", "foreign", "other-program", "newer"],
+)
+def test_databases_that_cannot_be_used_are_one_line_naming_the_problem(
+    tmp_path: Path, make, problem: str
+) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "db.sqlite3"
+    make(path)
+    with pytest.raises(DatabaseProblem) as info:
+        SqliteStore(str(path))
+    assert str(info.value) == f"cannot use the database {path}: {problem}"
+
+
+def test_a_path_under_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DatabaseProblem) as info:
+        SqliteStore(str(tmp_path / "file" / "db.sqlite3"))
+    assert "its directory cannot be created" in str(info.value)
+
+
+def make_read_only(path: Path) -> None:
+    """Read-only for this user: immutable for root (chattr), or no write permission."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(path)], check=True)
+    else:
+        path.chmod(0o444)
+
+
+def undo_read_only(path: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], check=False)
+    path.chmod(0o644)
+
+
+def test_a_read_only_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ro.sqlite3"
+    SqliteStore(str(path)).close()
+    make_read_only(path)
+    try:
+        with pytest.raises(DatabaseProblem) as info:
+            SqliteStore(str(path))
+        assert str(info.value).startswith(f"cannot use the database {path}: ")
+        assert "read" in str(info.value)  # "read-only" or "cannot read and write it"
+    finally:
+        undo_read_only(path)
+
+
+def test_runs_keep_their_request_fingerprint(tmp_path: Path) -> None:
+    store = SqliteStore(str(tmp_path / "db.sqlite3"))
+    run = TrainingRun(
+        id="r1",
+        task=episode_pb2.TrainTask(),
+        config=episode_pb2.TrainConfig(max_episodes=1),
+        request_id="k",
+        request_hash="abc123",
+    )
+    store.insert_run(run)
+    found = store.find_request("k")
+    assert found is not None and found.request_hash == "abc123"
+    store.close()
