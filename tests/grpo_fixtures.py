@@ -1,4 +1,4 @@
-"""Shared GRPO test fixtures: a data root holding the offline tiny VLM and a generated dataset.
+"""Shared GRPO test fixtures: a data root holding the offline tiny VLM and generated datasets.
 
 Import the fixtures into a test module (``from tests.grpo_fixtures import grpo_data_root``) and
 build tasks with :func:`tiny_grpo_task`. The model and dataset are built once per session.
@@ -18,6 +18,8 @@ from trainwire.v1 import episode_pb2
 MODEL_DIR = "models/tiny-vlm"
 DATASET_FILE = "datasets/demo/train.jsonl"
 DATASET_ROWS = 8
+#: A 4-row dataset: with one prompt per step an epoch is 4 steps.
+FOUR_ROWS_FILE = "datasets/four/train.jsonl"
 
 
 def tiny_grpo_task(
@@ -26,20 +28,20 @@ def tiny_grpo_task(
     *,
     workers: int | None = 2,
     num_generations: int = 2,
+    batch_size: int | None = None,
     max_completion_length: int = 8,
     reward_functions: tuple[str, ...] = ("exact_match", "format", "length"),
     **fields: object,
 ) -> episode_pb2.TrainTask:
     """A ``TrainTask`` running GRPO on the fixtures' tiny VLM: cheap enough for CPU tests.
 
-    ``length`` is among the rewards because an untrained model's completions vary in length,
-    so the reward stream is not constant (exact_match and format are 0 for random bytes).
-
     Args:
         model_path: Model directory relative to the data root.
         dataset_path: Dataset file relative to the data root.
         workers: ``dataloader_num_workers`` (``None`` leaves it unset: the default 2).
         num_generations: Completions per prompt.
+        batch_size: Completions per step (``None``: ``num_generations``, one prompt per step,
+            the cheapest; 0 leaves it unset: the provider's default).
         max_completion_length: Token limit per completion.
         reward_functions: Reward function names.
         **fields: Any other ``GrpoTask`` field.
@@ -49,6 +51,7 @@ def tiny_grpo_task(
         dataset_path=dataset_path,
         reward_functions=list(reward_functions),
         num_generations=num_generations,
+        batch_size=num_generations if batch_size is None else batch_size,
         max_completion_length=max_completion_length,
         **fields,  # type: ignore[arg-type]
     )
@@ -65,7 +68,8 @@ _BUILD_LOCK = threading.Lock()
 
 @pytest.fixture(scope="session")
 def grpo_data_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """A trainer data root with the tiny VLM at MODEL_DIR and the demo dataset at DATASET_FILE."""
+    """A trainer data root: the tiny VLM at MODEL_DIR, demo datasets at DATASET_FILE and
+    FOUR_ROWS_FILE."""
     from trainer_service.tools import make_demo_dataset, make_tiny_vlm
 
     with _BUILD_LOCK:
@@ -74,6 +78,7 @@ def grpo_data_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
             root = tmp_path_factory.mktemp("grpo-data-root")
             make_tiny_vlm.build(root / MODEL_DIR)
             make_demo_dataset.build((root / DATASET_FILE).parent, rows=DATASET_ROWS)
+            make_demo_dataset.build((root / FOUR_ROWS_FILE).parent, rows=4, seed=1)
             _BUILT[id(tmp_path_factory)] = root
         return root
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from tests.grpo_fixtures import (
     DATASET_FILE,
+    FOUR_ROWS_FILE,
     MODEL_DIR,
     grpo_data_root,
     make_job,
@@ -34,14 +36,28 @@ def _stream(job: Any) -> list[tuple[float, tuple[str, ...]]]:
     return out
 
 
-def test_same_seed_same_reward_stream_with_0_and_2_workers(grpo_data_root: pathlib.Path) -> None:
-    inline = _stream(make_job(grpo_data_root, tiny_grpo_task(workers=0), max_episodes=3, seed=11))
-    workers = _stream(make_job(grpo_data_root, tiny_grpo_task(workers=2), max_episodes=3, seed=11))
-    assert len(inline) == 3
-    assert all(completions for _, completions in inline)
-    # Same rewards and the very same sampled completions: an untrained model emits random bytes,
-    # so equal completions mean equal index streams, equal images and equal sampling RNG.
-    assert workers == inline
+def test_0_and_2_workers_give_the_same_stream_over_3_epochs(grpo_data_root: pathlib.Path) -> None:
+    # 4 rows and one prompt per step: an epoch is 4 steps, so 14 steps cross 3 epoch boundaries
+    # (persistent workers keep one DataLoader iterator; inline loading makes one per epoch).
+    def task(workers: int) -> Any:
+        return tiny_grpo_task(
+            dataset_path=FOUR_ROWS_FILE,
+            workers=workers,
+            num_generations=2,
+            batch_size=2,
+            max_completion_length=4,
+            reward_functions=("exact_match", "length"),
+        )
+
+    inline = _stream(make_job(grpo_data_root, task(0), max_episodes=14, seed=11))
+    workers = _stream(make_job(grpo_data_root, task(2), max_episodes=14, seed=11))
+    assert len(inline) == 14
+    assert all(len(completions) == 2 for _, completions in inline)
+    # Sampling is random over many words, so equal completions at every step mean equal index
+    # streams, equal images and an equal sampling RNG in all epochs.
+    assert len({c for _, completions in inline for c in completions}) >= 4
+    for step, (a, b) in enumerate(zip(inline, workers, strict=True), start=1):
+        assert a == b, f"streams diverge at step {step}"
 
 
 def test_decoding_runs_in_worker_processes_once_per_row(
@@ -83,13 +99,26 @@ def test_model_and_dataset_problems_are_plain_provider_errors(
         build(tiny_grpo_task(model_path="models/broken"))
     assert info.value.reason == "MODEL_UNLOADABLE"
 
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_bad_row_fails_the_run_naming_its_line_and_image(
+    grpo_data_root: pathlib.Path, workers: int
+) -> None:
+    # The last of 8 lines escapes the data root. Opening the file checks no row, so the run
+    # starts; the background check (or reading the row) fails it, naming line and image.
     rows = (grpo_data_root / DATASET_FILE).read_text().splitlines()
-    bad = json.loads(rows[3])
+    bad = json.loads(rows[-1])
     bad["image_paths"] = ["../../../etc/passwd"]
     escaping = grpo_data_root / "datasets" / "demo" / "escaping.jsonl"
-    escaping.write_text("\n".join([*rows[:3], json.dumps(bad)]) + "\n")
-    with pytest.raises(ProviderError, match="row 3"):
-        build(tiny_grpo_task(dataset_path="datasets/demo/escaping.jsonl"))
+    escaping.write_text("\n".join([*rows[:-1], json.dumps(bad)]) + "\n")
+    task = tiny_grpo_task(dataset_path="datasets/demo/escaping.jsonl", workers=workers)
+    with pytest.raises(ProviderError) as info:
+        list(provider.run(make_job(grpo_data_root, task, max_episodes=50)))
+    assert info.value.user_message == (
+        f"Dataset line {len(rows)} of escaping.jsonl: image '../../../etc/passwd' must be "
+        "relative to the dataset file and stay inside the data root."
+    )
+    assert info.value.reason == "BAD_DATASET"
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -108,5 +137,7 @@ def test_unreadable_image_fails_the_run_naming_the_row(
     with pytest.raises(ProviderError) as info:
         list(provider.run(make_job(grpo_data_root, task, max_episodes=2)))
     message = info.value.user_message
-    assert message.startswith("Dataset row ") and "bad.png could not be read" in message
+    assert re.fullmatch(
+        r"Dataset line \d of broken\.jsonl: image 'broken/bad\.png' could not be read\.", message
+    ), message
     assert "Traceback" not in message and str(grpo_data_root) not in message

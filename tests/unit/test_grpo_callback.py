@@ -126,6 +126,8 @@ def test_closed_handoff_unblocks_the_trainer_and_stops_it() -> None:
 class _FakeTrainer:
     """Calls the callbacks like Trainer's inner loop does, one fake step at a time."""
 
+    lazy_dataset = None  # no rows for the provider's background check
+
     def __init__(self, callbacks: list[Any], steps: int, step_seconds: float = 0.0) -> None:
         self.callbacks = callbacks
         self.steps = steps

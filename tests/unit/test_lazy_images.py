@@ -144,8 +144,9 @@ def test_getitem_pure_and_schema_matches_materialized(data: pathlib.Path) -> Non
         assert again["extra"] == {"nested": [i]}
         assert again["prompt"] == row["prompt"]
         assert again["image"] is not got["image"]
-    assert dataset._rows == original  # stored rows never mutated
-    assert all(type(r) is dict for r in dataset._rows)
+    stored = [dataset._checker.source.load(i) for i in range(len(dataset))]
+    assert stored == original  # stored rows never mutated
+    assert all(type(r) is dict for r in stored)
 
 
 def test_several_images_set_images(data: pathlib.Path) -> None:
@@ -166,20 +167,25 @@ def test_row_transform_builds_batches_from_indices(data: pathlib.Path) -> None:
     assert "image" not in out and [len(x) for x in out["images"]] == [1, 1, 2]
 
 
-# 3. Missing or empty image_paths, and paths escaping the root, name the row.
+# 3. Opening parses nothing; a row is checked when read (or by check_rows), naming its line and
+#    image path.
 
 
-@pytest.mark.parametrize("paths", [None, [], "img/0_0.png", [""]])
+@pytest.mark.parametrize("paths", [None, [], "img/0_0.png", [""], [3]])
 def test_missing_or_empty_image_paths_name_the_row(data: pathlib.Path, paths: object) -> None:
     rows = _rows(3)
     if paths is None:
         del rows[2]["image_paths"]
     else:
         rows[2]["image_paths"] = paths
-    with pytest.raises(DatasetError, match="row 2") as info:
-        LazyImageDataset(rows, data)
-    assert info.value.row == 2
+    dataset = LazyImageDataset(rows, data)
+    assert dataset[1]["solution"] == "s1"  # the good rows stay readable
+    with pytest.raises(DatasetError, match="row 3") as info:
+        dataset[2]
+    assert (info.value.row, info.value.line) == (2, 3)
     assert info.value.code == "FAILED_PRECONDITION"
+    with pytest.raises(DatasetError, match="row 3"):
+        dataset.check_rows()
 
 
 def test_image_paths_escaping_root_name_the_row(
@@ -189,30 +195,124 @@ def test_image_paths_escaping_root_name_the_row(
     _write_image(outside / "secret.png")
     (data / "img" / "link.png").symlink_to(outside / "secret.png")
     (data / "img" / "inside_link.png").symlink_to(data / "img" / "0_0.png")
-    for bad in ["../outside.png", str(outside / "secret.png"), "img/link.png", "img/../../x.png"]:
+    (data / "dirlink").symlink_to(outside, target_is_directory=True)
+    for bad in [
+        "../outside.png",
+        str(outside / "secret.png"),
+        "img/link.png",
+        "img/../../x.png",
+        "dirlink/secret.png",
+    ]:
         rows = _rows(2)
         rows[1]["image_paths"] = [bad]
-        with pytest.raises(DatasetError, match="row 1"):
-            LazyImageDataset(rows, data)
+        dataset = LazyImageDataset(rows, data)
+        with pytest.raises(DatasetError, match="row 2: image") as info:
+            dataset[1]
+        assert repr(bad) in info.value.user_message
     rows = _rows(2)
     rows[1]["image_paths"] = ["img/inside_link.png"]
     assert LazyImageDataset(rows, data)[1]["image"].size == (9, 7)
 
 
-def test_unreadable_image_names_the_row(data: pathlib.Path) -> None:
+def test_unreadable_image_names_the_line_and_the_image(data: pathlib.Path) -> None:
     (data / "img" / "3_0.png").write_bytes(b"not a png")
     dataset = LazyImageDataset.from_jsonl(data / "rows.jsonl", data_root=data)
-    with pytest.raises(DatasetError, match="row 3") as info:
+    with pytest.raises(DatasetError) as info:
         dataset[3]
+    assert info.value.user_message == (
+        "Dataset line 4 of rows.jsonl: image 'img/3_0.png' could not be read."
+    )
+    assert (info.value.row, info.value.line) == (3, 4)
     assert str(data) not in str(info.value)  # no server paths in the user message
+    assert dataset.check_rows() == 4  # the row itself is well formed: only decoding fails
 
 
-def test_bad_jsonl_names_the_row(data: pathlib.Path) -> None:
-    (data / "bad.jsonl").write_text('{"image_paths": ["img/0_0.png"]}\n\n[1, 2]\n')
-    with pytest.raises(DatasetError, match=r"row 1 \(line 3"):
-        LazyImageDataset.from_jsonl(data / "bad.jsonl", data_root=data)
+def test_bad_jsonl_lines_are_named_when_read(data: pathlib.Path) -> None:
+    lines = ['{"image_paths": ["img/0_0.png"]}', "", "[1, 2]", "  ", "{not json"]
+    (data / "bad.jsonl").write_text("\n".join([*lines, '{"image_paths": ["img/1_0.png"]}']))
+    dataset = LazyImageDataset.from_jsonl(data / "bad.jsonl", data_root=data)
+    assert len(dataset) == 4  # blank and whitespace-only lines are not rows
+    assert dataset[0]["image"].size == (9, 7)
+    assert dataset[3]["image"].size == (9, 7)  # the last line needs no newline
+    with pytest.raises(DatasetError, match=r"^Dataset line 3 of bad\.jsonl is not a JSON object"):
+        dataset[1]
+    with pytest.raises(DatasetError, match=r"^Dataset line 5 of bad\.jsonl is not valid JSON"):
+        dataset[2]
+    with pytest.raises(DatasetError, match=r"line 3 of bad\.jsonl") as info:
+        dataset.check_rows()
+    assert info.value.line == 3
     with pytest.raises(DatasetError, match="could not be read"):
         LazyImageDataset.from_jsonl(data / "absent.jsonl", data_root=data)
+    (data / "empty.jsonl").write_text("\n \r\n")
+    with pytest.raises(DatasetError, match="has no rows"):
+        LazyImageDataset.from_jsonl(data / "empty.jsonl", data_root=data)
+
+
+def test_crlf_and_utf8_lines(data: pathlib.Path) -> None:
+    rows = _rows(2)
+    rows[1]["solution"] = "rouge \u00e9"
+    text = "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n\r\n"
+    (data / "crlf.jsonl").write_bytes(text.encode("utf-8"))
+    dataset = LazyImageDataset.from_jsonl(data / "crlf.jsonl", data_root=data)
+    assert len(dataset) == 2
+    assert dataset[1]["solution"] == "rouge \u00e9"
+    (data / "latin1.jsonl").write_bytes(b'{"image_paths": ["img/0_0.png"], "s": "\xe9"}\n')
+    with pytest.raises(DatasetError, match=r"line 1 of latin1\.jsonl is not valid JSON"):
+        LazyImageDataset.from_jsonl(data / "latin1.jsonl", data_root=data)[0]
+
+
+def test_opening_parses_no_row_and_reading_parses_one(
+    data: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainer_service.providers.grpo.rows as rows_module
+
+    lines = [json.dumps(r) for r in _rows()] * 250  # 1000 rows sharing four images
+    (data / "big.jsonl").write_text("\n".join(lines) + "\n")
+    parsed: list[bytes] = []
+    real_loads = json.loads
+
+    def counting_loads(text: bytes) -> object:
+        parsed.append(text)
+        return real_loads(text)
+
+    monkeypatch.setattr(rows_module.json, "loads", counting_loads)
+    resolved: list[pathlib.Path] = []
+    real_resolve = pathlib.Path.resolve
+
+    def counting_resolve(self: pathlib.Path, strict: bool = False) -> pathlib.Path:
+        resolved.append(self)
+        return real_resolve(self, strict)
+
+    monkeypatch.setattr(pathlib.Path, "resolve", counting_resolve)
+    realpaths: list[str] = []
+    real_realpath = os.path.realpath
+
+    def counting_realpath(path: str, **kwargs: object) -> str:
+        if isinstance(path, str):  # Path.resolve calls it too, with a Path (counted above)
+            realpaths.append(path)
+        return real_realpath(path, **kwargs)
+
+    monkeypatch.setattr(rows_module.os.path, "realpath", counting_realpath)
+    dataset = LazyImageDataset.from_jsonl(data / "big.jsonl", data_root=data)
+    assert len(dataset) == 1000
+    assert parsed == []  # nothing parsed up front: opening is one read and one scan
+    assert len(resolved) <= 2  # the dataset directory and the data root, not one per row
+    assert dataset[999]["solution"] == "s3"
+    assert parsed == [lines[999].encode()]
+    assert dataset.check_rows() == 1000
+    assert len(parsed) == 1001
+    # The one image directory is resolved once, not once per row.
+    assert len(resolved) <= 2 and len(realpaths) == 1, (resolved, realpaths)
+
+
+def test_check_rows_stops_when_asked(data: pathlib.Path) -> None:
+    import threading
+
+    rows = _rows(3)
+    del rows[2]["image_paths"]
+    stop = threading.Event()
+    stop.set()
+    assert LazyImageDataset(rows, data).check_rows(stop) == 0
 
 
 # 4. Without a cache: Image.open(path).convert("RGB"), pixel for pixel.

@@ -9,10 +9,15 @@ the current step; the worker thread is always joined before the generator return
 
 Data path: ``datasets.Dataset.from_dict({"_i": range(n)}).with_transform(RowTransform(lazy))`` —
 TRL accepts only ``datasets`` datasets, and this one holds nothing but indices, so images are
-decoded lazily, per batch, in the DataLoader workers (see :mod:`.lazy_images`).
+decoded lazily, per batch, in the DataLoader workers (see :mod:`.lazy_images`). Opening the
+dataset parses no row; while training starts, a background thread checks every row and fails
+the job (naming the line and image) if one is bad.
 
 Seeding: ``config.seed`` seeds Python, NumPy and torch before the model is loaded and is TRL's
-``seed``/``data_seed`` (the ``RepeatSampler`` index stream and sampling during generation).
+``seed``/``data_seed`` (the ``RepeatSampler`` index stream and sampling during generation). The
+training DataLoader draws its worker seeds from a generator of its own, so the number of
+workers does not change the stream: 0 and N workers train on the same rows and sample the same
+completions, epoch after epoch.
 """
 
 from __future__ import annotations
@@ -117,13 +122,12 @@ def _resolve(job: TrainJob, relative: str, what: str) -> pathlib.Path:
     return path
 
 
-def load_dataset(
-    job: TrainJob, settings: Settings, provenance_key: str | None = None
-) -> LazyImageDataset:
-    """Loads the task's JSONL dataset lazily (no image is decoded here).
+def load_dataset(job: TrainJob, provenance_key: str | None = None) -> LazyImageDataset:
+    """Opens the task's JSONL dataset lazily (no row is parsed, no image decoded here).
 
     Raises:
-        ProviderError: Missing/unreadable file, or a bad row (the message names the row).
+        ProviderError: Missing or unreadable file, or one without rows. Bad rows are reported
+            when read (see :mod:`.rows`).
     """
     task = job.task.grpo
     path = _resolve(job, task.dataset_path, "dataset")
@@ -137,7 +141,6 @@ def load_dataset(
         path,
         data_root=job.data_root,
         cache_dir=resolve_cache_dir(job.image_cache_dir),
-        memo_rows=settings.memo_rows,
         provenance_key=provenance_key,
     )
 
@@ -235,6 +238,31 @@ def training_args(
     )
 
 
+class LazyGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer with a reproducible training DataLoader, holding its lazy dataset.
+
+    Reproducible: a ``DataLoader`` draws a base seed for its workers each time it makes an
+    iterator, from the process-wide torch RNG unless it has a ``generator``. Loading inline,
+    it makes a new iterator every epoch; with persistent workers it makes one and resets it.
+    Those extra draws moved the global RNG, which also drives completion sampling, so 0 and 2
+    workers sampled different completions from the first step of epoch 2 on. With a generator
+    of its own (seeded from ``seed``) the loader leaves the global RNG alone in both modes.
+
+    Attributes:
+        lazy_dataset: The rows behind ``train_dataset``.
+    """
+
+    lazy_dataset: LazyImageDataset | None = None
+
+    def get_train_dataloader(self) -> Any:
+        loader = super().get_train_dataloader()
+        generator = torch.Generator()
+        generator.manual_seed(self.args.seed)
+        # accelerate wraps the torch DataLoader; its __iter__ uses the wrapped one's generator.
+        getattr(loader, "base_dataloader", loader).generator = generator
+        return loader
+
+
 def _use_cuda_device(device: str) -> None:
     """Makes ``cuda:N`` the calling thread's current device (Trainer places the model there)."""
     index = torch.device(device).index
@@ -264,7 +292,7 @@ def build_trainer(
     output_dir: str,
     tap: CompletionTap | None = None,
     provenance_key: str | None = None,
-) -> GRPOTrainer:
+) -> LazyGRPOTrainer:
     """Loads everything and builds the GRPOTrainer for ``job`` (does not train).
 
     Args:
@@ -277,11 +305,12 @@ def build_trainer(
     Raises:
         ProviderError: The model or dataset cannot be used.
     """
-    settings = Settings.from_task(job.task.grpo)
     use_cpu, bf16, dtype = _precision(job.device)
     set_seed(job.config.seed)
     job.set_phase("loading dataset")
-    lazy = load_dataset(job, settings, provenance_key=provenance_key)
+    lazy = load_dataset(job, provenance_key=provenance_key)
+    settings = Settings.from_task(job.task.grpo)
+    lazy.set_memo_rows(settings.memo_rows)
     job.set_phase("loading model")
     model, processor = load_model(job, dtype)
     train_dataset = Dataset.from_dict({"_i": list(range(len(lazy)))}).with_transform(
@@ -292,7 +321,7 @@ def build_trainer(
     )
     args = training_args(job, settings, output_dir, use_cpu, bf16)
     try:
-        trainer = GRPOTrainer(
+        trainer = LazyGRPOTrainer(
             model=model,
             reward_funcs=reward_funcs,
             args=args,
@@ -309,6 +338,7 @@ def build_trainer(
         ) from exc
     # With tqdm off, Trainer prints every log dict to stdout; episodes carry the metrics instead.
     trainer.remove_callback(PrinterCallback)
+    trainer.lazy_dataset = lazy
     return trainer
 
 
@@ -341,8 +371,23 @@ def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
             else:
                 handoff.finish()
 
+        lazy = held["trainer"].lazy_dataset
+        scan_stop = threading.Event()
+
+        def check_rows() -> None:
+            # The first batch does not wait for this; a bad row anywhere still fails the job
+            # within seconds rather than when training first reads it.
+            try:
+                checked = lazy.check_rows(scan_stop) if lazy is not None else 0
+            except DatasetError as exc:
+                handoff.finish(exc)
+            else:
+                _LOGGER.debug("run %s: %d dataset rows checked", job.run_id, checked)
+
         worker = threading.Thread(target=train, name=f"grpo-{job.run_id}", daemon=True)
+        scanner = threading.Thread(target=check_rows, name=f"grpo-rows-{job.run_id}", daemon=True)
         worker.start()
+        scanner.start()
         _LOGGER.info("run %s: GRPO training started (%d steps)", job.run_id, counter.max_episodes)
         try:
             while True:
@@ -353,8 +398,10 @@ def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
                     break
                 yield item
         finally:
+            scan_stop.set()
             handoff.close()
             worker.join()
+            scanner.join()
             held.clear()
             if job.device.startswith("cuda"):
                 gc.collect()  # model and optimizer sit in reference cycles
