@@ -110,7 +110,9 @@ def configure_logging(
     """Sends the root logger's records at ``level`` and above to ``stream`` in format ``fmt``.
 
     Call it once from a ``__main__``. Calling it again replaces the handler it installed before;
-    handlers others installed (pytest's, for instance) are left alone.
+    handlers others installed (pytest's, for instance) are left alone. Python warnings
+    (``warnings.warn``) become records of the ``py.warnings`` logger, so they are formatted like
+    every other line (one JSON object with ``json``).
 
     Args:
         level: Level name (``DEBUG``, ``INFO``, ...), any case.
@@ -132,3 +134,4 @@ def configure_logging(
     setattr(handler, _HANDLER_MARK, True)
     root.addHandler(handler)
     root.setLevel(numeric_level)
+    logging.captureWarnings(True)

@@ -51,6 +51,7 @@ from trainer_service.providers.grpo.lazy_images import (
     RowTransform,
     resolve_cache_dir,
 )
+from trainer_service.providers.grpo.library_output import WorkerLogging, route_library_output
 from trainer_service.providers.grpo.rewards import CompletionTap, build_reward_functions
 from trainer_service.providers.grpo.validation import resolve_under_root
 from trainwire.v1 import episode_pb2
@@ -239,7 +240,7 @@ def training_args(
 
 
 class LazyGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer with a reproducible training DataLoader, holding its lazy dataset.
+    """GRPOTrainer with a reproducible, quiet training DataLoader, holding its lazy dataset.
 
     Reproducible: a ``DataLoader`` draws a base seed for its workers each time it makes an
     iterator, from the process-wide torch RNG unless it has a ``generator``. Loading inline,
@@ -247,6 +248,8 @@ class LazyGRPOTrainer(GRPOTrainer):
     Those extra draws moved the global RNG, which also drives completion sampling, so 0 and 2
     workers sampled different completions from the first step of epoch 2 on. With a generator
     of its own (seeded from ``seed``) the loader leaves the global RNG alone in both modes.
+
+    Quiet: workers set their logging up like the trainer's (:class:`WorkerLogging`).
 
     Attributes:
         lazy_dataset: The rows behind ``train_dataset``.
@@ -259,7 +262,10 @@ class LazyGRPOTrainer(GRPOTrainer):
         generator = torch.Generator()
         generator.manual_seed(self.args.seed)
         # accelerate wraps the torch DataLoader; its __iter__ uses the wrapped one's generator.
-        getattr(loader, "base_dataloader", loader).generator = generator
+        base = getattr(loader, "base_dataloader", loader)
+        base.generator = generator
+        if base.num_workers > 0:
+            base.worker_init_fn = WorkerLogging.like_this_process(base.worker_init_fn)
         return loader
 
 
@@ -305,6 +311,7 @@ def build_trainer(
     Raises:
         ProviderError: The model or dataset cannot be used.
     """
+    route_library_output()  # before any model or dataset code draws a bar or warns
     use_cpu, bf16, dtype = _precision(job.device)
     set_seed(job.config.seed)
     job.set_phase("loading dataset")
