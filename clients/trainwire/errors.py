@@ -64,6 +64,7 @@ class TrainwireError(Exception):
         reason: The ``reason`` of a ``google.rpc.ErrorInfo`` detail ("" without one): an
             ``ErrorReason`` value when the reason is one of the declared set.
         metadata: The ``metadata`` of that ``ErrorInfo`` (empty without one).
+        status: The whole ``google.rpc.Status`` the server sent, when it sent one.
     """
 
     grpc_code: grpc.StatusCode | None = None
@@ -79,6 +80,7 @@ class TrainwireError(Exception):
         localized_message: str = "",
         reason: str | None = None,
         metadata: dict[str, str] | None = None,
+        status: status_pb2.Status | None = None,
     ) -> None:
         self.code = code if code is not None else self.grpc_code
         self.message = message
@@ -88,6 +90,7 @@ class TrainwireError(Exception):
             reason = self.error_reason or ""
         self.reason: str = _declared(reason)
         self.metadata: dict[str, str] = dict(metadata or {})
+        self.status = status
         super().__init__(message)
 
     @property
@@ -401,4 +404,5 @@ def error_from_rpc(exc: grpc.RpcError) -> TrainwireError:
         localized_message=localized,
         reason=reason,
         metadata=metadata,
+        status=status,
     )

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 import grpc
+from google.protobuf import timestamp_pb2
 
+from trainwire import contract, motion
 from trainwire.reasons import ErrorReason
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 from trainwire_ops.rich_status import rich_status
@@ -65,6 +67,8 @@ class Script:
         detail_every: Imitation detail on every n-th episode and on the last.
         frames: Frames of the imitation detail.
         joints: Joints of the imitation detail (32 with 240 frames: the contract's largest).
+        motion: Send ``scripted_episodes``: a reward curve that rises and, for imitation runs,
+            the motion of the task's own rig and clip (the CLI's pictures need it).
     """
 
     episodes: int | None = None
@@ -85,6 +89,7 @@ class Script:
     detail_every: int = 10
     frames: int = 60
     joints: int = 11
+    motion: bool = False
 
 
 def reward_of(n: int) -> float:
@@ -122,6 +127,53 @@ def valid_episodes(
         best = max(best, reward_of(n))
         last = n == count
         yield make_episode(n, best, last, last or n % detail_every == 0, frames, joints)
+
+
+def scripted_reward(n: int) -> float:
+    """The fake's reward curve: rising towards 1 with a deterministic wobble."""
+    return round(1.0 - 0.9 * math.exp(-n / 15.0) + 0.03 * math.sin(n * 1.7), 6)
+
+
+def scripted_episodes(
+    task: episode_pb2.TrainTask, config: episode_pb2.TrainConfig
+) -> list[episode_pb2.Episode]:
+    """A valid episode stream for the task: rewards from ``scripted_reward``; imitation runs carry
+    the policy's motion every 10th episode and on the last (the target clip plus an error that
+    shrinks as training goes), grpo runs a sample completion."""
+    kind = contract.task_kind(task)
+    clip = motion.clip_from_task(task.imitation) if kind == "imitation" else None
+    total = config.max_episodes
+    episodes: list[episode_pb2.Episode] = []
+    best = -math.inf
+    for n in range(1, total + 1):
+        reward = scripted_reward(n)
+        best = max(best, reward)
+        episode = episode_pb2.Episode(
+            episode=n,
+            reward=reward,
+            best_reward=best,
+            done=n == total,
+            metrics={"loss": 1.0 / n},
+            produce_time=_now(),
+        )
+        if clip is not None and (n % 10 == 0 or n == total):
+            error = 0.8 * (1.0 - n / total) + 0.15
+            angles = [a + error * math.sin(i * 0.37 + n) for i, a in enumerate(clip.angles)]
+            episode.imitation.CopyFrom(
+                episode_pb2.ImitationDetail(
+                    frame_count=clip.frame_count, joint_count=clip.joint_count, angles=angles
+                )
+            )
+        elif kind == "grpo":
+            episode.grpo.sample_completions.append(f"<answer>{n}</answer>")
+        episodes.append(episode)
+    return episodes
+
+
+def _now() -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(time.time_ns())
+    return stamp
 
 
 class _Ended(threading.Event):
@@ -409,7 +461,12 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
                 yield _heartbeat(0, "loading")
             return
         count = script.episodes or request.config.max_episodes
-        for ep in valid_episodes(count, script.detail_every, script.frames, script.joints):
+        source = (
+            scripted_episodes(request.task, request.config)[:count]
+            if script.motion
+            else valid_episodes(count, script.detail_every, script.frames, script.joints)
+        )
+        for ep in source:
             n = ep.episode
             if ended.is_set():
                 return

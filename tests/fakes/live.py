@@ -38,11 +38,13 @@ class LiveStack:
     Attributes:
         target: The gateway's address.
         fake: The fake trainer behind it (None when the gateway runs in another process).
+        http: The base URL of the gateway's HTTP side ("" unless started with ``http_port=0``).
         proxies: Fault proxies started with ``proxy``.
     """
 
     target: str
     fake: Any = None
+    http: str = ""
     proxies: list[FaultProxy] = field(default_factory=list)
     _start_proxy: Callable[[FaultProxy], None] | None = None
 
@@ -94,14 +96,16 @@ def _in_process(slots: int, **overrides: Any) -> Iterator[LiveStack]:
     fake = FakeTrainer(slots=slots)
     fake.start()
     stack = contextlib.AsyncExitStack()
+    urls: list[str] = []
 
     async def start() -> Any:
         client = await stack.enter_async_context(running_gateway((fake.address,), **overrides))
+        urls.append(client.gateway.http.url if client.gateway.http is not None else "")
         return client.gateway.server, client.gateway.port
 
     try:
         with ThreadedServer(start, stack.aclose) as served, _proxies() as start_proxy:
-            yield LiveStack(served.target, fake, _start_proxy=start_proxy)
+            yield LiveStack(served.target, fake, urls[0], _start_proxy=start_proxy)
     finally:
         for script in fake.scripts:
             script.release.set()

@@ -17,7 +17,7 @@ from google.protobuf import json_format
 
 from gateway.server import Gateway
 from tests.fakes.gateway_harness import running_gateway
-from tests.fakes_gateway import ThreadedServer
+from tests.fakes.watch_faults import ThreadedServer
 from trainwire.v1 import episode_pb2
 
 TIMEOUT = 20.0  # every HTTP call of a test has a deadline

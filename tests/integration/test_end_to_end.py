@@ -19,7 +19,7 @@ from PIL import Image
 
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
-from tests.fakes_gateway import ThreadedServer
+from tests.fakes.watch_faults import ThreadedServer
 from tests.grpcurl_helpers import run_grpcurl
 from tests.grpo_fixtures import grpo_data_root, tiny_grpo_task
 from trainer_service.config import TrainerConfig
@@ -153,17 +153,13 @@ def test_cli_creates_watches_draws_and_controls_runs(stack: Stack, tmp_path: pat
     assert code == 0, err
     events = [json.loads(line) for line in out.splitlines() if line.strip()]
     assert events, "watch --json printed nothing"
-    seen = [
-        e["episode"]["episode"] if isinstance(e["episode"], dict) else e["episode"]
-        for e in events
-        if "episode" in e
-    ]
+    seen = [e["episode"]["episode"] for e in events if "episode" in e]
     assert [int(n) for n in seen] == list(range(1, 41))
 
     code, out, err = stack.cli("--json", "runs", "get", run_id)
     assert code == 0, err
-    got = json.loads(out)
-    assert got["state"] in ("STATE_DONE", "DONE", Run.State.STATE_DONE)
+    got = json.loads(out)["run"]  # GetRunResponse in the protobuf JSON mapping
+    assert got["state"] == "STATE_DONE"
 
     curve, avatar = tmp_path / "curve.png", tmp_path / "avatar.png"
     assert stack.cli("plot", run_id, "--out", str(curve))[0] == 0
@@ -205,7 +201,7 @@ def test_cli_pause_resume_speed_stop_on_a_paced_run(stack: Stack) -> None:
                 break
             stack.client.get_run(run_id)
         assert code == 0, (argv, err)
-        run = json.loads(out)
+        run = json.loads(out)["run"]
         assert state in str(run["state"]), (argv, run)
         if argv[0] == "speed":
             assert run["speed"] == 20.0  # clamped to 0.1..20

@@ -3,12 +3,14 @@ view's bookkeeping (rate, ETA, connection indicator)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 from typing import TypeAlias
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
 from trainwire import client as tc
 from trainwire.cli import _format, build_parser
@@ -131,12 +133,17 @@ def test_run_texts() -> None:
     assert failed.endswith("error: boom")
 
 
-def test_json_uses_proto_names_and_plain_integers() -> None:
-    data = json.loads(_format.dumps(_format.to_dict(_run(episode=3))))
-    assert data["episode"] == 3
-    assert data["state"] == "STATE_RUNNING"
-    assert data["config"]["max_episodes"] == 100
-    assert data["error_message"] == ""
+def test_json_is_the_protobuf_json_mapping_with_default_options() -> None:
+    run = _run(episode=3)
+    data = json.loads(_format.dumps(_format.run_json(run)))
+    # What grpcurl and the HTTP API print for GetRun: camelCase, int64 as strings, enum names,
+    # default values left out.
+    assert data == json_format.MessageToDict(gateway_service_pb2.GetRunResponse(run=run))
+    assert data["run"]["episode"] == "3"
+    assert data["run"]["state"] == "STATE_RUNNING"
+    assert data["run"]["config"]["maxEpisodes"] == 100
+    assert "errorMessage" not in data["run"]
+    assert json_format.ParseDict(data, gateway_service_pb2.GetRunResponse()).run == run
 
 
 def test_error_lines() -> None:
@@ -158,10 +165,13 @@ def test_error_lines() -> None:
     ]
     slow = tc.DeadlineExceeded("Deadline Exceeded")
     assert "within 2.5 s; see --timeout" in _format.error_lines(slow, "h:1", 2.5)[0]
-    assert json.loads(_format.error_json(bad))["error"]["field_violations"][1] == {
-        "field": "task.imitation.group_size",
-        "description": "1; need 2..1024",
+    # Without server details: a google.rpc.Status of its code and message.
+    assert json.loads(_format.error_json(bad)) == {
+        "error": {"code": 3, "message": "invalid run: config.max_episodes: 0; need 1..5000"}
     }
+    detail_lines = _format.error_detail_lines(bad)
+    assert detail_lines[0] == "  grpc code: INVALID_ARGUMENT (3)"
+    assert "  bad field: task.imitation.group_size: 1; need 2..1024" in detail_lines
     assert tc.NotFound("run r-1 not found").code == grpc.StatusCode.NOT_FOUND
 
 
@@ -259,6 +269,65 @@ def test_server_text_never_reaches_the_terminal_raw() -> None:
         assert "clear\\x1b[2J ring\\x07 back\\x0d csi\\x9b31m" in text
     line = _format.dumps(_format.to_dict(run))
     assert not any(ch in line for ch in "\x1b\x07\r\x9b")
-    assert json.loads(line)["display_name"] == hostile  # escaped, not lost
+    assert json.loads(line)["displayName"] == hostile  # escaped, not lost
     error = tc.NotFound(hostile, field_violations=[FieldViolation("run_id", hostile)])
     assert not any(ch in "\n".join(_format.error_lines(error, "gw:1", 5.0)) for ch in "\x1b\x07")
+
+
+_GLOBAL_FLAGS = ("--gateway", "--json", "--timeout", "--ca", "--cert", "--key", "--token", "-v")
+
+
+def _subcommand_paths(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list:
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found.append(((*path, name), sub))
+                found.extend(_subcommand_paths(sub, (*path, name)))
+    return found
+
+
+def test_every_subcommand_shows_the_global_flags_in_its_help() -> None:
+    paths = _subcommand_paths(build_parser())
+    assert {"watch", "plot", "grpo", "runs", "create", "list"} <= {p[-1] for p, _ in paths}
+    for path, sub in paths:
+        text = sub.format_help()
+        for flag in _GLOBAL_FLAGS:
+            assert f"  {flag}" in text, (path, flag)
+        assert "==SUPPRESS==" not in text, path
+
+
+def test_every_grpo_flag_has_help_and_its_default() -> None:
+    (grpo,) = [sub for path, sub in _subcommand_paths(build_parser()) if path[-1] == "grpo"]
+    for action in grpo._actions:
+        if (
+            not action.option_strings
+            or action.dest in ("help",)
+            or "--gateway" in str(action.option_strings)
+        ):
+            continue
+        assert action.help and action.help != argparse.SUPPRESS, action.option_strings
+        if not action.required and action.dest not in ("quiet", "watch", "json", "verbose"):
+            assert "default" in action.help, action.option_strings
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--timeout x runs list",
+        "runs list --limit many",
+        "watch r1 --idle-timeout soon",
+        "speed r1 fast",
+        "runs create grpo --model m --dataset d --num-generations lots",
+        "runs create imitation --clip wave --rate quick",
+    ],
+)
+def test_usage_errors_never_name_internal_functions(
+    argv: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainwire.cli import main
+
+    assert main(shlex.split(argv)) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "is not a" in err
+    assert "_positive" not in err and "_non_negative" not in err and "invalid" not in err

@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from tests.fakes_gateway import RecordingChannel
+from tests.fakes.recording_channel import RecordingChannel
 from trainwire import client as tc
 from trainwire import contract, motion
 from trainwire.v1 import episode_pb2, gateway_service_pb2

@@ -13,7 +13,7 @@ import grpc
 import grpc_testing
 import pytest
 
-from tests.fakes_gateway import RecordingChannel
+from tests.fakes.recording_channel import RecordingChannel
 from trainwire import client as tc
 from trainwire import contract
 from trainwire.v1 import episode_pb2, gateway_service_pb2

@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 from PIL import Image
 
-from tests.fakes_gateway import scripted_episodes
+from tests.fakes.fake_trainer import scripted_episodes
 from trainwire import client as tc
 from trainwire import motion, render
 from trainwire.v1 import episode_pb2

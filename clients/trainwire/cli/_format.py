@@ -14,9 +14,12 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+import grpc
 from google.protobuf import json_format, message
+from google.rpc import status_pb2
 
 from trainwire.client import Run, TrainwireError, state_name
+from trainwire.v1 import gateway_service_pb2
 
 _SPARK = "▁▂▃▄▅▆▇█"
 # C0 controls, DEL and the C1 controls (0x80-0x9f: 0x9b is a one-byte CSI on some terminals).
@@ -29,14 +32,16 @@ def clean(text: str) -> str:
 
 
 def to_dict(msg: message.Message) -> dict[str, Any]:
-    """A message as JSON-ready data: proto field names, enum names, zero values included."""
-    data: dict[str, Any] = json_format.MessageToDict(
-        msg,
-        preserving_proto_field_name=True,
-        always_print_fields_with_no_presence=True,
-        unquote_int64_if_possible=True,
-    )
+    """A message in the protobuf JSON mapping with its default options: lowerCamelCase names,
+    enum names, int64 as strings, fields at their default left out (what grpcurl and the
+    gateway's HTTP API print)."""
+    data: dict[str, Any] = json_format.MessageToDict(msg)
     return data
+
+
+def run_json(run: Run) -> dict[str, Any]:
+    """A run as the unary RPCs return it: ``{"run": {...}}`` (e.g. ``GetRunResponse``)."""
+    return to_dict(gateway_service_pb2.GetRunResponse(run=run))
 
 
 def dumps(data: Any) -> str:
@@ -155,19 +160,35 @@ def error_lines(exc: TrainwireError, gateway: str, timeout: float) -> list[str]:
     return lines
 
 
+def error_status(exc: TrainwireError) -> status_pb2.Status:
+    """The error's ``google.rpc.Status`` (its details as the server sent them)."""
+    if exc.status is not None:
+        return exc.status
+    code = exc.code.value[0] if exc.code is not None else 2  # UNKNOWN
+    return status_pb2.Status(code=code, message=exc.message)
+
+
 def error_json(exc: TrainwireError) -> str:
-    """The error as one JSON line: ``{"error": {"code", "message", "field_violations"}}``."""
-    return dumps(
-        {
-            "error": {
-                "code": exc.code_name,
-                "message": exc.message,
-                "field_violations": [
-                    {"field": v.field, "description": v.description} for v in exc.field_violations
-                ],
-            }
-        }
-    )
+    """The error as one JSON line: ``{"error": STATUS}``, STATUS being the ``google.rpc.Status``
+    in the protobuf JSON mapping (``code``, ``message``, ``details`` with ``@type``), as
+    ``grpcurl -format-error`` prints it."""
+    return dumps({"error": to_dict(error_status(exc))})
+
+
+def error_detail_lines(exc: TrainwireError) -> list[str]:
+    """What ``-v`` adds to an error: the gRPC code and details and every google.rpc detail."""
+    cause = exc.__cause__
+    lines = [f"  grpc code: {exc.code_name} ({exc.code.value[0] if exc.code else '?'})"]
+    if isinstance(cause, grpc.Call):
+        lines.append(f"  grpc details: {clean(cause.details() or '')}")
+    if exc.reason:
+        metadata = ", ".join(f"{k}={clean(v)}" for k, v in sorted(exc.metadata.items()))
+        lines.append(f"  reason: {clean(exc.reason)}" + (f" ({metadata})" if metadata else ""))
+    if exc.localized_message:
+        lines.append(f"  message for people: {clean(exc.localized_message)}")
+    for violation in exc.field_violations:
+        lines.append(f"  bad field: {clean(violation.field)}: {clean(violation.description)}")
+    return lines
 
 
 def sparkline(values: Sequence[float], width: int = 60) -> str:

@@ -43,6 +43,7 @@ from trainwire.v1 import episode_pb2, gateway_service_pb2
 _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_GATEWAY = "localhost:50051"
+DEFAULT_TIMEOUT = 10.0
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -71,15 +72,33 @@ class _Output:
 # -- arguments ---------------------------------------------------------------------------------
 
 
+# argparse names a converter that raises ValueError in its message ("invalid _positive_float
+# value"); these raise ArgumentTypeError, whose text is shown as it is.
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
 def _positive_float(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not > 0")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
     return value
@@ -95,34 +114,31 @@ def _state(text: str) -> int:
 def _common_options(suppress: bool) -> argparse.ArgumentParser:
     """The connection and output options, accepted before or after the command.
 
-    On subcommands the defaults are suppressed so a value given before the command survives.
+    Every subcommand's help shows them too; there their defaults are suppressed so a value
+    given before the command survives (so no help text says ``%(default)s``).
     """
     parser = argparse.ArgumentParser(add_help=False)
     default: Callable[[Any], Any] = (lambda _: argparse.SUPPRESS) if suppress else (lambda v: v)
-    parser.add_argument(
+    group = parser.add_argument_group("connection and output (before or after the command)")
+    group.add_argument(
         "--gateway",
         metavar="HOST:PORT",
         default=default(os.environ.get("TRAINWIRE_GATEWAY") or DEFAULT_GATEWAY),
-        help=f"gateway address (default: $TRAINWIRE_GATEWAY, else {DEFAULT_GATEWAY})"
-        if not suppress
-        else argparse.SUPPRESS,
+        help=f"gateway address (default: $TRAINWIRE_GATEWAY, else {DEFAULT_GATEWAY})",
     )
-    parser.add_argument(
+    group.add_argument(
         "--json",
         action="store_true",
         default=default(False),
-        help="machine-readable output: JSON (watch: one JSON line per event)"
-        if not suppress
-        else argparse.SUPPRESS,
+        help="machine-readable output: the protobuf JSON mapping of the RPC's response, as "
+        "grpcurl and the HTTP API print it (watch: one WatchRunResponse per line)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--timeout",
         type=_positive_float,
         metavar="SECONDS",
-        default=default(10.0),
-        help="deadline of each call to the gateway (default: %(default)s)"
-        if not suppress
-        else argparse.SUPPRESS,
+        default=default(DEFAULT_TIMEOUT),
+        help=f"deadline of each call to the gateway (default: {DEFAULT_TIMEOUT:g})",
     )
     for flag, env, meta, text in (
         ("--ca", "TRAINWIRE_CA", "FILE", "PEM CA to verify a TLS gateway with (turns TLS on)"),
@@ -136,18 +152,19 @@ def _common_options(suppress: bool) -> argparse.ArgumentParser:
             "show in ps)",
         ),
     ):
-        parser.add_argument(
+        group.add_argument(
             flag,
             metavar=meta,
             default=default(os.environ.get(env) or None),
-            help=f"{text} (default: ${env})" if not suppress else argparse.SUPPRESS,
+            help=f"{text} (default: ${env})",
         )
-    parser.add_argument(
+    group.add_argument(
         "-v",
         "--verbose",
         action="store_true",
         default=default(False),
-        help="log what the client does to stderr" if not suppress else argparse.SUPPRESS,
+        help="log what the client does to stderr; on an error, its gRPC code, details and "
+        "google.rpc details",
     )
     return parser
 
@@ -156,28 +173,35 @@ def _run_options(parser: argparse.ArgumentParser, default_episodes: int) -> None
     group = parser.add_argument_group("run options")
     group.add_argument(
         "--episodes",
-        type=int,
+        type=_integer,
         default=default_episodes,
         metavar="N",
         help="episodes (optimizer steps for grpo) to train, 1..5000 (default: %(default)s)",
     )
     group.add_argument(
         "--rate",
-        type=float,
+        type=_number,
         default=0.0,
         metavar="R",
-        help="episodes published per second; 0: the gateway's default; negative: unpaced",
+        help="episodes published per second; 0: the gateway's --episode-rate; negative: "
+        "unpaced (default: 0)",
     )
     group.add_argument(
-        "--speed", type=float, default=0.0, metavar="S", help="playback speed, 0.1..20 (default 1)"
+        "--speed",
+        type=_number,
+        default=0.0,
+        metavar="S",
+        help="playback speed, 0.1..20 (default: 0, i.e. 1)",
     )
-    group.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
-    group.add_argument("--name", default="", help="a display name for people")
+    group.add_argument(
+        "--seed", type=_integer, default=0, metavar="N", help="random seed (default: 0)"
+    )
+    group.add_argument("--name", default="", help="a display name for people (default: none)")
     group.add_argument(
         "--request-id",
         default="",
         metavar="ID",
-        help="idempotency key: repeating a create with it returns the same run",
+        help="idempotency key: repeating a create with it returns the same run (default: none)",
     )
     group.add_argument(
         "-q", "--quiet", action="store_true", help="print only the new run's id (scripts)"
@@ -200,10 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"trainwire {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    runs = commands.add_parser("runs", help="create, list, show and delete runs")
+    runs = commands.add_parser("runs", parents=[common], help="create, list, show and delete runs")
     runs_commands = runs.add_subparsers(dest="runs_command", metavar="SUBCOMMAND", required=True)
 
-    create = runs_commands.add_parser("create", help="create a run")
+    create = runs_commands.add_parser("create", parents=[common], help="create a run")
     kinds = create.add_subparsers(dest="kind", metavar="KIND", required=True)
     imitation = kinds.add_parser(
         "imitation",
@@ -218,10 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--rig", default="stickman", help=f"built-in rig: {', '.join(BUILTIN_RIG_BONES)}"
     )
     imitation.add_argument(
-        "--group-size", type=int, default=0, metavar="N", help="motions per episode, 2..1024"
+        "--group-size", type=_integer, default=0, metavar="N", help="motions per episode, 2..1024"
     )
     imitation.add_argument(
-        "--learning-rate", type=float, default=0.0, metavar="LR", help="Adam learning rate"
+        "--learning-rate", type=_number, default=0.0, metavar="LR", help="Adam learning rate"
     )
     imitation.add_argument("--avatar", default="", help="free-form avatar id")
     _run_options(imitation, 200)
@@ -243,15 +267,45 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated reward functions ({', '.join(REWARD_FUNCTIONS)}); "
         "default: exact_match,format",
     )
-    grpo.add_argument("--num-generations", type=int, default=0, metavar="N")
-    grpo.add_argument("--batch-size", type=int, default=0, metavar="N")
-    grpo.add_argument("--max-completion-length", type=int, default=0, metavar="TOKENS")
-    grpo.add_argument("--learning-rate", type=float, default=0.0, metavar="LR")
-    grpo.add_argument("--beta", type=float, default=None, help="KL coefficient (default 0)")
-    grpo.add_argument("--temperature", type=float, default=0.0)
-    grpo.add_argument("--grad-accum", type=int, default=0, metavar="STEPS")
-    grpo.add_argument("--workers", type=int, default=None, help="dataloader worker processes")
-    grpo.add_argument("--prefetch", type=int, default=None, help="batches prefetched per worker")
+    trainers = "0: the trainer's default (see GrpoTask in episode.proto)"
+    for flag, kind, meta, text in (
+        ("--num-generations", _integer, "N", "completions sampled per prompt, 2..64"),
+        (
+            "--batch-size",
+            _integer,
+            "N",
+            "per-device batch size in completions, 1..1024, a multiple of --num-generations",
+        ),
+        ("--max-completion-length", _integer, "TOKENS", "longest completion, 1..4096 tokens"),
+        ("--learning-rate", _number, "LR", "learning rate, in (0, 1]"),
+        ("--temperature", _number, "T", "sampling temperature, in (0, 10]"),
+        ("--grad-accum", _integer, "STEPS", "gradient accumulation steps, 1..1024"),
+    ):
+        grpo.add_argument(
+            flag, type=kind, default=0, metavar=meta, help=f"{text} (default: {trainers})"
+        )
+    grpo.add_argument(
+        "--beta",
+        type=_number,
+        default=None,
+        metavar="B",
+        help="KL coefficient, >= 0 (default: unset, i.e. 0: no reference model)",
+    )
+    grpo.add_argument(
+        "--workers",
+        type=_integer,
+        default=None,
+        metavar="N",
+        help="image-decoding dataloader worker processes, 0..32 (default: unset, the "
+        "trainer's default)",
+    )
+    grpo.add_argument(
+        "--prefetch",
+        type=_integer,
+        default=None,
+        metavar="N",
+        help="batches each worker prefetches, 1..64 (default: unset, the trainer's default)",
+    )
     _run_options(grpo, 20)
     grpo.set_defaults(handler=_cmd_create_grpo)
 
@@ -283,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     speed = commands.add_parser("speed", parents=[common], help="set a run's playback speed")
     speed.add_argument("run_id", metavar="ID")
-    speed.add_argument("speed", type=float, metavar="X", help="speed multiplier, 0.1..20")
+    speed.add_argument("speed", type=_number, metavar="X", help="speed multiplier, 0.1..20")
     speed.set_defaults(handler=_cmd_speed)
 
     watch = commands.add_parser(
@@ -315,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_id", metavar="ID")
     plot.add_argument("--out", required=True, metavar="FILE.png", help="where to write the PNG")
     plot.add_argument(
-        "--window", type=int, default=None, metavar="N", help="episodes in the rolling mean"
+        "--window", type=_integer, default=None, metavar="N", help="episodes in the rolling mean"
     )
     plot.set_defaults(handler=_cmd_plot)
 
@@ -327,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     avatar.add_argument(
         "--gif", action="store_true", help="an animation (GIF) instead of a strip of poses"
     )
-    avatar.add_argument("--poses", type=int, default=8, metavar="N", help="poses in the strip")
+    avatar.add_argument("--poses", type=_integer, default=8, metavar="N", help="poses in the strip")
     avatar.set_defaults(handler=_cmd_avatar)
     return parser
 
@@ -339,7 +393,7 @@ def _created(client: GatewayClient, args: argparse.Namespace, out: _Output, run:
     if args.quiet and not out.json:
         print(run.id, flush=True)
     else:
-        out.result(f"created {_format.run_line(run)}", _format.to_dict(run))
+        out.result(f"created {_format.run_line(run)}", _format.run_json(run))
     if args.watch:
         args.run_id, args.after, args.idle_timeout = run.id, 0, 30.0
         return _cmd_watch(client, args, out)
@@ -392,7 +446,7 @@ def _cmd_create_grpo(client: GatewayClient, args: argparse.Namespace, out: _Outp
 def _cmd_list(client: GatewayClient, args: argparse.Namespace, out: _Output) -> int:
     runs = client.list_runs(state=args.state, limit=args.limit or None)
     if out.json:
-        out.result("", {"runs": [_format.to_dict(r) for r in runs]})
+        out.result("", _format.to_dict(gateway_service_pb2.ListRunsResponse(runs=runs)))
     elif runs:
         out.result(_format.runs_table(runs), None)
     else:
@@ -403,13 +457,13 @@ def _cmd_list(client: GatewayClient, args: argparse.Namespace, out: _Output) -> 
 
 def _cmd_get(client: GatewayClient, args: argparse.Namespace, out: _Output) -> int:
     run = client.get_run(args.run_id)
-    out.result(_format.run_details(run), _format.to_dict(run))
+    out.result(_format.run_details(run), _format.run_json(run))
     return EXIT_OK
 
 
 def _cmd_delete(client: GatewayClient, args: argparse.Namespace, out: _Output) -> int:
     run = client.delete_run(args.run_id)
-    out.result(f"deleted run {run.id}", _format.to_dict(run))
+    out.result(f"deleted run {run.id}", _format.run_json(run))
     return EXIT_OK
 
 
@@ -419,13 +473,13 @@ _CONTROL_VERBS = {"pause": "paused", "resume": "resumed", "stop": "stopped"}
 def _cmd_control(client: GatewayClient, args: argparse.Namespace, out: _Output) -> int:
     method = {"pause": client.pause_run, "resume": client.resume_run, "stop": client.stop_run}
     run = method[args.action](args.run_id)
-    out.result(f"{_CONTROL_VERBS[args.action]}: {_format.run_line(run)}", _format.to_dict(run))
+    out.result(f"{_CONTROL_VERBS[args.action]}: {_format.run_line(run)}", _format.run_json(run))
     return EXIT_OK
 
 
 def _cmd_speed(client: GatewayClient, args: argparse.Namespace, out: _Output) -> int:
     run = client.set_run_speed(args.run_id, args.speed)
-    out.result(f"speed set: {_format.run_line(run)}", _format.to_dict(run))
+    out.result(f"speed set: {_format.run_line(run)}", _format.run_json(run))
     return EXIT_OK
 
 
@@ -438,23 +492,29 @@ def _watch_exit(run: Run) -> int:
 
 
 def _event_json(event: WatchEvent | Reconnect) -> dict[str, Any]:
+    """A watch event as the ``WatchRunResponse`` that carries it, in the protobuf JSON mapping
+    (batches come as one ``episode`` each); a reconnection, which no message carries, as
+    ``{"reconnect": {...}}`` in the same style."""
     if isinstance(event, Reconnect):
-        return {
-            "reconnect": {
-                "attempt": event.attempt,
-                "delay": round(event.delay, 3),
-                "code": event.code.name if event.code else None,
-                "reason": event.reason,
-                "after_episode": event.after_episode,
-            }
+        reconnect: dict[str, Any] = {
+            "attempt": event.attempt,
+            "delay": round(event.delay, 3),
+            "reason": event.reason,
+            "afterEpisode": str(event.after_episode),  # int64: a string, as in the mapping
         }
-    key = {
-        episode_pb2.Episode: "episode",
-        gateway_service_pb2.Keepalive: "keepalive",
-        gateway_service_pb2.CaughtUp: "caught_up",
-        Run: "finished",
-    }[type(event)]
-    return {key: _format.to_dict(event)}
+        if event.code is not None:
+            reconnect["code"] = event.code.name
+        return {"reconnect": reconnect}
+    response = gateway_service_pb2.WatchRunResponse()
+    if isinstance(event, episode_pb2.Episode):
+        response.episode.CopyFrom(event)
+    elif isinstance(event, gateway_service_pb2.Keepalive):
+        response.keepalive.CopyFrom(event)
+    elif isinstance(event, gateway_service_pb2.CaughtUp):
+        response.caught_up.CopyFrom(event)
+    else:
+        response.finished.CopyFrom(event)
+    return _format.to_dict(response)
 
 
 @contextlib.contextmanager
@@ -585,7 +645,7 @@ def _cmd_plot(client: GatewayClient, args: argparse.Namespace, out: _Output) -> 
         raise CliError(f"cannot write {args.out}: {exc.strerror or exc}") from exc
     out.result(
         f"wrote {args.out} ({len(episodes)} episodes of run {run.id})",
-        {"run_id": run.id, "out": args.out, "episodes": len(episodes)},
+        {"runId": run.id, "out": args.out, "episodes": len(episodes)},
     )
     return EXIT_OK
 
@@ -621,7 +681,7 @@ def _cmd_avatar(client: GatewayClient, args: argparse.Namespace, out: _Output) -
         raise CliError(f"run {run.id}: {exc}") from exc
     out.result(
         f"wrote {args.out} (learned motion of run {run.id}, {detail.frame_count} frames)",
-        {"run_id": run.id, "out": args.out, "frames": detail.frame_count},
+        {"runId": run.id, "out": args.out, "frames": detail.frame_count},
     )
     return EXIT_OK
 
@@ -683,6 +743,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_format.error_json(exc), file=sys.stderr)
         else:
             for line in _format.error_lines(exc, args.gateway, args.timeout):
+                print(line, file=sys.stderr)
+        if args.verbose:
+            for line in _format.error_detail_lines(exc):
                 print(line, file=sys.stderr)
         return EXIT_ERROR
     except CliError as exc:
