@@ -3,12 +3,14 @@ fixtures every suite shares."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from tests.fakes.fake_trainer import FakeTrainer
+from tests.fakes.fake_trainer import FakeTrainer, running_fake
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,13 +27,18 @@ if torch is not None:
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeTrainer]:
+def make_fake() -> Iterator[Callable[..., FakeTrainer]]:
+    """Starts ``FakeTrainer(**kwargs)`` s on port 0 (``running_fake``); all are stopped at the
+    end, held scripts released."""
+    with contextlib.ExitStack() as stack:
+
+        def make(**kwargs: Any) -> FakeTrainer:
+            return stack.enter_context(running_fake(**kwargs))
+
+        yield make
+
+
+@pytest.fixture
+def fake(make_fake: Callable[..., FakeTrainer]) -> FakeTrainer:
     """A scripted fake trainer with 4 slots on port 0; held scripts are released at the end."""
-    trainer = FakeTrainer(slots=4)
-    trainer.start()
-    yield trainer
-    for script in trainer.scripts:
-        script.release.set()
-    trainer.default.release.set()
-    trainer.hang_capabilities.clear()
-    trainer.kill()
+    return make_fake(slots=4)

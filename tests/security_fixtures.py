@@ -17,11 +17,8 @@ import trustme
 
 from gateway.auth import Role
 from gateway.tools.add_token import add_token
-from trainer_service.config import TrainerConfig
-from trainer_service.core.jobs import JobRunner, RunnerSettings
-from trainer_service.core.registry import ProviderRegistry
-from trainer_service.core.slots import SlotPool
-from trainer_service.server import TrainerServer, build_server
+from tests.fakes.trainer_harness import running_trainer
+from trainer_service.server import TrainerServer
 from trainer_service.testing import FakeProvider
 from trainwire_ops.tls import ServerTls
 
@@ -123,14 +120,14 @@ class Tokens:
 @contextlib.contextmanager
 def mtls_trainer(pki: Pki) -> Iterator[tuple[TrainerServer, str]]:
     """A trainer (fake imitation provider) that wants client certificates from ``pki``'s CA."""
-    config = TrainerConfig(host="127.0.0.1", port=0, slots=2, heartbeat_s=1.0)
-    runner = JobRunner(
-        ProviderRegistry({"imitation": FakeProvider()}), SlotPool(2), RunnerSettings()
-    )
     tls = ServerTls(pki.server.cert, pki.server.key, client_ca=pki.ca_file)
-    server, port = build_server(config, runner, tls=tls)
-    server.start(warm_up=False)
-    try:
-        yield server, f"127.0.0.1:{port}"
-    finally:
-        server.stop(None).wait(TIMEOUT)
+    with running_trainer(
+        {"imitation": FakeProvider()},
+        slots=2,
+        tls=tls,
+        warm_up=False,
+        wait_idle=False,
+        stop_wait=TIMEOUT,
+        heartbeat_s=1.0,
+    ) as running:
+        yield running.server, running.address

@@ -12,6 +12,7 @@ is independent of the event loop of the gateway under test.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -19,7 +20,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -514,3 +515,20 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
             ErrorReason.PROVIDER_FAILED,
             script.localized,
         )
+
+
+@contextlib.contextmanager
+def running_fake(**kwargs: Any) -> Iterator[FakeTrainer]:
+    """A started ``FakeTrainer(**kwargs)``; on exit every held script is released, a hung
+    ``GetCapabilities`` let go, and the server killed. Every suite's fake trainer comes from
+    here (the ``fake`` and ``make_fake`` fixtures of tests/conftest.py use it)."""
+    trainer = FakeTrainer(**kwargs)
+    trainer.start()
+    try:
+        yield trainer
+    finally:
+        for script in trainer.scripts:
+            script.release.set()
+        trainer.default.release.set()
+        trainer.hang_capabilities.clear()
+        trainer.kill()

@@ -90,27 +90,20 @@ def _proxies() -> Iterator[Callable[[FaultProxy], None]]:
 
 @contextlib.contextmanager
 def _in_process(slots: int, **overrides: Any) -> Iterator[LiveStack]:
-    from tests.fakes.fake_trainer import FakeTrainer
+    from tests.fakes.fake_trainer import running_fake
     from tests.fakes.gateway_harness import running_gateway
 
-    fake = FakeTrainer(slots=slots)
-    fake.start()
     stack = contextlib.AsyncExitStack()
     urls: list[str] = []
+    with running_fake(slots=slots) as fake:
 
-    async def start() -> Any:
-        client = await stack.enter_async_context(running_gateway((fake.address,), **overrides))
-        urls.append(client.gateway.http.url if client.gateway.http is not None else "")
-        return client.gateway.server, client.gateway.port
+        async def start() -> Any:
+            client = await stack.enter_async_context(running_gateway((fake.address,), **overrides))
+            urls.append(client.gateway.http.url if client.gateway.http is not None else "")
+            return client.gateway.server, client.gateway.port
 
-    try:
         with ThreadedServer(start, stack.aclose) as served, _proxies() as start_proxy:
             yield LiveStack(served.target, fake, urls[0], _start_proxy=start_proxy)
-    finally:
-        for script in fake.scripts:
-            script.release.set()
-        fake.default.release.set()
-        fake.kill()
 
 
 @contextlib.contextmanager

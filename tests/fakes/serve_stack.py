@@ -9,20 +9,15 @@ import ast
 import asyncio
 import sys
 
-from tests.fakes.fake_trainer import FakeTrainer
+from tests.fakes.fake_trainer import running_fake
 from tests.fakes.gateway_harness import running_gateway
 
 
 async def _serve(slots: int, overrides: dict[str, object]) -> None:
-    fake = FakeTrainer(slots=slots)
-    fake.start()
-    try:
+    with running_fake(slots=slots) as fake:
         async with running_gateway((fake.address,), **overrides) as client:
             print(f"stack listening on {client.address}", flush=True)
             await asyncio.to_thread(sys.stdin.read)  # until the test closes our stdin
-    finally:
-        fake.default.release.set()
-        fake.kill()
 
 
 def main() -> None:

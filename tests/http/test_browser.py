@@ -24,7 +24,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from tests.fakes.fake_trainer import FakeTrainer, Script
+from tests.fakes.fake_trainer import Script, running_fake
 from tests.fakes.gateway_harness import ROOT
 from tests.http.harness import ApiError, LiveGateway, threaded_gateway
 from trainwire import motion
@@ -87,16 +87,9 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
 @pytest.fixture(scope="module")
 def gw() -> Iterator[LiveGateway]:
     """One gateway (fake trainer, 8 slots) for the module."""
-    fake = FakeTrainer(slots=8)
-    fake.start()
-    try:
-        with threaded_gateway((fake.address,)) as served:
-            served.fake = fake  # type: ignore[attr-defined]
-            yield served
-    finally:
-        for script in fake.scripts:
-            script.release.set()
-        fake.kill()
+    with running_fake(slots=8) as fake, threaded_gateway((fake.address,)) as served:
+        served.fake = fake  # type: ignore[attr-defined]
+        yield served
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.fakes.fake_trainer import FakeTrainer
+from tests.fakes.fake_trainer import running_fake
 from tests.http.harness import LiveGateway, threaded_gateway
 from tests.http.test_browser import WAIT, browser, curve, wait_until  # noqa: F401 (fixture)
 from tests.security_fixtures import Tokens
@@ -25,13 +25,11 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture
 def secured(tmp_path: Path) -> Iterator[tuple[LiveGateway, Tokens]]:
     tokens = Tokens.make(tmp_path / "tokens")
-    fake = FakeTrainer(slots=2)
-    fake.start()
-    try:
-        with threaded_gateway((fake.address,), auth_tokens=str(tokens.path)) as served:
-            yield served, tokens
-    finally:
-        fake.kill()
+    with (
+        running_fake(slots=2) as fake,
+        threaded_gateway((fake.address,), auth_tokens=str(tokens.path)) as served,
+    ):
+        yield served, tokens
 
 
 def _create(url: str, token: str) -> str:

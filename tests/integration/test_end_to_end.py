@@ -19,14 +19,11 @@ from PIL import Image
 
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
+from tests.fakes.trainer_harness import running_trainer
 from tests.fakes.watch_faults import ThreadedServer
 from tests.grpcurl_helpers import run_grpcurl
 from tests.grpo_fixtures import grpo_data_root, tiny_grpo_task
-from trainer_service.config import TrainerConfig
-from trainer_service.core.jobs import JobRunner, RunnerSettings
-from trainer_service.core.slots import SlotPool
 from trainer_service.providers import default_registry
-from trainer_service.server import build_server as build_trainer
 from trainwire import client as tw
 from trainwire.cli import main as cli_main
 from trainwire.contract import StreamChecker
@@ -59,17 +56,16 @@ class Stack:
 def stack(
     grpo_data_root: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    trainer_config = TrainerConfig(
-        port=0, slots=2, device="cpu", data_root=grpo_data_root, heartbeat_s=0.5
-    )
-    runner = JobRunner(
+    trainer_context = running_trainer(
         default_registry(),
-        SlotPool(trainer_config.slots),
-        RunnerSettings(device="cpu", data_root=grpo_data_root, heartbeat_s=0.5),
+        slots=2,
+        stop_wait=30,
+        device="cpu",
+        data_root=grpo_data_root,
+        heartbeat_s=0.5,
     )
-    trainer, trainer_port = build_trainer(trainer_config, runner)
-    trainer.start()
-    assert trainer.ready.wait(60)
+    trainer = trainer_context.__enter__()
+    trainer_port = trainer.port
     db = tmp_path_factory.mktemp("gateway") / "trainwire.sqlite3"
     gateway = Gateway(
         GatewayConfig(
@@ -95,8 +91,7 @@ def stack(
             yield stack
         finally:
             stack.client.close()
-    trainer.stop(None).wait(30)
-    assert runner.wait_idle(30)
+    trainer_context.__exit__(None, None, None)
 
 
 def watch_all(stack: Stack, run_id: str, task, config) -> tuple[list[episode_pb2.Episode], Run]:

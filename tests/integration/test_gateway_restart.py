@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -30,11 +30,9 @@ pb = gateway_service_pb2
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeTrainer]:
-    trainer = FakeTrainer(slots=4, default=Script(interval=0.01))
-    trainer.start()
-    yield trainer
-    trainer.kill()
+def fake(make_fake: Callable[..., FakeTrainer]) -> FakeTrainer:
+    """The suite's fake trainer, streaming an episode every 10 ms."""
+    return make_fake(slots=4, default=Script(interval=0.01))
 
 
 def gateway_process(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -41,22 +41,13 @@ async def eventually(get: Callable[[], Awaitable[T]], check: Callable[[T], bool]
 
 
 @pytest.fixture
-def trainers() -> Iterator[list[FakeTrainer]]:
-    started: list[FakeTrainer] = []
-    yield started
-    for trainer in started:
-        trainer.hang_capabilities.clear()
-        for script in trainer.scripts:
-            script.release.set()
-        trainer.default.release.set()
-        trainer.kill()
+def trainers(make_fake: Callable[..., FakeTrainer]) -> Callable[..., FakeTrainer]:
+    """Starts fake trainers (the shared ``make_fake``); all are stopped at the end."""
+    return make_fake
 
 
-def start(trainers: list[FakeTrainer], **kwargs: object) -> FakeTrainer:
-    trainer = FakeTrainer(**kwargs)  # type: ignore[arg-type]
-    trainer.start()
-    trainers.append(trainer)
-    return trainer
+def start(trainers: Callable[..., FakeTrainer], **kwargs: object) -> FakeTrainer:
+    return trainers(**kwargs)
 
 
 def grpo_request(max_episodes: int = 5) -> pb.CreateRunRequest:
@@ -70,7 +61,7 @@ def grpo_request(max_episodes: int = 5) -> pb.CreateRunRequest:
 
 
 async def test_only_slots_busy_requeues_other_resource_exhausted_fails_the_run(
-    trainers: list[FakeTrainer],
+    trainers: Callable[..., FakeTrainer],
 ) -> None:
     fake = start(trainers, slots=4)
     fake.push(
@@ -93,7 +84,7 @@ async def test_only_slots_busy_requeues_other_resource_exhausted_fails_the_run(
 
 
 async def test_a_hung_trainer_does_not_delay_placement_on_a_healthy_one(
-    trainers: list[FakeTrainer],
+    trainers: Callable[..., FakeTrainer],
 ) -> None:
     hung = start(trainers, slots=4)
     hung.hang_capabilities.set()
@@ -112,7 +103,7 @@ async def test_a_hung_trainer_does_not_delay_placement_on_a_healthy_one(
 
 
 async def test_a_kind_nobody_offers_waits_alone_and_says_why(
-    trainers: list[FakeTrainer],
+    trainers: Callable[..., FakeTrainer],
 ) -> None:
     fake = start(trainers, slots=4, providers=("imitation",))
     async with running_gateway((fake.address,)) as client:
@@ -125,7 +116,7 @@ async def test_a_kind_nobody_offers_waits_alone_and_says_why(
 
 
 async def test_waiting_for_a_slot_says_which_trainer_is_busy(
-    trainers: list[FakeTrainer],
+    trainers: Callable[..., FakeTrainer],
 ) -> None:
     fake = start(trainers, slots=1, default=Script(hold_at=2))
     async with running_gateway((fake.address,)) as client:
@@ -147,7 +138,7 @@ async def test_waiting_for_a_slot_says_which_trainer_is_busy(
 
 
 async def test_two_trainers_share_runs_and_one_that_dies_leaves_the_other(
-    trainers: list[FakeTrainer],
+    trainers: Callable[..., FakeTrainer],
 ) -> None:
     one = start(trainers, slots=1, default=Script(hold_at=2))
     two = start(trainers, slots=1, default=Script(hold_at=2))
@@ -170,7 +161,7 @@ async def test_two_trainers_share_runs_and_one_that_dies_leaves_the_other(
 
 
 async def test_health_is_not_serving_while_no_trainer_answers(
-    trainers: list[FakeTrainer],
+    trainers: Callable[..., FakeTrainer],
 ) -> None:
     fake = start(trainers, slots=1)
     async with running_gateway((fake.address,)) as client:
@@ -195,7 +186,7 @@ async def test_health_is_not_serving_while_no_trainer_answers(
         assert fake.address in waiting.state_detail
 
 
-async def test_stop_cancels_the_trainer_job(trainers: list[FakeTrainer]) -> None:
+async def test_stop_cancels_the_trainer_job(trainers: Callable[..., FakeTrainer]) -> None:
     fake = start(trainers, slots=1, default=Script(hold_at=3))
     async with running_gateway((fake.address,)) as client:
         run = await client.create(max_episodes=50)
@@ -206,7 +197,7 @@ async def test_stop_cancels_the_trainer_job(trainers: list[FakeTrainer]) -> None
 
 
 async def test_grants_follow_commits_and_stop_while_paused(
-    trainers: list[FakeTrainer],
+    trainers: Callable[..., FakeTrainer],
 ) -> None:
     fake = start(trainers, slots=1)
     async with running_gateway((fake.address,), lead_s=1.0) as client:
@@ -234,7 +225,7 @@ async def test_grants_follow_commits_and_stop_while_paused(
 
 
 async def test_pending_runs_are_queued_again_in_creation_order_after_a_restart(
-    trainers: list[FakeTrainer], tmp_path: Path
+    trainers: Callable[..., FakeTrainer], tmp_path: Path
 ) -> None:
     db = str(tmp_path / "gw.sqlite3")
     async with running_gateway(("127.0.0.1:9",), db=db) as client:

@@ -10,13 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.fakes.trainer_harness import running_trainer
 from tests.grpcurl_helpers import run_grpcurl
-from trainer_service.config import TrainerConfig
-from trainer_service.core.jobs import JobRunner
-from trainer_service.core.registry import ProviderRegistry
-from trainer_service.core.slots import SlotPool
 from trainer_service.metrics import TrainerMetrics
-from trainer_service.server import build_server
 
 WAIT = 10.0
 SERVICE = "trainwire.v1.TrainerService"
@@ -25,20 +21,8 @@ SERVICE = "trainwire.v1.TrainerService"
 @pytest.fixture(scope="module")
 def trainer() -> Iterator[tuple[str, TrainerMetrics]]:
     """``127.0.0.1:PORT`` of a ready trainer, and its metrics."""
-    metrics = TrainerMetrics()
-    runner = JobRunner(
-        ProviderRegistry({"imitation": "trainer_service.providers.imitation"}),
-        SlotPool(1),
-        observer=metrics.jobs,
-    )
-    server, port = build_server(TrainerConfig(host="127.0.0.1", port=0), runner, metrics)
-    server.start()
-    assert server.ready.wait(WAIT)
-    try:
-        yield f"127.0.0.1:{port}", metrics
-    finally:
-        server.stop(None).wait(WAIT)
-        assert runner.wait_idle(WAIT)
+    with running_trainer({"imitation": "trainer_service.providers.imitation"}) as running:
+        yield running.address, running.metrics
 
 
 def test_list_shows_the_trainer_and_health(trainer: tuple[str, TrainerMetrics]) -> None:

@@ -10,18 +10,13 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.fakes.trainer_harness import RunningTrainer, running_trainer
 from tests.grpo_fixtures import grpo_data_root, tiny_grpo_task
-from trainer_service.config import TrainerConfig
-from trainer_service.core.jobs import JobRunner, RunnerSettings
-from trainer_service.core.slots import SlotPool
-from trainer_service.providers import ProviderRegistry
 from trainer_service.providers.grpo.callback import StreamingCallback
-from trainer_service.server import build_server
 from trainwire.contract import StreamChecker
 from trainwire.v1 import (
     episode_pb2,
     trainer_service_pb2,
-    trainer_service_pb2_grpc,
 )
 
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
@@ -29,35 +24,19 @@ __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 RPC_TIMEOUT_S = 120.0
 
 
-class _Trainer:
-    def __init__(
-        self, stub: trainer_service_pb2_grpc.TrainerServiceStub, runner: JobRunner
-    ) -> None:
-        self.stub = stub
-        self.runner = runner
-
-    def slots_free(self) -> int:
-        reply = self.stub.GetCapabilities(trainer_service_pb2.GetCapabilitiesRequest(), timeout=10)
-        return reply.slots_free
-
-
 @pytest.fixture
-def trainer(grpo_data_root: pathlib.Path) -> Iterator[_Trainer]:
-    config = TrainerConfig(port=0, slots=1, device="cpu", data_root=grpo_data_root, heartbeat_s=1.0)
-    runner = JobRunner(
-        ProviderRegistry({"grpo": "trainer_service.providers.grpo"}),
-        SlotPool(config.slots),
-        RunnerSettings(device="cpu", data_root=grpo_data_root, heartbeat_s=config.heartbeat_s),
-    )
-    server, port = build_server(config, runner)
-    server.start(warm_up=False)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield _Trainer(trainer_service_pb2_grpc.TrainerServiceStub(channel), runner)
-    finally:
-        channel.close()
-        server.stop(0).wait(30)
-        runner.wait_idle(30)
+def trainer(grpo_data_root: pathlib.Path) -> Iterator[RunningTrainer]:
+    with running_trainer(
+        {"grpo": "trainer_service.providers.grpo"},
+        warm_up=False,
+        wait_idle=False,
+        stop_wait=30,
+        device="cpu",
+        data_root=grpo_data_root,
+        heartbeat_s=1.0,
+    ) as running:
+        yield running
+        running.runner.wait_idle(30)
 
 
 def _request(run_id: str, max_episodes: int, workers: int = 2) -> trainer_service_pb2.TrainRequest:
@@ -68,7 +47,7 @@ def _request(run_id: str, max_episodes: int, workers: int = 2) -> trainer_servic
     )
 
 
-def test_grpo_run_streams_checked_episodes_to_done(trainer: _Trainer) -> None:
+def test_grpo_run_streams_checked_episodes_to_done(trainer: RunningTrainer) -> None:
     request = _request("run-grpo-stream", max_episodes=3)
     checker = StreamChecker.for_task(request.task, request.config, request.run_id)
     episodes = []
@@ -84,11 +63,11 @@ def test_grpo_run_streams_checked_episodes_to_done(trainer: _Trainer) -> None:
         assert 1 <= len(episode.grpo.sample_completions) <= 4
         assert episode.produce_time.seconds > 0
     assert trainer.runner.wait_idle(30)
-    assert trainer.slots_free() == 1
+    assert trainer.capabilities().slots_free == 1
 
 
 def test_cancel_mid_run_stops_within_one_step_and_frees_the_slot(
-    trainer: _Trainer, monkeypatch: pytest.MonkeyPatch
+    trainer: RunningTrainer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every step end the trainer reaches, and whether the stop had been requested by then.
     step_ends: list[tuple[int, bool]] = []
@@ -108,7 +87,7 @@ def test_cancel_mid_run_stops_within_one_step_and_frees_the_slot(
     assert first_episode.is_set()
     call.cancel()
     assert trainer.runner.wait_idle(60)
-    assert trainer.slots_free() == 1
+    assert trainer.capabilities().slots_free == 1
     stopped_at = [i for i, (_, stop_seen) in enumerate(step_ends) if stop_seen]
     # The first step end after the stop ends training: the step in flight was the last one.
     assert stopped_at == [len(step_ends) - 1]

@@ -6,7 +6,6 @@ Real trainers on port 0 with metrics on port 0; jobs run through gRPC; numbers a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -28,19 +27,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.fakes.trainer_harness import running_trainer
 from trainer_service.__main__ import parse_args
-from trainer_service.config import TrainerConfig
-from trainer_service.core.jobs import JobRunner, RunnerSettings
 from trainer_service.core.provider import ProviderError
-from trainer_service.core.registry import ProviderRegistry
-from trainer_service.core.slots import SlotPool
 from trainer_service.metrics import (
     MetricsServerInterceptor,
     RpcMetrics,
-    TrainerMetrics,
     final_code,
 )
-from trainer_service.server import TrainerServer, build_server
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 
@@ -51,59 +45,6 @@ SERVICE = "trainwire.v1.TrainerService"
 TRAIN = {"grpc_type": "server_stream", "grpc_service": SERVICE, "grpc_method": "Train"}
 CAPS = {"grpc_type": "unary", "grpc_service": SERVICE, "grpc_method": "GetCapabilities"}
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
-
-
-class Running:
-    """A started trainer, its metrics and a stub."""
-
-    def __init__(self, server: TrainerServer, port: int, metrics: TrainerMetrics) -> None:
-        self.server = server
-        self.runner = server.runner
-        self.metrics = metrics
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)
-
-    def value(self, name: str, **labels: str) -> float:
-        """A sample from the registry; 0 when the series does not exist yet."""
-        return self.metrics.value(name, labels) or 0.0
-
-    def wait_value(self, name: str, expected: float, **labels: str) -> None:
-        """Waits until a sample reaches ``expected``.
-
-        The server records an RPC's end after the client may already have seen it (a cancel
-        returns on the client at once), and no event marks that moment, so this polls.
-        """
-        deadline = time.monotonic() + WAIT
-        while self.value(name, **labels) != expected:
-            assert time.monotonic() < deadline, f"{name}{labels} = {self.value(name, **labels)}"
-            time.sleep(0.005)
-
-
-@contextlib.contextmanager
-def start_trainer(
-    providers: dict[str, object],
-    slots: int = 1,
-    heartbeat_s: float = 5.0,
-    metrics_port: int | None = None,
-) -> Iterator[Running]:
-    metrics = TrainerMetrics()
-    config = TrainerConfig(host="127.0.0.1", port=0, slots=slots, metrics_port=metrics_port)
-    runner = JobRunner(
-        ProviderRegistry(providers),
-        SlotPool(slots),
-        RunnerSettings(heartbeat_s=heartbeat_s),
-        observer=metrics.jobs,
-    )
-    server, port = build_server(config, runner, metrics)
-    server.start()
-    assert server.ready.wait(WAIT)
-    running = Running(server, port, metrics)
-    try:
-        yield running
-    finally:
-        running.channel.close()
-        server.stop(None).wait(WAIT)
-        assert runner.wait_idle(WAIT)
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -132,8 +73,8 @@ def episodes_of(responses: list[trainer_service_pb2.TrainResponse]) -> list[epis
 
 
 def test_metrics_endpoint_counts_an_imitation_job() -> None:
-    with start_trainer(
-        {"imitation": "trainer_service.providers.imitation"}, slots=2, metrics_port=0
+    with running_trainer(
+        {"imitation": "trainer_service.providers.imitation"}, slots=2, config={"metrics_port": 0}
     ) as running:
         endpoint = running.server.metrics_endpoint
         assert endpoint is not None and endpoint.port > 0
@@ -176,7 +117,7 @@ def test_metrics_endpoint_counts_an_imitation_job() -> None:
 
 def test_refused_cancelled_and_expired_streams_have_their_codes() -> None:
     fake = FakeProvider(hold_after=1)
-    with start_trainer({"imitation": fake}, slots=1) as running:
+    with running_trainer({"imitation": fake}, slots=1) as running:
         call = running.stub.Train(imitation_request("run-held"), timeout=RPC_TIMEOUT)
         assert next(call).episode.episode == 1
         assert running.value("trainwire_trainer_slots_busy") == 1
@@ -219,7 +160,7 @@ def _skip_episode_two(episode: episode_pb2.Episode) -> episode_pb2.Episode:
 
 
 def test_contract_violation_is_counted() -> None:
-    with start_trainer({"imitation": FakeProvider(tamper=_skip_episode_two)}) as running:
+    with running_trainer({"imitation": FakeProvider(tamper=_skip_episode_two)}) as running:
         call = running.stub.Train(imitation_request("run-bad"), timeout=RPC_TIMEOUT)
         with pytest.raises(grpc.RpcError) as info:
             list(call)
@@ -241,14 +182,14 @@ def test_failures_and_heartbeats_are_counted() -> None:
         (FakeProvider(fail_at=2, error=error), grpc.StatusCode.NOT_FOUND, "error"),
     ):
         providers["imitation"] = provider
-        with start_trainer(providers) as running:
+        with running_trainer(providers) as running:
             with pytest.raises(grpc.RpcError) as info:
                 list(running.stub.Train(imitation_request("run-fail"), timeout=RPC_TIMEOUT))
             assert info.value.code() is code
             ended = {"kind": "imitation", "outcome": outcome}
             assert running.value("trainwire_trainer_jobs_ended_total", **ended) == 1
             assert running.value("grpc_server_handled_total", **TRAIN, grpc_code=code.name) == 1
-    with start_trainer({"imitation": FakeProvider(hold_after=1)}) as running:
+    with running_trainer({"imitation": FakeProvider(hold_after=1)}) as running:
         call = running.stub.Train(imitation_request("run-down"), timeout=RPC_TIMEOUT)
         assert next(call).episode.episode == 1
         stopped = running.server.stop(WAIT)  # the grace lets the job end as "shutdown"
@@ -259,7 +200,7 @@ def test_failures_and_heartbeats_are_counted() -> None:
         ended = {"kind": "imitation", "outcome": "shutdown"}
         assert running.value("trainwire_trainer_jobs_ended_total", **ended) == 1
         assert running.value("grpc_server_handled_total", **TRAIN, grpc_code="UNAVAILABLE") == 1
-    with start_trainer({"imitation": FakeProvider(hold_after=0)}, heartbeat_s=0.02) as running:
+    with running_trainer({"imitation": FakeProvider(hold_after=0)}, heartbeat_s=0.02) as running:
         call = running.stub.Train(imitation_request("run-beat"), timeout=RPC_TIMEOUT)
         beats = [next(call) for _ in range(3)]
         assert all(b.WhichOneof("event") == "heartbeat" for b in beats)

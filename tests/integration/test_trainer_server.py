@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import signal
@@ -18,11 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
+from tests.fakes.trainer_harness import RunningTrainer, running_trainer
 from trainer_service.config import TrainerConfig
-from trainer_service.core.jobs import JobRunner, RunnerSettings
+from trainer_service.core.jobs import JobRunner
 from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
-from trainer_service.server import SERVICE_NAME, TrainerServer, build_server
+from trainer_service.server import SERVICE_NAME, build_server
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire import contract
 from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
@@ -32,44 +32,9 @@ WAIT = 10.0
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-class Running:
-    """A started trainer server and a channel to it."""
-
-    def __init__(self, server: TrainerServer, port: int) -> None:
-        self.server = server
-        self.runner = server.runner
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)
-
-    def capabilities(self) -> trainer_service_pb2.GetCapabilitiesResponse:
-        return self.stub.GetCapabilities(
-            trainer_service_pb2.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT
-        )
-
-
-@contextlib.contextmanager
-def start_server(
-    providers: dict[str, object], slots: int = 1, heartbeat_s: float = 5.0
-) -> Iterator[Running]:
-    config = TrainerConfig(host="127.0.0.1", port=0, slots=slots, heartbeat_s=heartbeat_s)
-    runner = JobRunner(
-        ProviderRegistry(providers), SlotPool(slots), RunnerSettings(heartbeat_s=heartbeat_s)
-    )
-    server, port = build_server(config, runner)
-    server.start()
-    assert server.ready.wait(WAIT)
-    running = Running(server, port)
-    try:
-        yield running
-    finally:
-        running.channel.close()
-        server.stop(None).wait(WAIT)
-        assert runner.wait_idle(WAIT)
-
-
 @pytest.fixture
-def imitation_server() -> Iterator[Running]:
-    with start_server({"imitation": "trainer_service.providers.imitation"}) as running:
+def imitation_server() -> Iterator[RunningTrainer]:
+    with running_trainer({"imitation": "trainer_service.providers.imitation"}) as running:
         yield running
 
 
@@ -77,7 +42,9 @@ def job_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("trainwire-job-")]
 
 
-def test_full_imitation_run_is_streamed_and_contract_clean(imitation_server: Running) -> None:
+def test_full_imitation_run_is_streamed_and_contract_clean(
+    imitation_server: RunningTrainer,
+) -> None:
     request = imitation_request("run-full", max_episodes=60, seed=3)
     checker = contract.StreamChecker.for_task(request.task, request.config, request.run_id)
     episodes = []
@@ -98,7 +65,7 @@ def test_full_imitation_run_is_streamed_and_contract_clean(imitation_server: Run
     assert imitation_server.capabilities().slots_free == 1
 
 
-def test_cancel_mid_run_frees_the_slot(imitation_server: Running) -> None:
+def test_cancel_mid_run_frees_the_slot(imitation_server: RunningTrainer) -> None:
     call = imitation_server.stub.Train(
         imitation_request("run-cancel", max_episodes=5000), timeout=RPC_TIMEOUT
     )
@@ -118,7 +85,7 @@ def test_cancel_mid_run_frees_the_slot(imitation_server: Running) -> None:
     assert done[-1].episode.done
 
 
-def test_two_concurrent_jobs_with_one_slot(imitation_server: Running) -> None:
+def test_two_concurrent_jobs_with_one_slot(imitation_server: RunningTrainer) -> None:
     first = imitation_server.stub.Train(
         imitation_request("run-a", max_episodes=5000), timeout=RPC_TIMEOUT
     )
@@ -138,7 +105,7 @@ def test_provider_error_details_reach_the_client() -> None:
     from trainer_service.core.provider import ProviderError
 
     error = ProviderError("Model not found.", detail="x", code="NOT_FOUND", reason="NO_MODEL")
-    with start_server({"imitation": FakeProvider(fail_at=1, error=error)}) as running:
+    with running_trainer({"imitation": FakeProvider(fail_at=1, error=error)}) as running:
         call = running.stub.Train(imitation_request("run-e"), timeout=RPC_TIMEOUT)
         with pytest.raises(grpc.RpcError) as info:
             list(call)
@@ -150,7 +117,7 @@ def test_provider_error_details_reach_the_client() -> None:
 
 def test_200_start_cancel_cycles_leave_no_slot_or_thread_behind() -> None:
     fake = FakeProvider(hold_after=1)
-    with start_server({"imitation": fake}, slots=2) as running:
+    with running_trainer({"imitation": fake}, slots=2) as running:
         for i in range(200):
             call = running.stub.Train(imitation_request(f"run-{i}"), timeout=RPC_TIMEOUT)
             assert next(call).episode.episode == 1
@@ -166,7 +133,7 @@ def test_200_start_cancel_cycles_leave_no_slot_or_thread_behind() -> None:
 
 
 def test_health_and_reflection() -> None:
-    with start_server({"imitation": FakeProvider()}) as running:
+    with running_trainer({"imitation": FakeProvider()}) as running:
         health = health_pb2_grpc.HealthStub(running.channel)
         for service in ("", SERVICE_NAME):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
@@ -245,7 +212,6 @@ def test_health_is_not_serving_until_the_providers_are_ready() -> None:
     runner = JobRunner(ProviderRegistry({"imitation": FakeProvider()}), SlotPool(1))
     server, port = build_server(config, runner)
     assert port > 0
-    request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
     assert server.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
     server.start()
     try:
@@ -257,7 +223,7 @@ def test_health_is_not_serving_until_the_providers_are_ready() -> None:
 
 def test_a_hundred_idle_streams_do_not_starve_the_trainer() -> None:
     """Health watches and reflection streams that stay open hold no thread (grpc.aio)."""
-    with start_server({"imitation": FakeProvider()}, slots=1) as running:
+    with running_trainer({"imitation": FakeProvider()}, slots=1) as running:
         health = health_pb2_grpc.HealthStub(running.channel)
         reflect = reflection_pb2_grpc.ServerReflectionStub(running.channel)
         blocker = threading.Event()

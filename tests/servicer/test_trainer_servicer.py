@@ -11,15 +11,11 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from trainer_service.config import TrainerConfig
-from trainer_service.core.jobs import JobRunner, RunnerSettings
+from tests.fakes.trainer_harness import running_trainer
 from trainer_service.core.provider import ProviderError
-from trainer_service.core.registry import ProviderRegistry
-from trainer_service.core.slots import SlotPool
-from trainer_service.server import build_server
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire import contract
-from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 WAIT = 10.0
 GRANT = "Grant"
@@ -49,7 +45,7 @@ class Call:
 
 
 class Harness:
-    """A trainer server on port 0 with fake providers, and a stub to it."""
+    """A trainer server on port 0 with a fake provider (``running_trainer``), and a stub."""
 
     def __init__(
         self,
@@ -58,23 +54,26 @@ class Harness:
         heartbeat_s: float = 5.0,
         detach_grace_s: float = 0.0,
     ) -> None:
-        self.runner = JobRunner(
-            ProviderRegistry({"imitation": provider}),
-            SlotPool(slots),
-            RunnerSettings(heartbeat_s=heartbeat_s, detach_grace_s=detach_grace_s),
+        self._context = running_trainer(
+            {"imitation": provider},
+            slots=slots,
+            warm_up=False,
+            wait_idle=False,
+            heartbeat_s=heartbeat_s,
+            detach_grace_s=detach_grace_s,
         )
-        self.server, port = build_server(TrainerConfig(port=0, slots=slots), self.runner)
-        self.server.start(warm_up=False)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = trainer_service_pb2_grpc.TrainerServiceStub(self.channel)
+        running = self._context.__enter__()
+        self.runner = running.runner
+        self.server = running.server
+        self.stub = running.stub
+        self.channel = running.channel
         _HARNESSES.append(self)
 
     def train(self, request: trainer_service_pb2.TrainRequest) -> Call:
         return Call(self.stub.Train(request, timeout=WAIT))
 
     def close(self) -> None:
-        self.channel.close()
-        self.server.stop(None).wait(WAIT)
+        self._context.__exit__(None, None, None)
 
 
 @pytest.fixture(autouse=True)
