@@ -176,7 +176,15 @@ class GrpcTrainerConnector:
             )
         except grpc.aio.AioRpcError as exc:
             raise TrainerLost(f"trainer {address}: {exc.code().name}: {exc.details()}") from None
-        return Capabilities(tuple(reply.providers), reply.slots_total, reply.slots_free)
+        return Capabilities(
+            tuple(reply.providers),
+            reply.slots_total,
+            reply.slots_free,
+            device=reply.device,
+            torch_version=reply.torch_version,
+            trl_version=reply.trl_version,
+            server_version=reply.server_version,
+        )
 
     def train(
         self,

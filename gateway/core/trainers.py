@@ -52,11 +52,17 @@ class TrainerCrashed(TrainerError):
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a trainer offers and how busy it is."""
+    """What a trainer offers and how busy it is: the fields of the trainer's own
+    ``trainer_service.core.jobs.Capabilities`` (``GetCapabilitiesResponse``). Placement reads
+    the first three; the rest say where a run trains."""
 
     providers: tuple[str, ...]
     slots_total: int
     slots_free: int
+    device: str = ""
+    torch_version: str = ""
+    trl_version: str = ""
+    server_version: str = ""
 
 
 class TrainerStream(Protocol):

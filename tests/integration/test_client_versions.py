@@ -14,6 +14,7 @@ per session) makes later runs fast.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -62,7 +63,13 @@ def _run(args: list[str], timeout: float, **kwargs: object) -> subprocess.Comple
 @pytest.fixture(scope="module")
 def client_wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     out = tmp_path_factory.mktemp("wheel")
-    build = tmp_path_factory.mktemp("build")
+    # Built from a copy: setuptools writes build/ and *.egg-info next to the sources.
+    source = tmp_path_factory.mktemp("source") / "clients"
+    shutil.copytree(
+        ROOT / "clients",
+        source,
+        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
+    )
     _run(
         [
             sys.executable,
@@ -75,10 +82,9 @@ def client_wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             "--no-build-isolation",
             "--wheel-dir",
             str(out),
-            str(ROOT / "clients"),
+            str(source),
         ],
         timeout=300,
-        env={**os.environ, "TMPDIR": str(build)},
     )
     (wheel,) = out.glob("trainwire-*.whl")
     yield wheel

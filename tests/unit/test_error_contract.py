@@ -172,3 +172,13 @@ def test_an_invalid_request_has_the_same_shape_from_either_service() -> None:
     # The trainer's adds the text the gateway shows its user.
     trainer_error = client_errors.error_from_rpc(_as_rpc_error(from_trainer))
     assert trainer_error.localized_message.startswith("The trainer refused this task")
+
+
+def test_capabilities_have_the_same_fields_in_both_services() -> None:
+    import dataclasses
+
+    from trainer_service.core.jobs import Capabilities as TrainerCapabilities
+
+    gateway_fields = {f.name for f in dataclasses.fields(trainers.Capabilities)}
+    trainer_fields = {f.name for f in dataclasses.fields(TrainerCapabilities)}
+    assert gateway_fields == trainer_fields
