@@ -67,3 +67,16 @@ def test_unknown_and_repeated_reward_names(root: pathlib.Path) -> None:
 def test_wrong_kind(root: pathlib.Path) -> None:
     task = episode_pb2.TrainTask(imitation=episode_pb2.ImitationTask(rig_name="stickman"))
     assert _fields(validate(task, root)) == ["task.grpo"]
+
+
+def test_model_files_that_are_symlinks_out_of_the_root(root: pathlib.Path) -> None:
+    outside = root.parent / "outside"
+    (outside / "weights.safetensors").write_bytes(b"not yours")
+    model = root / "models" / "m"
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").symlink_to(model / "config.json")  # inside: fine
+    assert validate(tiny_grpo_task("models/m", "data/train.jsonl"), root) == []
+    (model / "model.safetensors").symlink_to(outside / "weights.safetensors")
+    (violation,) = validate(tiny_grpo_task("models/m", "data/train.jsonl"), root)
+    assert violation.field == "task.grpo.model_path"
+    assert "models/m/model.safetensors is a symlink to outside" in violation.description

@@ -3,13 +3,16 @@
 :func:`validate` runs before a slot is taken; every violation answers ``INVALID_ARGUMENT`` with a
 ``google.rpc.BadRequest``. It rejects what can be decided from the request and the file tree's
 shape: absolute paths, ``..`` components and symlinks that resolve outside ``--data-root`` for
-``model_path`` and ``dataset_path``, and unknown or repeated reward function names. A path that
+``model_path`` and ``dataset_path``, files inside the model directory that are symlinks to
+outside the root (a model directory inside the root could otherwise load weights from anywhere),
+and unknown or repeated reward function names. A path that
 simply does not exist is not a request error: the job fails with a ``ProviderError`` and a plain
 message when it tries to load it (the file may be synced in later).
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 from trainer_service.providers.grpo.rewards import REWARD_NAMES
@@ -54,6 +57,32 @@ def _check_path(value: str, field: str, data_root: pathlib.Path, out: list[Field
         )
 
 
+def _check_model_files(
+    value: str, field: str, data_root: pathlib.Path, out: list[FieldViolation]
+) -> None:
+    """Every entry in the model directory must resolve under the root too."""
+    directory = resolve_under_root(data_root, value)
+    if directory is None or not directory.is_dir():
+        return  # refused above, or missing: the job says so when it loads it
+    root = data_root.resolve()
+    for folder, folders, files in os.walk(directory):
+        for name in [*folders, *files]:
+            entry = pathlib.Path(folder) / name
+            if not entry.is_symlink():
+                continue
+            target = entry.resolve()
+            if target != root and root not in target.parents:
+                relative = entry.relative_to(directory)
+                out.append(
+                    FieldViolation(
+                        field,
+                        f"{value}/{relative} is a symlink to outside the trainer's data root; "
+                        "a model's files must stay under the data root",
+                    )
+                )
+                return
+
+
 def validate(task: episode_pb2.TrainTask, data_root: pathlib.Path) -> list[FieldViolation]:
     """Checks a GRPO task's paths and reward names; returns every violation (empty: valid).
 
@@ -67,6 +96,7 @@ def validate(task: episode_pb2.TrainTask, data_root: pathlib.Path) -> list[Field
         return out
     grpo = task.grpo
     _check_path(grpo.model_path, f"{_PREFIX}.model_path", data_root, out)
+    _check_model_files(grpo.model_path, f"{_PREFIX}.model_path", data_root, out)
     _check_path(grpo.dataset_path, f"{_PREFIX}.dataset_path", data_root, out)
     seen: set[str] = set()
     for index, name in enumerate(grpo.reward_functions):
