@@ -483,3 +483,18 @@ def test_memo_and_counters_reset_after_a_fork(data: pathlib.Path) -> None:
     dataset._stats.pid = -1  # what a forked worker sees: counters of another process
     assert dataset.stats.pid == os.getpid() and dataset.stats.decodes == 0
     assert not dataset._memo
+
+
+@pytest.mark.parametrize(
+    "prompt", ["What colour is it?", [], ["hi"], [{"role": "user"}], [{"content": "x"}]]
+)
+def test_a_prompt_that_is_not_chat_messages_names_the_row(
+    data: pathlib.Path, prompt: object
+) -> None:
+    rows = _rows(3)
+    rows[1]["prompt"] = prompt
+    dataset = LazyImageDataset(rows, data)
+    with pytest.raises(DatasetError, match="row 2: prompt must be a list of chat messages"):
+        dataset[1]
+    rows[1]["prompt"] = [{"role": "user", "content": [{"type": "text", "text": "What colour?"}]}]
+    assert LazyImageDataset(rows, data)[1]["prompt"] == rows[1]["prompt"]

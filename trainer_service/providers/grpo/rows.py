@@ -3,15 +3,16 @@
 A JSONL dataset is opened in time that does not grow with its row count worth mentioning: the
 file is read once and its line boundaries found with one vectorised scan (:class:`JsonlRows`);
 no row is parsed and no image path is resolved until that row is read. Reading a row parses its
-line and checks it (:class:`RowChecker`): a JSON object, a non-empty ``image_paths`` list of
-relative paths that stay inside the data root once symlinks are followed. Every problem raises
-a :class:`DatasetError` naming the row by its 1-based line number in the file and, where an image
-is at fault, the image path as the row wrote it (relative to the dataset file), never a server
-path.
+line and checks it (:class:`RowChecker`): a JSON object, a ``prompt`` (if any) of chat messages,
+a non-empty ``image_paths`` list of relative paths that stay inside the data root once symlinks
+are followed. Every problem raises a :class:`DatasetError` naming the row by its 1-based line
+number in the file and, where an image is at fault, the image path as the row wrote it (relative
+to the dataset file), never a server path.
 
 Checking at access time means a bad row is reported when training first reads it. The provider
 also runs :meth:`RowChecker.check_all` over every row in a background thread when a job starts,
-so a bad row anywhere in the file fails the job within seconds, without delaying the first batch.
+so a bad row anywhere in the file fails the job within seconds, without delaying the first
+batch.
 
 This module imports neither torch nor PIL.
 """
@@ -159,6 +160,20 @@ class JsonlRows:
             ) from exc
 
 
+def _is_chat(prompt: object) -> bool:
+    """Whether a row's prompt is chat messages (``[{"role": ..., "content": ...}, ...]``)."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str | list)
+            for m in prompt
+        )
+    )
+
+
 class RowChecker:
     """Parses rows from a source and checks them (see the module docstring).
 
@@ -188,6 +203,12 @@ class RowChecker:
         value = self.source.load(index)
         if not isinstance(value, dict):
             raise self._error(index, " is not a JSON object.")
+        if "prompt" in value and not _is_chat(value["prompt"]):
+            raise self._error(
+                index,
+                ": prompt must be a list of chat messages, each an object with a string "
+                '"role" and a "content" (a string, or a list of parts).',
+            )
         paths = value.get("image_paths")
         if not isinstance(paths, list) or not paths:
             raise self._error(
