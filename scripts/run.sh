@@ -2,11 +2,13 @@
 # `make run`: starts the trainer and the gateway as two processes on localhost (SQLite store
 # under var/), then, unless DEMO=0, creates a demo imitation run, watches it live, draws its
 # learning curve and avatar, prints grpcurl lines to try, and keeps both services up until Ctrl+C.
+# DEMO=grpo runs the GRPO demo instead: it builds the offline tiny VLM and a colour dataset under
+# $VAR/data (once), trains 200 steps with exact_match and draws the learning curve.
 #
-# Environment: DEMO (1), GATEWAY_PORT (50051), TRAINER_PORT (50052), HTTP_PORT (8080: the page
-# and the JSON API of the gateway), METRICS (1: expose
+# Environment: DEMO (1, grpo or 0), GATEWAY_PORT (50051), TRAINER_PORT (50052), HTTP_PORT (8080:
+# the page and the JSON API of the gateway), METRICS (1: expose
 # Prometheus metrics on GATEWAY_METRICS_PORT 9151 / TRAINER_METRICS_PORT 9152),
-# DEMO_EPISODES (300), DEMO_RATE (20 episodes/s), DEMO_CLIP (wave), VAR (var),
+# DEMO_EPISODES (300; 200 for grpo), DEMO_RATE (20 episodes/s), DEMO_CLIP (wave), VAR (var),
 # STAY_UP (1: keep serving after the demo; 0 exits once the demo is done, for tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,11 @@ GATEWAY_PORT=${GATEWAY_PORT:-50051}
 TRAINER_PORT=${TRAINER_PORT:-50052}
 HTTP_PORT=${HTTP_PORT:-8080}
 METRICS=${METRICS:-1}
-DEMO_EPISODES=${DEMO_EPISODES:-300}
+if [[ $DEMO == grpo ]]; then
+  DEMO_EPISODES=${DEMO_EPISODES:-200}
+else
+  DEMO_EPISODES=${DEMO_EPISODES:-300}
+fi
 DEMO_RATE=${DEMO_RATE:-20}
 DEMO_CLIP=${DEMO_CLIP:-wave}
 mkdir -p "$VAR/logs" "$VAR/data"
@@ -104,7 +110,20 @@ page=$(http_url "$VAR/logs/gateway.log")
 echo "page     on $page/  (runs, live curves, controls: open it in a browser)"
 export TRAINWIRE_GATEWAY=$gateway
 
-if [[ $DEMO != 0 ]]; then
+if [[ $DEMO == grpo ]]; then
+  # The offline tiny VLM (random weights) and a four-colour dataset, built once under the data root.
+  [[ -f $VAR/data/models/tiny-vlm/config.json ]] ||
+    "$PY" -m trainer_service.tools.make_tiny_vlm "$VAR/data/models/tiny-vlm" >/dev/null
+  [[ -f $VAR/data/datasets/colours/train.jsonl ]] ||
+    "$PY" -m trainer_service.tools.make_demo_dataset "$VAR/data/datasets/colours" >/dev/null
+  run_id=$("$BIN/trainwire" runs create grpo --model models/tiny-vlm \
+    --dataset datasets/colours/train.jsonl --reward exact_match --episodes "$DEMO_EPISODES" \
+    --rate "$DEMO_RATE" --seed 0 --name "demo: a tiny VLM learns to name colours" -q)
+  echo "demo run $run_id: GRPO from random weights; reward = exact_match (chance 0.25)"
+  "$BIN/trainwire" watch "$run_id" || true
+  "$BIN/trainwire" plot "$run_id" --out "$VAR/demo-curve.png"
+  echo "picture: $VAR/demo-curve.png"
+elif [[ $DEMO != 0 ]]; then
   run_id=$("$BIN/trainwire" runs create imitation --clip "$DEMO_CLIP" --episodes "$DEMO_EPISODES" \
     --rate "$DEMO_RATE" --seed 0 --name "demo: stickman learns to $DEMO_CLIP" -q)
   echo "demo run $run_id: watching (Ctrl+C detaches; the run keeps going)"

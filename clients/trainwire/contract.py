@@ -40,6 +40,8 @@ MAX_ID_LENGTH = 128
 MAX_RUN_ID_LENGTH = 64
 MAX_NAME_LENGTH = 64
 MAX_DISPLAY_NAME_LENGTH = 200
+#: GrpoTask.num_generations when 0 (the trainer's default; see episode.proto).
+DEFAULT_GRPO_GENERATIONS = 8
 #: Physical ranges: what passes here trains (outside them rewards overflow or never end).
 MIN_BONE_LENGTH = 1e-3
 MAX_BONE_LENGTH = 1e3
@@ -484,7 +486,7 @@ def _check_grpo(task: episode_pb2.GrpoTask, p: str, out: list[FieldViolation]) -
         seen.add(name)
     _check_range(task.num_generations, 2, 64, f"{p}.num_generations", out)
     _check_range(task.batch_size, 1, 1024, f"{p}.batch_size", out)
-    generations = task.num_generations or 4
+    generations = task.num_generations or DEFAULT_GRPO_GENERATIONS
     if 2 <= generations <= 64 and task.batch_size > 0 and task.batch_size % generations:
         out.append(
             FieldViolation(

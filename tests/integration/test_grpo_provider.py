@@ -121,6 +121,20 @@ def test_a_bad_row_fails_the_run_naming_its_line_and_image(
     assert info.value.reason == "BAD_DATASET"
 
 
+def test_the_default_batch_fits_a_small_dataset_and_a_set_one_must(
+    grpo_data_root: pathlib.Path,
+) -> None:
+    # 8 rows: the default 16 prompts per step shrink to 8; a batch that needs 16 rows is refused.
+    fitted = provider.Settings.from_task(
+        tiny_grpo_task(num_generations=2, batch_size=0).grpo, rows=8
+    )
+    assert (fitted.batch_size, fitted.memo_rows) == (16, 8)
+    assert provider.Settings.from_task(tiny_grpo_task(batch_size=0).grpo).batch_size == 32
+    with pytest.raises(ProviderError, match="samples 16 distinct dataset rows") as info:
+        provider.Settings.from_task(tiny_grpo_task(num_generations=2, batch_size=32).grpo, rows=8)
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_unreadable_image_fails_the_run_naming_the_row(
     grpo_data_root: pathlib.Path, workers: int
