@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.fake_trainer import FakeTrainer, running_fake
+from tests.postgres_fixtures import postgres_server, postgres_url  # noqa: F401 (fixtures)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -11,6 +11,8 @@ import contextlib
 import fcntl
 import os
 
+from gateway.core.store.postgres import is_postgres_url
+
 
 class DatabaseLocked(Exception):
     """Another process holds the database.
@@ -31,7 +33,7 @@ class DatabaseLocked(Exception):
 
 
 class DatabaseLock:
-    """The lock of one database file (a no-op for ``:memory:``).
+    """The lock of one database file (a no-op for ``:memory:`` and PostgreSQL).
 
     Args:
         path: The database file.
@@ -48,8 +50,8 @@ class DatabaseLock:
             DatabaseLocked: another process holds it.
             OSError: the lock file cannot be created (a read-only directory, ...).
         """
-        if self.path == ":memory:" or self._fd is not None:
-            return
+        if self.path == ":memory:" or self._fd is not None or is_postgres_url(self.path):
+            return  # PostgreSQL: replicas share it (``gateway.core.replicas``)
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)
         fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o644)

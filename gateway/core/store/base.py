@@ -12,6 +12,9 @@ Contract every backend keeps:
   together are committed together (group commit). An episode is never visible to a reader
   before its commit.
 - ``update_run`` never rewinds the episode counters (``append_episode`` owns them).
+- Writes of a run are fenced by its owner where several gateways share the database
+  (PostgreSQL): a replica whose lease on a run was taken over gets ``NotOwner`` (from
+  ``update_run``, or as the error of ``append_episode``'s callback) and nothing is written.
 - A write that fails because the database cannot be written (disk full, read-only, gone)
   raises ``StoreWriteFailed`` and turns ``writable`` off until a later write succeeds (the
   backend probes by itself); reads go on working.
@@ -68,6 +71,25 @@ class StoreWriteFailed(Exception):
     """A write to the store failed (disk full, not writable); ``str()`` says what happened."""
 
 
+class NotOwner(Exception):
+    """A write of a run this gateway replica no longer owns: another replica took its lease
+    over (PostgreSQL only; a SQLite store has one gateway and never raises it). The write did
+    not happen; the replica stops driving the run and leaves its trainer job alone."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id!r} is driven by another gateway replica now")
+        self.run_id = run_id
+
+
+class DuplicateRequest(Exception):
+    """``insert_run`` of a run whose ``request_id`` another run already has (a retry that
+    raced with the first request, possibly on another replica)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request_id {request_id!r} is taken")
+        self.request_id = request_id
+
+
 class Store(Protocol):
     """Durable runs and episode histories (see the module docstring)."""
 
@@ -85,11 +107,19 @@ class Store(Protocol):
         ...
 
     async def insert_run(self, run: TrainingRun) -> int:
-        """Inserts a new run; returns its creation sequence number."""
+        """Inserts a new run; returns its creation sequence number.
+
+        Raises:
+            DuplicateRequest: another run has its ``request_id``.
+        """
         ...
 
     async def update_run(self, run: TrainingRun) -> None:
-        """Writes a run's state, speed, times, trainer and trainer episode."""
+        """Writes a run's state, speed, times, trainer and trainer episode.
+
+        Raises:
+            NotOwner: another gateway replica owns the run (PostgreSQL).
+        """
         ...
 
     def append_episode(

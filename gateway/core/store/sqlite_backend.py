@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gateway.core.runs import RunState, TrainingRun
-from gateway.core.store.base import EpisodeRecord, StoreWriteFailed
+from gateway.core.store.base import DuplicateRequest, EpisodeRecord, StoreWriteFailed
 from gateway.core.store.sqlite import SqliteStore
 from gateway.core.store.sqlite_thread import StoreThread
 
@@ -128,8 +129,17 @@ class SqliteBackend:
             raise
 
     async def insert_run(self, run: TrainingRun) -> int:
-        """Inserts a new run; returns its creation sequence number."""
-        return await self._write(SqliteStore.insert_run, run)
+        """Inserts a new run; returns its creation sequence number.
+
+        Raises:
+            DuplicateRequest: another run has its ``request_id``.
+        """
+        try:
+            return await self._write(SqliteStore.insert_run, run)
+        except sqlite3.IntegrityError as exc:
+            if run.request_id and "request_id" in str(exc):
+                raise DuplicateRequest(run.request_id) from None
+            raise
 
     async def update_run(self, run: TrainingRun) -> None:
         """Writes a run's state, speed, times, trainer and trainer episode."""

@@ -1,0 +1,150 @@
+"""The PostgreSQL schema: its versions, how a database is recognised, and the migrations.
+
+A Trainwire database has a ``trainwire_meta`` table whose row ``application`` is
+``trainwire`` and whose row ``schema_version`` is the version of its tables (in the
+connection's current schema, ``public`` unless the URL's ``options`` say otherwise). A database
+with tables but no such row is another program's and is refused, never touched; so is one of a
+newer version.
+
+Versions (``MIGRATIONS[v - 1]`` takes a database from ``v - 1`` to ``v``):
+
+1. The store: ``runs`` (as SQLite's version 2) and ``episodes`` (pre-encoded episodes keyed on
+   (run, episode), stored uncompressed: they do not compress, and a replay reads them back
+   without inflating anything).
+2. Gateway replicas: a run's ``owner`` (the replica that drives it) and ``lease_until`` (the
+   database's clock), and the controls sent to a replica that does not drive the run: the
+   desired state and speed, ``control_seq`` (bumped by each request) and ``applied_seq`` /
+   ``control_error`` (written by the owner once it applied them); a partial index of the active
+   runs, which every replica scans.
+
+A migration runs in one transaction under an advisory lock, so replicas started together with
+``--migrate`` migrate once, and a failed migration leaves the database as it was.
+"""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg import sql
+
+from gateway.core.store.base import DatabaseProblem, SchemaOutdated
+
+APPLICATION = "trainwire"
+SCHEMA_VERSION = 2
+#: ``pg_advisory_xact_lock`` key of schema changes ("TWIR").
+MIGRATION_LOCK = 0x54574952
+
+_V1 = (
+    "CREATE TABLE trainwire_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE runs (
+        seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        id TEXT NOT NULL UNIQUE,
+        request_id TEXT UNIQUE,
+        state SMALLINT NOT NULL,
+        error_message TEXT NOT NULL,
+        speed DOUBLE PRECISION NOT NULL,
+        episodes_per_second DOUBLE PRECISION NOT NULL,
+        episode INTEGER NOT NULL,
+        reward DOUBLE PRECISION NOT NULL,
+        best_reward DOUBLE PRECISION NOT NULL,
+        task BYTEA NOT NULL,
+        config BYTEA NOT NULL,
+        create_time BIGINT NOT NULL,
+        start_time BIGINT NOT NULL,
+        end_time BIGINT NOT NULL,
+        display_name TEXT NOT NULL,
+        trainer TEXT NOT NULL,
+        trainer_episode INTEGER NOT NULL DEFAULT 0,
+        creator TEXT NOT NULL DEFAULT '',
+        request_hash TEXT NOT NULL DEFAULT ''
+    )""",
+    "CREATE INDEX runs_state ON runs (state, seq)",
+    """CREATE TABLE episodes (
+        run_id TEXT NOT NULL,
+        episode INTEGER NOT NULL,
+        data BYTEA NOT NULL,
+        PRIMARY KEY (run_id, episode)
+    )""",
+    "ALTER TABLE episodes ALTER COLUMN data SET STORAGE EXTERNAL",
+)
+_V2 = (
+    """ALTER TABLE runs
+        ADD COLUMN owner TEXT,
+        ADD COLUMN lease_until TIMESTAMPTZ,
+        ADD COLUMN desired_state SMALLINT,
+        ADD COLUMN desired_speed DOUBLE PRECISION,
+        ADD COLUMN control_seq BIGINT NOT NULL DEFAULT 0,
+        ADD COLUMN applied_seq BIGINT NOT NULL DEFAULT 0,
+        ADD COLUMN control_error TEXT NOT NULL DEFAULT ''""",
+    "CREATE INDEX runs_active ON runs (seq) WHERE state IN (1, 2, 3)",
+)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
+
+
+async def _tables(conn: psycopg.AsyncConnection) -> list[str]:
+    cur = await conn.execute(
+        "SELECT table_name FROM information_schema.tables "
+        "WHERE table_schema = current_schema() ORDER BY table_name"
+    )
+    return [row[0] for row in await cur.fetchall()]
+
+
+async def schema_version(conn: psycopg.AsyncConnection, where: str) -> int:
+    """The schema version of the database (0: no tables).
+
+    Raises:
+        DatabaseProblem: another program's database.
+    """
+    tables = await _tables(conn)
+    if not tables:
+        return 0
+    if "trainwire_meta" not in tables:
+        shown = ", ".join(tables[:8])
+        raise DatabaseProblem(where, f"it is not a Trainwire database (its tables: {shown})")
+    cur = await conn.execute("SELECT key, value FROM trainwire_meta")
+    meta: dict[str, str] = dict(await cur.fetchall())
+    if meta.get("application") != APPLICATION or not meta.get("schema_version", "").isdigit():
+        raise DatabaseProblem(where, "it is not a Trainwire database (its trainwire_meta differs)")
+    return int(meta["schema_version"])
+
+
+async def check(conn: psycopg.AsyncConnection, where: str, migrate: bool) -> int:
+    """The database's schema version, refusing what this gateway must not use; reads only.
+
+    Raises:
+        DatabaseProblem: another program's database, or one from a newer gateway.
+        SchemaOutdated: an older schema and ``migrate`` not set.
+    """
+    version = await schema_version(conn, where)
+    if version > SCHEMA_VERSION:
+        raise DatabaseProblem(
+            where,
+            f"it was written by a newer gateway (schema version {version}; this one knows "
+            f"up to {SCHEMA_VERSION})",
+        )
+    if 0 < version < SCHEMA_VERSION and not migrate:
+        raise SchemaOutdated(where, version, SCHEMA_VERSION)
+    return version
+
+
+async def upgrade(
+    conn: psycopg.AsyncConnection, where: str, migrate: bool, target: int = SCHEMA_VERSION
+) -> int:
+    """Creates the schema in an empty database or migrates an older one to ``target``, in one
+    transaction under ``MIGRATION_LOCK``; returns the version found before.
+
+    Raises:
+        DatabaseProblem, SchemaOutdated: as ``check`` (checked again under the lock).
+    """
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+        found = await check(conn, where, migrate)
+        for version in range(found + 1, target + 1):
+            for statement in MIGRATIONS[version - 1]:
+                await conn.execute(sql.SQL(statement))  # type: ignore[arg-type]
+        if target > found:
+            await conn.execute(
+                "INSERT INTO trainwire_meta (key, value) VALUES ('application', %s), "
+                "('schema_version', %s) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (APPLICATION, str(target)),
+            )
+    return found

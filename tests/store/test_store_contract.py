@@ -1,0 +1,244 @@
+"""The ``Store`` contract, run against every backend: SQLite (the embedded default) and
+PostgreSQL (a real server, ``tests/postgres_fixtures.py``).
+
+Every method of ``gateway.core.store.base.Store`` is exercised through the interface the core
+uses, so both backends are held to one behaviour. Backend-specific matters (SQLite's WAL and
+store thread, PostgreSQL's fencing and schema) have tests of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from gateway.core.runs import RunState, TrainingRun
+from gateway.core.store import DuplicateRequest, EpisodeRecord, Store, open_store
+from tests.fakes.fake_trainer import valid_episodes
+from trainwire.v1 import episode_pb2
+
+Opener = Callable[[], Store]
+
+
+def make_run(run_id: str, request_id: str = "", episodes: int = 50) -> TrainingRun:
+    return TrainingRun(
+        id=run_id,
+        task=episode_pb2.TrainTask(
+            imitation=episode_pb2.ImitationTask(rig_name="stickman", clip_name="walk")
+        ),
+        config=episode_pb2.TrainConfig(max_episodes=episodes, seed=3),
+        speed=2.0,
+        episodes_per_second=15.0,
+        create_time=1_700_000_000_000_000_000,
+        display_name=f"run {run_id}",
+        request_id=request_id,
+        creator="alice",
+        request_hash="h1",
+    )
+
+
+def records(run_id: str, count: int) -> list[EpisodeRecord]:
+    return [
+        EpisodeRecord(
+            run_id, e.episode, e.reward, e.best_reward, e.SerializeToString(deterministic=True)
+        )
+        for e in valid_episodes(count)
+    ]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
+    """Opens (not starts) a store on one database per test; every call opens the same one."""
+    if request.param == "sqlite":
+        db = str(tmp_path / "db.sqlite3")
+    else:
+        db = request.getfixturevalue("postgres_url")
+    return lambda: open_store(db)
+
+
+@pytest.fixture
+async def store(opener: Opener) -> AsyncIterator[Store]:
+    s = opener()
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def append(store: Store, recs: list[EpisodeRecord]) -> list[BaseException | None]:
+    """Queues ``recs`` together and waits for every callback; returns their outcomes in the
+    order the callbacks ran."""
+    loop = asyncio.get_running_loop()
+    outcomes: list[tuple[int, BaseException | None]] = []
+    done = loop.create_future()
+
+    def callback(n: int) -> Callable[[BaseException | None], None]:
+        def called(error: BaseException | None) -> None:
+            outcomes.append((n, error))
+            if len(outcomes) == len(recs) and not done.done():
+                done.set_result(None)
+
+        return called
+
+    for rec in recs:
+        store.append_episode(rec, callback(rec.episode))
+    await asyncio.wait_for(done, 30)
+    assert [n for n, _ in outcomes] == [r.episode for r in recs], "callbacks in order"
+    return [e for _, e in outcomes]
+
+
+async def test_insert_get_and_find_by_request_id(store: Store) -> None:
+    first = make_run("a", request_id="req-1")
+    first.seq = await store.insert_run(first)
+    second = make_run("b")
+    second.seq = await store.insert_run(second)
+    assert second.seq > first.seq > 0
+    assert await store.get_run("a") == first
+    assert await store.find_request("req-1") == first
+    assert await store.find_request("nope") is None
+    assert await store.get_run("nope") is None
+
+
+async def test_a_request_id_names_one_run_but_runs_without_one_are_many(store: Store) -> None:
+    await store.insert_run(make_run("a", "same"))
+    await store.insert_run(make_run("b"))
+    await store.insert_run(make_run("c"))
+    with pytest.raises(DuplicateRequest):
+        await store.insert_run(make_run("d", "same"))
+    assert await store.get_run("d") is None
+    assert store.writable
+
+
+async def test_episodes_are_committed_then_called_back_and_read_back_byte_identical(
+    store: Store,
+) -> None:
+    await store.insert_run(make_run("a"))
+    recs = records("a", 40)
+    assert await append(store, recs[:1]) == [None]
+    assert await append(store, recs[1:]) == [None] * 39  # queued together: group commit
+    assert await store.read_episodes("a", 1, 40) == [r.data for r in recs]
+    assert await store.read_episodes("a", 11, 12) == [recs[10].data, recs[11].data]
+    assert await store.read_episodes("a", 39, 100) == [recs[38].data, recs[39].data]
+    assert await store.read_episodes("other", 1, 10) == []
+    loaded = await store.get_run("a")
+    assert loaded is not None
+    assert (loaded.episode, loaded.reward, loaded.best_reward) == (
+        40,
+        recs[-1].reward,
+        recs[-1].best_reward,
+    )
+
+
+async def test_appends_of_several_runs_in_one_commit_move_each_run(store: Store) -> None:
+    for run_id in ("a", "b"):
+        await store.insert_run(make_run(run_id))
+    a, b = records("a", 10), records("b", 6)
+    mixed = [r for pair in zip(a, b, strict=False) for r in pair] + a[6:]
+    assert await append(store, mixed) == [None] * 16
+    got_a, got_b = await store.get_run("a"), await store.get_run("b")
+    assert got_a is not None and got_a.episode == 10
+    assert got_b is not None and got_b.episode == 6
+    assert await store.read_episodes("b", 1, 6) == [r.data for r in b]
+
+
+async def test_update_writes_the_state_and_never_rewinds_the_counters(store: Store) -> None:
+    run = make_run("a")
+    await store.insert_run(run)
+    snapshot = run.snapshot()  # taken before the episodes: episode 0
+    await append(store, records("a", 5))
+    snapshot.start("t:1", 5)
+    snapshot.trainer_episode = 9
+    snapshot.set_speed(3.0)
+    await store.update_run(snapshot)
+    loaded = await store.get_run("a")
+    assert loaded is not None
+    assert (loaded.episode, loaded.state, loaded.trainer, loaded.trainer_episode) == (
+        5,
+        RunState.RUNNING,
+        "t:1",
+        9,
+    )
+    assert (loaded.speed, loaded.start_time) == (3.0, 5)
+    snapshot.fail("it broke", 7)
+    await store.update_run(snapshot)
+    loaded = await store.get_run("a")
+    assert loaded is not None
+    assert (loaded.state, loaded.error_message, loaded.end_time) == (RunState.ERROR, "it broke", 7)
+
+
+async def test_list_is_newest_first_with_a_cursor_and_a_state_filter(store: Store) -> None:
+    for i in range(7):
+        run = make_run(f"r{i}")
+        await store.insert_run(run)
+        if i % 2:
+            run.stop(1)
+            await store.update_run(run)
+    page = await store.list_runs(None, None, 3)
+    assert [r.id for r in page] == ["r6", "r5", "r4"]
+    page = await store.list_runs(None, page[-1].seq, 3)
+    assert [r.id for r in page] == ["r3", "r2", "r1"]
+    assert [r.id for r in await store.list_runs(None, page[-1].seq, 3)] == ["r0"]
+    stopped = await store.list_runs(RunState.STOPPED, None, 10)
+    assert [r.id for r in stopped] == ["r5", "r3", "r1"]
+    assert await store.list_runs(RunState.DONE, None, 10) == []
+
+
+async def test_delete_removes_the_run_and_its_history(store: Store) -> None:
+    await store.insert_run(make_run("a"))
+    await store.insert_run(make_run("b"))
+    await append(store, records("a", 3) + records("b", 2))
+    await store.delete_run("a")
+    assert await store.get_run("a") is None
+    assert await store.read_episodes("a", 1, 3) == []
+    assert len(await store.read_episodes("b", 1, 3)) == 2
+
+
+async def test_counts_and_the_active_runs_a_restart_recovers(store: Store) -> None:
+    runs = [make_run(f"r{i}") for i in range(5)]
+    runs[1].start("t", 1)
+    runs[1].trainer_episode = 7
+    runs[2].start("t", 1)
+    runs[2].pause()
+    runs[3].stop(2)
+    runs[4].start("t", 1)
+    runs[4].complete(3)
+    for run in runs:
+        await store.insert_run(run)
+        await store.update_run(run)
+    active = await store.active_runs()
+    assert [r.id for r in active] == ["r0", "r1", "r2"]
+    assert [r.state for r in active] == [RunState.PENDING, RunState.RUNNING, RunState.PAUSED]
+    assert active[1].trainer == "t" and active[1].trainer_episode == 7
+    assert await store.count_by_state() == {
+        RunState.PENDING: 1,
+        RunState.RUNNING: 1,
+        RunState.PAUSED: 1,
+        RunState.STOPPED: 1,
+        RunState.DONE: 1,
+    }
+
+
+async def test_close_commits_what_is_queued_and_a_new_store_reads_it(opener: Opener) -> None:
+    store = opener()
+    await store.start()
+    changes: list[bool] = []
+    store.on_writable(changes.append)
+    assert store.writable
+    await store.insert_run(make_run("a", request_id="r"))
+    outcomes: list[BaseException | None] = []
+    for rec in records("a", 25):
+        store.append_episode(rec, outcomes.append)
+    await store.close()
+    assert outcomes == [None] * 25
+    assert changes == []
+    again = opener()
+    await again.start()
+    try:
+        loaded = await again.find_request("r")
+        assert loaded is not None and loaded.episode == 25
+        assert len(await again.read_episodes("a", 1, 25)) == 25
+    finally:
+        await again.close()
