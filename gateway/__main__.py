@@ -44,7 +44,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_TRAINER,
         help="trainer address(es) HOST:PORT, comma-separated, tried in order",
     )
-    p.add_argument("--db", default=DEFAULT_DB, help="SQLite database file, or :memory:")
+    p.add_argument(
+        "--db",
+        default=DEFAULT_DB,
+        help="SQLite database file, :memory:, or postgresql://USER@HOST:PORT/DB (shared by "
+        "gateway replicas)",
+    )
+    p.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=10.0,
+        help="PostgreSQL: how long a replica's lease on a run holds without renewal; another "
+        "replica takes the runs of a dead one over after this",
+    )
     p.add_argument(
         "--migrate",
         action="store_true",
@@ -195,6 +207,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         history_cache_mb=args.history_cache_mb,
         live_coalesce_s=args.live_coalesce,
         max_pending=args.max_pending,
+        lease_s=args.lease_seconds,
         client_ping_interval_s=args.client_ping_interval,
         client_ping_timeout_s=args.client_ping_timeout,
         metrics_port=args.metrics_port,

@@ -19,7 +19,8 @@ class GatewayConfig:
         host: Interface to listen on.
         port: Port to listen on; 0 picks a free one.
         trainers: Trainer addresses (``HOST:PORT``), tried in order.
-        db: SQLite database file, or ``:memory:``.
+        db: SQLite database file, ``:memory:``, or a ``postgresql://`` URL (a database that
+            gateway replicas share; ``gateway.core.replicas``).
         migrate: Migrate a database of an older schema on start (otherwise it is refused with
             one line saying how to migrate it).
         episode_rate: Default publication rate (episodes per second) of a run that sets none.
@@ -38,6 +39,9 @@ class GatewayConfig:
         client_ping_interval_s: Seconds between the gateway's HTTP/2 pings to its clients.
         client_ping_timeout_s: A client that does not answer a ping within this long (frozen,
             vanished) is cut off: its watches end and free their memory.
+        lease_s: With PostgreSQL: how long a replica's lease on a run it drives holds without
+            renewal (it renews every third of it); a run whose replica died is taken over by
+            another one within about this long.
         max_pending: The most PENDING runs the gateway holds; CreateRun beyond answers
             ``RESOURCE_EXHAUSTED``.
         metrics_port: Port of the Prometheus ``/metrics`` endpoint on ``host``; ``None`` = off,
@@ -75,6 +79,7 @@ class GatewayConfig:
     history_cache_mb: float = 64.0
     live_coalesce_s: float = 0.02
     max_pending: int = 1000
+    lease_s: float = 10.0
     client_ping_interval_s: float = 30.0
     client_ping_timeout_s: float = 10.0
     metrics_port: int | None = None
@@ -114,7 +119,7 @@ class GatewayConfig:
             if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
                 raise ValueError(f"trainer address {address!r} is not HOST:PORT")
         if not self.db:
-            raise ValueError("db must be a file path or ':memory:'")
+            raise ValueError("db must be a file path, ':memory:' or a postgresql:// URL")
         if self.episode_rate == 0 or check_episode_rate(self.episode_rate, "episode_rate"):
             raise ValueError(
                 f"episode_rate must be 0.01..10000 episodes per second (negative = unpaced), "
@@ -130,6 +135,7 @@ class GatewayConfig:
             "trainer_call_timeout_s",
             "client_ping_interval_s",
             "client_ping_timeout_s",
+            "lease_s",
         ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from pathlib import Path
 
 import grpc
@@ -18,7 +19,8 @@ from gateway.auth import Authenticator, AuthInterceptor
 from gateway.config import GatewayConfig
 from gateway.core.dblock import DatabaseLock
 from gateway.core.registry import RunRegistry
-from gateway.core.store import open_store
+from gateway.core.replicas import SharedReplicas
+from gateway.core.store import PostgresStore, open_store
 from gateway.core.trainers import TrainerConnector
 from gateway.http import HttpFace
 from gateway.http.auth import http_middleware
@@ -137,6 +139,8 @@ class Gateway:
         self.core: RunRegistry | None = None
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        #: This gateway among the replicas of a PostgreSQL database (the owner of its runs).
+        self.replica_id = uuid.uuid4().hex
 
     async def start(self) -> int:
         """Opens the store, recovers, starts serving; returns the bound port.
@@ -159,7 +163,10 @@ class Gateway:
             )
         try:
             store = open_store(
-                self.config.db, migrate=self.config.migrate, on_commit=metrics.store_commit
+                self.config.db,
+                migrate=self.config.migrate,
+                on_commit=metrics.store_commit,
+                replica_id=self.replica_id,
             )
             self.core = RunRegistry(
                 self.config,
@@ -167,6 +174,11 @@ class Gateway:
                 self._connector or self._grpc_connector(),
                 metrics,
                 on_health=self._health_changed,
+                replicas=(
+                    SharedReplicas(store, self.config.lease_s)
+                    if isinstance(store, PostgresStore)
+                    else None
+                ),
             )
             await self.core.start()
             self.server, self.port = build_server(
@@ -190,7 +202,9 @@ class Gateway:
             raise
         await self._set_health(self.core.healthy)
         _LOGGER.info(
-            "gateway serving on %s (db %s)", host_port(self.config.host, self.port), self.config.db
+            "gateway serving on %s (db %s)",
+            host_port(self.config.host, self.port),
+            getattr(store, "where", self.config.db),  # a URL without its password
         )
         return self.port
 

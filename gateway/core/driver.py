@@ -24,6 +24,11 @@ Invariants:
   ``trainer_episode`` for up to ``heartbeat_timeout_s``; only then does the run fail.
 - Stop cancels the stream and the trainer's job (``CancelJob``); gateway shutdown cancels the
   stream only, so the trainer keeps the job for the next gateway to re-attach.
+- With gateway replicas (PostgreSQL) a driver drives its run only while its replica owns it:
+  a *candidate* (a PENDING run no replica owns, ``owned`` False) claims the run before it
+  dispatches it, and any write the store refuses with ``NotOwner`` (another replica took the
+  lease over) makes the driver *abandon* the run: it stops driving without cancelling the
+  trainer's job (the new owner re-attaches to it) and without writing anything more.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import asyncio
 import logging
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,7 +54,7 @@ from gateway.core.runs import (
     RunState,
     TrainingRun,
 )
-from gateway.core.store import STORE_MESSAGE, EpisodeRecord, Store, StoreWriteFailed
+from gateway.core.store import STORE_MESSAGE, EpisodeRecord, NotOwner, Store, StoreWriteFailed
 from gateway.core.trainers import (
     TrainerBusy,
     TrainerConnector,
@@ -126,6 +131,11 @@ class DriverContext:
     spawn: Callable[[asyncio.Task[None]], None]
     #: Takes a run whose final state the store could not take, to write it later.
     unsaved: Callable[[TrainingRun], None]
+    #: Claims a candidate's run for this replica before it starts (replicas); False when
+    #: another replica has it.
+    claim: Callable[[RunDriver], Awaitable[bool]] | None = None
+    #: Called once a driver abandoned its run to another replica (it leaves the registry).
+    on_lost: Callable[[RunDriver], None] | None = None
 
 
 def _log_end(run: TrainingRun) -> None:
@@ -190,6 +200,9 @@ class RunDriver:
         self._reserved = False  # counted by the scheduler as starting on self._trainer
         self._granted = 0
         self._granting = False
+        #: Whether this replica owns the run (always, with one gateway); a candidate claims it
+        #: before it starts it.
+        self.owned = True
 
     @property
     def seq(self) -> int:
@@ -316,6 +329,18 @@ class RunDriver:
         await self.persist()
         self.log.close()
 
+    async def abandon(self) -> None:
+        """Another replica owns the run now: stops driving it, leaving the trainer's job and
+        the store alone (the new owner re-attaches and writes), and leaves the registry."""
+        if not self.owned and self.finalizing:
+            return  # abandoned already
+        self.finalizing = True
+        self.owned = False
+        self._ctx.scheduler.dequeue(self)
+        await self._cancel_task()
+        if self._ctx.on_lost is not None:
+            self._ctx.on_lost(self)
+
     async def _cancel_task(self) -> None:
         task, self.task = self.task, None
         if task is not None and task is not asyncio.current_task():
@@ -362,9 +387,19 @@ class RunDriver:
         trainer = self._trainer
         message: str | None = None
         try:
+            if not self.owned:
+                assert self._ctx.claim is not None
+                if not await self._ctx.claim(self):
+                    raise NotOwner(run.id)
+                self.owned = True
             await self._stream(attach_after)
         except asyncio.CancelledError:
             raise  # stop or shutdown: whoever cancelled finalizes the run
+        except NotOwner:
+            self.task = None
+            self._release_reservation()
+            await self.abandon()
+            return
         except TrainerBusy:
             if run.state is RunState.PENDING and not self.finalizing:
                 _LOGGER.info(
@@ -414,6 +449,9 @@ class RunDriver:
             await self._flush()
         except StoreWriteFailed:
             message = message or STORE_MESSAGE  # logged where the write failed
+        except NotOwner:
+            await self.abandon()
+            return
         except Exception:
             _LOGGER.exception("run %s: store failure", run.id, extra={"run_id": run.id})
             message = message or UNEXPECTED_MESSAGE
@@ -464,9 +502,19 @@ class RunDriver:
                     raise  # a restarted gateway's re-attach: the run was interrupted
                 # The stream broke and the trainer no longer has the job: it was lost.
                 raise TrainerLost(f"{lost}; then {exc}") from None
-            except TrainerJobExists:
+            except TrainerJobExists as exc:
                 if after is not None:
-                    raise
+                    # A re-attach (a takeover from another replica, or a restart) that came
+                    # before the trainer saw the previous stream break: tried again below,
+                    # within the heartbeat timeout.
+                    now = self._ctx.clock()
+                    if loop_deadline is None:
+                        loop_deadline = now + self._ctx.config.heartbeat_timeout_s
+                        lost = str(exc)
+                    elif now >= loop_deadline:
+                        raise
+                    await asyncio.sleep(REATTACH_BACKOFF_S)
+                    continue
                 # A job a previous gateway started before it crashed: take it over.
                 _LOGGER.info(
                     "run %s: trainer %s already runs its job; re-attaching",
@@ -652,7 +700,7 @@ class RunDriver:
     def _on_commit(self, error: BaseException | None) -> None:
         self._committed.set()
         if error is not None:
-            if self._commit_error is None:
+            if self._commit_error is None and not isinstance(error, NotOwner):
                 _LOGGER.error(
                     "run %s: storing episode %d failed: %s",
                     self.run.id,
@@ -737,14 +785,25 @@ class RunDriver:
         run = self.run
         try:
             await self._flush()
-        except StoreWriteFailed:
-            pass  # logged where the write failed; the run ended with the store's message
+        except (StoreWriteFailed, NotOwner):
+            pass  # logged where the write failed; a NotOwner comes again from persist below
         except Exception:
             _LOGGER.exception(
                 "run %s: episodes lost on the way to the store", run.id, extra={"run_id": run.id}
             )
         try:
             await self.persist()
+        except NotOwner:
+            _LOGGER.warning(
+                "run %s: another gateway replica took it over before its end (%s) was "
+                "saved; that replica finishes it",
+                run.id,
+                run.state.name,
+                extra={"run_id": run.id},
+            )
+            self.log.wake()
+            await self.abandon()
+            return
         except StoreUnavailable:
             _LOGGER.error(
                 "run %s: its final state %s is saved once the store can be written again",

@@ -10,6 +10,12 @@ On start it recovers what a previous gateway left: PENDING runs are queued again
 order and RUNNING/PAUSED runs re-attach to their trainer's job (a PAUSED run stays paused); a run
 whose job is gone ends ERROR (``INTERRUPTED_MESSAGE``) with its history intact. Shutdown leaves
 active runs as they are in the store and their jobs on the trainers, for the next start.
+
+With gateway replicas on PostgreSQL (``gateway.core.replicas``) the registry drives only the
+runs its replica owns; it queues the PENDING runs no replica owns as *candidates* (claimed when
+placed), takes runs over the way it recovers them on start, answers for the runs others drive
+from the store (``Follower`` for watches), and hands controls of those to their owner. On
+shutdown it releases its runs, so another replica takes them over at once.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -31,13 +38,16 @@ from gateway.core.errors import (
     StoreUnavailable,
     TooManyPending,
 )
+from gateway.core.follower import Follower
 from gateway.core.history import PageCache, encode_frame
 from gateway.core.observer import Observer
 from gateway.core.pacing import clamp_speed
+from gateway.core.registry_replicas import ReplicaHostMixin, _elsewhere_detail, _refuse
 from gateway.core.replay import CaughtUp, EpisodeFrames, Finished, Keepalive, Replay, WatchEvent
+from gateway.core.replicas import Replicas
 from gateway.core.runs import INTERRUPTED_MESSAGE, RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
-from gateway.core.store import STORE_MESSAGE, Store, StoreWriteFailed
+from gateway.core.store import STORE_MESSAGE, DuplicateRequest, NotOwner, Store, StoreWriteFailed
 from gateway.core.trainers import TrainerConnector
 from trainwire.contract import FieldViolation, check_run_id, display_run_id, task_kind
 from trainwire.v1 import episode_pb2
@@ -98,7 +108,7 @@ def _require_run_id(run_id: str) -> None:
         )
 
 
-class RunRegistry:
+class RunRegistry(ReplicaHostMixin):
     """Owns every run of the gateway.
 
     Args:
@@ -109,6 +119,8 @@ class RunRegistry:
         clock: Monotonic clock in seconds (pacing, keepalives).
         wall_clock: Wall time in Unix nanoseconds (run timestamps).
         on_health: Called with whether any trainer answers (the gateway's health).
+        replicas: How this gateway shares its database with other replicas (``Replicas()``,
+            the default: it does not).
     """
 
     def __init__(
@@ -120,8 +132,11 @@ class RunRegistry:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], int] = time.time_ns,
         on_health: Callable[[bool], None] = lambda healthy: None,
+        replicas: Replicas | None = None,
     ) -> None:
         self._config = config
+        self._replicas = replicas or Replicas()
+        self._shared = self._replicas.shared
         self._store = store
         self._connector = connector
         self._observer = observer or Observer()
@@ -137,6 +152,15 @@ class RunRegistry:
         self._trainers_ok = False
         # Final states the store could not take (disk full): written once it can again.
         self._unsaved: dict[str, TrainingRun] = {}
+        # Watched runs another replica drives: the followers new watchers join, and those that
+        # took over the log of a driver that lost its run.
+        self._followers: dict[str, Follower] = {}
+        self._adopted: set[Follower] = set()
+        self._applying: dict[str, bool] = {}  # run id -> controls arrived while applying
+        self._claiming: set[str] = set()  # candidates a control claims now
+        self._successors: weakref.WeakKeyDictionary[RunDriver, Follower] = (
+            weakref.WeakKeyDictionary()
+        )
         self.scheduler = Scheduler(config, connector, self._observer, self._trainers_changed, clock)
         self._pages = PageCache(self._load_page, int(config.history_cache_mb * (1 << 20)))
         self._replay = Replay(self._pages, config.keepalive_s, clock, lambda: self._closing)
@@ -151,6 +175,8 @@ class RunRegistry:
             on_end=self._ended,
             spawn=self._spawn,
             unsaved=self._remember_unsaved,
+            claim=self._claim if self._shared else None,
+            on_lost=self._lost,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -164,8 +190,11 @@ class RunRegistry:
         self.scheduler.start()
         counts = await self._store.count_by_state()
         self._observer.runs_loaded({state.name: n for state, n in counts.items()})
-        for run in await self._store.active_runs():
-            await self._recover(run)
+        if self._shared:
+            await self._replicas.start(self)  # queues, takes over (see gateway.core.replicas)
+        else:
+            for run in await self._store.active_runs():
+                await self._recover(run)
         await self.scheduler.first_round(min(2.0, self._config.trainer_call_timeout_s))
 
     async def _recover(self, run: TrainingRun) -> None:
@@ -218,6 +247,8 @@ class RunRegistry:
         self._closing = True
         for driver in self._active.values():
             driver.log.wake()
+        for follower in [*self._followers.values(), *self._adopted]:
+            follower.log.wake()
 
     async def shutdown(self) -> None:
         """Ends watches (``ShuttingDown``), cancels trainer streams (the trainers keep their
@@ -227,9 +258,11 @@ class RunRegistry:
             return  # never started, or already shut down
         self._started = False
         await self.scheduler.stop()
-        await asyncio.gather(
-            *(d.detach() for d in list(self._active.values())), return_exceptions=True
-        )
+        owned = [d for d in self._active.values() if d.owned]
+        await asyncio.gather(*(d.detach() for d in owned), return_exceptions=True)
+        await self._replicas.stop([d.run.id for d in owned])
+        for follower in [*self._followers.values(), *self._adopted]:
+            await follower.stop()
         if self._background:
             await asyncio.wait(list(self._background), timeout=self._config.shutdown_grace_s)
         await self._store.close()
@@ -312,9 +345,16 @@ class RunRegistry:
         existing: TrainingRun | None = None
         try:
             existing = await self._store.find_request(rid)
+            if existing is None:
+                try:
+                    run = await self._insert(spec)
+                except DuplicateRequest:  # the same request, just created by another replica
+                    existing = await self._store.find_request(rid)
+                    if existing is None:
+                        raise
             if existing is not None:
                 _check_same_request(rid, existing, spec)
-            run = existing if existing is not None else await self._insert(spec)
+                run = existing
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()
@@ -333,11 +373,14 @@ class RunRegistry:
 
     def _current(self, run: TrainingRun) -> TrainingRun:
         """The freshest copy of a run: its driver's, an end the store could not take yet, or
-        what the store has."""
+        what the store has (with replicas: a run another replica drives, or none yet)."""
         driver = self._active.get(run.id)
-        if driver is not None:
+        if driver is not None and driver.owned:
             return driver.snapshot()
-        return self._unsaved.get(run.id, run).snapshot()
+        current = self._unsaved.get(run.id, run).snapshot()
+        if self._shared and current.state.active:
+            current.state_detail = _elsewhere_detail(current, driver)
+        return current
 
     async def _insert(self, spec: RunSpec) -> TrainingRun:
         self._require_writable("create a run")
@@ -367,6 +410,7 @@ class RunRegistry:
         if self._closing:
             raise ShuttingDown(f"the gateway is shutting down; run {run.id!r} was not started")
         driver = RunDriver(run, self._ctx)
+        driver.owned = not self._shared  # a replica claims it when it places it
         self._active[run.id] = driver
         self._observer.run_created(run.id)
         self._observer.run_state_changed(run.id, run.state.name)
@@ -390,7 +434,7 @@ class RunRegistry:
         """
         _require_run_id(run_id)
         driver = self._active.get(run_id)
-        if driver is not None:
+        if driver is not None and driver.owned:
             return driver.snapshot()
         run = await self._store.get_run(run_id)
         if run is None:
@@ -433,6 +477,10 @@ class RunRegistry:
         run = await self._store.get_run(run_id)
         if run is None:
             raise RunNotFound(run_id)
+        if run.state.active:  # driven by another replica
+            raise IllegalTransition(
+                f"cannot delete run {run_id!r}: it is {run.state.name}; stop it first", run_id
+            )
         try:
             await self._store.delete_run(run_id)
         except StoreWriteFailed:
@@ -444,13 +492,37 @@ class RunRegistry:
 
     # -- controls ----------------------------------------------------------------------------
 
-    async def _driver(self, run_id: str, action: str) -> RunDriver:
+    async def _driver(self, run_id: str, action: str, speed: float = 0.0) -> RunDriver | None:
+        """The driver a control acts on; None when another replica drives the run.
+
+        Raises:
+            RunNotFound, IllegalTransition, InvalidRequest (a speed for a finished run).
+        """
         _require_run_id(run_id)
         driver = self._active.get(run_id)
-        if driver is not None and not driver.finalizing:
+        if driver is not None and driver.owned and not driver.finalizing:
             return driver
+        if self._shared and (driver is None or not driver.owned):
+            return await self._claim_candidate(run_id, driver)
         run = driver.run if driver is not None else await self.get(run_id)
-        raise IllegalTransition(f"cannot {action} run {run_id!r}: it is {run.state.name}", run_id)
+        _refuse(run, action, speed)
+
+    async def _control(self, run_id: str, action: str, speed: float = 0.0) -> TrainingRun:
+        driver = await self._driver(run_id, action, speed)
+        if driver is not None:
+            try:
+                if action == "pause":
+                    await driver.pause()
+                elif action == "resume":
+                    await driver.resume()
+                elif action == "stop":
+                    await driver.stop()
+                else:
+                    await driver.set_speed(speed)
+                return driver.snapshot()
+            except NotOwner:  # taken over meanwhile: its new owner applies it
+                await driver.abandon()
+        return await self._control_elsewhere(run_id, action, speed)
 
     async def pause(self, run_id: str) -> TrainingRun:
         """Pauses a run: publication stops, the trainer gets no new grant (no-op when paused).
@@ -458,9 +530,7 @@ class RunRegistry:
         Raises:
             RunNotFound, IllegalTransition.
         """
-        driver = await self._driver(run_id, "pause")
-        await driver.pause()
-        return driver.snapshot()
+        return await self._control(run_id, "pause")
 
     async def resume(self, run_id: str) -> TrainingRun:
         """Resumes publication and training at the paced rate (no-op when running).
@@ -468,9 +538,7 @@ class RunRegistry:
         Raises:
             RunNotFound, IllegalTransition.
         """
-        driver = await self._driver(run_id, "resume")
-        await driver.resume()
-        return driver.snapshot()
+        return await self._control(run_id, "resume")
 
     async def set_speed(self, run_id: str, speed: float) -> TrainingRun:
         """Changes the speed (clamped to 0.1..20), effective at once.
@@ -479,14 +547,7 @@ class RunRegistry:
             InvalidRequest: non-finite speed.
             RunNotFound, IllegalTransition.
         """
-        _require_run_id(run_id)
-        driver = self._active.get(run_id)
-        if driver is None or driver.finalizing:
-            run = driver.run if driver is not None else await self.get(run_id)
-            run.snapshot().set_speed(speed)  # raises the right error for a finished run
-            raise AssertionError("unreachable")  # pragma: no cover
-        await driver.set_speed(speed)
-        return driver.snapshot()
+        return await self._control(run_id, "speed", speed)
 
     async def stop(self, run_id: str) -> TrainingRun:
         """Stops a run: cancels its training at once and ends it STOPPED.
@@ -494,9 +555,7 @@ class RunRegistry:
         Raises:
             RunNotFound, IllegalTransition.
         """
-        driver = await self._driver(run_id, "stop")
-        await driver.stop()
-        return driver.snapshot()
+        return await self._control(run_id, "stop")
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -522,19 +581,33 @@ class RunRegistry:
             raise ShuttingDown(f"the gateway is shutting down; resume watching run {run_id!r}")
         observer = self._observer
         observer.watcher_attached(run_id)
+        follower: Follower | None = None
         try:
             driver = self._active.get(run_id)
-            if driver is not None:
-                events = self._replay.active(
-                    driver.log, lambda: driver.run.state, driver.snapshot, after_episode
-                )
+            if driver is not None and driver.owned:
+                view = self._view(driver)
+                events = self._replay.active(driver.log, lambda: view().state, view, after_episode)
             else:
-                events = self._replay.finished(await self.get(run_id), after_episode)
+                run = await self.get(run_id)
+                if not (self._shared and run.state.active):
+                    events = self._replay.finished(run, after_episode)
+                else:  # another replica drives it: follow it in the store
+                    follower = self._follow(run)
+                    follower.users += 1
+                    await follower.ready()
+                    f = follower
+                    events = self._replay.active(
+                        f.log, lambda: f.run.state, f.snapshot, after_episode
+                    )
             async for event in events:
                 if type(event) is EpisodeFrames:  # one call per message, not per episode
                     observer.episodes_sent(run_id, len(event.frames))
                 yield event
         finally:
+            if follower is not None:
+                follower.users -= 1
+                if follower.users == 0:
+                    follower.wake()  # the last watcher gone: it ends
             observer.watcher_detached(run_id)
 
 

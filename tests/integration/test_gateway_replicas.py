@@ -1,0 +1,242 @@
+"""Gateway replicas on one PostgreSQL database (a real server, ``tests/postgres_fixtures.py``).
+
+What must hold (issue: "Gateway replicas on PostgreSQL"): a run created on one replica and
+watched on another streams every episode exactly once; a pause sent to a replica that does not
+drive the run pauses it within a second; ``kill -9`` of the replica that drives a run makes
+another take it over within the lease plus 5 s, and a watcher of the survivor sees every
+episode once and the run end DONE; 100 concurrent CreateRun calls spread over two replicas with
+two trainer slots make 100 runs, each started once, all DONE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.fakes.fake_trainer import FakeTrainer
+from tests.fakes.gateway_harness import (
+    TIMEOUT,
+    Client,
+    WatchResult,
+    absorb,
+    collect,
+    create_request,
+    gateway_process,
+    running_gateway,
+    trainer_process,
+)
+from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc, trainer_service_pb2
+
+pb = gateway_service_pb2
+State = pb.Run.State
+LEASE_S = 3.0
+REPLICA = {"lease_s": LEASE_S, "keepalive_s": 0.5}
+
+
+class StartCounter(FakeTrainer):
+    """The fake trainer, counting the Train calls it accepted (started a job for) per run."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.started: collections.Counter[str] = collections.Counter()
+
+    def Train(
+        self, request: trainer_service_pb2.TrainRequest, context: grpc.ServicerContext
+    ) -> Iterator[trainer_service_pb2.TrainResponse]:
+        first = True
+        for response in super().Train(request, context):
+            if first:  # refused calls abort before their first message
+                with self._cond:
+                    self.started[request.run_id] += 1
+                first = False
+            yield response
+
+
+async def wait_state(client: Client, run_id: str, state: int, timeout: float = 30) -> pb.Run:
+    deadline = time.monotonic() + timeout
+    while True:
+        run = await client.get(run_id)
+        if run.state == state:
+            return run
+        assert time.monotonic() < deadline, f"run {run_id} still {State.Name(run.state)}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_run_created_on_one_replica_is_watched_and_paused_on_another(
+    fake: FakeTrainer, postgres_url: str
+) -> None:
+    trainers = (fake.address,)
+    async with running_gateway(trainers, db=postgres_url, **REPLICA) as a:
+        run = await a.create(max_episodes=200, episodes_per_second=50)
+        await wait_state(a, run.id, State.STATE_RUNNING)  # A drives it: B is not up yet
+        async with running_gateway(trainers, db=postgres_url, **REPLICA) as b:
+            watch = asyncio.create_task(collect(b.stub, run.id, timeout=60))
+            await asyncio.sleep(1.0)
+            on_b = await b.get(run.id)
+            assert on_b.state == State.STATE_RUNNING
+            assert "driven by another gateway replica" in on_b.state_detail
+            asked = time.monotonic()
+            reply = await b.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)
+            on_a = await a.get(run.id)
+            paused_s = time.monotonic() - asked
+            assert reply.run.state == State.STATE_PAUSED
+            assert on_a.state == State.STATE_PAUSED
+            assert paused_s < 1.0, f"paused after {paused_s:.2f} s"
+            held = on_a.episode
+            await asyncio.sleep(1.0)
+            assert (await a.get(run.id)).episode == held, "published while paused"
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # the owner's rules, on B
+                await b.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            speed = await b.stub.SetRunSpeed(
+                pb.SetRunSpeedRequest(run_id=run.id, speed=4), timeout=TIMEOUT
+            )
+            assert speed.run.speed == 4 and (await a.get(run.id)).speed == 4
+            await b.stub.ResumeRun(pb.ResumeRunRequest(run_id=run.id), timeout=TIMEOUT)
+            result = await watch
+            assert result.numbers == list(range(1, 201)), "every episode exactly once"
+            assert result.caught_up is not None and result.caught_up >= 1
+            assert result.finished is not None and result.finished.state == State.STATE_DONE
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await b.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)
+            assert late.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "it is DONE" in (late.value.details() or "")
+            replay = await collect(b.stub, run.id)
+            assert replay.numbers == list(range(1, 201))
+
+
+async def test_100_concurrent_creates_over_two_replicas_start_each_run_once(
+    postgres_url: str,
+) -> None:
+    fake = StartCounter(slots=2)
+    fake.start()
+    try:
+        trainers = (fake.address,)
+        async with (
+            running_gateway(trainers, db=postgres_url, **REPLICA) as a,
+            running_gateway(trainers, db=postgres_url, **REPLICA) as b,
+        ):
+            replies = await asyncio.gather(
+                *(
+                    (a if i % 2 else b).stub.CreateRun(
+                        create_request(max_episodes=3, request_id=f"load-{i}"), timeout=TIMEOUT
+                    )
+                    for i in range(100)
+                )
+            )
+            ids = {reply.run.id for reply in replies}
+            assert len(ids) == 100
+            # A retry of one of them on the other replica is the same run.
+            again = await a.stub.CreateRun(
+                create_request(max_episodes=3, request_id="load-0"), timeout=TIMEOUT
+            )
+            assert again.run.id == replies[0].run.id
+            deadline = time.monotonic() + 120
+            while True:
+                done = await a.stub.ListRuns(
+                    pb.ListRunsRequest(page_size=1000, state=State.STATE_DONE), timeout=TIMEOUT
+                )
+                if len(done.runs) == 100:
+                    break
+                assert time.monotonic() < deadline, f"{len(done.runs)} of 100 runs DONE"
+                await asyncio.sleep(0.2)
+            assert {r.id for r in done.runs} == ids
+            assert all(r.episode == 3 for r in done.runs)
+        assert dict(fake.started) == dict.fromkeys(ids, 1), "each run started exactly once"
+    finally:
+        fake.kill()
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real trainer process (imitation on the CPU): it keeps detached jobs for a re-attach."""
+    log = tmp_path_factory.mktemp("trainer") / "trainer.log"
+    with trainer_process(log, "--heartbeat", "0.5", "--detach-grace", "60", slots=1) as (
+        _,
+        address,
+    ):
+        yield address
+
+
+async def _get(stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str) -> pb.Run:
+    return (await stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=TIMEOUT)).run
+
+
+async def _watch_until(
+    stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str, count: int
+) -> WatchResult:
+    seen = WatchResult()
+    call = stub.WatchRun(pb.WatchRunRequest(run_id=run_id), timeout=60)
+    async for message in call:
+        absorb(seen, message)
+        if len(seen.episodes) >= count:
+            call.cancel()
+            break
+    return seen
+
+
+async def test_sigterm_hands_a_run_over_and_kill_9_of_its_new_replica_moves_it_again(
+    trainer: str, postgres_url: str, tmp_path: Path
+) -> None:
+    flags = ("--db", postgres_url, "--lease-seconds", str(LEASE_S), "--keepalive", "0.5")
+    flags += ("--heartbeat-timeout", "10", "--schedule-poll", "0.2")
+    logs = [tmp_path / f"{name}.log" for name in ("a", "b", "c")]
+    async with gateway_process(trainer, logs[0], *flags) as (proc_a, address_a):
+        async with grpc.aio.insecure_channel(address_a) as channel:
+            stub_a = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            reply = await stub_a.CreateRun(
+                create_request(max_episodes=500, episodes_per_second=40), timeout=TIMEOUT
+            )
+            run_id = reply.run.id
+            await _watch_until(stub_a, run_id, 20)  # A drives it: B is not up yet
+        async with (
+            gateway_process(trainer, logs[1], *flags) as (proc_b, address_b),
+            grpc.aio.insecure_channel(address_b) as channel_b,
+        ):
+            stub_b = gateway_service_pb2_grpc.GatewayServiceStub(channel_b)
+            # SIGTERM: A releases the run and B takes it over at once (no lease to wait for).
+            proc_a.terminate()
+            assert await asyncio.wait_for(proc_a.wait(), 20) == 0
+            stopped_at = time.monotonic()
+            episode = (await _get(stub_b, run_id)).episode
+            await _watch_until(stub_b, run_id, episode + 5)
+            handover_s = time.monotonic() - stopped_at
+            assert "training on" in (await _get(stub_b, run_id)).state_detail
+            async with (
+                gateway_process(trainer, logs[2], *flags) as (_, address_c),
+                grpc.aio.insecure_channel(address_c) as channel_c,
+            ):
+                stub_c = gateway_service_pb2_grpc.GatewayServiceStub(channel_c)
+                seen = WatchResult()
+                arrivals: list[tuple[float, int]] = []
+                killed_at, before_kill = 0.0, 0
+                call = stub_c.WatchRun(pb.WatchRunRequest(run_id=run_id), timeout=90)
+                async for message in call:
+                    absorb(seen, message)
+                    arrivals.append((time.monotonic(), len(seen.episodes)))
+                    if not killed_at and len(seen.episodes) >= episode + 60:
+                        proc_b.kill()  # SIGKILL: no release, the lease has to expire
+                        await proc_b.wait()
+                        killed_at, before_kill = time.monotonic(), len(seen.episodes)
+                    if seen.finished is not None:
+                        break
+    assert seen.numbers == list(range(1, 501)), "every episode exactly once"
+    assert seen.finished is not None and seen.finished.state == State.STATE_DONE
+    resumed_at = next(t for t, count in arrivals if t > killed_at and count > before_kill)
+    takeover_s = resumed_at - killed_at
+    assert takeover_s < LEASE_S + 5, f"taken over after {takeover_s:.1f} s"
+    assert handover_s < 5, f"handed over after {handover_s:.1f} s"
+    print(f"\nSIGTERM handover {handover_s:.2f} s; kill -9 takeover {takeover_s:.2f} s")
+    for log in logs[1:]:
+        text = log.read_text()
+        assert f"run {run_id}: taking it over" in text
+        assert f"run {run_id}: re-attaching to its job on {trainer} after episode" in text
+    assert "released 1 runs to the other replicas" in logs[0].read_text()
+    assert not any("Traceback" in log.read_text() for log in logs)
