@@ -9,7 +9,10 @@
 # the page and the JSON API of the gateway), METRICS (1: expose
 # Prometheus metrics on GATEWAY_METRICS_PORT 9151 / TRAINER_METRICS_PORT 9152),
 # DEMO_EPISODES (300; 200 for grpo), DEMO_RATE (20 episodes/s), DEMO_CLIP (wave), VAR (var),
-# STAY_UP (1: keep serving after the demo; 0 exits once the demo is done, for tests).
+# STAY_UP (1: keep serving after the demo; 0 exits once the demo is done, for tests),
+# DB (sqlite; postgres: a local PostgreSQL under $VAR/postgres and two gateway replicas sharing
+# it, the second on REPLICA_PORT (50053) / REPLICA_HTTP_PORT (8081); the demo run is watched on
+# the second).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,15 +32,21 @@ else
 fi
 DEMO_RATE=${DEMO_RATE:-20}
 DEMO_CLIP=${DEMO_CLIP:-wave}
+DB=${DB:-sqlite}
 mkdir -p "$VAR/logs" "$VAR/data"
 
 pids=()
+db_pids=()  # the database: stopped after the services that use it
 cleanup() {
   trap - INT TERM EXIT
   if ((${#pids[@]})); then
     echo "stopping services..."
     kill -TERM "${pids[@]}" 2>/dev/null || true
     wait "${pids[@]}" 2>/dev/null || true
+  fi
+  if ((${#db_pids[@]})); then
+    kill -TERM "${db_pids[@]}" 2>/dev/null || true
+    wait "${db_pids[@]}" 2>/dev/null || true
   fi
 }
 trap cleanup INT TERM EXIT
@@ -98,14 +107,34 @@ fi
 pids+=($!)
 trainer=$(wait_listening trainer "$VAR/logs/trainer.log" "${pids[-1]}")
 
+db="$VAR/trainwire.sqlite3"
+if [[ $DB == postgres ]]; then
+  "$PY" scripts/dev_postgres.py "$VAR/postgres" >"$VAR/logs/postgres.log" 2>&1 &
+  db_pids+=($!)
+  db=$(wait_listening postgres "$VAR/logs/postgres.log" "${db_pids[-1]}")
+fi
+
 "$PY" -m gateway --host 127.0.0.1 --port "$GATEWAY_PORT" --http-port "$HTTP_PORT" \
-  --trainer "$trainer" --db "$VAR/trainwire.sqlite3" --migrate "${gateway_metrics[@]}" \
+  --trainer "$trainer" --db "$db" --migrate "${gateway_metrics[@]}" \
   >"$VAR/logs/gateway.log" 2>&1 &
 pids+=($!)
 gateway=$(wait_listening gateway "$VAR/logs/gateway.log" "${pids[-1]}")
 
 echo "trainer  on $trainer  (log $VAR/logs/trainer.log)"
 echo "gateway  on $gateway  (log $VAR/logs/gateway.log)"
+watch_on=$gateway
+if [[ $DB == postgres ]]; then
+  # A second replica on the same database: it answers for every run, drives its share, and
+  # takes the first one's runs over if that one stops.
+  replica_metrics=()
+  [[ $METRICS == 1 ]] && replica_metrics=(--metrics-port 0)
+  "$PY" -m gateway --host 127.0.0.1 --port "${REPLICA_PORT:-50053}" \
+    --http-port "${REPLICA_HTTP_PORT:-8081}" --trainer "$trainer" --db "$db" "${replica_metrics[@]}" \
+    >"$VAR/logs/gateway-2.log" 2>&1 &
+  pids+=($!)
+  watch_on=$(wait_listening gateway "$VAR/logs/gateway-2.log" "${pids[-1]}")
+  echo "replica  on $watch_on  (log $VAR/logs/gateway-2.log; both on PostgreSQL, log $VAR/logs/postgres.log)"
+fi
 page=$(http_url "$VAR/logs/gateway.log")
 echo "page     on $page/  (runs, live curves, controls: open it in a browser)"
 export TRAINWIRE_GATEWAY=$gateway
@@ -126,9 +155,9 @@ if [[ $DEMO == grpo ]]; then
 elif [[ $DEMO != 0 ]]; then
   run_id=$("$BIN/trainwire" runs create imitation --clip "$DEMO_CLIP" --episodes "$DEMO_EPISODES" \
     --rate "$DEMO_RATE" --seed 0 --name "demo: stickman learns to $DEMO_CLIP" -q)
-  echo "demo run $run_id: watching (Ctrl+C detaches; the run keeps going)"
+  echo "demo run $run_id: watching on $watch_on (Ctrl+C detaches; the run keeps going)"
   echo "  in a browser: $page/#/runs/$run_id"
-  "$BIN/trainwire" watch "$run_id" || true
+  "$BIN/trainwire" --gateway "$watch_on" watch "$run_id" || true
   "$BIN/trainwire" plot "$run_id" --out "$VAR/demo-curve.png"
   "$BIN/trainwire" avatar "$run_id" --out "$VAR/demo-avatar.png"
   echo "pictures: $VAR/demo-curve.png $VAR/demo-avatar.png"
