@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,6 +113,55 @@ async def test_a_run_created_on_one_replica_is_watched_and_paused_on_another(
             assert replay.numbers == list(range(1, 201))
 
 
+async def test_controls_of_pending_and_running_runs_work_from_either_replica(
+    fake: FakeTrainer, postgres_url: str
+) -> None:
+    nowhere = ("127.0.0.1:9",)  # no trainer: the runs stay PENDING
+    async with (
+        running_gateway(nowhere, db=postgres_url, **REPLICA) as a,
+        running_gateway(nowhere, db=postgres_url, **REPLICA) as b,
+    ):
+        run = await a.create(max_episodes=50)
+        deadline = time.monotonic() + 10
+        while not (await b.get(run.id)).state_detail.startswith("no trainer reachable"):
+            assert time.monotonic() < deadline, "B never queued the run"  # it heard of it
+            await asyncio.sleep(0.02)
+        faster = await b.stub.SetRunSpeed(
+            pb.SetRunSpeedRequest(run_id=run.id, speed=3), timeout=TIMEOUT
+        )
+        assert faster.run.speed == 3 and (await a.get(run.id)).speed == 3
+        with pytest.raises(grpc.aio.AioRpcError) as early:
+            await a.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)
+        assert early.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await a.stub.SetRunSpeed(
+                pb.SetRunSpeedRequest(run_id=run.id, speed=float("nan")), timeout=TIMEOUT
+            )
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stopped = await a.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
+        assert stopped.run.state == State.STATE_STOPPED
+        assert (await b.get(run.id)).state == State.STATE_STOPPED
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await b.stub.StopRun(pb.StopRunRequest(run_id="nosuchrun"), timeout=TIMEOUT)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        await b.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await a.get(run.id)
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    trainers = (fake.address,)
+    async with running_gateway(trainers, db=postgres_url, **REPLICA) as a:
+        run = await a.create(max_episodes=2000, episodes_per_second=20)
+        await wait_state(a, run.id, State.STATE_RUNNING)
+        async with running_gateway(trainers, db=postgres_url, **REPLICA) as b:
+            stopped = await b.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
+            assert stopped.run.state == State.STATE_STOPPED
+            assert (await a.get(run.id)).state == State.STATE_STOPPED
+            deadline = time.monotonic() + 10
+            while run.id not in fake.jobs_cancelled:  # the owner cancelled the training
+                assert time.monotonic() < deadline, "the job was not cancelled"
+                await asyncio.sleep(0.02)
+
+
 async def test_100_concurrent_creates_over_two_replicas_start_each_run_once(
     postgres_url: str,
 ) -> None:
@@ -163,6 +213,37 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         address,
     ):
         yield address
+
+
+async def test_a_replica_that_lost_its_lease_stops_driving_and_its_watchers_go_on(
+    trainer: str, postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway")
+    trainers = (trainer,)
+    async with running_gateway(trainers, db=postgres_url, **REPLICA) as a:
+        run = await a.create(max_episodes=300, episodes_per_second=30)
+        await wait_state(a, run.id, State.STATE_RUNNING)
+        watch = asyncio.create_task(collect(a.stub, run.id, timeout=90))
+        async with running_gateway(trainers, db=postgres_url, **REPLICA) as b:
+            await asyncio.sleep(1.0)
+            # A stalled past its lease and a replica that is gone now took the run: A finds it
+            # lost and stops driving it; then a live replica takes it over from the "ghost".
+            store = a.gateway.core._store  # type: ignore[union-attr]
+            async with store.pool.connection() as conn:  # type: ignore[attr-defined]
+                await conn.execute(
+                    "UPDATE runs SET owner = 'ghost', lease_until = now() - interval '1 s' "
+                    "WHERE id = %s",
+                    (run.id,),
+                )
+            result = await watch
+            assert result.numbers == list(range(1, 301)), "every episode exactly once"
+            assert result.finished is not None and result.finished.state == State.STATE_DONE
+            assert (await b.get(run.id)).state == State.STATE_DONE
+    text = caplog.text
+    # A learns it at its next commit (fenced: NotOwner) or renewal, whichever comes first.
+    assert f"run {run.id}: another gateway replica drives it now" in text
+    assert f"run {run.id}: taking it over" in text
+    assert "Traceback" not in text
 
 
 async def _get(stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str) -> pb.Run:
