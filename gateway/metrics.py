@@ -48,14 +48,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.core.observer import Observer
 from gateway.core.runs import RunState
 from gateway.core.trainers import Capabilities
-from trainwire_ops.rpc_metrics import AioMetricsServerInterceptor, RpcMetrics
+from trainwire_ops.rpc_metrics import AioMetricsServerInterceptor, RpcMetrics, service_registry
 
 #: Group commits take microseconds in memory and milliseconds on a disk.
 COMMIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
@@ -106,7 +106,7 @@ class GatewayMetrics(Observer):
     """
 
     def __init__(self) -> None:
-        self.registry = registry = CollectorRegistry()
+        self.registry = registry = service_registry()
         self.rpc = RpcMetrics(registry)
         runs = Gauge(
             "trainwire_gateway_runs", "Runs in the store, by state.", ("state",), registry=registry

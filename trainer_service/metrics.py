@@ -56,6 +56,7 @@ from trainwire_ops.rpc_metrics import (
     handler_behavior,
     rpc_labels,
     rpc_type,
+    service_registry,
 )
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ class TrainerMetrics:
     """
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = service_registry()
         self.rpc = RpcMetrics(self.registry)
         self.jobs = JobMetrics(self.registry)
         self._slots: SlotPool | None = None

@@ -37,6 +37,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from trainwire_ops.addresses import host_port
 
+# No ``*_created`` series: one timestamp gauge per counter and histogram child doubles what a
+# scrape carries and no dashboard reads it.
+prometheus_client.disable_created_metrics()
+
 _LOGGER = logging.getLogger(__name__)
 
 #: Label names of every RPC metric, in order (``grpc_code`` follows on handled/latency).
@@ -184,6 +188,16 @@ def clone_handler(
     return grpc.unary_unary_rpc_method_handler(behavior, **serializers)
 
 
+def service_registry() -> CollectorRegistry:
+    """A service's own registry (never the process-global default, so in-process servers of
+    one test run do not collide), with the process and platform collectors (CPU, memory, open
+    files, Python version) every Prometheus dashboard expects."""
+    registry = CollectorRegistry()
+    prometheus_client.ProcessCollector(registry=registry)
+    prometheus_client.PlatformCollector(registry=registry)
+    return registry
+
+
 class RpcMetrics:
     """RPC counters and latency histograms by method and status code, in one registry.
 
@@ -192,6 +206,18 @@ class RpcMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.msg_received_total = Counter(
+            "grpc_server_msg_received",
+            "RPC request messages received on the server.",
+            RPC_LABELS,
+            registry=registry,
+        )
+        self.msg_sent_total = Counter(
+            "grpc_server_msg_sent",
+            "RPC response messages sent by the server (one per message of a stream).",
+            RPC_LABELS,
+            registry=registry,
+        )
         self.started_total = Counter(
             "grpc_server_started",
             "RPCs started on the server.",
@@ -213,8 +239,14 @@ class RpcMetrics:
         )
 
     def started(self, labels: RpcLabels) -> None:
-        """Counts an RPC whose handler starts now."""
-        self.started_total.labels(*labels.values()).inc()
+        """Counts an RPC whose handler starts now, and its (one) request message."""
+        values = labels.values()
+        self.started_total.labels(*values).inc()
+        self.msg_received_total.labels(*values).inc()
+
+    def sent_counter(self, labels: RpcLabels) -> Any:
+        """The response-message counter of a method (one ``inc`` per message sent)."""
+        return self.msg_sent_total.labels(*labels.values())
 
     def handled(self, labels: RpcLabels, code: str, seconds: float) -> None:
         """Counts an RPC that ended with ``code`` after ``seconds``."""
@@ -264,7 +296,10 @@ class MetricsServerInterceptor(grpc.ServerInterceptor):
             start = time.perf_counter()
             error: BaseException | None = None
             try:
-                return behavior(request, context)
+                response = behavior(request, context)
+                if response is not None:
+                    metrics.sent_counter(labels).inc()
+                return response
             except BaseException as exc:
                 error = exc
                 raise
@@ -299,9 +334,12 @@ def _observed_stream(
     """Yields ``responses`` and records the RPC's code and latency once they end."""
     error: BaseException | None = None
     abandoned = False
+    sent = metrics.sent_counter(labels)
+    iterator = iter(responses)
     try:
-        # yield from also closes the handler's generator when grpc abandons ours.
-        yield from responses
+        for response in iterator:
+            yield response
+            sent.inc()  # grpc asked for the next one: this one went out
     except GeneratorExit:
         # grpc stopped asking for responses: the RPC was cancelled (client, deadline, shutdown).
         abandoned = True
@@ -310,6 +348,9 @@ def _observed_stream(
         error = exc
         raise
     finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()  # the handler's generator cleans up when grpc abandons ours
         _record(metrics, labels, context, start, error=error, abandoned=abandoned)
 
 
@@ -394,7 +435,10 @@ class AioMetricsServerInterceptor(grpc.aio.ServerInterceptor):
             error: BaseException | None = None
             cancelled = False
             try:
-                return await behavior(request, context)
+                response = await behavior(request, context)
+                if response is not None:
+                    metrics.sent_counter(labels).inc()
+                return response
             except asyncio.CancelledError:
                 cancelled = True
                 raise
@@ -418,9 +462,11 @@ class AioMetricsServerInterceptor(grpc.aio.ServerInterceptor):
             error: BaseException | None = None
             cancelled = False
             responses = behavior(request, context)
+            sent = metrics.sent_counter(labels)
             try:
                 async for response in responses:
                     await context.write(response)
+                    sent.inc()
             except asyncio.CancelledError:
                 cancelled = True
                 raise

@@ -155,6 +155,20 @@ async def test_metrics_over_http_count_runs_episodes_watchers_rpcs_and_violation
     assert sample(after, "grpc_server_handled_total", **watch) == 3  # two watchers + finished()
     assert sample(after, "grpc_server_handling_seconds_count", **watch) == 3
     assert (sample(after, "grpc_server_handling_seconds_sum", **watch) or 0) > 0
+    # Messages: one request per RPC; one response per unary call that succeeded, one per
+    # message of a stream (the two watchers' messages, plus finished()'s).
+    messages = {k: v for k, v in rpc("CreateRun").items() if k != "grpc_code"}
+    assert sample(after, "grpc_server_msg_received_total", **messages) == 2
+    assert sample(after, "grpc_server_msg_sent_total", **messages) == 2
+    watch_labels = {k: v for k, v in watch.items() if k != "grpc_code"}
+    streamed = sum(len(r.kinds) for r in results)
+    assert (sample(after, "grpc_server_msg_sent_total", **watch_labels) or 0) > streamed
+    # Process and platform collectors; no *_created series.
+    assert (sample(after, "process_cpu_seconds_total") or 0) > 0
+    assert (sample(after, "process_resident_memory_bytes") or 0) > 0
+    names = {name for name, _ in after}
+    assert "python_info" in names
+    assert not [n for n in names if n.endswith("_created")], "no *_created series"
 
 
 async def test_cancelled_watch_is_counted_cancelled_and_detached(
