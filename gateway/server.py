@@ -28,7 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.servicer import GatewayServicer, add_to_server
 from gateway.trainer_client import GrpcTrainerConnector
 from trainwire.v1 import gateway_service_pb2
-from trainwire_ops.addresses import host_port
+from trainwire_ops.addresses import host_port, port_problem
 from trainwire_ops.rpc_metrics import MetricsEndpoint
 from trainwire_ops.tls import ClientTls, ClientTlsFiles, ServerTls
 
@@ -95,6 +95,9 @@ def build_server(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = host_port(config.host, config.port)
+    problem = port_problem(config.host, config.port)
+    if problem is not None:
+        raise RuntimeError(f"cannot listen on {address}: {problem}")
     if tls is not None:
         port = server.add_secure_port(address, tls.grpc_credentials())
     else:
@@ -155,6 +158,12 @@ class Gateway:
             RuntimeError: The gRPC port cannot be bound.
         """
         metrics = self.metrics
+        # Ports first: a port in use is one line before anything starts (probes, the store).
+        problem = port_problem(self.config.host, self.config.port)
+        if problem is not None:
+            raise RuntimeError(
+                f"cannot listen on {host_port(self.config.host, self.config.port)}: {problem}"
+            )
         self._load_security()
         self._lock.acquire()  # DatabaseLocked: another gateway uses this database
         if self.config.metrics_port is not None:

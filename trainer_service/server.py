@@ -30,6 +30,7 @@ from trainer_service.core.jobs import JobRunner
 from trainer_service.metrics import MetricsEndpoint, TrainerMetrics
 from trainer_service.servicer import TrainerServicer, add_to_server
 from trainwire.v1 import trainer_service_pb2
+from trainwire_ops.addresses import port_problem
 from trainwire_ops.tls import ServerTls
 
 _LOGGER = logging.getLogger(__name__)
@@ -233,6 +234,9 @@ def build_server(
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
+        problem = port_problem(config.host, config.port)
+        if problem is not None:
+            raise RuntimeError(f"cannot listen on {config.address}: {problem}")
         try:
             if tls is not None:
                 port = server.add_secure_port(config.address, tls.grpc_credentials())

@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import ROOT, TIMEOUT, collect, create_request, running_gateway
@@ -133,3 +135,37 @@ async def test_a_frozen_watcher_is_released_after_the_ping_timeout(fake: FakeTra
         await client.stub.StopRun(
             gateway_service_pb2.StopRunRequest(run_id=run.id), timeout=TIMEOUT
         )
+
+
+def _busy_port() -> tuple[socket.socket, int]:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    return listener, listener.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("service", "flag"),
+    [
+        ("gateway", "--port"),
+        ("gateway", "--metrics-port"),
+        ("trainer_service", "--port"),
+        ("trainer_service", "--metrics-port"),
+    ],
+)
+def test_a_port_in_use_is_one_clear_line(tmp_path: Path, service: str, flag: str) -> None:
+    listener, port = _busy_port()
+    args = [sys.executable, "-m", service, "--port", "0", flag, str(port)]
+    if service == "gateway":
+        args += ["--http-port", "-1", "--db", ":memory:", "--trainer", "127.0.0.1:9"]
+    try:
+        result = subprocess.run(
+            args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=False
+        )
+    finally:
+        listener.close()
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], lines[0]
+    assert result.stdout == ""
