@@ -220,6 +220,7 @@ async def test_run_gauges_survive_a_restart_and_follow_deletes(
     async with running_gateway((fake.address,), db=db) as second:
         assert second.gateway.metrics_endpoint is None  # off unless a port is given
         metrics = second.gateway.metrics
+
         # The held run was active at shutdown; the fake trainer keeps no job to re-attach to,
         # so it ends interrupted (ERROR).
         def counts() -> dict[str, float]:

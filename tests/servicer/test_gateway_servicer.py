@@ -106,9 +106,7 @@ async def test_request_id_is_idempotent_even_concurrently(client: Client) -> Non
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await client.create(max_episodes=9, request_id="same-key")
     assert status_of(info) == grpc.StatusCode.INVALID_ARGUMENT
-    assert "request_id 'same-key' was used for a different request" in (
-        info.value.details() or ""
-    )
+    assert "request_id 'same-key' was used for a different request" in (info.value.details() or "")
     concurrent = [create_request(max_episodes=n, request_id="racy") for n in (3, 3, 4)]
     outcomes = await asyncio.gather(
         *(client.stub.CreateRun(r, timeout=TIMEOUT) for r in concurrent), return_exceptions=True
