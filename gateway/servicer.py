@@ -106,6 +106,10 @@ class GatewayServicer:
         self, request: pb.WatchRunRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb.WatchRunResponse]:
         """Streams a run: history (batched), caught_up, live episodes, keepalives, finished."""
+        if isinstance(request, Undecodable):
+            # Checked here, not by a wrapping generator: every message of a watch would pay
+            # for one more generator layer.
+            raise request.error()
         async for event in self._core.watch(request.run_id, request.after_episode):
             yield convert.watch_event_to_wire(event)
 
@@ -117,48 +121,36 @@ def _serialize_watch_response(message: bytes | pb.WatchRunResponse) -> bytes:
     return message.SerializeToString()
 
 
-class _Undecodable:
+class Undecodable:
     """What a request that does not parse deserializes to; the handler answers it
     ``INVALID_ARGUMENT`` instead of gRPC's ``UNKNOWN``/``INTERNAL``."""
 
     def __init__(self, message_type: type[Message]) -> None:
         self.full_name = message_type.DESCRIPTOR.full_name
 
+    def error(self) -> InvalidRequest:
+        """The domain error it is answered with."""
+        return InvalidRequest(
+            f"the request is not a valid {self.full_name}",
+            [FieldViolation("(request)", f"does not parse as {self.full_name}")],
+        )
 
-def _deserializer(message_type: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
-    def deserialize(data: bytes) -> Message | _Undecodable:
+
+def _deserializer(message_type: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    def deserialize(data: bytes) -> Message | Undecodable:
         try:
             return message_type.FromString(data)
         except Exception:  # DecodeError, or worse: never a traceback to the client
-            return _Undecodable(message_type)
+            return Undecodable(message_type)
 
     return deserialize
 
 
-def _not_valid(request: _Undecodable) -> grpc.Status:
-    return to_status(
-        InvalidRequest(
-            f"the request is not a valid {request.full_name}",
-            [FieldViolation("(request)", f"does not parse as {request.full_name}")],
-        )
-    )
-
-
 def _guard_unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Undecodable):
-            await context.abort_with_status(_not_valid(request))
+        if isinstance(request, Undecodable):
+            await context.abort_with_status(to_status(request.error()))
         return await handler(request, context)
-
-    return guarded
-
-
-def _guard_stream(handler: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if isinstance(request, _Undecodable):
-            await context.abort_with_status(_not_valid(request))
-        async for item in handler(request, context):
-            yield item
 
     return guarded
 
@@ -190,7 +182,7 @@ def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
         for name, (req, resp) in UNARY_METHODS.items()
     }
     handlers["WatchRun"] = grpc.unary_stream_rpc_method_handler(
-        _guard_stream(servicer.WatchRun),
+        servicer.WatchRun,
         request_deserializer=_deserializer(pb.WatchRunRequest),
         response_serializer=_serialize_watch_response,
     )
