@@ -1,6 +1,9 @@
 """The per-run driver: one trainer stream, credit grants, pacing, commits and how a run ends.
 
-A ``RunDriver`` owns an active run. Once the scheduler places the run on a trainer (or the
+A ``RunDriver`` owns an active run. This module holds its lifecycle (dispatch, re-attach,
+controls, how the run ends); its parts are the trainer feed (``gateway.core.driver_feed``), the
+publisher with its grants (``gateway.core.driver_publish``) and the state they share
+(``gateway.core.driver_context``). Once the scheduler places the run on a trainer (or the
 gateway re-attaches it after a restart) the driver runs two coroutines:
 
 - the *reader* reads the trainer stream, checks every episode against the contract and puts it
@@ -35,16 +38,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Protocol
 
-from gateway.config import GatewayConfig
+from gateway.core.driver_context import DriverContext
+from gateway.core.driver_feed import FeedMixin
+from gateway.core.driver_publish import PublishMixin
 from gateway.core.errors import StoreUnavailable
-from gateway.core.history import EpisodeLog, encode_frame
-from gateway.core.observer import Observer
+from gateway.core.history import EpisodeLog
 from gateway.core.pacing import Pacer
 from gateway.core.runs import (
     CONTRACT_MESSAGE,
@@ -54,33 +54,20 @@ from gateway.core.runs import (
     RunState,
     TrainingRun,
 )
-from gateway.core.store import STORE_MESSAGE, EpisodeRecord, NotOwner, Store, StoreWriteFailed
+from gateway.core.store import STORE_MESSAGE, NotOwner, StoreWriteFailed
 from gateway.core.trainers import (
     TrainerBusy,
-    TrainerConnector,
     TrainerCrashed,
     TrainerError,
     TrainerFailed,
     TrainerJobExists,
     TrainerJobGone,
     TrainerLost,
-    TrainerStream,
 )
-from trainwire.contract import ContractViolation, StreamChecker, task_kind
+from trainwire.contract import ContractViolation, task_kind
 from trainwire.v1 import episode_pb2
 
 _LOGGER = logging.getLogger(__name__)
-
-#: Episodes a run may have handed to the store but not yet seen committed; the publisher waits
-#: beyond this.
-MAX_UNCOMMITTED = 256
-#: The smallest lead a paced run is granted, in episodes.
-MIN_LEAD = 4
-#: The credit window of an unpaced run, in episodes (far below what a trainer holds for a
-#: re-attach, 1024 by default).
-UNPACED_WINDOW = 256
-#: Seconds between two attempts to re-attach a broken stream.
-REATTACH_BACKOFF_S = 0.25
 
 #: How a failure ends a run: the message users read (None: the trainer's own), the observer's
 #: label and the log line (trainer, detail).
@@ -92,50 +79,6 @@ FAILURES: dict[type[Exception], tuple[str | None, str, str]] = {
     TrainerBusy: (UNEXPECTED_MESSAGE, "busy", "trainer %s busy mid-stream: %s"),
     TrainerJobExists: (UNEXPECTED_MESSAGE, "exists", "trainer %s has a second job: %s"),
 }
-
-
-class SchedulerHooks(Protocol):
-    """What a driver tells the scheduler."""
-
-    def started(self, trainer: str) -> None:
-        """A run dispatched to ``trainer`` got its first answer (or gave up waiting for it)."""
-        ...
-
-    def requeue(self, driver: RunDriver) -> None:
-        """The trainer was busy: the run goes back in the queue at its place."""
-        ...
-
-    def dequeue(self, driver: RunDriver) -> None:
-        """The run leaves the queue (stopped while PENDING)."""
-        ...
-
-    def run_ended(self, trainer: str) -> None:
-        """A run that was placed on ``trainer`` ended: a slot may be free."""
-        ...
-
-
-@dataclass(frozen=True)
-class DriverContext:
-    """What every driver of a registry shares."""
-
-    config: GatewayConfig
-    store: Store
-    connector: TrainerConnector
-    observer: Observer
-    scheduler: SchedulerHooks
-    clock: Callable[[], float]
-    now: Callable[[], int]
-    #: Called once a run is finalized (it leaves the registry's active runs).
-    on_end: Callable[[RunDriver], None]
-    #: Keeps a background task (a CancelJob) referenced until it is done.
-    spawn: Callable[[asyncio.Task[None]], None]
-    #: Takes a run whose final state the store could not take, to write it later.
-    unsaved: Callable[[TrainingRun], None]
-    #: Claims a candidate's run for this replica before it starts (replicas); False when
-    #: another replica has it.
-    claim: Callable[[RunDriver], Awaitable[bool]] | None = None
-    #: Called once a driver abandoned its run to another replica (it leaves the registry).
-    on_lost: Callable[[RunDriver], None] | None = None
 
 
 def _log_end(run: TrainingRun) -> None:
@@ -167,7 +110,7 @@ def _log_end(run: TrainingRun) -> None:
         )
 
 
-class RunDriver:
+class RunDriver(FeedMixin, PublishMixin):
     """Drives one active run (see the module docstring).
 
     Args:
@@ -482,300 +425,6 @@ class RunDriver:
         if self._reserved:
             self._reserved = False
             self._ctx.scheduler.started(self._trainer)
-
-    async def _stream(self, attach_after: int | None) -> None:
-        """Streams from the trainer until the done episode is published; re-attaches a broken
-        stream (see the module docstring).
-
-        Raises:
-            TrainerError, ContractViolation: how the run fails.
-        """
-        loop_deadline: float | None = None
-        lost = ""  # why the stream broke
-        after = attach_after
-        while True:
-            try:
-                await self._stream_once(after)
-                return
-            except TrainerJobGone as exc:
-                if loop_deadline is None:
-                    raise  # a restarted gateway's re-attach: the run was interrupted
-                # The stream broke and the trainer no longer has the job: it was lost.
-                raise TrainerLost(f"{lost}; then {exc}") from None
-            except TrainerJobExists as exc:
-                if after is not None:
-                    # A re-attach (a takeover from another replica, or a restart) that came
-                    # before the trainer saw the previous stream break: tried again below,
-                    # within the heartbeat timeout.
-                    now = self._ctx.clock()
-                    if loop_deadline is None:
-                        loop_deadline = now + self._ctx.config.heartbeat_timeout_s
-                        lost = str(exc)
-                    elif now >= loop_deadline:
-                        raise
-                    await asyncio.sleep(REATTACH_BACKOFF_S)
-                    continue
-                # A job a previous gateway started before it crashed: take it over.
-                _LOGGER.info(
-                    "run %s: trainer %s already runs its job; re-attaching",
-                    self.run.id,
-                    self._trainer,
-                    extra={"run_id": self.run.id},
-                )
-                after = self.run.trainer_episode
-            except TrainerLost as exc:
-                if self.run.state is RunState.PENDING and after is None:
-                    raise  # never started: nothing to re-attach to
-                now = self._ctx.clock()
-                if loop_deadline is None:
-                    loop_deadline = now + self._ctx.config.heartbeat_timeout_s
-                    lost = str(exc)
-                    _LOGGER.warning(
-                        "run %s: stream from trainer %s broke (%s); re-attaching",
-                        self.run.id,
-                        self._trainer,
-                        exc,
-                        extra={"run_id": self.run.id},
-                    )
-                elif now >= loop_deadline:
-                    raise
-                after = self.run.trainer_episode
-                await asyncio.sleep(REATTACH_BACKOFF_S)
-
-    async def _stream_once(self, after: int | None) -> None:
-        run = self.run
-        checker = StreamChecker.for_task(run.task, run.config, run.id)
-        if after:
-            checker.resume(after, self._received_best)
-            # Episodes received but not published stay buffered; a re-attach resumes after them.
-        grant = self._grant_target() if not self._granting else self._granted
-        stream = self._ctx.connector.train(
-            self._trainer, run.id, run.task, run.config, grant, after
-        )
-        self._granted = max(self._granted, grant)
-        reader = asyncio.create_task(self._read(stream, checker), name=f"gateway-read-{run.id}")
-        reader.add_done_callback(lambda _: self._arrived.set())
-        try:
-            await self._publish_loop(reader)
-        finally:
-            reader.cancel()
-            stream.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
-
-    async def _read(self, stream: TrainerStream, checker: StreamChecker) -> None:
-        """The reader (see the module docstring)."""
-        run = self.run
-        timeout = self._ctx.config.heartbeat_timeout_s
-        events = stream.__aiter__()
-        cap = 2 * self._lead() + MAX_UNCOMMITTED
-        while True:
-            while len(self._buffer) >= cap:
-                # Only a trainer that ignores its grants gets here: stop reading (HTTP/2 flow
-                # control then holds it) until the publisher caught up.
-                self._committed.clear()
-                await self._committed.wait()
-            try:
-                async with asyncio.timeout(timeout):
-                    event = await events.__anext__()
-            except StopAsyncIteration:
-                checker.finish()
-                return
-            except TimeoutError:
-                raise TrainerLost(
-                    f"no episode or heartbeat from {self._trainer} for {timeout:g} s"
-                ) from None
-            self._release_reservation()
-            if run.state is RunState.PENDING:
-                run.start(self._trainer, self._ctx.now())
-                await self.persist()
-                _LOGGER.info(
-                    "run %s started on trainer %s",
-                    run.id,
-                    self._trainer,
-                    extra={"run_id": run.id, "event": "started"},
-                )
-            if event is None:
-                self._ctx.observer.heartbeat_received(run.id)
-                continue
-            self._ctx.observer.episode_received(run.id)
-            checker.check(event)
-            if event.done:
-                # Rule 3: nothing may follow the done episode. The trainer closes its stream
-                # right after it, so confirming that costs one read, and a bad stream never
-                # gets to publish a done episode.
-                await self._expect_end(events, checker)
-            run.trainer_episode = event.episode
-            self._received_best = event.best_reward
-            self._buffer.append(event)
-            self._arrived.set()
-            if event.done:
-                return
-
-    async def _expect_end(
-        self, events: AsyncIterator[episode_pb2.Episode | None], checker: StreamChecker
-    ) -> None:
-        """Reads the stream after the done episode to its end (heartbeats are tolerated).
-
-        Raises:
-            ContractViolation: an episode followed the done episode.
-        """
-        run_id = self.run.id
-        try:
-            async with asyncio.timeout(self._ctx.config.heartbeat_timeout_s):
-                while True:
-                    event = await events.__anext__()
-                    if event is not None:
-                        checker.check(event)  # raises: rule "done"
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            _LOGGER.warning(
-                "run %s: trainer %s kept the stream open after done",
-                run_id,
-                self._trainer,
-                extra={"run_id": run_id},
-            )
-        except TrainerError as exc:  # the episodes are complete; the trainer's end is not ours
-            _LOGGER.warning(
-                "run %s: trainer %s failed after done: %s",
-                run_id,
-                self._trainer,
-                exc,
-                extra={"run_id": run_id},
-            )
-
-    async def _publish_loop(self, reader: asyncio.Task[None]) -> None:
-        """The publisher (see the module docstring); returns once the done episode is handed
-        to the store. Raises what the reader raised."""
-        while True:
-            while not self._buffer:
-                if reader.done():
-                    reader.result()  # raises the reader's failure
-                    if self._buffer:
-                        break
-                    return  # ended without done: the reader's checker already raised
-                self._arrived.clear()
-                await self._arrived.wait()  # set by the reader: an episode, or its end
-            await self._until_publishable()
-            episode = self._buffer.popleft()
-            self._publish(episode)
-            if episode.done:
-                return
-
-    async def _until_publishable(self) -> None:
-        """Waits while the run is paused, then for its pace."""
-        run = self.run
-        while True:
-            if self._commit_error is not None:
-                raise self._commit_error
-            if run.state is RunState.PAUSED:
-                self._control.clear()
-                await self._control.wait()
-                continue
-            if len(self._pending) >= MAX_UNCOMMITTED:
-                self._committed.clear()
-                await self._committed.wait()
-                continue
-            delay = self.pacer.delay()
-            if delay <= 0:
-                return
-            self._control.clear()
-            try:
-                async with asyncio.timeout(delay):
-                    await self._control.wait()
-            except TimeoutError:
-                pass
-
-    def _publish(self, episode: episode_pb2.Episode) -> None:
-        """Hands an episode to the store; it becomes visible when committed."""
-        # Deterministic: map entries (metrics) in key order, so the stored bytes are canonical
-        # and a watcher can compare what it got with any replay byte for byte.
-        data = episode.SerializeToString(deterministic=True)
-        n = episode.episode
-        self._pending.append((n, episode.reward, episode.best_reward, encode_frame(data)))
-        self.pacer.published()
-        record = EpisodeRecord(self.run.id, n, episode.reward, episode.best_reward, data)
-        self._ctx.store.append_episode(record, self._on_commit)
-
-    def _on_commit(self, error: BaseException | None) -> None:
-        self._committed.set()
-        if error is not None:
-            if self._commit_error is None and not isinstance(error, NotOwner):
-                _LOGGER.error(
-                    "run %s: storing episode %d failed: %s",
-                    self.run.id,
-                    self._pending[0][0] if self._pending else 0,
-                    error,
-                    extra={"run_id": self.run.id},
-                )
-            self._commit_error = error
-            self._control.set()
-            return
-        n, reward, best, frame = self._pending.popleft()
-        self.run.record_episode(n, reward, best)
-        self.log.publish((frame,))
-        self._ctx.observer.episodes_published(self.run.id, 1)
-        self._maybe_grant()
-
-    async def _flush(self) -> None:
-        """Waits until every episode handed to the store is committed (and visible)."""
-        while self._pending:
-            if self._commit_error is not None:
-                raise self._commit_error
-            self._committed.clear()
-            await self._committed.wait()
-
-    # -- grants ------------------------------------------------------------------------------
-
-    def _lead(self) -> int:
-        """The credit the trainer may hold beyond the published episode."""
-        if not self.pacer.paced:
-            return UNPACED_WINDOW
-        rate = self.run.episodes_per_second * self.run.speed
-        return max(MIN_LEAD, math.ceil(self._ctx.config.lead_s * rate))
-
-    def _grant_target(self) -> int:
-        """How far the trainer may train now (the current grant while paused)."""
-        if self.run.state is RunState.PAUSED:
-            return self._granted
-        return min(self.run.config.max_episodes, self.run.episode + self._lead())
-
-    def _maybe_grant(self) -> None:
-        """Sends a grant when it moves the trainer's credit forward by a quarter lead (or to
-        the end); at most one grant is in flight."""
-        if self._granting or self.finalizing or self.task is None:
-            return
-        if self.run.state is not RunState.RUNNING:
-            return
-        target = self._grant_target()
-        step = max(1, self._lead() // 4)
-        if target - self._granted < step and target < self.run.config.max_episodes:
-            return
-        if target <= self._granted:
-            return
-        self._granting = True
-        self._ctx.spawn(
-            asyncio.create_task(self._send_grant(target), name=f"gateway-grant-{self.run.id}")
-        )
-
-    async def _send_grant(self, target: int) -> None:
-        try:
-            await self._ctx.connector.grant(
-                self._trainer, self.run.id, target, self._ctx.config.trainer_call_timeout_s
-            )
-            self._granted = max(self._granted, target)
-        except TrainerError as exc:
-            # The stream tells whether the trainer is gone; the next commit grants again.
-            _LOGGER.debug(
-                "run %s: grant through %d failed: %s",
-                self.run.id,
-                target,
-                exc,
-                extra={"run_id": self.run.id},
-            )
-        finally:
-            self._granting = False
-        self._maybe_grant()
 
     # -- the end -----------------------------------------------------------------------------
 
