@@ -1,4 +1,9 @@
-"""The gateway's configuration: one frozen dataclass, validated on construction."""
+"""The gateway's configuration: one frozen dataclass, validated on construction.
+
+Each field carries its command-line help (``trainwire_ops.settings.option``): ``python -m gateway``
+builds its flags from this class, so a default or a help text is written once, and every flag can
+also come from the environment (``TRAINWIRE_GATEWAY_`` + the flag in upper case).
+"""
 
 from __future__ import annotations
 
@@ -6,93 +11,167 @@ import math
 from dataclasses import dataclass
 
 from trainwire.contract import check_episode_rate
+from trainwire.logs import LOG_FORMATS
+from trainwire_ops.settings import option
 from trainwire_ops.tls import check_plaintext_bind
 
 DEFAULT_DB = "var/trainwire.sqlite3"
+DEFAULT_HTTP_PORT = 8080
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_TLS = "TLS and authentication (certificates and the tokens file are re-read on SIGHUP)"
+_LOGS = "logging"
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _port_or_off(text: str) -> int | None:
+    """A port; -1 (or an empty value) turns the endpoint off."""
+    if text.strip() in ("", "-1"):
+        return None
+    return int(text)
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """Everything the gateway can be told; ``__main__`` builds it from flags.
+    """Everything the gateway can be told; ``__main__`` builds it from flags (each field's help
+    is its flag's help; ``python -m gateway --help`` lists them with defaults and variables).
 
-    Attributes:
-        host: Interface to listen on.
-        port: Port to listen on; 0 picks a free one.
-        trainers: Trainer addresses (``HOST:PORT``), tried in order.
-        db: SQLite database file, ``:memory:``, or a ``postgresql://`` URL (a database that
-            gateway replicas share; ``gateway.core.replicas``).
-        migrate: Migrate a database of an older schema on start (otherwise it is refused with
-            one line saying how to migrate it).
-        episode_rate: Default publication rate (episodes per second) of a run that sets none.
-        keepalive_s: A watch stream idle this long gets a keepalive.
-        heartbeat_timeout_s: A trainer stream silent this long is considered lost (a broken
-            stream is re-attached for this long before the run fails).
-        lead_s: How far ahead of publication a paced run's trainer may train, in seconds of
-            the run's rate x speed (at least 4 episodes); unpaced runs get 256 episodes.
-        shutdown_grace_s: How long shutdown waits for in-flight RPCs.
-        schedule_poll_s: How often PENDING runs re-ask busy trainers for a slot.
-        trainer_call_timeout_s: Deadline of a ``GetCapabilities`` call.
-        history_cache_mb: Capacity of the page cache of finished runs' histories.
-        live_coalesce_s: Upper bound of a run's live wake window: its watchers are woken at
-            most once per window (0.2 ms per attached watcher, at most this); episodes
-            published in between go out together as a batch (0: one wake-up per episode).
-        client_ping_interval_s: Seconds between the gateway's HTTP/2 pings to its clients.
-        client_ping_timeout_s: A client that does not answer a ping within this long (frozen,
-            vanished) is cut off: its watches end and free their memory.
-        lease_s: With PostgreSQL: how long a replica's lease on a run it drives holds without
-            renewal (it renews every third of it); a run whose replica died is taken over by
-            another one within about this long.
-        max_pending: The most PENDING runs the gateway holds; CreateRun beyond answers
-            ``RESOURCE_EXHAUSTED``.
-        metrics_port: Port of the Prometheus ``/metrics`` endpoint on ``host``; ``None`` = off,
-            0 picks a free one.
-        http_port: Port of the HTTP side (JSON API, event streams, the page) on ``host``;
-            ``None`` = off (``python -m gateway`` serves it on 8080 unless told otherwise), 0
-            picks a free one.
-        metrics_host: Interface of the metrics endpoint (loopback unless told otherwise: the
-            metrics are for the local scraper, not for the network).
-        tls_cert: PEM certificate chain to serve gRPC and HTTP over TLS (with ``tls_key``);
-            re-read on SIGHUP.
-        tls_key: Its PEM private key.
-        tls_client_ca: Also require client certificates signed by this PEM CA (mutual TLS).
-        trainer_ca: Reach trainers over TLS, trusting this PEM CA.
-        trainer_cert: Present this PEM client certificate to trainers (with ``trainer_key``;
-            for trainers started with ``--tls-client-ca``).
-        trainer_key: Its PEM private key.
-        auth_tokens: File of ``TOKEN_SHA256 ROLE NAME`` lines; every call but health then needs
-            ``authorization: Bearer TOKEN`` of a role that may make it (``gateway.auth``).
-        insecure: Serve plaintext on an address other machines can reach (refused otherwise).
+    ``http_port`` is the one default that differs: a gateway embedded in a program (tests,
+    benchmarks) opens no HTTP port unless asked, ``python -m gateway`` serves it on 8080.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 50051
-    trainers: tuple[str, ...] = ("127.0.0.1:50052",)
-    db: str = DEFAULT_DB
-    migrate: bool = False
-    episode_rate: float = 20.0
-    keepalive_s: float = 15.0
-    heartbeat_timeout_s: float = 30.0
-    lead_s: float = 2.0
-    shutdown_grace_s: float = 2.0
-    schedule_poll_s: float = 1.0
-    trainer_call_timeout_s: float = 5.0
-    history_cache_mb: float = 64.0
-    live_coalesce_s: float = 0.02
-    max_pending: int = 1000
-    lease_s: float = 10.0
-    client_ping_interval_s: float = 30.0
-    client_ping_timeout_s: float = 10.0
-    metrics_port: int | None = None
-    http_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    trainer_ca: str | None = None
-    trainer_cert: str | None = None
-    trainer_key: str | None = None
-    auth_tokens: str | None = None
-    insecure: bool = False
+    host: str = option("127.0.0.1", "interface to listen on")
+    port: int = option(50051, "port to listen on; 0 picks a free one")
+    trainers: tuple[str, ...] = option(
+        ("127.0.0.1:50052",),
+        "trainer address(es) HOST:PORT, comma-separated, tried in order",
+        flag="--trainer",
+        parse=_addresses,
+    )
+    db: str = option(
+        DEFAULT_DB,
+        "SQLite database file, :memory:, or postgresql://USER@HOST:PORT/DB (a database that "
+        "gateway replicas share; gateway.core.replicas)",
+    )
+    migrate: bool = option(
+        False,
+        "migrate a database of an older schema on start (without it such a database is "
+        "refused with one line saying how; see `python -m gateway migrate`)",
+    )
+    episode_rate: float = option(
+        20.0, "default episodes per second of a run that sets none; negative = unpaced"
+    )
+    keepalive_s: float = option(
+        15.0, "seconds of silence on a watch stream before a keepalive is sent"
+    )
+    heartbeat_timeout_s: float = option(
+        30.0,
+        "seconds without an episode or heartbeat before a trainer counts as lost (a broken "
+        "stream is re-attached for this long before the run fails)",
+    )
+    lead_s: float = option(
+        2.0,
+        "seconds of a paced run's rate x speed its trainer may train ahead of publication (at "
+        "least 4 episodes; unpaced runs get 256); a paused run's trainer gets no more",
+    )
+    shutdown_grace_s: float = option(2.0, "seconds in-flight calls get on SIGTERM")
+    schedule_poll_s: float = option(
+        1.0, "seconds between asking busy trainers again for a free slot"
+    )
+    trainer_call_timeout_s: float = option(
+        5.0, "deadline (s) of a GetCapabilities call to a trainer", flag="--trainer-call-timeout"
+    )
+    history_cache_mb: float = option(64.0, "memory for cached history pages of finished runs (MiB)")
+    live_coalesce_s: float = option(
+        0.02,
+        "upper bound (s) of a run's live wake window: its watchers are woken at most once per "
+        "window (0.2 ms per attached watcher, at most this); 0: one wake-up per episode",
+    )
+    max_pending: int = option(
+        1000, "the most runs waiting for a trainer; CreateRun beyond answers RESOURCE_EXHAUSTED"
+    )
+    lease_s: float = option(
+        10.0,
+        "PostgreSQL: how long a replica's lease on a run it drives holds without renewal (it "
+        "renews every third of it); another replica takes the runs of a dead one over after this",
+        flag="--lease-seconds",
+    )
+    client_ping_interval_s: float = option(30.0, "seconds between HTTP/2 pings to clients")
+    client_ping_timeout_s: float = option(
+        10.0,
+        "a client that does not answer a ping within this long (frozen, vanished) is cut off "
+        "and its watches freed",
+    )
+    metrics_port: int | None = option(
+        None,
+        "serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0 picks a free port; "
+        "-1 or none: off)",
+        parse=_port_or_off,
+    )
+    http_port: int | None = option(
+        None,
+        "serve the page, the JSON API and event streams at http://HOST:PORT (0 picks a free "
+        "port; -1: off)",
+        parse=_port_or_off,
+        cli_default=DEFAULT_HTTP_PORT,
+    )
+    metrics_host: str = option(
+        "127.0.0.1",
+        "interface of the metrics endpoint (loopback unless told otherwise: the metrics are for "
+        "the local scraper, not for the network)",
+    )
+    tls_cert: str | None = option(
+        None,
+        "serve gRPC and HTTP over TLS with this PEM certificate chain",
+        metavar="FILE",
+        group=_TLS,
+    )
+    tls_key: str | None = option(
+        None, "the PEM private key of --tls-cert", metavar="FILE", group=_TLS
+    )
+    tls_client_ca: str | None = option(
+        None,
+        "also require client certificates signed by this PEM CA (mutual TLS)",
+        metavar="FILE",
+        group=_TLS,
+    )
+    trainer_ca: str | None = option(
+        None, "reach trainers over TLS, trusting this PEM CA", metavar="FILE", group=_TLS
+    )
+    trainer_cert: str | None = option(
+        None,
+        "present this PEM client certificate to trainers (for trainers started with "
+        "--tls-client-ca)",
+        metavar="FILE",
+        group=_TLS,
+    )
+    trainer_key: str | None = option(
+        None, "the PEM private key of --trainer-cert", metavar="FILE", group=_TLS
+    )
+    auth_tokens: str | None = option(
+        None,
+        "require 'authorization: Bearer TOKEN' of a role that may make the call on everything "
+        "but health (lines TOKEN_SHA256 ROLE NAME; make them with python -m "
+        "gateway.tools.add_token)",
+        metavar="FILE",
+        group=_TLS,
+    )
+    insecure: bool = option(
+        False,
+        "serve plaintext on an address other machines can reach (refused without it)",
+        group=_TLS,
+    )
+    log_level: str = option(
+        "INFO", "DEBUG, INFO, WARNING or ERROR", parse=str.upper, choices=LOG_LEVELS, group=_LOGS
+    )
+    log_format: str = option(
+        "text",
+        "text: one line for people; json: one JSON object per line",
+        choices=LOG_FORMATS,
+        group=_LOGS,
+    )
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -112,6 +191,10 @@ class GatewayConfig:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in 0..65535, got {self.http_port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if not self.trainers:
             raise ValueError("at least one trainer address is required")
         for address in self.trainers:

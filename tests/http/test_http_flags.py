@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from gateway.__main__ import DEFAULT_HTTP_PORT, config_from_args, parse_args
-from gateway.config import GatewayConfig
+from gateway.__main__ import config_from_args, parse_args
+from gateway.config import DEFAULT_HTTP_PORT, GatewayConfig
 from tests.fakes.gateway_harness import ROOT
 from tests.http.harness import TIMEOUT
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from gateway.__main__ import DEFAULT_HTTP_PORT, config_from_args, parse_args
-from gateway.config import DEFAULT_DB, GatewayConfig
+from gateway.__main__ import config_from_args, parse_args
+from gateway.config import DEFAULT_DB, DEFAULT_HTTP_PORT, GatewayConfig
 
 
 def test_defaults_match_the_documented_flags() -> None:
@@ -61,3 +61,49 @@ def test_main_rejects_a_bad_flag_with_a_message(capsys: pytest.CaptureFixture[st
 
     assert main(["--trainer", "nope", "--port", "0"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err
+
+
+def test_every_flag_can_come_from_the_environment() -> None:
+    environ = {
+        "TRAINWIRE_GATEWAY_PORT": "0",
+        "TRAINWIRE_GATEWAY_TRAINER": "a:1,b:2",
+        "TRAINWIRE_GATEWAY_KEEPALIVE": "0.5",
+        "TRAINWIRE_GATEWAY_LEASE_SECONDS": "3",
+        "TRAINWIRE_GATEWAY_HTTP_PORT": "-1",
+        "TRAINWIRE_GATEWAY_MIGRATE": "yes",
+        "TRAINWIRE_GATEWAY_LOG_LEVEL": "debug",
+    }
+    config = config_from_args(parse_args([], environ))
+    assert config.port == 0 and config.trainers == ("a:1", "b:2") and config.keepalive_s == 0.5
+    assert config.lease_s == 3 and config.http_port is None and config.migrate
+    assert config.log_level == "DEBUG"
+    # The command line wins over the environment.
+    assert config_from_args(parse_args(["--port", "7"], environ)).port == 7
+
+
+def test_every_config_field_has_a_flag_and_a_variable_in_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import dataclasses
+
+    from gateway.__main__ import build_parser
+    from trainwire_ops.settings import env_of, flag_of
+
+    text = build_parser({}).format_help()
+    for field in dataclasses.fields(GatewayConfig):
+        assert flag_of(field) in text, field.name
+        assert env_of(field, "TRAINWIRE_GATEWAY_") in text, field.name
+    assert "(default: 50051; env TRAINWIRE_GATEWAY_PORT)" in " ".join(text.split())
+
+
+def test_a_bad_value_names_the_flag_or_the_variable_not_a_function(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--keepalive", "soon"], {})
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--keepalive" in err and "'soon'" in err and "_positive" not in err
+    with pytest.raises(SystemExit):
+        parse_args([], {"TRAINWIRE_GATEWAY_PORT": "x"})
+    assert "TRAINWIRE_GATEWAY_PORT='x'" in capsys.readouterr().err
