@@ -16,6 +16,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# From a terminal, the script runs as a job of its own in the foreground: Ctrl+C then reaches it
+# and the services (which stop cleanly, and the script exits 0), not make, which would otherwise
+# report "make: *** [run] Interrupt" and exit 130 for a stop that was asked for.
+if [[ -t 0 && -z ${TRAINWIRE_RUN_JOB:-} ]]; then
+  set -m
+  TRAINWIRE_RUN_JOB=1 bash "$0" "$@" &
+  fg %1 >/dev/null
+  exit $?
+fi
+
 PY=${PY:-.venv/bin/python}
 BIN=$(dirname "$PY")
 VAR=${VAR:-var}
@@ -49,7 +59,8 @@ cleanup() {
     wait "${db_pids[@]}" 2>/dev/null || true
   fi
 }
-trap cleanup INT TERM EXIT
+trap cleanup EXIT
+trap 'cleanup; exit 0' INT TERM  # a stop that was asked for is a clean exit
 
 # Waits for "<what> listening on HOST:PORT" in a log and prints HOST:PORT.
 wait_listening() {
@@ -155,7 +166,7 @@ if [[ $DEMO == grpo ]]; then
 elif [[ $DEMO != 0 ]]; then
   run_id=$("$BIN/trainwire" runs create imitation --clip "$DEMO_CLIP" --episodes "$DEMO_EPISODES" \
     --rate "$DEMO_RATE" --seed 0 --name "demo: stickman learns to $DEMO_CLIP" -q)
-  echo "demo run $run_id: watching on $watch_on (Ctrl+C detaches; the run keeps going)"
+  echo "demo run $run_id: watching on $watch_on (Ctrl+C stops the services; what it trained is kept in $db)"
   echo "  in a browser: $page/#/runs/$run_id"
   "$BIN/trainwire" --gateway "$watch_on" watch "$run_id" || true
   "$BIN/trainwire" plot "$run_id" --out "$VAR/demo-curve.png"

@@ -71,3 +71,55 @@ def test_services_only_without_demo(tmp_path: pathlib.Path) -> None:
     assert "demo run" not in result.stdout
     assert "trainer  on 127.0.0.1:" in result.stdout and "gateway  on 127.0.0.1:" in result.stdout
     assert not (tmp_path / "var" / "demo-curve.png").exists()
+
+
+def test_ctrl_c_of_make_run_in_a_terminal_stops_the_services_and_exits_0(
+    tmp_path: pathlib.Path,
+) -> None:
+    """What a user does: `make run` in a terminal, then Ctrl+C. The services stop, and make
+    exits 0 without `make: *** [run] Interrupt` / `Error 130`."""
+    import pty
+    import select
+    import time
+
+    environment = {
+        **os.environ,
+        "VAR": str(tmp_path / "var"),
+        "DEMO": "0",
+        "GATEWAY_PORT": "0",
+        "HTTP_PORT": "0",
+        "TRAINER_PORT": "0",
+        "METRICS": "0",
+    }
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: make in a terminal of its own
+        os.chdir(REPO)
+        os.execvpe("make", ["make", "run"], environment)
+    output = b""
+    interrupted = False
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([terminal], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(terminal, 4096)
+                except OSError:  # the terminal closed: everything on it exited
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            if not interrupted and b"Ctrl+C stops them" in output:
+                os.write(terminal, b"\x03")  # what the terminal sends for Ctrl+C
+                interrupted = True
+        else:  # hung: fail rather than wait for ever
+            os.kill(pid, 9)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(terminal)
+    text = output.decode(errors="replace")
+    assert interrupted, text
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "stopping services" in text and "make: ***" not in text, text
+    gateway_log = (tmp_path / "var" / "logs" / "gateway.log").read_text()
+    assert "signal received: shutting down" in gateway_log, gateway_log
