@@ -1,0 +1,170 @@
+"""The ``trainwire`` commands that create, list, get, control and draw runs (``watch`` is in
+``trainwire.cli._follow``). Each takes the client, the parsed arguments and the output and
+returns the exit code; server errors propagate to ``main`` as ``TrainwireError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from trainwire.cli import _format
+from trainwire.cli._follow import cmd_watch, history
+from trainwire.cli._output import EXIT_OK, CliError, Output
+from trainwire.client import (
+    GatewayClient,
+    Run,
+    grpo_task,
+    imitation_task,
+    state_name,
+    train_config,
+)
+from trainwire.v1 import episode_pb2, gateway_service_pb2
+
+
+def _created(client: GatewayClient, args: argparse.Namespace, out: Output, run: Run) -> int:
+    if args.quiet and not out.json:
+        print(run.id, flush=True)
+    else:
+        out.result(f"created {_format.run_line(run)}", _format.run_json(run))
+    if args.watch:
+        args.run_id, args.after, args.idle_timeout = run.id, 0, 30.0
+        return cmd_watch(client, args, out)
+    return EXIT_OK
+
+
+def _create(
+    client: GatewayClient, args: argparse.Namespace, out: Output, task: episode_pb2.TrainTask
+) -> int:
+    run = client.create_run(
+        task,
+        train_config(args.episodes, args.seed),
+        speed=args.speed,
+        episodes_per_second=args.rate,
+        request_id=args.request_id,
+        display_name=args.name,
+    )
+    return _created(client, args, out, run)
+
+
+def cmd_create_imitation(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    task = imitation_task(
+        clip=args.clip,
+        rig=args.rig,
+        group_size=args.group_size,
+        learning_rate=args.learning_rate,
+        avatar_id=args.avatar,
+    )
+    return _create(client, args, out, task)
+
+
+def cmd_create_grpo(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    task = grpo_task(
+        model=args.model,
+        dataset=args.dataset,
+        reward_functions=[r.strip() for r in args.reward.split(",") if r.strip()],
+        num_generations=args.num_generations,
+        batch_size=args.batch_size,
+        max_completion_length=args.max_completion_length,
+        learning_rate=args.learning_rate,
+        beta=args.beta,
+        temperature=args.temperature,
+        gradient_accumulation_steps=args.grad_accum,
+        dataloader_num_workers=args.workers,
+        dataloader_prefetch_factor=args.prefetch,
+    )
+    return _create(client, args, out, task)
+
+
+def cmd_list(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    runs = client.list_runs(state=args.state, limit=args.limit or None)
+    if out.json:
+        out.result("", _format.to_dict(gateway_service_pb2.ListRunsResponse(runs=runs)))
+    elif runs:
+        out.result(_format.runs_table(runs), None)
+    else:
+        which = f" in state {state_name(args.state)}" if args.state else ""
+        out.info(f"no runs{which}")
+    return EXIT_OK
+
+
+def cmd_get(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    run = client.get_run(args.run_id)
+    out.result(_format.run_details(run), _format.run_json(run))
+    return EXIT_OK
+
+
+def cmd_delete(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    run = client.delete_run(args.run_id)
+    out.result(f"deleted run {run.id}", _format.run_json(run))
+    return EXIT_OK
+
+
+_CONTROL_VERBS = {"pause": "paused", "resume": "resumed", "stop": "stopped"}
+
+
+def cmd_control(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    method = {"pause": client.pause_run, "resume": client.resume_run, "stop": client.stop_run}
+    run = method[args.action](args.run_id)
+    out.result(f"{_CONTROL_VERBS[args.action]}: {_format.run_line(run)}", _format.run_json(run))
+    return EXIT_OK
+
+
+def cmd_speed(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    run = client.set_run_speed(args.run_id, args.speed)
+    out.result(f"speed set: {_format.run_line(run)}", _format.run_json(run))
+    return EXIT_OK
+
+
+def cmd_plot(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    from trainwire import render
+
+    run = client.get_run(args.run_id)
+    episodes = list(history(client, args.run_id))
+    if not episodes:
+        raise CliError(f"run {args.run_id} has no episodes yet; nothing to plot")
+    title = f"run {run.id} - {_format.task_summary(run)}"
+    try:
+        render.plot_curve(episodes, args.out, title=title, window=args.window)
+    except OSError as exc:
+        raise CliError(f"cannot write {args.out}: {exc.strerror or exc}") from exc
+    out.result(
+        f"wrote {args.out} ({len(episodes)} episodes of run {run.id})",
+        {"runId": run.id, "out": args.out, "episodes": len(episodes)},
+    )
+    return EXIT_OK
+
+
+def cmd_avatar(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    from trainwire import motion, render
+
+    run = client.get_run(args.run_id)
+    if run.task.WhichOneof("kind") != "imitation":
+        raise CliError(
+            f"run {run.id} is a {run.task.WhichOneof('kind') or 'task-less'} run; "
+            "avatar needs an imitation run"
+        )
+    detail = render.last_motion(history(client, args.run_id))
+    if detail is None:
+        raise CliError(
+            f"run {run.id} has no learned motion yet (imitation runs send one every 10th "
+            "episode and on the last)"
+        )
+    try:
+        rig = motion.rig_from_task(run.task.imitation)
+        clip = motion.clip_from_task(run.task.imitation)
+    except KeyError as exc:
+        raise CliError(f"run {run.id}: unknown built-in rig or clip {exc}") from exc
+    try:
+        if args.gif:
+            render.avatar_gif(rig, clip, detail.angles, args.out)
+        else:
+            render.avatar_strip(rig, clip, detail.angles, args.out, poses=args.poses)
+    except OSError as exc:
+        raise CliError(f"cannot write {args.out}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise CliError(f"run {run.id}: {exc}") from exc
+    out.result(
+        f"wrote {args.out} (learned motion of run {run.id}, {detail.frame_count} frames)",
+        {"runId": run.id, "out": args.out, "frames": detail.frame_count},
+    )
+    return EXIT_OK

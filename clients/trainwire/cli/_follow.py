@@ -1,0 +1,180 @@
+"""``trainwire watch`` (the live view or JSON lines) and the history replay ``plot`` and
+``avatar`` read; Ctrl+C detaches from a run without stopping it (exit 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from trainwire.cli import _format
+from trainwire.cli._output import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_STOPPED,
+    CliError,
+    Output,
+)
+from trainwire.client import (
+    GatewayClient,
+    Reconnect,
+    Run,
+    WatchEvent,
+    WatchStream,
+    state_name,
+)
+from trainwire.v1 import episode_pb2, gateway_service_pb2
+
+
+def _watch_exit(run: Run) -> int:
+    if run.state == Run.State.STATE_DONE:
+        return EXIT_OK
+    if run.state == Run.State.STATE_STOPPED:
+        return EXIT_STOPPED
+    return EXIT_ERROR
+
+
+def _event_json(event: WatchEvent | Reconnect) -> dict[str, Any]:
+    """A watch event as the ``WatchRunResponse`` that carries it, in the protobuf JSON mapping
+    (batches come as one ``episode`` each); a reconnection, which no message carries, as
+    ``{"reconnect": {...}}`` in the same style."""
+    if isinstance(event, Reconnect):
+        reconnect: dict[str, Any] = {
+            "attempt": event.attempt,
+            "delay": round(event.delay, 3),
+            "reason": event.reason,
+            "afterEpisode": str(event.after_episode),  # int64: a string, as in the mapping
+        }
+        if event.code is not None:
+            reconnect["code"] = event.code.name
+        return {"reconnect": reconnect}
+    response = gateway_service_pb2.WatchRunResponse()
+    if isinstance(event, episode_pb2.Episode):
+        response.episode.CopyFrom(event)
+    elif isinstance(event, gateway_service_pb2.Keepalive):
+        response.keepalive.CopyFrom(event)
+    elif isinstance(event, gateway_service_pb2.CaughtUp):
+        response.caught_up.CopyFrom(event)
+    else:
+        response.finished.CopyFrom(event)
+    return _format.to_dict(response)
+
+
+@contextlib.contextmanager
+def _detach_on_ctrl_c(stream: WatchStream) -> Iterator[threading.Event]:
+    """Turns Ctrl+C into ``stream.cancel()``; the yielded event says whether it happened.
+
+    A KeyboardInterrupt raised inside grpc's blocking iteration can leave the call half torn
+    down, and closing the channel then hangs; cancelling the call from another thread is the
+    supported way out. Only the main thread can install signal handlers; elsewhere (tests
+    calling ``main`` from a worker thread) Ctrl+C keeps its default behaviour.
+    """
+    hit = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield hit
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        hit.set()
+        # Not stream.cancel() here: the handler may have interrupted a lock cancel() takes.
+        threading.Thread(target=stream.cancel, name="trainwire-detach", daemon=True).start()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield hit
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _detached(run_id: str, episode: int) -> int:
+    print(
+        f"detached from run {run_id} after episode {episode}; it keeps running "
+        f"(trainwire watch {run_id} --after {episode} to follow it again)",
+        file=sys.stderr,
+    )
+    return EXIT_INTERRUPTED
+
+
+def cmd_watch(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    client.idle_timeout = args.idle_timeout
+    if out.json:
+        return _watch_json(client, args)
+    try:
+        from rich.console import Console
+        from rich.live import Live
+
+        from trainwire.cli._watch import WatchView
+    except ImportError as exc:
+        raise CliError(
+            "the live view needs rich: pip install 'trainwire[cli]' (or use --json)"
+        ) from exc
+    run = client.get_run(args.run_id)
+    view = WatchView(run, args.after)
+    console = Console()
+    stream = client.watch(args.run_id, args.after, on_reconnect=view.on_reconnect)
+    with (
+        _detach_on_ctrl_c(stream) as interrupted,
+        Live(console=console, get_renderable=view.render, refresh_per_second=8),
+    ):
+        for event in stream:
+            view.on_event(event)
+    if not console.is_terminal:  # rich ends a file's final frame without a newline
+        console.line()
+    if interrupted.is_set() or view.finished is None:
+        return _detached(args.run_id, stream.last_episode)
+    return _report_end(view.finished)
+
+
+def _report_end(run: Run) -> int:
+    code = _watch_exit(run)
+    if run.state == Run.State.STATE_ERROR:
+        print(
+            f"error: run {run.id} failed: {_format.clean(run.error_message) or 'no reason given'}",
+            file=sys.stderr,
+        )
+    else:
+        print(f"run {run.id} {state_name(run.state)} after episode {run.episode}", file=sys.stderr)
+    return code
+
+
+def _watch_json(client: GatewayClient, args: argparse.Namespace) -> int:
+    def emit(event: WatchEvent | Reconnect) -> None:
+        print(_format.dumps(_event_json(event)), flush=True)
+
+    stream = client.watch(args.run_id, args.after, on_reconnect=emit)
+    finished: Run | None = None
+    with _detach_on_ctrl_c(stream) as interrupted:
+        for event in stream:
+            emit(event)
+            if isinstance(event, Run):
+                finished = event
+    if interrupted.is_set() or finished is None:
+        return _detached(args.run_id, stream.last_episode)
+    if finished.state == Run.State.STATE_ERROR:
+        print(
+            f"error: run {finished.id} failed: {_format.clean(finished.error_message)}",
+            file=sys.stderr,
+        )
+    return _watch_exit(finished)
+
+
+def history(client: GatewayClient, run_id: str) -> Iterator[episode_pb2.Episode]:
+    """The run's episodes published so far (the replay up to ``caught_up``, or to the end)."""
+    stream = client.watch(run_id)
+    with _detach_on_ctrl_c(stream) as interrupted:
+        try:
+            for event in stream:
+                if isinstance(event, episode_pb2.Episode):
+                    yield event
+                elif isinstance(event, gateway_service_pb2.CaughtUp | Run):
+                    return
+        finally:
+            stream.close()
+    if interrupted.is_set():
+        raise KeyboardInterrupt

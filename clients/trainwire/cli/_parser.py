@@ -1,0 +1,342 @@
+"""The ``trainwire`` command line's arguments: one parser, subcommands with their handlers.
+
+Converters raise ``ArgumentTypeError`` so a bad value reads ``argument --rate: 'x' is not a
+number``, never an internal function's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+from trainwire import __version__
+from trainwire.cli._commands import (
+    cmd_avatar,
+    cmd_control,
+    cmd_create_grpo,
+    cmd_create_imitation,
+    cmd_delete,
+    cmd_get,
+    cmd_list,
+    cmd_plot,
+    cmd_speed,
+)
+from trainwire.cli._follow import cmd_watch
+from trainwire.cli._output import DEFAULT_GATEWAY, DEFAULT_TIMEOUT
+from trainwire.client import parse_state
+from trainwire.contract import BUILTIN_CLIPS, BUILTIN_RIG_BONES, REWARD_FUNCTIONS
+
+# argparse names a converter that raises ValueError in its message ("invalid _positive_float
+# value"); these raise ArgumentTypeError, whose text is shown as it is.
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not > 0")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def _state(text: str) -> int:
+    try:
+        return parse_state(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _common_options(suppress: bool) -> argparse.ArgumentParser:
+    """The connection and output options, accepted before or after the command.
+
+    Every subcommand's help shows them too; there their defaults are suppressed so a value
+    given before the command survives (so no help text says ``%(default)s``).
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    default: Callable[[Any], Any] = (lambda _: argparse.SUPPRESS) if suppress else (lambda v: v)
+    group = parser.add_argument_group("connection and output (before or after the command)")
+    group.add_argument(
+        "--gateway",
+        metavar="HOST:PORT",
+        default=default(os.environ.get("TRAINWIRE_GATEWAY") or DEFAULT_GATEWAY),
+        help=f"gateway address (default: $TRAINWIRE_GATEWAY, else {DEFAULT_GATEWAY})",
+    )
+    group.add_argument(
+        "--json",
+        action="store_true",
+        default=default(False),
+        help="machine-readable output: the protobuf JSON mapping of the RPC's response, as "
+        "grpcurl and the HTTP API print it (watch: one WatchRunResponse per line)",
+    )
+    group.add_argument(
+        "--timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        default=default(DEFAULT_TIMEOUT),
+        help=f"deadline of each call to the gateway (default: {DEFAULT_TIMEOUT:g})",
+    )
+    for flag, env, meta, text in (
+        ("--ca", "TRAINWIRE_CA", "FILE", "PEM CA to verify a TLS gateway with (turns TLS on)"),
+        ("--cert", "TRAINWIRE_CERT", "FILE", "PEM client certificate (mutual TLS; with --key)"),
+        ("--key", "TRAINWIRE_KEY", "FILE", "PEM private key of --cert"),
+        (
+            "--token",
+            "TRAINWIRE_TOKEN",
+            "TOKEN",
+            "bearer token for a gateway with --auth-tokens (prefer the variable: arguments "
+            "show in ps)",
+        ),
+    ):
+        group.add_argument(
+            flag,
+            metavar=meta,
+            default=default(os.environ.get(env) or None),
+            help=f"{text} (default: ${env})",
+        )
+    group.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=default(False),
+        help="log what the client does to stderr; on an error, its gRPC code, details and "
+        "google.rpc details",
+    )
+    return parser
+
+
+def _run_options(parser: argparse.ArgumentParser, default_episodes: int) -> None:
+    group = parser.add_argument_group("run options")
+    group.add_argument(
+        "--episodes",
+        type=_integer,
+        default=default_episodes,
+        metavar="N",
+        help="episodes (optimizer steps for grpo) to train, 1..5000 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--rate",
+        type=_number,
+        default=0.0,
+        metavar="R",
+        help="episodes published per second; 0: the gateway's --episode-rate; negative: "
+        "unpaced (default: 0)",
+    )
+    group.add_argument(
+        "--speed",
+        type=_number,
+        default=0.0,
+        metavar="S",
+        help="playback speed, 0.1..20 (default: 0, i.e. 1)",
+    )
+    group.add_argument(
+        "--seed", type=_integer, default=0, metavar="N", help="random seed (default: 0)"
+    )
+    group.add_argument("--name", default="", help="a display name for people (default: none)")
+    group.add_argument(
+        "--request-id",
+        default="",
+        metavar="ID",
+        help="idempotency key: repeating a create with it returns the same run (default: none)",
+    )
+    group.add_argument(
+        "-q", "--quiet", action="store_true", help="print only the new run's id (scripts)"
+    )
+    group.add_argument(
+        "--watch", action="store_true", help="watch the new run live right after creating it"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``trainwire`` argument parser."""
+    common = _common_options(suppress=True)
+    parser = argparse.ArgumentParser(
+        prog="trainwire",
+        description="Create, control and watch Trainwire training runs.",
+        parents=[_common_options(suppress=False)],
+        epilog="exit codes: 0 ok; 1 error (or the watched run failed); 2 bad usage; "
+        "3 the watched run was stopped; 130 interrupted",
+    )
+    parser.add_argument("--version", action="version", version=f"trainwire {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    runs = commands.add_parser("runs", parents=[common], help="create, list, show and delete runs")
+    runs_commands = runs.add_subparsers(dest="runs_command", metavar="SUBCOMMAND", required=True)
+
+    create = runs_commands.add_parser("create", parents=[common], help="create a run")
+    kinds = create.add_subparsers(dest="kind", metavar="KIND", required=True)
+    imitation = kinds.add_parser(
+        "imitation",
+        parents=[common],
+        help="an avatar learns to imitate a motion clip",
+        description="Create an imitation run: an avatar rig learns to imitate a motion clip.",
+    )
+    imitation.add_argument(
+        "--clip", required=True, help=f"built-in clip to imitate: {', '.join(BUILTIN_CLIPS)}"
+    )
+    imitation.add_argument(
+        "--rig", default="stickman", help=f"built-in rig: {', '.join(BUILTIN_RIG_BONES)}"
+    )
+    imitation.add_argument(
+        "--group-size", type=_integer, default=0, metavar="N", help="motions per episode, 2..1024"
+    )
+    imitation.add_argument(
+        "--learning-rate", type=_number, default=0.0, metavar="LR", help="Adam learning rate"
+    )
+    imitation.add_argument("--avatar", default="", help="free-form avatar id")
+    _run_options(imitation, 200)
+    imitation.set_defaults(handler=cmd_create_imitation)
+
+    grpo = kinds.add_parser(
+        "grpo",
+        parents=[common],
+        help="fine-tune a vision-language model with GRPO",
+        description="Create a GRPO run on a local model and a prepared JSONL dataset "
+        "(paths relative to the trainer's --data-root).",
+    )
+    grpo.add_argument("--model", required=True, metavar="DIR", help="model directory")
+    grpo.add_argument("--dataset", required=True, metavar="FILE", help="JSONL dataset file")
+    grpo.add_argument(
+        "--reward",
+        default="",
+        metavar="NAMES",
+        help=f"comma-separated reward functions ({', '.join(REWARD_FUNCTIONS)}); "
+        "default: exact_match,format",
+    )
+    trainers = "0: the trainer's default (see GrpoTask in episode.proto)"
+    for flag, kind, meta, text in (
+        ("--num-generations", _integer, "N", "completions sampled per prompt, 2..64"),
+        (
+            "--batch-size",
+            _integer,
+            "N",
+            "per-device batch size in completions, 1..1024, a multiple of --num-generations",
+        ),
+        ("--max-completion-length", _integer, "TOKENS", "longest completion, 1..4096 tokens"),
+        ("--learning-rate", _number, "LR", "learning rate, in (0, 1]"),
+        ("--temperature", _number, "T", "sampling temperature, in (0, 10]"),
+        ("--grad-accum", _integer, "STEPS", "gradient accumulation steps, 1..1024"),
+    ):
+        grpo.add_argument(
+            flag, type=kind, default=0, metavar=meta, help=f"{text} (default: {trainers})"
+        )
+    grpo.add_argument(
+        "--beta",
+        type=_number,
+        default=None,
+        metavar="B",
+        help="KL coefficient, >= 0 (default: unset, i.e. 0: no reference model)",
+    )
+    grpo.add_argument(
+        "--workers",
+        type=_integer,
+        default=None,
+        metavar="N",
+        help="image-decoding dataloader worker processes, 0..32 (default: unset, the "
+        "trainer's default)",
+    )
+    grpo.add_argument(
+        "--prefetch",
+        type=_integer,
+        default=None,
+        metavar="N",
+        help="batches each worker prefetches, 1..64 (default: unset, the trainer's default)",
+    )
+    _run_options(grpo, 20)
+    grpo.set_defaults(handler=cmd_create_grpo)
+
+    listing = runs_commands.add_parser("list", parents=[common], help="list runs, newest first")
+    listing.add_argument(
+        "--state", type=_state, default=0, help="only runs in this state (e.g. running, done)"
+    )
+    listing.add_argument(
+        "--limit", type=_non_negative_int, default=0, metavar="N", help="at most N runs"
+    )
+    listing.set_defaults(handler=cmd_list)
+
+    get = runs_commands.add_parser("get", parents=[common], help="show one run")
+    get.add_argument("run_id", metavar="ID")
+    get.set_defaults(handler=cmd_get)
+
+    delete = runs_commands.add_parser("delete", parents=[common], help="delete a finished run")
+    delete.add_argument("run_id", metavar="ID")
+    delete.set_defaults(handler=cmd_delete)
+
+    for name, help_text in (
+        ("pause", "pause a running run"),
+        ("resume", "resume a paused run"),
+        ("stop", "stop a run (its history is kept)"),
+    ):
+        control = commands.add_parser(name, parents=[common], help=help_text)
+        control.add_argument("run_id", metavar="ID")
+        control.set_defaults(handler=cmd_control, action=name)
+
+    speed = commands.add_parser("speed", parents=[common], help="set a run's playback speed")
+    speed.add_argument("run_id", metavar="ID")
+    speed.add_argument("speed", type=_number, metavar="X", help="speed multiplier, 0.1..20")
+    speed.set_defaults(handler=cmd_speed)
+
+    watch = commands.add_parser(
+        "watch",
+        parents=[common],
+        help="follow a run live until it ends",
+        description="Follow a run live: progress, rate and ETA, state, rewards, a learning "
+        "curve. Resumes by itself after a dropped connection. Ctrl+C detaches and leaves "
+        "the run running. Exits 0 when the run is DONE, 1 on ERROR, 3 when STOPPED.",
+    )
+    watch.add_argument("run_id", metavar="ID")
+    watch.add_argument(
+        "--after",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="start after episode N (default: replay from the first)",
+    )
+    watch.add_argument(
+        "--idle-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="reconnect when nothing (not even a keepalive) arrives for this long",
+    )
+    watch.set_defaults(handler=cmd_watch)
+
+    plot = commands.add_parser("plot", parents=[common], help="draw a run's learning curve")
+    plot.add_argument("run_id", metavar="ID")
+    plot.add_argument("--out", required=True, metavar="FILE.png", help="where to write the PNG")
+    plot.add_argument(
+        "--window", type=_integer, default=None, metavar="N", help="episodes in the rolling mean"
+    )
+    plot.set_defaults(handler=cmd_plot)
+
+    avatar = commands.add_parser(
+        "avatar", parents=[common], help="draw an imitation run's learned motion"
+    )
+    avatar.add_argument("run_id", metavar="ID")
+    avatar.add_argument("--out", required=True, metavar="FILE", help="where to write the picture")
+    avatar.add_argument(
+        "--gif", action="store_true", help="an animation (GIF) instead of a strip of poses"
+    )
+    avatar.add_argument("--poses", type=_integer, default=8, metavar="N", help="poses in the strip")
+    avatar.set_defaults(handler=cmd_avatar)
+    return parser
