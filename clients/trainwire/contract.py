@@ -42,6 +42,8 @@ MAX_NAME_LENGTH = 64
 MAX_DISPLAY_NAME_LENGTH = 200
 #: GrpoTask.num_generations when 0 (the trainer's default; see episode.proto).
 DEFAULT_GRPO_GENERATIONS = 8
+#: Most processes one GRPO job may train on (GrpoTask.num_processes; one slot each).
+MAX_GRPO_PROCESSES = 64
 #: Physical ranges: what passes here trains (outside them rewards overflow or never end).
 MIN_BONE_LENGTH = 1e-3
 MAX_BONE_LENGTH = 1e3
@@ -508,6 +510,7 @@ def _check_grpo(task: episode_pb2.GrpoTask, p: str, out: list[FieldViolation]) -
             FieldViolation(f"{p}.temperature", f"{task.temperature}; need (0, 10] (0 = default)")
         )
     _check_range(task.gradient_accumulation_steps, 1, 1024, f"{p}.gradient_accumulation_steps", out)
+    _check_range(task.num_processes, 1, MAX_GRPO_PROCESSES, f"{p}.num_processes", out)
     if task.HasField("dataloader_num_workers"):
         _check_range(
             task.dataloader_num_workers, 0, 32, f"{p}.dataloader_num_workers", out, zero_ok=False

@@ -77,10 +77,17 @@ class ErrorReason(StrEnum):
     MODEL_NOT_MULTIMODAL = "MODEL_NOT_MULTIMODAL"
     ENDED_EARLY = "ENDED_EARLY"
     OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    #: A job's training process died (killed by a signal, crashed, or exited unexpectedly).
+    PROCESS_DIED = "PROCESS_DIED"
 
 
 #: Reasons a trainer provider's failure may carry (``ProviderError.reason``); the gateway shows
 #: their ``LocalizedMessage`` to the run's user.
 PROVIDER_REASONS: frozenset[ErrorReason] = frozenset(
     r for r in ErrorReason if r.name.startswith(("PROVIDER_", "BAD_", "MODEL_", "DATASET_"))
-) | {ErrorReason.PATH_OUTSIDE_ROOT, ErrorReason.ENDED_EARLY, ErrorReason.OUT_OF_MEMORY}
+) | {
+    ErrorReason.PATH_OUTSIDE_ROOT,
+    ErrorReason.ENDED_EARLY,
+    ErrorReason.OUT_OF_MEMORY,
+    ErrorReason.PROCESS_DIED,
+}

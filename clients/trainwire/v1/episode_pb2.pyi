@@ -413,6 +413,7 @@ class GrpoTask(_message.Message):
     GRADIENT_ACCUMULATION_STEPS_FIELD_NUMBER: _builtins.int
     DATALOADER_NUM_WORKERS_FIELD_NUMBER: _builtins.int
     DATALOADER_PREFETCH_FACTOR_FIELD_NUMBER: _builtins.int
+    NUM_PROCESSES_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Directory of the model, relative to the trainer's --data-root; loaded
     from local files only.
@@ -448,6 +449,12 @@ class GrpoTask(_message.Message):
     """Batches each worker prefetches, 1..64; unset means the DataLoader
     default. Must stay unset when dataloader_num_workers is 0.
     """
+    num_processes: _builtins.int
+    """Processes the job trains on, 1..64, one per device (GPU), under
+    torch.distributed with TRL's own sampler and gathering; 0 means 1. Each
+    takes one trainer slot, so the job needs that many free slots (on
+    distinct GPUs when the trainer has CUDA). batch_size is per process.
+    """
     @_builtins.property
     def reward_functions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Reward functions by name ("exact_match": the answer, inside
@@ -471,10 +478,11 @@ class GrpoTask(_message.Message):
         gradient_accumulation_steps: _builtins.int = ...,
         dataloader_num_workers: _builtins.int | None = ...,
         dataloader_prefetch_factor: _builtins.int | None = ...,
+        num_processes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_dataloader_num_workers", b"_dataloader_num_workers", "_dataloader_prefetch_factor", b"_dataloader_prefetch_factor", "beta", b"beta", "dataloader_num_workers", b"dataloader_num_workers", "dataloader_prefetch_factor", b"dataloader_prefetch_factor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_dataloader_num_workers", b"_dataloader_num_workers", "_dataloader_prefetch_factor", b"_dataloader_prefetch_factor", "batch_size", b"batch_size", "beta", b"beta", "dataloader_num_workers", b"dataloader_num_workers", "dataloader_prefetch_factor", b"dataloader_prefetch_factor", "dataset_path", b"dataset_path", "gradient_accumulation_steps", b"gradient_accumulation_steps", "learning_rate", b"learning_rate", "max_completion_length", b"max_completion_length", "model_path", b"model_path", "num_generations", b"num_generations", "reward_functions", b"reward_functions", "temperature", b"temperature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_dataloader_num_workers", b"_dataloader_num_workers", "_dataloader_prefetch_factor", b"_dataloader_prefetch_factor", "batch_size", b"batch_size", "beta", b"beta", "dataloader_num_workers", b"dataloader_num_workers", "dataloader_prefetch_factor", b"dataloader_prefetch_factor", "dataset_path", b"dataset_path", "gradient_accumulation_steps", b"gradient_accumulation_steps", "learning_rate", b"learning_rate", "max_completion_length", b"max_completion_length", "model_path", b"model_path", "num_generations", b"num_generations", "num_processes", b"num_processes", "reward_functions", b"reward_functions", "temperature", b"temperature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__beta: _TypeAlias = _typing.Literal["beta"]  # noqa: Y015
     _WhichOneofArgType__beta: _TypeAlias = _typing.Literal["_beta", b"_beta"]  # noqa: Y015
