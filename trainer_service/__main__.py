@@ -35,6 +35,16 @@ DEFAULT_PORT = 50052
 IMAGE_CACHE_ENV = "TRAINWIRE_IMAGE_CACHE_DIR"
 
 
+def _slots(value: str) -> int | str:
+    """``--slots``: ``auto`` or a count."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither auto nor a number") from None
+
+
 def parse_args(argv: list[str] | None = None) -> TrainerConfig:
     """Parses the command line (and ``TRAINWIRE_IMAGE_CACHE_DIR``) into a config."""
     parser = argparse.ArgumentParser(
@@ -44,7 +54,13 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help="TCP port; 0 picks a free one"
     )
-    parser.add_argument("--slots", type=int, default=1, help="training jobs that run at once")
+    parser.add_argument(
+        "--slots",
+        type=_slots,
+        default=1,
+        help="training slots: jobs (or processes of multi-process jobs) that run at once; "
+        "auto: one per visible GPU (with CUDA), else 1",
+    )
     parser.add_argument(
         "--device",
         default="auto",
@@ -157,17 +173,18 @@ def main(argv: list[str] | None = None) -> int:
         except TlsFileError as exc:
             print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
             return 2
-    from trainer_service.providers._device import resolve_device
+    from trainer_service.providers._device import resolve_device, slot_devices
 
     try:
         device, description = resolve_device(config.device)
+        devices, description = slot_devices(config.device, device, description, config.slots)
     except ValueError as exc:
         _LOGGER.error("%s", exc)
         return 2
     metrics = TrainerMetrics()
     runner = JobRunner(
         default_registry(),
-        SlotPool(config.slots),
+        SlotPool(len(devices), devices),
         RunnerSettings(
             device=device,
             device_description=description,
@@ -207,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     _LOGGER.info(
         "trainer %s: %d slot(s) on %s, data root %s, image cache %s",
         __version__,
-        config.slots,
+        len(devices),
         description,
         config.data_root,
         config.image_cache_dir or "off",

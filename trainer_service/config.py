@@ -21,7 +21,8 @@ class TrainerConfig:
     Attributes:
         host: Interface to listen on.
         port: TCP port; 0 picks a free one.
-        slots: Training jobs that run at once.
+        slots: Training slots: jobs (or processes of a job) that run at once; ``"auto"`` gives
+            one slot per visible GPU when the device is CUDA (``auto`` or ``cuda``), else one.
         device: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
         data_root: Root of task-relative paths (models, datasets).
         heartbeat_s: Seconds without an episode after which a heartbeat goes out.
@@ -45,7 +46,7 @@ class TrainerConfig:
 
     host: str = "127.0.0.1"
     port: int = 50052
-    slots: int = 1
+    slots: int | str = 1
     device: str = "auto"
     data_root: pathlib.Path = pathlib.Path("var/data")
     heartbeat_s: float = 5.0
@@ -68,8 +69,9 @@ class TrainerConfig:
             problems.append("host must not be empty")
         if not 0 <= self.port <= 65535:
             problems.append(f"port {self.port} must be in 0..65535")
-        if not 1 <= self.slots <= 64:
-            problems.append(f"slots {self.slots} must be in 1..64")
+        counted = isinstance(self.slots, int) and not isinstance(self.slots, bool)
+        if self.slots != "auto" and not (counted and 1 <= int(self.slots) <= 64):
+            problems.append(f"slots {self.slots!r} must be auto or in 1..64")
         if not _DEVICE.match(self.device):
             problems.append(f"device {self.device!r} must be auto, cpu, cuda or cuda:N")
         if not (math.isfinite(self.heartbeat_s) and 0 < self.heartbeat_s <= 3600):
@@ -106,4 +108,4 @@ class TrainerConfig:
     @property
     def max_workers(self) -> int:
         """Size of the RPC thread pool: one per slot plus ``extra_workers``."""
-        return self.slots + self.extra_workers
+        return (self.slots if isinstance(self.slots, int) else 1) + self.extra_workers

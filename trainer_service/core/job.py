@@ -107,6 +107,7 @@ class RunningJob:
         self.kind = kind
         self.task = job.task
         self.config = job.config
+        self.devices = job.devices or (job.device,)
         self._job = job
         self._provider = provider
         self._heartbeat_s = heartbeat_s

@@ -6,8 +6,13 @@ table of live jobs by run id: a job enters it when it starts and leaves it once 
 delivered its end, once it is cancelled, or once it stayed detached (no stream attached, its
 end not delivered) for ``detach_grace_s`` seconds, after which it is cancelled. Only a job with
 a grant (one a gateway started) is kept detached; a job without one (direct use: grpcurl, a
-script) is cancelled as soon as its stream ends, as nobody will re-attach to it. The slot is
+script) is cancelled as soon as its stream ends, as nobody will re-attach to it. The slots are
 released by the job's own thread once its provider has stopped, whatever the outcome.
+
+A job takes as many slots as its provider's ``slots_needed(task)`` says (one per process it
+runs; 1 by default), all of them or none: a job that needs more than the trainer could ever
+give it is ``INVALID_ARGUMENT``, one that waits for slots is ``SLOTS_BUSY``. Its ``TrainJob``
+names the device of each slot it holds.
 """
 
 from __future__ import annotations
@@ -91,7 +96,8 @@ class RunnerSettings:
     """How the runner runs jobs.
 
     Attributes:
-        device: The torch device jobs run on (``cpu``, ``cuda:0``).
+        device: The torch device jobs run on (``cpu``, ``cuda:0``) when the slot pool names
+            no device of its own.
         device_description: The device for humans (``cuda:0 NVIDIA H200``).
         data_root: Root of task-relative paths.
         image_cache_dir: Image cache for providers that decode images; ``None`` = off.
@@ -147,6 +153,7 @@ class JobRunner:
         self._server_version = server_version
         self._live: dict[str, RunningJob] = {}  # attachable jobs by run id
         self._running: set[RunningJob] = set()  # jobs whose producer thread has not exited
+        self._slots_of: dict[RunningJob, tuple[int, ...]] = {}  # the slots each job holds
         self._expiry: dict[str, threading.Timer] = {}  # detached jobs' grace timers
         self._cond = threading.Condition()
         self._shutting_down = False
@@ -204,24 +211,27 @@ class JobRunner:
             violations = validate(request.task, self.settings.data_root)
             if violations:
                 raise InvalidRequest(run_id, violations)
+        needed = self._slots_needed(run_id, provider, kind, request)
         with self._cond:
             if run_id in self._live:
                 raise JobExists(run_id)
-            if not self.slots.try_acquire():
+            slots = self.slots.try_acquire(needed)
+            if slots is None:
                 raise NoFreeSlot(run_id, self.slots.total)
             try:
-                job = self._make_job(request, provider, kind)
+                job = self._make_job(request, provider, kind, slots)
             except BaseException:
-                self.slots.release()
+                self.slots.release(slots)
                 raise
             self._live[run_id] = job
             self._running.add(job)
+            self._slots_of[job] = slots
             stream = job.attach(0, request.grant_through_episode)
         _LOGGER.info(
             "run %s: %s job started on %s (%d/%d slots busy)",
             run_id,
             kind,
-            self.settings.device,
+            ", ".join(job.devices),
             self.slots.total - self.slots.free,
             self.slots.total,
             extra={"run_id": run_id},
@@ -274,19 +284,49 @@ class JobRunner:
         )
         return stream
 
+    def _slots_needed(
+        self,
+        run_id: str,
+        provider: Any,
+        kind: str,
+        request: trainer_service_pb2.TrainRequest,
+    ) -> int:
+        """Slots the job takes; a job that could never get them is an invalid request."""
+        slots_needed = getattr(provider, "slots_needed", None)
+        needed = max(1, int(slots_needed(request.task))) if slots_needed is not None else 1
+        most = self.slots.most_per_job()
+        if needed > most:
+            raise InvalidRequest(
+                run_id,
+                [
+                    contract.FieldViolation(
+                        f"task.{kind}",
+                        f"needs {needed} slots (one per process, each on its own GPU when "
+                        f"there are GPUs); this trainer can give one job at most {most}",
+                    )
+                ],
+            )
+        return needed
+
     def _make_job(
-        self, request: trainer_service_pb2.TrainRequest, provider: Any, kind: str
+        self,
+        request: trainer_service_pb2.TrainRequest,
+        provider: Any,
+        kind: str,
+        slots: tuple[int, ...],
     ) -> RunningJob:
         holder: list[RunningJob] = []
+        devices = tuple(self.slots.devices[i] or self.settings.device for i in slots)
         train_job = TrainJob(
             run_id=request.run_id,
             task=request.task,
             config=request.config,
-            device=self.settings.device,
+            device=devices[0],
             data_root=self.settings.data_root,
             image_cache_dir=self.settings.image_cache_dir,
             stop_event=threading.Event(),
             set_phase=lambda phase: holder[0].set_phase(phase),
+            devices=devices,
         )
         job = RunningJob(
             train_job,
@@ -404,11 +444,13 @@ class JobRunner:
 
     def _exited(self, job: RunningJob) -> None:
         """Called by a job thread once its provider has stopped."""
-        self.slots.release()
+        with self._cond:
+            slots = self._slots_of.pop(job)
+        self.slots.release(slots)
         with self._cond:
             self._running.discard(job)
             self._cond.notify_all()
-        _LOGGER.debug("run %s: job thread exited, slot released", job.run_id)
+        _LOGGER.debug("run %s: job thread exited, slots %s released", job.run_id, slots)
 
     def job(self, run_id: str) -> RunningJob | None:
         """The live job of ``run_id``, if any."""

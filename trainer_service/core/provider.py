@@ -2,9 +2,12 @@
 
 A provider is a module exposing ``run(job: TrainJob) -> Iterator[Episode]`` (fully filled
 episodes: ``episode``, ``reward``, ``best_reward``, ``done``, ``metrics``, ``produce_time`` and
-``detail``) and optionally ``validate(task, data_root) -> list[FieldViolation]`` (called before a
-slot is taken; any violation answers ``INVALID_ARGUMENT``). The service runs ``run`` in a thread it
-owns and checks every episode against the stream contract before sending it.
+``detail``), optionally ``validate(task, data_root) -> list[FieldViolation]`` (called before a
+slot is taken; any violation answers ``INVALID_ARGUMENT``) and optionally
+``slots_needed(task) -> int`` (slots, i.e. devices, the job takes: one per process it runs; 1
+without it). The service pulls ``run``'s generator from a thread it owns, one credited episode at
+a time, and checks every episode against the stream contract before sending it; a provider may
+train in that thread (imitation) or in processes it starts and drives from there (grpo).
 
 This module imports neither grpc nor torch.
 """
@@ -74,6 +77,8 @@ class TrainJob:
             episode/step and return promptly once it is set.
         set_phase: Reports what the job is doing (``"loading"``, ``"training"``); it goes into
             heartbeats.
+        devices: The device of each slot the job holds, one per process (``device`` is the
+            first); empty when the job was not started by a runner.
     """
 
     run_id: str
@@ -84,6 +89,7 @@ class TrainJob:
     image_cache_dir: pathlib.Path | None
     stop_event: threading.Event
     set_phase: Callable[[str], None] = field(default=lambda phase: None)
+    devices: tuple[str, ...] = ()
 
 
 class Provider(Protocol):

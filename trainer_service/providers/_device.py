@@ -31,3 +31,31 @@ def resolve_device(spec: str) -> tuple[str, str]:
         raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
     device = f"cuda:{index}"
     return device, f"{device} {torch.cuda.get_device_name(index)}"
+
+
+def slot_devices(
+    spec: str, device: str, description: str, slots: int | str
+) -> tuple[tuple[str, ...], str]:
+    """The device of each trainer slot, and the trainer's device description.
+
+    ``slots="auto"`` on CUDA chosen by ``auto`` or ``cuda`` gives one slot per visible GPU
+    (``cuda:0``, ``cuda:1``, ...: a job of N processes takes N of them); otherwise ``auto`` is
+    one slot, and a count puts every slot on ``device`` (as before there were devices per
+    slot).
+
+    Args:
+        spec: The ``--device`` flag (``auto``, ``cpu``, ``cuda``, ``cuda:N``).
+        device: What it resolved to (:func:`resolve_device`).
+        description: Its description.
+        slots: The ``--slots`` flag (a count or ``"auto"``).
+    """
+    if slots != "auto":
+        return (device,) * int(slots), description
+    if device.startswith("cuda") and spec in ("auto", "cuda"):
+        import torch
+
+        count = torch.cuda.device_count()
+        names = sorted({torch.cuda.get_device_name(i) for i in range(count)})
+        label = f"{count} x {' / '.join(names)} (cuda:0..{count - 1}, one slot per GPU)"
+        return tuple(f"cuda:{i}" for i in range(count)), label
+    return (device,), description
