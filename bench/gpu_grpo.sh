@@ -5,6 +5,11 @@
 #   bash bench/gpu_grpo.sh [STEPS]            # default 8 steps
 #   BENCH_DEVICE=cpu bash bench/gpu_grpo.sh 2 # dry run of the same path without a GPU
 #
+# It runs the provider in this process on one GPU, then as the trainer runs it: in processes of
+# its own, one per GPU (num_processes = the number of visible GPUs, under NCCL; on a one-GPU host
+# a single child process). BENCH_PROCESSES=N picks N instead (BENCH_PROCESSES=2 with
+# BENCH_DEVICE=cpu dry-runs two ranks under gloo; 0 skips the processes case).
+#
 # Python selection (first that imports torch with CUDA and trl):
 #   $PYTHON, .venv/bin/python, .venv-gpu/bin/python, python3.
 # If none qualifies, it creates .venv-gpu (with --system-site-packages, so a preinstalled CUDA
@@ -83,7 +88,7 @@ from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
 
 from trainer_service.core.provider import TrainJob
-from trainer_service.providers.grpo import provider, validate
+from trainer_service.providers.grpo import process, provider, validate
 from trainer_service.tools import make_demo_dataset, make_tiny_vlm
 
 
@@ -115,23 +120,38 @@ def main() -> None:
         assert validate(task, root) == []
         config = episode_pb2.TrainConfig(max_episodes=steps, seed=1)
         job = TrainJob("gpu-bench", task, config, device, root, None, threading.Event())
-        checker = StreamChecker.for_task(task, config, job.run_id)
-        walls, step_times = [], []
-        last = time.perf_counter()
-        for episode in provider.run(job):
-            now = time.perf_counter()
-            checker.check(episode)
-            walls.append(now - last)
-            last = now
-            step_times.append(episode.metrics.get("step_time", float("nan")))
-            print(f"step {episode.episode:3d}  reward {episode.reward:+.3f}  "
-                  f"step_time {step_times[-1] * 1000:8.1f} ms  wall {walls[-1] * 1000:8.1f} ms")
-        checker.finish()
-        steady = step_times[1:] or step_times
-        print(f"RESULT device={device} bf16={bf16} steps={steps} "
-              f"median_step_time_ms={statistics.median(steady) * 1000:.1f} "
-              f"median_wall_ms={statistics.median(walls[1:] or walls) * 1000:.1f} "
-              f"first_step_wall_ms={walls[0] * 1000:.1f}")
+        measure("in-thread", provider.run, job, steps, f"device={device} bf16={bf16}")
+        gpus = torch.cuda.device_count() if cuda else 0
+        processes = int(os.environ.get("BENCH_PROCESSES", max(1, gpus) if cuda else 0))
+        if processes > 0:
+            # As the trainer runs it: one process per GPU (batch_size is per process).
+            task.grpo.num_processes = processes
+            devices = tuple(f"cuda:{i}" for i in range(processes)) if cuda else ("cpu",) * processes
+            job = TrainJob("gpu-bench-processes", task, config, device, root, None,
+                           threading.Event(), devices=devices)
+            measure(f"{processes} process(es)", process.run, job, steps,
+                    f"devices={','.join(devices)} processes={processes}")
+
+
+def measure(name, run, job, steps, what) -> None:
+    print(f"== {name}")
+    checker = StreamChecker.for_task(job.task, job.config, job.run_id)
+    walls, step_times = [], []
+    last = time.perf_counter()
+    for episode in run(job):
+        now = time.perf_counter()
+        checker.check(episode)
+        walls.append(now - last)
+        last = now
+        step_times.append(episode.metrics.get("step_time", float("nan")))
+        print(f"step {episode.episode:3d}  reward {episode.reward:+.3f}  "
+              f"step_time {step_times[-1] * 1000:8.1f} ms  wall {walls[-1] * 1000:8.1f} ms")
+    checker.finish()
+    steady = step_times[1:] or step_times
+    print(f"RESULT mode={name.replace(' ', '_')} {what} steps={steps} "
+          f"median_step_time_ms={statistics.median(steady) * 1000:.1f} "
+          f"median_wall_ms={statistics.median(walls[1:] or walls) * 1000:.1f} "
+          f"first_step_wall_ms={walls[0] * 1000:.1f}")
 
 
 # DataLoader workers start from a fork server and re-import this file: guard the entry point.

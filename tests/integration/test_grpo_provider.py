@@ -133,6 +133,11 @@ def test_the_default_batch_fits_a_small_dataset_and_a_set_one_must(
     with pytest.raises(ProviderError, match="samples 16 distinct dataset rows") as info:
         provider.Settings.from_task(tiny_grpo_task(num_generations=2, batch_size=32).grpo, rows=8)
     assert info.value.code == "INVALID_ARGUMENT"
+    # batch_size is per process: two processes share the rows of a step.
+    task = tiny_grpo_task(num_generations=2, batch_size=0).grpo
+    assert provider.Settings.from_task(task, rows=8, processes=2).batch_size == 8
+    with pytest.raises(ProviderError, match=r"x 2 processes / num_generations 2\), but"):
+        provider.Settings.from_task(tiny_grpo_task(batch_size=16).grpo, rows=8, processes=2)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

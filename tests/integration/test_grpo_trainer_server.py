@@ -1,19 +1,21 @@
-"""The real trainer server runs grpo tasks on the tiny VLM: streaming, contract, done, cancel."""
+"""The real trainer server runs grpo tasks on the tiny VLM: streaming, contract, done, cancel,
+and a provider error from the job's process."""
 
 from __future__ import annotations
 
+import logging
 import pathlib
+import re
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import pytest
 
 from tests.fakes.trainer_harness import RunningTrainer, running_trainer
 from tests.grpo_fixtures import grpo_data_root, tiny_grpo_task
-from trainer_service.providers.grpo.callback import StreamingCallback
 from trainwire.contract import StreamChecker
+from trainwire.errors import error_from_rpc
 from trainwire.v1 import (
     episode_pb2,
     trainer_service_pb2,
@@ -66,32 +68,47 @@ def test_grpo_run_streams_checked_episodes_to_done(trainer: RunningTrainer) -> N
     assert trainer.capabilities().slots_free == 1
 
 
-def test_cancel_mid_run_stops_within_one_step_and_frees_the_slot(
-    trainer: RunningTrainer, monkeypatch: pytest.MonkeyPatch
+def test_a_broken_stream_stops_the_job_process_within_one_step_and_frees_the_slot(
+    trainer: RunningTrainer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Every step end the trainer reaches, and whether the stop had been requested by then.
-    step_ends: list[tuple[int, bool]] = []
-    real_step_end = StreamingCallback.on_step_end
-
-    def spy(self: StreamingCallback, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        step_ends.append((state.global_step, self.stop_event.is_set()))
-        return real_step_end(self, args, state, control, **kwargs)
-
-    monkeypatch.setattr(StreamingCallback, "on_step_end", spy)
-    call = trainer.stub.Train(_request("run-grpo-cancel", max_episodes=500), timeout=RPC_TIMEOUT_S)
+    # The job trains in a process of its own; its rank reports the last step it finished.
+    caplog.set_level(logging.INFO, logger="trainer_service.providers.grpo.process")
+    call = trainer.stub.Train(
+        _request("run-grpo-cancel", max_episodes=500, workers=0), timeout=RPC_TIMEOUT_S
+    )
     first_episode = threading.Event()
     for response in call:
         if response.WhichOneof("event") == "episode":
             first_episode.set()
             break
     assert first_episode.is_set()
-    call.cancel()
+    job = trainer.runner.job("run-grpo-cancel")
+    assert job is not None
+    call.cancel()  # a job without a grant (direct use) is cancelled when its stream ends
     assert trainer.runner.wait_idle(60)
     assert trainer.capabilities().slots_free == 1
-    stopped_at = [i for i, (_, stop_seen) in enumerate(step_ends) if stop_seen]
-    # The first step end after the stop ends training: the step in flight was the last one.
-    assert stopped_at == [len(step_ends) - 1]
-    assert step_ends[-1][0] < 500
+    ended = [r.getMessage() for r in caplog.records if "last step of each rank" in r.getMessage()]
+    line = ended[0]
+    last = int(re.findall(r"\{0: (\d+)\}", line)[0])
+    # The step in flight when the stop came was the last one.
+    assert job.produced <= last <= job.produced + 1 < 500, (line, job.produced)
     with pytest.raises(grpc.RpcError) as info:
         next(iter(call))
     assert info.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_a_provider_error_in_the_job_process_reaches_the_client_as_it_is(
+    trainer: RunningTrainer,
+) -> None:
+    request = _request("run-grpo-no-model", max_episodes=3)
+    request.task.grpo.model_path = "models/absent"
+    with pytest.raises(grpc.RpcError) as info:
+        list(trainer.stub.Train(request, timeout=RPC_TIMEOUT_S))
+    error = error_from_rpc(info.value)
+    assert (
+        error.localized_message
+        == "The model directory 'models/absent' was not found on the trainer."
+    )
+    assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "MODEL_NOT_FOUND")
+    assert trainer.runner.wait_idle(30)
+    assert trainer.capabilities().slots_free == 1

@@ -1,8 +1,13 @@
 """The ``grpo`` provider: TRL's GRPOTrainer on prepared image+text rows, one episode per step.
 
+The trainer runs every GRPO job in processes of its own (:mod:`.process`: ``num_processes`` of
+them, one per device, under torch.distributed when there are several); :mod:`.provider` is the
+training itself, which each of those processes runs (and which also runs in a thread, for the
+benchmarks and the provider's own tests).
+
 Importing this package is cheap (no torch, trl or transformers): the registry imports it to list
-providers, and :func:`validate` runs before a slot is taken. :func:`run` imports the training
-stack on first use.
+providers, and :func:`validate` runs before a slot is taken. Neither does :func:`run` import the
+training stack into the trainer: its processes do.
 """
 
 from __future__ import annotations
@@ -16,11 +21,16 @@ if TYPE_CHECKING:
     from trainer_service.core.provider import TrainJob
     from trainwire.v1 import episode_pb2
 
-__all__ = ["run", "validate"]
+__all__ = ["run", "slots_needed", "validate"]
 
 
 def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
-    """Trains ``job`` and yields one episode per optimizer step (see :mod:`.provider`)."""
-    from trainer_service.providers.grpo import provider
+    """Trains ``job`` in its own processes; yields one episode per optimizer step."""
+    from trainer_service.providers.grpo import process
 
-    return provider.run(job)
+    return process.run(job)
+
+
+def slots_needed(task: episode_pb2.TrainTask) -> int:
+    """Trainer slots (devices) a task takes: one per process."""
+    return max(1, task.grpo.num_processes)

@@ -113,6 +113,56 @@ def truncate_utf8(text: str, limit: int = MAX_COMPLETION_BYTES) -> str:
     return data[:limit].decode("utf-8", errors="ignore")
 
 
+def is_step_log(logs: Mapping[str, Any] | None, step: int, last_step: int) -> bool:
+    """Whether a log record is a new optimizer step's (not the end-of-training summary)."""
+    return bool(logs) and not (_SUMMARY_KEYS & logs.keys()) and step > last_step  # type: ignore[union-attr]
+
+
+class EpisodeMaker:
+    """Turns one step's log record into the next episode (see the module docstring for rewards).
+
+    Shared by the in-thread :class:`StreamingCallback` and the job processes' step gate.
+
+    Args:
+        counter: Numbers episodes and tracks ``best_reward`` / ``done``.
+        tap: Holds the latest scored batch's completions.
+        samples: Sample completions per episode.
+    """
+
+    def __init__(
+        self,
+        counter: EpisodeCounter,
+        tap: CompletionTap | None = None,
+        samples: int = SAMPLE_COMPLETIONS,
+    ) -> None:
+        self.counter = counter
+        self.tap = tap
+        self.samples = samples
+        self.last_reward: float | None = None
+
+    def make(self, logs: Mapping[str, Any]) -> episode_pb2.Episode:
+        """The next episode from one step's log record."""
+        metrics = finite_metrics(logs)
+        reward = metrics.get("reward")
+        carried = reward is None
+        if reward is not None:
+            self.last_reward = reward
+        elif self.last_reward is not None:
+            reward = self.last_reward
+        else:
+            # Only possible if the very first step logged no (finite) reward: every reward
+            # function returned None for every completion.
+            _LOGGER.warning("step %d logged no reward; reporting 0.0", self.counter.next_episode)
+            reward = 0.0
+        metrics["reward"] = reward
+        metrics["reward_carried"] = 1.0 if carried else 0.0
+        detail = episode_pb2.GrpoDetail()
+        if self.tap is not None:
+            _, texts = self.tap.latest()
+            detail.sample_completions.extend(truncate_utf8(t) for t in texts[: self.samples])
+        return self.counter.make(reward, metrics, grpo=detail)
+
+
 class StreamingCallback(TrainerCallback):
     """Turns GRPOTrainer step logs into episodes and stops training on request.
 
@@ -136,8 +186,7 @@ class StreamingCallback(TrainerCallback):
         self.handoff = handoff
         self.stop_event = stop_event
         self.tap = tap
-        self.samples = samples
-        self.last_reward: float | None = None
+        self.maker = EpisodeMaker(counter, tap, samples)
         self.last_step = 0
 
     def _should_stop(self) -> bool:
@@ -162,7 +211,7 @@ class StreamingCallback(TrainerCallback):
         logs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> TrainerControl:
-        if not logs or _SUMMARY_KEYS & logs.keys() or state.global_step <= self.last_step:
+        if not is_step_log(logs, state.global_step, self.last_step) or logs is None:
             return control
         if self.counter.finished:
             return control
@@ -174,22 +223,4 @@ class StreamingCallback(TrainerCallback):
 
     def build_episode(self, logs: Mapping[str, Any]) -> episode_pb2.Episode:
         """The next episode from one step's log record (see the module docstring for rewards)."""
-        metrics = finite_metrics(logs)
-        reward = metrics.get("reward")
-        carried = reward is None
-        if reward is not None:
-            self.last_reward = reward
-        elif self.last_reward is not None:
-            reward = self.last_reward
-        else:
-            # Only possible if the very first step logged no (finite) reward: every reward
-            # function returned None for every completion.
-            _LOGGER.warning("step %d logged no reward; reporting 0.0", self.counter.next_episode)
-            reward = 0.0
-        metrics["reward"] = reward
-        metrics["reward_carried"] = 1.0 if carried else 0.0
-        detail = episode_pb2.GrpoDetail()
-        if self.tap is not None:
-            _, texts = self.tap.latest()
-            detail.sample_completions.extend(truncate_utf8(t) for t in texts[: self.samples])
-        return self.counter.make(reward, metrics, grpo=detail)
+        return self.maker.make(logs)

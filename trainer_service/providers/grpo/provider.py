@@ -55,6 +55,7 @@ from trainer_service.providers.grpo.lazy_images import (
     resolve_cache_dir,
 )
 from trainer_service.providers.grpo.library_output import WorkerLogging, route_library_output
+from trainer_service.providers.grpo.lifeline import WorkerWatchdog
 from trainer_service.providers.grpo.rewards import CompletionTap, build_reward_functions
 from trainer_service.providers.grpo.validation import resolve_under_root
 from trainwire.v1 import episode_pb2
@@ -70,6 +71,10 @@ DEFAULT_MAX_COMPLETION_LENGTH = 16
 DEFAULT_LEARNING_RATE = 3e-3
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_NUM_WORKERS = 2
+#: What a user reads when a GPU ran out of memory.
+OUT_OF_MEMORY_ADVICE = (
+    "The GPU ran out of memory; try a smaller batch_size or max_completion_length."
+)
 # Largest memo: rows of one generation batch; capped so big batches of big images stay bounded.
 _MAX_MEMO_ROWS = 64
 
@@ -90,29 +95,34 @@ class Settings:
     prefetch_factor: int | None
 
     @classmethod
-    def from_task(cls, task: episode_pb2.GrpoTask, rows: int | None = None) -> Settings:
+    def from_task(
+        cls, task: episode_pb2.GrpoTask, rows: int | None = None, processes: int = 1
+    ) -> Settings:
         """Applies the proto's documented defaults.
 
         Args:
             task: The task.
             rows: The dataset's row count, when known. A step's prompts are distinct rows, so
-                the default batch takes at most ``rows`` of them.
+                the default batch takes at most ``rows`` of them (across all processes).
+            processes: Processes training together; ``batch_size`` is per process.
 
         Raises:
             ProviderError: A batch_size the task sets needs more distinct rows than ``rows``.
         """
         generations = task.num_generations or DEFAULT_NUM_GENERATIONS
         accumulation = task.gradient_accumulation_steps or 1
+        processes = max(1, processes)
         prompts = DEFAULT_PROMPTS_PER_STEP
         if rows is not None and not task.batch_size:
-            prompts = max(1, min(prompts, rows // accumulation))
+            prompts = max(1, min(prompts, rows // (accumulation * processes)))
         batch_size = task.batch_size or prompts * generations
-        needed = batch_size * accumulation // generations
+        needed = batch_size * accumulation * processes // generations
         if rows is not None and needed > rows:
+            across = f" x {processes} processes" if processes > 1 else ""
             raise ProviderError(
                 f"Each step samples {needed} distinct dataset rows (batch_size {batch_size} x "
-                f"gradient_accumulation_steps {accumulation} / num_generations {generations}), "
-                f"but the dataset has {rows}.",
+                f"gradient_accumulation_steps {accumulation}{across} / num_generations "
+                f"{generations}), but the dataset has {rows}.",
                 code="INVALID_ARGUMENT",
                 reason="BAD_SETTINGS",
             )
@@ -299,8 +309,19 @@ class LazyGRPOTrainer(GRPOTrainer):
         base = getattr(loader, "base_dataloader", loader)
         base.generator = generator
         if base.num_workers > 0:
-            base.worker_init_fn = WorkerLogging.like_this_process(base.worker_init_fn)
+            # In a job's process group, workers also exit when their rank is gone (lifeline).
+            base.worker_init_fn = WorkerWatchdog.wrap(
+                WorkerLogging.like_this_process(base.worker_init_fn)
+            )
         return loader
+
+
+def world_size() -> int:
+    """Processes training together: torch.distributed's world size, 1 when not initialised."""
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return int(distributed.get_world_size())
+    return 1
 
 
 def _use_cuda_device(device: str) -> None:
@@ -350,7 +371,7 @@ def build_trainer(
     set_seed(job.config.seed)
     job.set_phase("loading dataset")
     lazy = load_dataset(job, provenance_key=provenance_key)
-    settings = Settings.from_task(job.task.grpo, rows=len(lazy))
+    settings = Settings.from_task(job.task.grpo, rows=len(lazy), processes=world_size())
     lazy.set_memo_rows(settings.memo_rows)
     job.set_phase("loading model")
     model, processor = load_model(job, dtype)
@@ -435,7 +456,7 @@ def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
                 item = handoff.get()
                 if isinstance(item, _End):
                     if item.error is not None:
-                        raise _translate(item.error) from item.error
+                        raise translate_error(item.error) from item.error
                     break
                 yield item
         finally:
@@ -459,8 +480,9 @@ def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
             )
 
 
-def _translate(error: BaseException) -> BaseException:
-    """Turns a training-thread failure into what the consumer should see."""
+def translate_error(error: BaseException) -> BaseException:
+    """Turns a training failure into what the consumer should see: a ``ProviderError`` with a
+    plain message where one is known (a dataset row, running out of memory), else ``error``."""
     if isinstance(error, DatasetError) and "Original Traceback" in error.user_message:
         # Raised in a DataLoader worker: torch re-raised it with the worker's traceback as the
         # message. The user gets the original message (its last line); the log gets the rest.
@@ -471,8 +493,16 @@ def _translate(error: BaseException) -> BaseException:
         return error
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return ProviderError(
-            "The GPU ran out of memory; try a smaller batch_size or max_completion_length.",
+            OUT_OF_MEMORY_ADVICE,
             detail=str(error),
+            code="RESOURCE_EXHAUSTED",
+            reason="OUT_OF_MEMORY",
+        )
+    if isinstance(error, MemoryError):
+        return ProviderError(
+            "The training process ran out of memory; try a smaller batch_size or "
+            "max_completion_length.",
+            detail=f"MemoryError: {error}",
             code="RESOURCE_EXHAUSTED",
             reason="OUT_OF_MEMORY",
         )

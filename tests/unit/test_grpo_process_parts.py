@@ -1,0 +1,255 @@
+"""The parts of process-per-job GRPO that need no training stack: the channel's frames, slots
+that are devices, multi-slot jobs in the runner, how a failed job is described, and a real rank
+process that reports a bad job spec and takes its group down when the trainer goes away."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from trainer_service.__main__ import parse_args
+from trainer_service.config import TrainerConfig
+from trainer_service.core.errors import InvalidRequest, NoFreeSlot
+from trainer_service.core.jobs import JobRunner, RunnerSettings
+from trainer_service.core.provider import TrainJob
+from trainer_service.core.registry import ProviderRegistry
+from trainer_service.core.slots import SlotPool
+from trainer_service.providers._device import slot_devices
+from trainer_service.providers.grpo import process, wire
+from trainer_service.testing import FakeProvider, imitation_request
+from trainwire.contract import check_task
+from trainwire.v1 import episode_pb2
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+WAIT = 10.0
+
+# -- the channel -------------------------------------------------------------------------------
+
+
+def test_frames_survive_any_split_and_oversized_ones_are_refused() -> None:
+    a, b = socket.socketpair()
+    sender = wire.FrameSocket(a)
+    sender.send_step(7)
+    sender.send(wire.EPISODE, b"x" * 70_000)
+    sender.send_json(wire.ERROR, {"kind": "crash"})
+    a.shutdown(socket.SHUT_WR)
+    data = b""
+    while chunk := b.recv(1 << 20):
+        data += chunk
+    reader = wire.FrameReader()
+    frames = [f for i in range(len(data)) for f in reader.feed(data[i : i + 1])]
+    assert [kind for kind, _ in frames] == [wire.STEP, wire.EPISODE, wire.ERROR]
+    assert wire.step_of(frames[0][1]) == 7 and frames[1][1] == b"x" * 70_000
+    assert json.loads(frames[2][1]) == {"kind": "crash"}
+    with pytest.raises(ValueError, match="exceeds"):
+        list(wire.FrameReader().feed(wire.END + (wire.MAX_FRAME + 1).to_bytes(4, "big")))
+    assert wire.FrameSocket(b).recv() is None  # end of file
+    a.close()
+    b.close()
+
+
+# -- slots are devices -------------------------------------------------------------------------
+
+
+def test_a_job_takes_slots_on_distinct_gpus_all_or_none() -> None:
+    pool = SlotPool(4, ["cuda:0", "cuda:1", "cuda:0", "cuda:1"])
+    assert pool.most_per_job() == 2
+    assert pool.try_acquire(3) is None and pool.free == 4
+    first = pool.try_acquire(2)
+    assert first == (0, 1)
+    second = pool.try_acquire(1)
+    assert second == (2,)
+    assert pool.try_acquire(2) is None  # slot 3 is free, but one GPU is not two
+    pool.release(first)
+    assert pool.try_acquire(2) == (0, 1)
+    with pytest.raises(RuntimeError):
+        pool.release((3,))
+    cpu = SlotPool(3, ["cpu"] * 3)
+    assert cpu.most_per_job() == 3 and cpu.try_acquire(3) == (0, 1, 2)
+
+
+def test_slots_auto_is_one_slot_without_a_gpu_and_a_count_keeps_working() -> None:
+    assert parse_args(["--slots", "auto"]).slots == "auto"
+    assert parse_args(["--slots", "3"]).slots == 3
+    assert TrainerConfig(slots="auto").max_workers == 1 + TrainerConfig().extra_workers
+    with pytest.raises(ValueError, match="slots"):
+        TrainerConfig(slots="many")
+    assert slot_devices("auto", "cpu", "cpu", "auto") == (("cpu",), "cpu")
+    assert slot_devices("cpu", "cpu", "cpu", 2) == (("cpu", "cpu"), "cpu")
+
+
+def test_num_processes_is_checked_with_the_task() -> None:
+    def task(n: int) -> episode_pb2.TrainTask:
+        return episode_pb2.TrainTask(
+            grpo=episode_pb2.GrpoTask(model_path="m", dataset_path="d.jsonl", num_processes=n)
+        )
+
+    config = episode_pb2.TrainConfig(max_episodes=3)
+    assert check_task(task(0), config) == [] and check_task(task(64), config) == []
+    for bad in (-1, 65):
+        assert [v.field for v in check_task(task(bad), config)] == ["task.grpo.num_processes"]
+
+
+class _TwoSlotProvider(FakeProvider):
+    def slots_needed(self, task: episode_pb2.TrainTask) -> int:
+        del task
+        return 2
+
+
+def test_the_runner_gives_a_job_its_slots_and_devices_and_takes_them_back() -> None:
+    provider = _TwoSlotProvider(hold_after=1)
+    pool = SlotPool(3, ["cuda:0", "cuda:1", "cuda:2"])
+    runner = JobRunner(ProviderRegistry({"imitation": provider}), pool, RunnerSettings())
+    runner.start(imitation_request("run-two"))
+    assert provider.started.wait(WAIT)
+    assert pool.free == 1
+    assert provider.jobs[0].devices == ("cuda:0", "cuda:1")
+    assert provider.jobs[0].device == "cuda:0"
+    with pytest.raises(NoFreeSlot):
+        runner.start(imitation_request("run-other"))
+    runner.cancel_job("run-two")
+    assert runner.wait_idle(WAIT) and pool.free == 3
+    # A job that needs more than this trainer can ever give is a bad request, not "busy".
+    lone = JobRunner(ProviderRegistry({"imitation": provider}), SlotPool(2, ["cuda:0"] * 2))
+    with pytest.raises(InvalidRequest, match="needs 2 slots"):
+        lone.start(imitation_request("run-too-big"))
+
+
+# -- how a failed job reads --------------------------------------------------------------------
+
+
+def _group(*ranks: dict[str, Any]) -> process.JobProcesses:
+    job = TrainJob(
+        "run-d",
+        episode_pb2.TrainTask(grpo=episode_pb2.GrpoTask(num_processes=len(ranks))),
+        episode_pb2.TrainConfig(max_episodes=5),
+        "cpu",
+        pathlib.Path("."),
+        None,
+        threading.Event(),
+    )
+    group = process.JobProcesses(job, len(ranks))
+    for i, fields in enumerate(ranks):
+        popen: Any = types.SimpleNamespace(pid=1000 + i)
+        group.ranks.append(process._Rank(i, popen, None, **fields))  # type: ignore[arg-type]
+    return group
+
+
+def _report(kind: str, message: str, at: float, **fields: str) -> dict[str, Any]:
+    return {**wire.error_payload(kind, message, **fields), "at": at}
+
+
+def test_a_killed_rank_is_the_cause_over_its_peers_reports() -> None:
+    group = _group(
+        {"error": _report("crash", "Connection closed by peer", 2.0), "failed_at": 2.0},
+        {"exit_status": -signal.SIGKILL, "closed": True, "failed_at": 1.5},
+    )
+    error = group.diagnose()
+    assert error.user_message == (
+        "Training process rank 1 of 2 was killed (SIGKILL). If the machine ran out of memory, "
+        "try a smaller batch_size or max_completion_length."
+    )
+    assert (error.reason, error.code) == ("PROCESS_DIED", "INTERNAL")
+    segv = _group({"exit_status": -signal.SIGSEGV, "failed_at": 1.0}).diagnose()
+    assert segv.user_message == "The training process crashed (SIGSEGV)."
+
+
+def test_the_first_report_wins_and_provider_errors_pass_as_they_are() -> None:
+    group = _group(
+        {"error": _report("crash", "gloo: connection reset", 5.0, exception="RuntimeError")},
+        {"error": _report("crash", "boom", 4.0, exception="ValueError"), "exit_status": 1},
+    )
+    error = group.diagnose()
+    assert error.user_message == (
+        "Training process rank 1 of 2 failed with ValueError; the trainer's log has the details."
+    )
+    oom = _group(
+        {
+            "error": _report(
+                "provider",
+                "The GPU ran out of memory; try a smaller batch_size or max_completion_length.",
+                1.0,
+                code="RESOURCE_EXHAUSTED",
+                reason="OUT_OF_MEMORY",
+            )
+        }
+    ).diagnose()
+    assert (oom.code, oom.reason) == ("RESOURCE_EXHAUSTED", "OUT_OF_MEMORY")
+    assert oom.user_message.startswith("The GPU ran out of memory")
+    quiet = _group({}, {"exit_status": 3, "failed_at": 1.0}).diagnose()
+    assert quiet.user_message == "Training process rank 1 of 2 exited unexpectedly (exit code 3)."
+
+
+# -- a real rank process -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def rank_process() -> Iterator[tuple[subprocess.Popen[bytes], wire.FrameSocket]]:
+    """A rank process in a process group of its own, talking to this test over a socket pair."""
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "trainer_service.providers.grpo.worker"),
+            *("--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())),
+        ],
+        pass_fds=(theirs.fileno(),),
+        process_group=0,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'clients'}"},
+    )
+    theirs.close()
+    frames = wire.FrameSocket(ours)
+    try:
+        yield proc, frames
+    finally:
+        frames.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(WAIT)
+
+
+def _frames_until_end(frames: wire.FrameSocket) -> list[tuple[bytes, bytes]]:
+    out = []
+    while (frame := frames.recv()) is not None:
+        out.append(frame)
+    return out
+
+
+def test_a_rank_reports_a_bad_job_spec_as_a_crash_and_exits(
+    rank_process: tuple[subprocess.Popen[bytes], wire.FrameSocket],
+) -> None:
+    proc, frames = rank_process
+    spec = {
+        **{"run_id": "run-bad", "rank": 0, "world_size": 1, "device": "cpu"},
+        **{"task": base64.b64encode(b"\xff\xff\xff").decode(), "config": "", "log": {}},
+    }
+    frames.send_json(wire.JOB, spec)
+    received = _frames_until_end(frames)
+    errors = [json.loads(payload) for kind, payload in received if kind == wire.ERROR]
+    assert len(errors) == 1 and errors[0]["kind"] == "crash"
+    assert errors[0]["exception"] == "DecodeError" and "Traceback" in errors[0]["detail"]
+    assert proc.wait(WAIT) == 1
+
+
+def test_a_rank_takes_its_process_group_down_when_the_trainer_goes_away(
+    rank_process: tuple[subprocess.Popen[bytes], wire.FrameSocket],
+) -> None:
+    proc, frames = rank_process
+    deadline = time.monotonic() + WAIT
+    while (frame := frames.recv()) is not None and frame[0] != wire.BEAT:
+        assert time.monotonic() < deadline
+    frames.close()  # what the trainer's death looks like from the rank
+    assert proc.wait(WAIT) == -signal.SIGKILL  # it killed its whole group, itself included

@@ -1,0 +1,322 @@
+"""One rank of a GRPO job: ``python -m trainer_service.providers.grpo.worker --fd N ...``.
+
+The trainer starts one of these per process of a job (see :mod:`.process`), all in one process
+group, each with its own end of a socket pair (``--fd``) speaking :mod:`.wire`. A rank:
+
+1. arms its lifeline first (:func:`.lifeline.arm_rank`: the group dies with the trainer), then
+   reads its ``JOB`` spec and sets its logging up like the trainer's (before torch and friends
+   are imported, so nothing they print at import escapes it);
+2. joins torch.distributed when the job has several processes (gloo on CPU, NCCL on CUDA,
+   rendezvous through a file in the job's scratch directory) and builds the same
+   ``LazyGRPOTrainer`` as the in-thread provider: TRL's own sampler and gathering do the rest.
+   Every rank decodes its own rows in its own DataLoader workers; the index stream comes from
+   each rank's ``RepeatSampler`` (one seed for all ranks), never from a worker;
+3. trains one optimizer step per ``STEP`` frame. :class:`StepGate` waits for the next frame at
+   each step's ``on_log``, after the step's collectives are done, so a paused job waits with no
+   collective pending (none can time out), and every rank reads the same frame sequence, so all
+   ranks run the same steps and stop at the same boundary (a ``STOP`` reaches every rank within
+   one optimizer step). Rank 0 sends each step's episode before it waits;
+4. reports ``END`` (with the last step it finished) when training returned, or ``ERROR`` (a
+   ``ProviderError`` as it is, anything else as a crash with its traceback), and exits at once.
+
+Phases go to the trainer as ``PHASE`` frames and a ``BEAT`` goes out every second from a thread
+of its own, so the trainer sees a slow load or step, and a rank that went silent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import pickle
+import queue
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from trainer_service.providers.grpo import lifeline, wire
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from trainer_service.providers.grpo.callback import EpisodeMaker
+
+_LOGGER = logging.getLogger("trainer_service.providers.grpo.worker")
+
+#: How long a rank waits for its job spec before giving up.
+JOB_TIMEOUT_S = 60.0
+
+
+class RankChannel:
+    """A rank's side of the channel: a reader thread, a heartbeat thread and the step queue.
+
+    The reader is the only thread that reads the socket. End of file there means the trainer
+    is gone (or gave up on this job) while the rank still works: it kills the job's group.
+
+    Args:
+        frames: The rank's end of the socket pair.
+        beat_s: Seconds between ``BEAT`` frames.
+    """
+
+    def __init__(self, frames: wire.FrameSocket, beat_s: float = 1.0) -> None:
+        self.frames = frames
+        self.beat_s = beat_s
+        self.stopped = threading.Event()  #: set once a STOP arrived
+        self.last_step = 0  #: the last optimizer step this rank finished (reported with END)
+        self.finishing = threading.Event()  #: set once the rank is done: EOF is expected
+        self._job: queue.Queue[bytes] = queue.Queue(maxsize=1)
+        self._controls: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
+
+    def start(self) -> None:
+        """Starts the reader and heartbeat threads."""
+        threading.Thread(target=self._read, name="trainwire-rank-reader", daemon=True).start()
+        threading.Thread(target=self._beat, name="trainwire-rank-beat", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                frame = self.frames.recv()
+            except ValueError:
+                frame = None
+            if frame is None:
+                if not self.finishing.is_set():
+                    lifeline.kill_own_group("the trainer closed this job's channel")
+                self._controls.put((wire.STOP, b""))
+                return
+            kind, payload = frame
+            if kind == wire.JOB:
+                self._job.put(payload)
+            elif kind in (wire.STEP, wire.STOP):
+                if kind == wire.STOP:
+                    self.stopped.set()
+                self._controls.put(frame)
+
+    def _beat(self) -> None:
+        while not self.finishing.wait(self.beat_s):
+            if not self.frames.send(wire.BEAT):
+                return
+
+    def job(self, timeout: float) -> dict[str, Any] | None:
+        """The job spec; ``None`` when none came in time."""
+        try:
+            return dict(json.loads(self._job.get(timeout=timeout)))
+        except queue.Empty:
+            return None
+
+    def wait_step(self, step: int) -> bool:
+        """Blocks for the next control frame: True for ``STEP step``, False for ``STOP``.
+
+        Raises:
+            RuntimeError: A ``STEP`` for another step (the trainer broke the protocol).
+        """
+        kind, payload = self._controls.get()
+        if kind == wire.STOP:
+            return False
+        granted = wire.step_of(payload)
+        if granted != step:
+            raise RuntimeError(f"the trainer granted step {granted} where {step} was next")
+        return True
+
+    def send_phase(self, phase: str) -> None:
+        """Reports what the rank does."""
+        self.frames.send(wire.PHASE, phase.encode())
+
+
+def _apply_logging(spec: Mapping[str, Any]) -> None:
+    """Sets this process's logging up like the trainer's (format, level, library output)."""
+    from trainer_service.providers.grpo.library_output import WorkerLogging
+
+    log = spec.get("log") or {}
+    formatter = None
+    if log.get("formatter"):
+        formatter = pickle.loads(base64.b64decode(log["formatter"]))  # the trainer's own formatter
+    WorkerLogging(None, formatter, int(log.get("level", logging.INFO)))(0)
+
+
+def make_step_gate(maker: EpisodeMaker | None, channel: RankChannel, max_steps: int) -> Any:
+    """The rank's ``TrainerCallback``: sends rank 0's episodes and gates every step.
+
+    Args:
+        maker: Builds episodes (rank 0); ``None`` on other ranks.
+        channel: The rank's channel.
+        max_steps: The job's optimizer steps.
+    """
+    from transformers import TrainerCallback
+
+    from trainer_service.providers.grpo.callback import is_step_log
+
+    class StepGate(TrainerCallback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.last_step = 0
+
+        def on_log(
+            self,
+            args: TrainingArguments,
+            state: TrainerState,
+            control: TrainerControl,
+            logs: Mapping[str, Any] | None = None,
+            **kwargs: Any,
+        ) -> TrainerControl:
+            if logs is None or not is_step_log(logs, state.global_step, self.last_step):
+                return control
+            self.last_step = channel.last_step = state.global_step
+            if maker is not None and not maker.counter.finished:
+                episode = maker.make(logs)
+                channel.frames.send(wire.EPISODE, episode.SerializeToString())
+            if state.global_step >= max_steps:
+                return control
+            # Every rank reads the same frame here, after the step's collectives: all run the
+            # next step or all stop, and none waits inside a collective while a run is paused.
+            if not channel.wait_step(state.global_step + 1):
+                control.should_training_stop = True
+            return control
+
+    return StepGate()
+
+
+def _set_up_distributed(spec: Mapping[str, Any]) -> None:
+    """Joins the job's process group (``world_size`` > 1)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(spec["rank"]), int(spec["world_size"])
+    if spec["backend"] == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        spec["backend"], init_method=spec["rendezvous"], rank=rank, world_size=world
+    )
+
+
+def _train(spec: Mapping[str, Any], channel: RankChannel) -> None:
+    """Builds the trainer and trains one step per ``STEP`` frame (see the module docstring)."""
+    from trainer_service.core.provider import EpisodeCounter, TrainJob
+    from trainwire.v1 import episode_pb2
+
+    rank, world = int(spec["rank"]), int(spec["world_size"])
+    # The spec first: a bad one fails in milliseconds, before seconds of imports.
+    task = episode_pb2.TrainTask.FromString(base64.b64decode(spec["task"]))
+    config = episode_pb2.TrainConfig.FromString(base64.b64decode(spec["config"]))
+    cache = spec.get("image_cache_dir")
+    channel.send_phase("loading libraries")
+    from trainer_service.providers.grpo import provider
+    from trainer_service.providers.grpo.callback import EpisodeMaker
+    from trainer_service.providers.grpo.rewards import CompletionTap
+
+    if world > 1:
+        channel.send_phase(f"joining {world} processes")
+        _set_up_distributed(spec)
+    job = TrainJob(
+        run_id=spec["run_id"],
+        task=task,
+        config=config,
+        device=spec["device"],
+        data_root=pathlib.Path(spec["data_root"]),
+        image_cache_dir=pathlib.Path(cache) if cache else None,
+        stop_event=channel.stopped,
+        set_phase=channel.send_phase,
+    )
+    tap = CompletionTap()
+    maker = EpisodeMaker(EpisodeCounter(config.max_episodes), tap) if rank == 0 else None
+    gate = make_step_gate(maker, channel, config.max_episodes)
+    scan_stop = threading.Event()
+    try:
+        trainer = provider.build_trainer(job, [gate], output_dir=spec["output_dir"], tap=tap)
+        if rank == 0 and trainer.lazy_dataset is not None:
+            lazy = trainer.lazy_dataset
+
+            def check_rows() -> None:
+                # A bad row anywhere fails the job within seconds, not when training reads it.
+                try:
+                    lazy.check_rows(scan_stop)
+                except Exception as exc:  # reported: the trainer ends the job
+                    channel.frames.send_json(wire.ERROR, _describe(exc))
+
+            threading.Thread(target=check_rows, name="grpo-rows", daemon=True).start()
+        if not channel.wait_step(1):
+            return
+        job.set_phase("training")
+        _LOGGER.info(
+            "run %s: GRPO training started (%d steps), rank %d of %d on %s",
+            job.run_id,
+            config.max_episodes,
+            rank,
+            world,
+            job.device,
+            extra={"run_id": job.run_id},
+        )
+        trainer.train()
+    finally:
+        scan_stop.set()
+
+
+def _describe(exc: BaseException) -> dict[str, Any]:
+    """The ``ERROR`` payload for a failure of this rank."""
+    # Only once the training stack is loaded can the failure be one of its own (a dataset row
+    # in a worker, running out of memory); importing it here would cost seconds.
+    provider = sys.modules.get("trainer_service.providers.grpo.provider")
+    if provider is not None:
+        exc = provider.translate_error(exc)
+    from trainer_service.core.provider import ProviderError
+
+    trace = "".join(traceback.format_exception(exc))
+    if isinstance(exc, ProviderError):
+        return wire.error_payload(
+            "provider",
+            exc.user_message,
+            detail=f"{exc.detail}\n{trace}" if exc.detail else trace,
+            code=exc.code,
+            reason=exc.reason,
+            exception=type(exc).__name__,
+        )
+    return wire.error_payload("crash", str(exc), detail=trace, exception=type(exc).__name__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one rank; returns its exit status."""
+    parser = argparse.ArgumentParser(prog="python -m trainer_service.providers.grpo.worker")
+    parser.add_argument("--fd", type=int, required=True, help="this rank's end of the channel")
+    parser.add_argument("--parent-pid", type=int, required=True, help="the trainer's pid")
+    args = parser.parse_args(argv)
+    lifeline.arm_rank(args.parent_pid)
+    os.set_inheritable(args.fd, False)  # the fork server and DataLoader workers never hold it
+    channel = RankChannel(wire.FrameSocket(socket.socket(fileno=args.fd)))
+    channel.start()
+    spec = channel.job(JOB_TIMEOUT_S)
+    if spec is None:
+        print("grpo worker: no job spec arrived", file=sys.stderr)
+        return 2
+    _apply_logging(spec)
+    channel.beat_s = float(spec.get("beat_s", channel.beat_s))
+    try:
+        _train(spec, channel)
+    except BaseException as exc:  # reported, then the rank exits
+        _exit(channel, wire.ERROR, json.dumps(_describe(exc)).encode(), 1)
+    _exit(channel, wire.END, wire.step_payload(channel.last_step), 0)
+
+
+def _exit(channel: RankChannel, kind: bytes, payload: bytes, status: int) -> NoReturn:
+    """Reports the rank's end and exits at once.
+
+    Nothing is left to do once the trainer has the report: it kills the job's group next.
+    Tearing the interpreter down instead can hang (a collective's process group waiting for a
+    peer in its destructor, seen here for a minute, with the GIL held) and costs seconds of
+    torch teardown; the DataLoader workers and fork server follow the rank on their own
+    (:mod:`.lifeline`).
+    """
+    channel.finishing.set()
+    channel.frames.send(kind, payload)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
