@@ -86,6 +86,7 @@ def grpo_task(
     gradient_accumulation_steps: int = 0,
     dataloader_num_workers: int | None = None,
     dataloader_prefetch_factor: int | None = None,
+    num_processes: int = 0,
 ) -> episode_pb2.TrainTask:
     """Builds a GRPO ``TrainTask``; zeros and ``None`` leave the trainer's defaults.
 
@@ -102,6 +103,8 @@ def grpo_task(
         gradient_accumulation_steps: Gradient accumulation steps.
         dataloader_num_workers: Image-decoding worker processes.
         dataloader_prefetch_factor: Batches each worker prefetches.
+        num_processes: Processes (one trainer slot, and one GPU where there are GPUs, each)
+            the job trains on; ``batch_size`` is per process.
     """
     task = episode_pb2.GrpoTask(
         model_path=model,
@@ -113,6 +116,7 @@ def grpo_task(
         learning_rate=learning_rate,
         temperature=temperature,
         gradient_accumulation_steps=gradient_accumulation_steps,
+        num_processes=num_processes,
     )
     if beta is not None:
         task.beta = beta

@@ -63,15 +63,16 @@ def test_create_options() -> None:
     grpo = build_parser().parse_args(
         shlex.split(
             "runs create grpo --model m --dataset d.jsonl --reward exact_match,length "
-            "--num-generations 4 --beta 0.1 --workers 0"
+            "--num-generations 4 --beta 0.1 --workers 0 --processes 2"
         )
     )
-    assert (grpo.model, grpo.dataset, grpo.reward, grpo.beta, grpo.workers) == (
+    assert (grpo.model, grpo.dataset, grpo.reward, grpo.beta, grpo.workers, grpo.processes) == (
         "m",
         "d.jsonl",
         "exact_match,length",
         0.1,
         0,
+        2,
     )
     assert grpo.prefetch is None
 

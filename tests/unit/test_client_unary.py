@@ -278,13 +278,19 @@ def test_grpo_task_sets_optional_fields_only_when_given() -> None:
         gradient_accumulation_steps=2,
         dataloader_num_workers=0,
         dataloader_prefetch_factor=None,
+        num_processes=2,
     )
     grpo = full.grpo
+    assert grpo.num_processes == 2
     assert list(grpo.reward_functions) == ["exact_match", "length"]
     assert grpo.HasField("beta") and grpo.beta == 0.0
     assert grpo.HasField("dataloader_num_workers") and grpo.dataloader_num_workers == 0
     assert (grpo.num_generations, grpo.batch_size, grpo.max_completion_length) == (4, 8, 64)
     assert contract.check_task(full, tc.train_config(3)) == []
+    too_many = tc.grpo_task(model="m", dataset="d.jsonl", num_processes=65)
+    assert [v.field for v in contract.check_task(too_many, tc.train_config(3))] == [
+        "task.grpo.num_processes"
+    ]
 
 
 def test_state_names_round_trip() -> None:

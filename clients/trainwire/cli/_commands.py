@@ -71,6 +71,7 @@ def cmd_create_grpo(client: GatewayClient, args: argparse.Namespace, out: Output
         gradient_accumulation_steps=args.grad_accum,
         dataloader_num_workers=args.workers,
         dataloader_prefetch_factor=args.prefetch,
+        num_processes=args.processes,
     )
     return _create(client, args, out, task)
 

@@ -236,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
         ("--learning-rate", _number, "LR", "learning rate, in (0, 1]"),
         ("--temperature", _number, "T", "sampling temperature, in (0, 10]"),
         ("--grad-accum", _integer, "STEPS", "gradient accumulation steps, 1..1024"),
+        (
+            "--processes",
+            _integer,
+            "N",
+            "processes the job trains on, 1..64, one trainer slot (one GPU on a GPU trainer) "
+            "each; --batch-size is per process",
+        ),
     ):
         grpo.add_argument(
             flag, type=kind, default=0, metavar=meta, help=f"{text} (default: {trainers})"
