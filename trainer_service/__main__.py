@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pathlib
 import signal
 import sys
 import threading
+from collections.abc import Mapping, Sequence
 from types import FrameType
 
 from trainer_service import __version__
@@ -24,7 +24,8 @@ from trainer_service.core.slots import SlotPool
 from trainer_service.metrics import TrainerMetrics
 from trainer_service.providers import default_registry
 from trainer_service.server import build_server
-from trainwire.logs import LOG_FORMATS, configure_logging
+from trainwire.logs import configure_logging
+from trainwire_ops import settings
 from trainwire_ops.addresses import host_port
 from trainwire_ops.tls import PlaintextRefused, ServerTls, TlsFileError
 
@@ -35,125 +36,34 @@ DEFAULT_PORT = 50052
 IMAGE_CACHE_ENV = "TRAINWIRE_IMAGE_CACHE_DIR"
 
 
-def _slots(value: str) -> int | str:
-    """``--slots``: ``auto`` or a count."""
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither auto nor a number") from None
+ENV_PREFIX = "TRAINWIRE_TRAINER_"
 
 
-def parse_args(argv: list[str] | None = None) -> TrainerConfig:
-    """Parses the command line (and ``TRAINWIRE_IMAGE_CACHE_DIR``) into a config."""
-    parser = argparse.ArgumentParser(
-        prog="python -m trainer_service", description="Trainwire trainer service."
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The command line: one flag per field of ``TrainerConfig``, each also read from
+    ``TRAINWIRE_TRAINER_<FLAG>`` (``environ``, default ``os.environ``); the image cache also from
+    ``TRAINWIRE_IMAGE_CACHE_DIR``, its older name."""
+    env = dict(os.environ if environ is None else environ)
+    if IMAGE_CACHE_ENV in env:
+        env.setdefault(f"{ENV_PREFIX}IMAGE_CACHE_DIR", env[IMAGE_CACHE_ENV])
+    return settings.build_parser(
+        TrainerConfig,
+        prog="python -m trainer_service",
+        description="Trainwire trainer service: runs training jobs and streams their episodes.",
+        env_prefix=ENV_PREFIX,
+        environ=env,
     )
-    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
-    parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="TCP port; 0 picks a free one"
-    )
-    parser.add_argument(
-        "--slots",
-        type=_slots,
-        default=1,
-        help="training slots: jobs (or processes of multi-process jobs) that run at once; "
-        "auto: one per visible GPU (with CUDA), else 1",
-    )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        help="torch device: auto (CUDA when available, else CPU), cpu, cuda or cuda:N",
-    )
-    parser.add_argument(
-        "--data-root",
-        type=pathlib.Path,
-        default=pathlib.Path("var/data"),
-        help="directory that task model/dataset paths are relative to",
-    )
-    parser.add_argument(
-        "--heartbeat",
-        type=float,
-        default=5.0,
-        help="seconds without an episode after which a heartbeat is sent",
-    )
-    parser.add_argument(
-        "--detach-grace",
-        type=float,
-        default=60.0,
-        help="seconds a job whose stream broke (gateway restart or crash) stays alive, blocked "
-        "at its grant, for the gateway to re-attach; 0 cancels it at once",
-    )
-    parser.add_argument(
-        "--image-cache-dir",
-        type=pathlib.Path,
-        default=None,
-        help=f"cache decoded dataset images here (default: ${IMAGE_CACHE_ENV}, else off)",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics on this port "
-        "(0 picks a free one; default: off)",
-    )
-    parser.add_argument(
-        "--metrics-host",
-        default="127.0.0.1",
-        help="interface of the metrics endpoint (loopback unless you say otherwise)",
-    )
-    tls = parser.add_argument_group("TLS", "the certificate files are re-read on SIGHUP")
-    tls.add_argument(
-        "--tls-cert", type=pathlib.Path, metavar="FILE", help="serve TLS with this PEM chain"
-    )
-    tls.add_argument(
-        "--tls-key", type=pathlib.Path, metavar="FILE", help="the PEM private key of --tls-cert"
-    )
-    tls.add_argument(
-        "--tls-client-ca",
-        type=pathlib.Path,
-        metavar="FILE",
-        help="accept only callers whose client certificate this PEM CA signed (mutual TLS: "
-        "only gateways holding one can start training)",
-    )
-    tls.add_argument(
-        "--insecure",
-        action="store_true",
-        help="serve plaintext on a non-loopback --host (refused without it)",
-    )
-    parser.add_argument(
-        "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
-    )
-    parser.add_argument(
-        "--log-format",
-        choices=LOG_FORMATS,
-        default="text",
-        help="text: one line for people; json: one JSON object per line",
-    )
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> TrainerConfig:
+    """Parses the command line (and the environment) into a config; exits 2 with one line on a
+    bad flag, variable or combination."""
+    parser = build_parser(environ)
     args = parser.parse_args(argv)
-    cache = args.image_cache_dir
-    if cache is None and os.environ.get(IMAGE_CACHE_ENV):
-        cache = pathlib.Path(os.environ[IMAGE_CACHE_ENV])
     try:
-        return TrainerConfig(
-            host=args.host,
-            port=args.port,
-            slots=args.slots,
-            device=args.device,
-            data_root=args.data_root,
-            heartbeat_s=args.heartbeat,
-            detach_grace_s=args.detach_grace,
-            image_cache_dir=cache,
-            metrics_port=args.metrics_port,
-            log_level=args.log_level,
-            log_format=args.log_format,
-            metrics_host=args.metrics_host,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca,
-            insecure=args.insecure,
-        )
+        return settings.config_from_args(TrainerConfig, args)
     except PlaintextRefused as exc:  # one line that says why and how, no usage block
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         sys.exit(2)

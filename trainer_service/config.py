@@ -1,4 +1,10 @@
-"""The trainer service's configuration: one frozen, validated dataclass built by ``__main__``."""
+"""The trainer service's configuration: one frozen dataclass, validated on construction.
+
+Each field carries its command-line help (``trainwire_ops.settings.option``):
+``python -m trainer_service`` builds its flags from this class, so a default or a help text is
+written once, and every flag can also come from the environment (``TRAINWIRE_TRAINER_`` + the
+flag in upper case; the image cache also from ``TRAINWIRE_IMAGE_CACHE_DIR``, as before).
+"""
 
 from __future__ import annotations
 
@@ -9,59 +15,104 @@ from dataclasses import dataclass
 
 from trainwire.logs import LOG_FORMATS, parse_level
 from trainwire_ops.addresses import host_port
+from trainwire_ops.settings import option
 from trainwire_ops.tls import check_plaintext_bind
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_TLS = "TLS (the certificate files are re-read on SIGHUP)"
+_LOGS = "logging"
+
+
+def parse_slots(text: str) -> int | str:
+    """``--slots``: ``auto`` or a count."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("neither auto nor a number") from None
+
+
+def _port_or_off(text: str) -> int | None:
+    """A port; -1 (or an empty value) turns the endpoint off."""
+    if text.strip() in ("", "-1"):
+        return None
+    return int(text)
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """How the trainer service runs.
-
-    Attributes:
-        host: Interface to listen on.
-        port: TCP port; 0 picks a free one.
-        slots: Training slots: jobs (or processes of a job) that run at once; ``"auto"`` gives
-            one slot per visible GPU when the device is CUDA (``auto`` or ``cuda``), else one.
-        device: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
-        data_root: Root of task-relative paths (models, datasets).
-        heartbeat_s: Seconds without an episode after which a heartbeat goes out.
-        detach_grace_s: Seconds a job whose stream broke (its gateway restarted or died) stays
-            alive, blocked at its grant, for a re-attach; 0 cancels it at once.
-        image_cache_dir: Decoded-image cache for the GRPO provider; ``None`` = off.
-        extra_workers: RPC threads beyond one per slot (GetCapabilities, health, reflection,
-            refused Train calls).
-        grace_s: Seconds running RPCs get to finish on shutdown.
-        metrics_port: Port of the Prometheus ``/metrics`` endpoint on ``host``; ``None`` = off,
-            0 picks a free one.
-        log_level: Logging level name (``DEBUG``, ``INFO``, ...).
-        log_format: ``text`` or ``json`` (one JSON object per line).
-        metrics_host: Interface of the metrics endpoint (loopback unless told otherwise).
-        tls_cert: PEM certificate chain to serve TLS with (with ``tls_key``); re-read on SIGHUP.
-        tls_key: Its PEM private key.
-        tls_client_ca: Accept only callers with a client certificate signed by this PEM CA
-            (mutual TLS: only gateways holding one can start training).
-        insecure: Serve plaintext on an address other machines can reach (refused otherwise).
+    """Everything the trainer can be told; ``__main__`` builds it from flags (each field's help
+    is its flag's help; ``python -m trainer_service --help`` lists them with defaults and
+    variables). ``grace_s`` has no flag: the seconds running RPCs get to finish on shutdown.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 50052
-    slots: int | str = 1
-    device: str = "auto"
-    data_root: pathlib.Path = pathlib.Path("var/data")
-    heartbeat_s: float = 5.0
-    detach_grace_s: float = 60.0
-    image_cache_dir: pathlib.Path | None = None
-    extra_workers: int = 8
+    host: str = option("127.0.0.1", "interface to listen on")
+    port: int = option(50052, "TCP port; 0 picks a free one")
+    slots: int | str = option(
+        1,
+        "training slots: jobs (or processes of multi-process jobs) that run at once; auto: one "
+        "per visible GPU with CUDA (a job of N processes takes N GPUs), else 1",
+        metavar="N|auto",
+        parse=parse_slots,
+    )
+    device: str = option(
+        "auto", "torch device: auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
+    )
+    data_root: pathlib.Path = option(
+        pathlib.Path("var/data"),
+        "directory that task model/dataset paths are relative to",
+        metavar="DIR",
+    )
+    heartbeat_s: float = option(
+        5.0, "seconds without an episode (or while a job waits) after which a heartbeat is sent"
+    )
+    detach_grace_s: float = option(
+        60.0,
+        "seconds a job whose stream broke (gateway restart or crash) stays alive, blocked at its "
+        "grant, for the gateway to re-attach; 0 cancels it at once",
+    )
+    image_cache_dir: pathlib.Path | None = option(
+        None,
+        "cache decoded dataset images here (also from $TRAINWIRE_IMAGE_CACHE_DIR; none: off)",
+        metavar="DIR",
+    )
+    metrics_port: int | None = option(
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics on this port (0 picks a free "
+        "one; -1 or none: off)",
+        metavar="PORT",
+        parse=_port_or_off,
+    )
+    metrics_host: str = option(
+        "127.0.0.1", "interface of the metrics endpoint (loopback unless you say otherwise)"
+    )
+    tls_cert: pathlib.Path | None = option(
+        None, "serve TLS with this PEM certificate chain", metavar="FILE", group=_TLS
+    )
+    tls_key: pathlib.Path | None = option(
+        None, "the PEM private key of --tls-cert", metavar="FILE", group=_TLS
+    )
+    tls_client_ca: pathlib.Path | None = option(
+        None,
+        "accept only callers whose client certificate this PEM CA signed (mutual TLS: only "
+        "gateways holding one can start training)",
+        metavar="FILE",
+        group=_TLS,
+    )
+    insecure: bool = option(
+        False, "serve plaintext on a non-loopback --host (refused without it)", group=_TLS
+    )
+    log_level: str = option(
+        "INFO", "logging level (DEBUG, INFO, WARNING, ...)", metavar="LEVEL", group=_LOGS
+    )
+    log_format: str = option(
+        "text",
+        "text: one line for people; json: one JSON object per line",
+        choices=LOG_FORMATS,
+        group=_LOGS,
+    )
     grace_s: float = 3.0
-    metrics_port: int | None = None
-    log_level: str = "INFO"
-    log_format: str = "text"
-    metrics_host: str = "127.0.0.1"
-    tls_cert: pathlib.Path | None = None
-    tls_key: pathlib.Path | None = None
-    tls_client_ca: pathlib.Path | None = None
-    insecure: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -78,8 +129,6 @@ class TrainerConfig:
             problems.append(f"heartbeat {self.heartbeat_s} must be in (0, 3600] seconds")
         if not (math.isfinite(self.detach_grace_s) and 0 <= self.detach_grace_s <= 86400):
             problems.append(f"detach grace {self.detach_grace_s} must be in 0..86400 seconds")
-        if not 1 <= self.extra_workers <= 256:
-            problems.append(f"extra_workers {self.extra_workers} must be in 1..256")
         if not (math.isfinite(self.grace_s) and 0 <= self.grace_s <= 60):
             problems.append(f"grace {self.grace_s} must be in 0..60 seconds")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -104,8 +153,3 @@ class TrainerConfig:
     def address(self) -> str:
         """``host:port`` to bind (IPv6 hosts bracketed)."""
         return host_port(self.host, self.port)
-
-    @property
-    def max_workers(self) -> int:
-        """Size of the RPC thread pool: one per slot plus ``extra_workers``."""
-        return (self.slots if isinstance(self.slots, int) else 1) + self.extra_workers

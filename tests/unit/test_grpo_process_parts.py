@@ -84,7 +84,6 @@ def test_a_job_takes_slots_on_distinct_gpus_all_or_none() -> None:
 def test_slots_auto_is_one_slot_without_a_gpu_and_a_count_keeps_working() -> None:
     assert parse_args(["--slots", "auto"]).slots == "auto"
     assert parse_args(["--slots", "3"]).slots == 3
-    assert TrainerConfig(slots="auto").max_workers == 1 + TrainerConfig().extra_workers
     with pytest.raises(ValueError, match="slots"):
         TrainerConfig(slots="many")
     assert slot_devices("auto", "cpu", "cpu", "auto") == (("cpu",), "cpu")

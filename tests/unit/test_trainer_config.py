@@ -19,7 +19,6 @@ def test_defaults_are_valid() -> None:
         "auto",
     )
     assert config.image_cache_dir is None
-    assert config.max_workers == 1 + config.extra_workers
     assert config.address == "127.0.0.1:50052"
     assert TrainerConfig(host="::1", port=0).address == "[::1]:0"
 
@@ -58,6 +57,47 @@ def test_image_cache_dir_from_flag_or_environment(monkeypatch: pytest.MonkeyPatc
     assert parse_args([]).image_cache_dir == pathlib.Path("/tmp/from-env")
     flag = parse_args(["--image-cache-dir", "/tmp/from-flag"])
     assert flag.image_cache_dir == pathlib.Path("/tmp/from-flag")
+
+
+def test_every_flag_also_comes_from_the_environment_and_the_command_line_wins() -> None:
+    environ = {
+        "TRAINWIRE_TRAINER_SLOTS": "auto",
+        "TRAINWIRE_TRAINER_HEARTBEAT": "2.5",
+        "TRAINWIRE_TRAINER_DATA_ROOT": "/srv/data",
+        "TRAINWIRE_TRAINER_METRICS_PORT": "0",
+        "TRAINWIRE_TRAINER_INSECURE": "true",
+    }
+    config = parse_args([], environ)
+    assert (config.slots, config.heartbeat_s, config.metrics_port) == ("auto", 2.5, 0)
+    assert config.data_root == pathlib.Path("/srv/data") and config.insecure
+    assert parse_args(["--slots", "2", "--metrics-port", "-1"], environ).slots == 2
+    assert parse_args(["--metrics-port", "-1"], environ).metrics_port is None
+    # The older variable of the image cache still works; the new one wins over it.
+    old = {IMAGE_CACHE_ENV: "/tmp/old"}
+    assert parse_args([], old).image_cache_dir == pathlib.Path("/tmp/old")
+    both = {**old, "TRAINWIRE_TRAINER_IMAGE_CACHE_DIR": "/tmp/new"}
+    assert parse_args([], both).image_cache_dir == pathlib.Path("/tmp/new")
+    assert parse_args([], {IMAGE_CACHE_ENV: ""}).image_cache_dir is None
+
+
+def test_help_shows_each_default_and_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--help"], {})
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default, env in (
+        ("--slots", "1", "TRAINWIRE_TRAINER_SLOTS"),
+        ("--detach-grace", "60.0", "TRAINWIRE_TRAINER_DETACH_GRACE"),
+        ("--tls-client-ca", "none", "TRAINWIRE_TRAINER_TLS_CLIENT_CA"),
+    ):
+        assert flag in text and f"(default: {default}; env {env})" in text
+
+
+def test_a_bad_variable_exits_with_one_line_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args([], {"TRAINWIRE_TRAINER_SLOTS": "many"})
+    assert info.value.code == 2
+    assert "TRAINWIRE_TRAINER_SLOTS='many'" in capsys.readouterr().err
 
 
 def test_bad_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
