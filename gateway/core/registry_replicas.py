@@ -238,7 +238,8 @@ class ReplicaHostMixin:
         if self._active.get(run_id) is driver:
             del self._active[run_id]
         self.scheduler.dequeue(driver)
-        if driver.task is None and not driver.log.frames:
+        # (Its task is already cancelled here: whether it was driving shows in its state.)
+        if driver.run.state is RunState.PENDING and not driver.log.watchers:
             return  # a candidate another replica claimed first
         _LOGGER.info(
             "run %s: another gateway replica drives it now",

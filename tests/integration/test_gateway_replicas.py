@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.fakes.fake_trainer import FakeTrainer
+from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import (
     TIMEOUT,
     Client,
@@ -244,6 +244,37 @@ async def test_a_replica_that_lost_its_lease_stops_driving_and_its_watchers_go_o
     assert f"run {run.id}: another gateway replica drives it now" in text
     assert f"run {run.id}: taking it over" in text
     assert "Traceback" not in text
+
+
+async def test_a_lease_lost_before_the_first_episode_still_hands_its_watchers_over(
+    fake: FakeTrainer, postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The loaded-machine case of the test above: the lease goes before any episode arrived.
+    # The watcher on A must follow the run to its end on the new owner, never hang.
+    caplog.set_level(logging.INFO, logger="gateway")
+    fake.push(Script(hold_at=1))  # the job starts, then sends heartbeats only
+    trainers = (fake.address,)
+    async with running_gateway(trainers, db=postgres_url, **REPLICA) as a:
+        run = await a.create(max_episodes=50, episodes_per_second=30)
+        await wait_state(a, run.id, State.STATE_RUNNING)
+        watch = asyncio.create_task(collect(a.stub, run.id, timeout=60))
+        await asyncio.sleep(0.5)  # the watcher is attached to A's live log
+        store = a.gateway.core._store  # type: ignore[union-attr]
+        async with store.pool.connection() as conn:  # type: ignore[attr-defined]
+            await conn.execute(
+                "UPDATE runs SET owner = 'ghost', lease_until = now() - interval '1 s' "
+                "WHERE id = %s",
+                (run.id,),
+            )
+        async with running_gateway(trainers, db=postgres_url, **REPLICA) as b:
+            # B takes it over; this fake has no detached job to re-attach to, so the run ends
+            # ERROR with its (empty) history: what matters is that A's watcher sees that end.
+            result = await watch
+            assert result.numbers == []
+            assert result.finished is not None
+            assert result.finished.state == (await b.get(run.id)).state == State.STATE_ERROR
+    assert f"run {run.id}: another gateway replica drives it now" in caplog.text
+    assert "Traceback" not in caplog.text
 
 
 async def _get(stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str) -> pb.Run:
