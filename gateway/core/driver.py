@@ -398,17 +398,20 @@ class RunDriver(FeedMixin, PublishMixin):
         except Exception:
             _LOGGER.exception("run %s: store failure", run.id, extra={"run_id": run.id})
             message = message or UNEXPECTED_MESSAGE
-        if message in (CONTRACT_MESSAGE, STORE_MESSAGE, UNEXPECTED_MESSAGE) and self._trainer:
-            # The failure is the gateway's side: the trainer's job would run on for its detach
-            # grace, computing for nobody.
-            self._ctx.spawn(
-                asyncio.create_task(self._cancel_job(), name=f"gateway-cancel-{run.id}")
-            )
         if message is None:
             run.complete(self._ctx.now())
         else:
             run.fail(message, self._ctx.now())
         await self.finalize()
+        gateway_side = message in (CONTRACT_MESSAGE, STORE_MESSAGE, UNEXPECTED_MESSAGE)
+        if gateway_side and self._trainer and self.owned:
+            # The failure is the gateway's side: the trainer's job would run on for its detach
+            # grace, computing for nobody. Only once the end is ours: a replica that lost the
+            # run meanwhile (its stream ended because the new owner re-attached) leaves the
+            # job to that owner.
+            self._ctx.spawn(
+                asyncio.create_task(self._cancel_job(), name=f"gateway-cancel-{run.id}")
+            )
 
     def _failed(self, exc: TrainerError, trainer: str) -> str:
         """Looks a trainer failure up in ``FAILURES``: logs it and returns the user message."""

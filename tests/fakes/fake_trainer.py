@@ -5,7 +5,9 @@ slowly, only heartbeats, go silent, abort with a ``google.rpc.LocalizedMessage``
 break one contract rule, answer ``RESOURCE_EXHAUSTED`` (busy, or another kind), or hold at an
 episode until the test releases it or kills the server mid-stream. Like the real trainer it
 honours grants (``grant_through_episode``, ``Grant``; ``Script.ignore_grants`` turns that off),
-answers ``CancelJob``, and refuses re-attaches (``NOT_FOUND``: it keeps no detached jobs).
+answers ``CancelJob``, and takes re-attaches as the real trainer does while the job's stream is
+still open (that stream ends ``ABORTED``, the new one goes on after ``attach_after_episode``);
+it keeps no detached jobs, so any other re-attach is ``NOT_FOUND``.
 It runs on its own thread pool (sync server), so it
 is independent of the event loop of the gateway under test.
 """
@@ -183,6 +185,7 @@ class _Ended(threading.Event):
     def __init__(self, closed: threading.Event) -> None:
         super().__init__()
         self._closed = closed
+        self.superseded = False  # ended because another call re-attached to the job
 
     def is_set(self) -> bool:
         return super().is_set() or self._closed.is_set()
@@ -265,6 +268,8 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         self.granted: list[tuple[str, int]] = []  # every Grant call
         self.jobs_cancelled: list[str] = []  # every CancelJob call that found its run
         self._ended_by_run: dict[str, threading.Event] = {}
+        # run id -> (its script, its first request, the event of the call that streams it)
+        self._jobs: dict[str, tuple[Script, trainer_service_pb2.TrainRequest, _Ended]] = {}
         self.cancelled = 0
         self.active = 0
         self.sent = 0  # episodes sent over all calls
@@ -370,12 +375,8 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         self, request: trainer_service_pb2.TrainRequest, context: grpc.ServicerContext
     ) -> Iterator[trainer_service_pb2.TrainResponse]:
         if request.HasField("attach_after_episode"):
-            with self._cond:
-                self.requests.append(request)
-                self._cond.notify_all()
-            _abort_with(
-                context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
-            )
+            yield from self._attach(request, context)
+            return
         with self._cond:
             script = self.scripts.popleft() if self.scripts else self.default
             self.requests.append(request)
@@ -396,25 +397,62 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
             _abort_with(
                 context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot", ErrorReason.SLOTS_BUSY
             )
+        yield from self._serve(script, request, request, context)
+
+    def _attach(
+        self, request: trainer_service_pb2.TrainRequest, context: grpc.ServicerContext
+    ) -> Iterator[trainer_service_pb2.TrainResponse]:
+        """A re-attach: takes the job over from its open stream, or ``NOT_FOUND``."""
+        with self._cond:
+            self.requests.append(request)
+            job = self._jobs.get(request.run_id)
+            if job is not None:
+                self.active += 1  # this call holds the job's slot now; the old one gives it up
+            self._cond.notify_all()
+        if job is None:
+            _abort_with(
+                context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
+            )
+        script, first, previous = job
+        previous.superseded = True
+        previous.set()
+        yield from self._serve(script, first, request, context)
+
+    def _serve(
+        self,
+        script: Script,
+        first: trainer_service_pb2.TrainRequest,
+        request: trainer_service_pb2.TrainRequest,
+        context: grpc.ServicerContext,
+    ) -> Iterator[trainer_service_pb2.TrainResponse]:
+        """Plays the job of ``first`` (its task and config) on the call of ``request`` (the
+        same, or a re-attach), after the episode it attaches after."""
         ended = _Ended(self._closed)
         context.add_callback(ended.set)
         run_id = request.run_id
         with self._cond:
             self.grants[run_id] = 0 if script.ignore_grants else request.grant_through_episode
             self._ended_by_run[run_id] = ended
+            self._jobs[run_id] = (script, first, ended)
         try:
-            yield from self._play(script, request, context, ended)
+            yield from self._play(script, first, context, ended, request.attach_after_episode)
         finally:
             with self._cond:
                 if self._ended_by_run.get(run_id) is ended:
                     del self._ended_by_run[run_id]
+                    del self._jobs[run_id]
                     self.grants.pop(run_id, None)
                 self.active -= 1
                 # The callback fires at termination: set before this point only when the call
                 # was cancelled (or the server killed) while the script was still playing.
-                if ended.is_set():
+                if ended.is_set() and not ended.superseded:
                     self.cancelled += 1
                 self._cond.notify_all()
+        if ended.superseded:
+            context.abort(
+                grpc.StatusCode.ABORTED,
+                f"run {run_id}: another caller re-attached to this job; this stream ends",
+            )
 
     def _wait(
         self, script: Script, seconds: float, last: int, ended: threading.Event
@@ -451,12 +489,13 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         request: trainer_service_pb2.TrainRequest,
         context: grpc.ServicerContext,
         ended: threading.Event,
+        after: int = 0,
     ) -> Iterator[trainer_service_pb2.TrainResponse]:
         if script.silent:
             while not ended.wait(0.05):
                 pass
             return
-        yield _heartbeat(0, "loading")
+        yield _heartbeat(after, "loading")
         if script.heartbeats_only:
             while not ended.wait(script.heartbeat_interval):
                 yield _heartbeat(0, "loading")
@@ -469,6 +508,8 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         )
         for ep in source:
             n = ep.episode
+            if n <= after:
+                continue
             if ended.is_set():
                 return
             if script.abort_after is not None and n > script.abort_after:
