@@ -266,7 +266,10 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         self.requests: list[trainer_service_pb2.TrainRequest] = []
         self.grants: dict[str, int] = {}  # run id -> grant of its live call (0: none)
         self.granted: list[tuple[str, int]] = []  # every Grant call
-        self.jobs_cancelled: list[str] = []  # every CancelJob call that found its run
+        # Every CancelJob call's run, found or not: a stop cancels the stream and then the job,
+        # and where the real trainer keeps the job detached in between, this fake ends it with
+        # its stream, so which of the two arrives first is only a matter of timing here.
+        self.jobs_cancelled: list[str] = []
         self._ended_by_run: dict[str, threading.Event] = {}
         # run id -> (its script, its first request, the event of the call that streams it)
         self._jobs: dict[str, tuple[Script, trainer_service_pb2.TrainRequest, _Ended]] = {}
@@ -344,12 +347,12 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         self, request: trainer_service_pb2.CancelJobRequest, context: grpc.ServicerContext
     ) -> trainer_service_pb2.CancelJobResponse:
         with self._cond:
-            ended = self._ended_by_run.get(request.run_id)
-            if ended is None:
-                _abort_with(
-                    context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
-                )
             self.jobs_cancelled.append(request.run_id)
+            ended = self._ended_by_run.get(request.run_id)
+        if ended is None:
+            _abort_with(
+                context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
+            )
         ended.set()
         return trainer_service_pb2.CancelJobResponse()
 
