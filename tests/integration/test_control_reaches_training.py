@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -99,6 +100,22 @@ async def wait_state(
         await asyncio.sleep(0.05)
 
 
+async def held_at_grant(
+    stub: gateway_service_pb2_grpc.GatewayServiceStub, probe: TrainerProbe, run_id: str
+) -> tuple[int, pb.Run]:
+    """Waits until a paused run's job has trained all it was granted and the gateway has
+    received it; returns the job's last episode and the run then."""
+    deadline = time.monotonic() + 30
+    while True:
+        run = await get(stub, run_id)
+        granted = re.search(r"granted through (\d+)", run.state_detail)
+        trained = await probe.trained(run_id)
+        if granted and trained == int(granted[1]) == run.trainer_episode:
+            return trained, run
+        assert time.monotonic() < deadline, (trained, run.state_detail)
+        await asyncio.sleep(0.05)
+
+
 def lead_of(rate: float, lead_s: float = 2.0) -> int:
     return max(4, math.ceil(lead_s * rate))
 
@@ -142,9 +159,9 @@ async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
         async def paused_run() -> dict[str, float]:
             await asyncio.sleep(1.5)
             await stub.PauseRun(pb.PauseRunRequest(run_id=paused.id), timeout=TIMEOUT)
-            await asyncio.sleep(0.5)  # a grant that was in flight lands
-            before = await probe.trained(paused.id)
-            run_before = await get(stub, paused.id)
+            # The trainer finishes the credit it already had (a loaded machine may leave a
+            # whole lead of it), then holds: wait for that, not for a fixed time.
+            before, run_before = await held_at_grant(stub, probe, paused.id)
             await asyncio.sleep(5.0)
             after = await probe.trained(paused.id)
             run_after = await get(stub, paused.id)
@@ -210,6 +227,41 @@ async def test_kill_9_of_the_gateway_mid_run_and_a_restart_finish_the_run(
     text = log.read_text()
     assert f"run {run_id}: re-attaching to its job on {trainer} after episode" in text
     assert "Traceback" not in text
+
+
+async def test_a_restart_while_the_last_episodes_wait_for_their_time_loses_none(
+    trainer: str, tmp_path: Path
+) -> None:
+    # Paced at 2/s with a 4-episode lead, the trainer finishes (its end delivered) while the
+    # gateway still holds the last episodes in memory for their time. A gateway restarted then
+    # re-attaches to the finished job and gets them again (it did not: the run failed).
+    db, log = tmp_path / "gw.sqlite3", tmp_path / "gateway.log"
+    async with gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (proc, address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            run_id = (
+                await stub.CreateRun(
+                    create_request(max_episodes=10, episodes_per_second=2), timeout=TIMEOUT
+                )
+            ).run.id
+            deadline = time.monotonic() + 60
+            while (await get(stub, run_id)).trainer_episode < 10:  # the trainer has finished
+                assert time.monotonic() < deadline, await get(stub, run_id)
+                await asyncio.sleep(0.05)
+            held = (await stub.PauseRun(pb.PauseRunRequest(run_id=run_id), timeout=TIMEOUT)).run
+            assert held.state == State.STATE_PAUSED and held.episode < 10, held
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    async with (
+        gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (_, address),
+        grpc.aio.insecure_channel(address) as channel,
+    ):
+        stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+        await stub.ResumeRun(pb.ResumeRunRequest(run_id=run_id), timeout=TIMEOUT)
+        done = await collect(stub, run_id, timeout=60)
+    assert done.numbers == list(range(1, 11)), "every episode exactly once"
+    assert done.finished is not None and done.finished.state == State.STATE_DONE
+    assert "Traceback" not in log.read_text()
 
 
 async def test_sigterm_and_restart_keep_pending_running_and_paused_runs(

@@ -130,8 +130,8 @@ def test_a_broken_stream_leaves_the_job_blocked_and_a_reattach_continues_exactly
     assert [e.episode for e in rest] == list(range(3, 31))
     assert rest[-1].done
     runner.detach(again)
-    assert runner.live_jobs == 0
     assert runner.wait_idle(WAIT) and runner.slots.free == 1
+    assert runner.live_jobs == 1  # its end delivered, kept for a replay (next test)
 
 
 def test_reattach_keeps_the_grant_with_zero_and_refuses_other_tasks() -> None:
@@ -206,7 +206,41 @@ def test_a_job_that_finished_while_detached_delivers_its_tail_on_reattach() -> N
     again = runner.attach(attach_request(after=1, max_episodes=5))
     assert [e.episode for e in again.events() if isinstance(e, episode_pb2.Episode)] == [2, 3, 4, 5]
     runner.detach(again)
-    assert runner.live_jobs == 0
+    assert runner.live_jobs == 1
+
+
+def test_a_delivered_end_can_be_replayed_within_the_grace_then_the_job_leaves() -> None:
+    # A gateway receives a paced run's last episodes before their time, so it may restart
+    # having stored fewer than it received: the trainer replays them, computing nothing.
+    provider = Recording()
+    runner = runner_for(provider, detach_grace_s=0.5)
+    stream = runner.start(granted(grant=10, max_episodes=5))
+    delivered = [e.episode for e in stream.events() if isinstance(e, episode_pb2.Episode)]
+    assert delivered == [1, 2, 3, 4, 5]
+    runner.detach(stream)
+    assert runner.wait_idle(WAIT) and runner.slots.free == 1 and runner.live_jobs == 1
+    again = runner.attach(attach_request(after=3, max_episodes=5))
+    replayed = [e for e in again.events() if isinstance(e, episode_pb2.Episode)]
+    assert [e.episode for e in replayed] == [4, 5] and replayed[-1].done
+    assert provider.made == [1, 2, 3, 4, 5], "a replay computes nothing"
+    runner.detach(again)
+    deadline = time.monotonic() + WAIT
+    while runner.live_jobs:  # gone after the grace
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(JobNotFound):
+        runner.attach(attach_request(after=3, max_episodes=5))
+
+
+def test_a_new_train_replaces_a_finished_job_kept_for_a_replay() -> None:
+    runner = runner_for(FakeProvider())
+    stream = runner.start(granted(grant=10, max_episodes=3))
+    assert len([e for e in stream.events() if isinstance(e, episode_pb2.Episode)]) == 3
+    runner.detach(stream)
+    assert runner.wait_idle(WAIT) and runner.live_jobs == 1
+    again = runner.start(granted(grant=10, max_episodes=3))
+    assert [e.episode for e in again.events() if isinstance(e, episode_pb2.Episode)] == [1, 2, 3]
+    runner.detach(again)
 
 
 def test_without_a_grant_the_job_runs_free_up_to_its_queue() -> None:

@@ -2,11 +2,13 @@
 by run id to grant them credit, cancel them and re-attach streams to them.
 
 Jobs (``trainer_service.core.job``) run their providers in threads they own. The runner keeps a
-table of live jobs by run id: a job enters it when it starts and leaves it once a stream has
-delivered its end, once it is cancelled, or once it stayed detached (no stream attached, its
-end not delivered) for ``detach_grace_s`` seconds, after which it is cancelled. Only a job with
-a grant (one a gateway started) is kept detached; a job without one (direct use: grpcurl, a
-script) is cancelled as soon as its stream ends, as nobody will re-attach to it. The slots are
+table of jobs by run id: a job enters it when it starts and leaves it once it is cancelled, or
+once it stayed detached (no stream attached) for ``detach_grace_s`` seconds: one whose end was
+not delivered is then cancelled; one whose end was delivered (it computes nothing more, its
+slots are free) is kept that long too, so a gateway that restarted before storing what it
+received can re-attach and have the held episodes and the end again. Only a job with a grant
+(one a gateway started) is kept; a job without one (direct use: grpcurl, a script) leaves as
+soon as its stream ends (cancelled if unfinished), as nobody will re-attach to it. The slots are
 released by the job's own thread once its provider has stopped, whatever the outcome.
 
 A job takes as many slots as its provider's ``slots_needed(task)`` says (one per process it
@@ -213,8 +215,11 @@ class JobRunner:
                 raise InvalidRequest(run_id, violations)
         needed = self._slots_needed(run_id, provider, kind, request)
         with self._cond:
-            if run_id in self._live:
-                raise JobExists(run_id)
+            existing = self._live.get(run_id)
+            if existing is not None:
+                if not (existing.stopped and not existing.attached):
+                    raise JobExists(run_id)
+                self._retire(existing)  # a finished job kept for a replay: a new one replaces it
             slots = self.slots.try_acquire(needed)
             if slots is None:
                 raise NoFreeSlot(run_id, self.slots.total)
@@ -385,18 +390,18 @@ class JobRunner:
         return job.produced
 
     def detach(self, stream: JobStream) -> None:
-        """Called when a stream's RPC ended for any reason. A job left undelivered (its stream
-        broke) stays live for ``detach_grace_s`` seconds, then is cancelled; a delivered job
-        leaves the table."""
+        """Called when a stream's RPC ended for any reason. A job with a grant stays in the
+        table for ``detach_grace_s`` seconds for a re-attach: one left undelivered (its stream
+        broke) is then cancelled; a delivered one (its end went out) computes nothing more, but
+        its held episodes and its end can still be replayed, for a gateway that received them
+        and restarted before it had stored them all (a paced run's last episodes wait in the
+        gateway's memory until their time comes). Any other job leaves the table at once."""
         job = stream.job
         undelivered = job.detach(stream)
         if undelivered is None:
             return  # detached before, or replaced by a re-attach
         with self._cond:
             if self._live.get(job.run_id) is not job:
-                return
-            if not undelivered:
-                self._retire(job)
                 return
             grace = self.settings.detach_grace_s
             # A job without a grant is direct use (grpcurl, a script): nobody will re-attach.
@@ -410,15 +415,17 @@ class JobRunner:
                     old.cancel()
                 self._expiry[job.run_id] = timer
                 timer.start()
-                _LOGGER.info(
-                    "run %s: stream broke at episode %d; job kept %g s for a re-attach",
-                    job.run_id,
-                    stream.cursor,
-                    grace,
-                    extra={"run_id": job.run_id},
-                )
+                if undelivered:
+                    _LOGGER.info(
+                        "run %s: stream broke at episode %d; job kept %g s for a re-attach",
+                        job.run_id,
+                        stream.cursor,
+                        grace,
+                        extra={"run_id": job.run_id},
+                    )
                 return
-        job.cancel("cancelled")
+        if undelivered:
+            job.cancel("cancelled")
 
     def _expire(self, job: RunningJob) -> None:
         with self._cond:
