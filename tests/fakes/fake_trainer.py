@@ -408,10 +408,12 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         """A re-attach: takes the job over from its open stream, or ``NOT_FOUND``."""
         with self._cond:
             self.requests.append(request)
-            job = self._jobs.get(request.run_id)
+            job = None if self._closed.is_set() else self._jobs.get(request.run_id)
             if job is not None:
                 self.active += 1  # this call holds the job's slot now; the old one gives it up
             self._cond.notify_all()
+        if self._closed.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the fake trainer is going away")
         if job is None:
             _abort_with(
                 context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
@@ -456,6 +458,8 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
                 grpc.StatusCode.ABORTED,
                 f"run {run_id}: another caller re-attached to this job; this stream ends",
             )
+        if self._closed.is_set():  # killed: a dying server's streams break, none ends OK
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the fake trainer is going away")
 
     def _wait(
         self, script: Script, seconds: float, last: int, ended: threading.Event
