@@ -43,7 +43,7 @@ import psycopg  # noqa: E402
 
 from gateway.core.runs import RunState, TrainingRun  # noqa: E402
 from gateway.core.store import EpisodeRecord, PostgresStore, SqliteStore, Store  # noqa: E402
-from gateway.core.store.sqlite import _RUN_COLUMNS  # noqa: E402
+from gateway.core.store.sqlite import _RUN_COLUMNS, _run_values  # noqa: E402
 from gateway.core.store.sqlite_backend import SqliteBackend  # noqa: E402
 from tests.fakes.fake_trainer import valid_episodes  # noqa: E402
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc  # noqa: E402
@@ -85,30 +85,6 @@ def _run(run_id: str, episodes: int, state: RunState = RunState.DONE) -> Trainin
     return run
 
 
-def _row(run: TrainingRun) -> tuple[object, ...]:
-    return (
-        run.id,
-        None,
-        int(run.state),
-        "",
-        run.speed,
-        run.episodes_per_second,
-        run.episode,
-        run.reward,
-        run.best_reward,
-        run.task.SerializeToString(),
-        run.config.SerializeToString(),
-        run.create_time,
-        run.start_time,
-        run.end_time,
-        run.display_name,
-        run.trainer,
-        run.trainer_episode,
-        "",
-        "",
-    )
-
-
 def _fill_runs() -> list[TrainingRun]:
     runs = [_run(f"r{i:05d}", EPISODES_PER_RUN) for i in range(RUNS)]
     return [*runs, _run("big-done", BIG), _run("big-live", BIG, RunState.RUNNING)]
@@ -145,7 +121,7 @@ async def fill_postgres(url: str) -> float:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         async with conn.cursor() as cur, cur.copy(f"COPY runs ({columns}) FROM STDIN") as copy:
             for run in _fill_runs():
-                await copy.write_row(_row(run))
+                await copy.write_row(_run_values(run))
         for table, count in (("small", EPISODES_PER_RUN), ("big", BIG)):
             await conn.execute(f"CREATE TEMP TABLE {table} (episode int, data bytea)")
             async with conn.cursor() as cur, cur.copy(f"COPY {table} FROM STDIN") as copy:
@@ -182,7 +158,7 @@ def fill_sqlite(path: str) -> float:
     runs = [r for r in _fill_runs() if r.id != "big-live"]  # one gateway: it would recover it
     conn.executemany(
         f"INSERT INTO runs ({_RUN_COLUMNS.removeprefix('seq, ')}) VALUES ({marks})",
-        [_row(r) for r in runs],
+        [_run_values(r) for r in runs],
     )
     small, big = _episodes(EPISODES_PER_RUN), _episodes(BIG)
     conn.executemany(

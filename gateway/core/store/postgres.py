@@ -44,7 +44,7 @@ from gateway.core.store.base import (
     StoreWriteFailed,
 )
 from gateway.core.store.postgres_schema import SCHEMA_VERSION, upgrade
-from gateway.core.store.sqlite import _RUN_COLUMNS, _run_from_row
+from gateway.core.store.sqlite import _RUN_COLUMNS, _run_from_row, _run_values
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -267,27 +267,7 @@ class PostgresStore:
         Raises:
             DuplicateRequest: another run has its ``request_id``.
         """
-        values = (
-            run.id,
-            run.request_id or None,
-            int(run.state),
-            run.error_message,
-            run.speed,
-            run.episodes_per_second,
-            run.episode,
-            run.reward,
-            run.best_reward,
-            run.task.SerializeToString(),
-            run.config.SerializeToString(),
-            run.create_time,
-            run.start_time,
-            run.end_time,
-            run.display_name,
-            run.trainer,
-            run.trainer_episode,
-            run.creator,
-            run.request_hash,
-        )
+        values = _run_values(run)
         columns = _RUN_COLUMNS.removeprefix("seq, ")
 
         async def go(conn: psycopg.AsyncConnection) -> int:

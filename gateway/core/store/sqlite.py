@@ -83,6 +83,32 @@ def _checkpoint(conn: sqlite3.Connection) -> tuple[int, int, int]:
     return int(busy), int(frames), int(copied)
 
 
+def _run_values(run: TrainingRun) -> tuple[Any, ...]:
+    """A run's row in the order of ``_RUN_COLUMNS`` without ``seq`` (the inverse of
+    ``_run_from_row``), for an INSERT or a COPY."""
+    return (
+        run.id,
+        run.request_id or None,
+        int(run.state),
+        run.error_message,
+        run.speed,
+        run.episodes_per_second,
+        run.episode,
+        run.reward,
+        run.best_reward,
+        run.task.SerializeToString(),
+        run.config.SerializeToString(),
+        run.create_time,
+        run.start_time,
+        run.end_time,
+        run.display_name,
+        run.trainer,
+        run.trainer_episode,
+        run.creator,
+        run.request_hash,
+    )
+
+
 def _run_from_row(row: Sequence[Any]) -> TrainingRun:
     task = episode_pb2.TrainTask.FromString(row[10])
     config = episode_pb2.TrainConfig.FromString(row[11])
@@ -222,27 +248,7 @@ class SqliteStore:
         cur = self._conn.execute(
             f"INSERT INTO runs ({_RUN_COLUMNS}) "
             "VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (
-                run.id,
-                run.request_id or None,
-                int(run.state),
-                run.error_message,
-                run.speed,
-                run.episodes_per_second,
-                run.episode,
-                run.reward,
-                run.best_reward,
-                run.task.SerializeToString(),
-                run.config.SerializeToString(),
-                run.create_time,
-                run.start_time,
-                run.end_time,
-                run.display_name,
-                run.trainer,
-                run.trainer_episode,
-                run.creator,
-                run.request_hash,
-            ),
+            _run_values(run),
         )
         seq = cur.lastrowid
         assert seq is not None
