@@ -22,11 +22,15 @@ Contract every backend keeps:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.core.runs import RunState, TrainingRun
+
+_LOGGER = logging.getLogger(__name__)
 
 #: What a run fails with, for users, when its history cannot be saved.
 STORE_MESSAGE = "The gateway could not save this run's history (disk full or not writable)."
@@ -88,6 +92,63 @@ class DuplicateRequest(Exception):
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request_id {request_id!r} is taken")
         self.request_id = request_id
+
+
+class Writability:
+    """Whether a store can be written, the same for every database: on until a write fails,
+    then off, with a probe write every ``interval_s`` seconds until one succeeds. Every change
+    is logged once and told to the listeners (``Store.on_writable``).
+
+    Args:
+        where: The database, as logs name it.
+        probe_write: A small write; returns whether it succeeded.
+        interval_s: Seconds between two probes.
+    """
+
+    def __init__(
+        self, where: str, probe_write: Callable[[], Awaitable[bool]], interval_s: float
+    ) -> None:
+        self.where = where
+        self.writable = True
+        self._probe_write = probe_write
+        self._interval_s = interval_s
+        self._listeners: list[Callable[[bool], None]] = []
+        self._probe: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def on_change(self, callback: Callable[[bool], None]) -> None:
+        """Registers ``callback(writable)`` for every change."""
+        self._listeners.append(callback)
+
+    def set(self, writable: bool, why: str = "") -> None:
+        """Records a write's outcome (``why``: the failure); off starts the probes."""
+        if writable == self.writable:
+            return
+        self.writable = writable
+        if writable:
+            _LOGGER.info("the database %s can be written again", self.where)
+        else:
+            _LOGGER.error("the database %s cannot be written: %s", self.where, why)
+            if (self._probe is None or self._probe.done()) and not self._closed:
+                self._probe = asyncio.get_running_loop().create_task(
+                    self._probe_loop(), name="gateway-store-probe"
+                )
+        for listener in self._listeners:
+            listener(writable)
+
+    async def _probe_loop(self) -> None:
+        while not self.writable:
+            await asyncio.sleep(self._interval_s)
+            if await self._probe_write():
+                self.set(True)
+
+    async def close(self) -> None:
+        """Stops the probes (for good)."""
+        self._closed = True
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+            self._probe = None
 
 
 class Store(Protocol):

@@ -42,6 +42,7 @@ from gateway.core.store.base import (
     EpisodeRecord,
     NotOwner,
     StoreWriteFailed,
+    Writability,
 )
 from gateway.core.store.postgres_schema import SCHEMA_VERSION, upgrade
 from gateway.core.store.sqlite import _RUN_COLUMNS, _run_from_row, _run_values
@@ -127,9 +128,7 @@ class PostgresStore:
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
-        self._writable = True
-        self._listeners: list[Callable[[bool], None]] = []
-        self._probe: asyncio.Task[None] | None = None
+        self._writability = Writability(self.where, self._probe_write, PROBE_INTERVAL_S)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -169,9 +168,7 @@ class PostgresStore:
         """Commits what is queued and closes the pool."""
         self._closing = True
         self._wake.set()
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
+        await self._writability.close()
         if self._writer is not None:
             await asyncio.gather(self._writer, return_exceptions=True)
             self._writer = None
@@ -221,43 +218,25 @@ class PostgresStore:
     @property
     def writable(self) -> bool:
         """False after a write failed, until a probe write succeeds."""
-        return self._writable
+        return self._writability.writable
 
     def on_writable(self, callback: Callable[[bool], None]) -> None:
         """Registers ``callback(writable)`` for every change."""
-        self._listeners.append(callback)
+        self._writability.on_change(callback)
 
     def _set_writable(self, writable: bool, why: str = "") -> None:
-        if writable == self._writable:
-            return
-        self._writable = writable
-        if writable:
-            _LOGGER.info("the database %s can be written again", self.where)
-        else:
-            _LOGGER.error("the database %s cannot be written: %s", self.where, why)
-            if (self._probe is None or self._probe.done()) and not self._closing:
-                self._probe = asyncio.get_running_loop().create_task(
-                    self._probe_loop(), name="gateway-store-probe"
-                )
-        for listener in self._listeners:
-            listener(writable)
+        self._writability.set(writable, why)
 
-    async def _probe_loop(self) -> None:
-        while not self._writable:
-            await asyncio.sleep(PROBE_INTERVAL_S)
-
-            async def probe(conn: psycopg.AsyncConnection) -> None:
+    async def _probe_write(self) -> bool:
+        try:
+            assert self.pool is not None
+            async with self.pool.connection(timeout=PROBE_INTERVAL_S) as conn:
                 await conn.execute(
                     "UPDATE trainwire_meta SET value = value WHERE key = 'schema_version'"
                 )
-
-            try:
-                assert self.pool is not None
-                async with self.pool.connection(timeout=PROBE_INTERVAL_S) as conn:
-                    await probe(conn)
-            except Exception:
-                continue
-            self._set_writable(True)
+        except Exception:
+            return False
+        return True
 
     # -- runs --------------------------------------------------------------------------------
 

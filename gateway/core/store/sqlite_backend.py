@@ -16,7 +16,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gateway.core.runs import RunState, TrainingRun
-from gateway.core.store.base import DuplicateRequest, EpisodeRecord, StoreWriteFailed
+from gateway.core.store.base import (
+    DuplicateRequest,
+    EpisodeRecord,
+    StoreWriteFailed,
+    Writability,
+)
 from gateway.core.store.sqlite import SqliteStore
 from gateway.core.store.sqlite_thread import StoreThread
 
@@ -55,9 +60,7 @@ class SqliteBackend:
         self._on_commit = on_commit
         self._wal_limit_bytes = wal_limit_bytes
         self._thread: StoreThread | None = None
-        self._writable = True
-        self._listeners: list[Callable[[bool], None]] = []
-        self._probe: asyncio.Task[None] | None = None
+        self._writability = Writability(path, self._probe_write, PROBE_INTERVAL_S)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -73,10 +76,7 @@ class SqliteBackend:
 
     async def close(self) -> None:
         """Commits what is queued, stops the thread, closes the database."""
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
-            self._probe = None
+        await self._writability.close()
         if self._thread is not None:
             await self._thread.close()
 
@@ -85,35 +85,21 @@ class SqliteBackend:
     @property
     def writable(self) -> bool:
         """False after a write failed, until a write succeeds again."""
-        return self._writable
+        return self._writability.writable
 
     def on_writable(self, callback: Callable[[bool], None]) -> None:
         """Registers ``callback(writable)`` for every change."""
-        self._listeners.append(callback)
+        self._writability.on_change(callback)
 
     def _set_writable(self, writable: bool, why: str = "") -> None:
-        if writable == self._writable:
-            return
-        self._writable = writable
-        if writable:
-            _LOGGER.info("the database %s can be written again", self.path)
-        else:
-            _LOGGER.error("the database %s cannot be written: %s", self.path, why)
-            if self._probe is None or self._probe.done():
-                self._probe = asyncio.get_running_loop().create_task(
-                    self._probe_loop(), name="gateway-store-probe"
-                )
-        for listener in self._listeners:
-            listener(writable)
+        self._writability.set(writable, why)
 
-    async def _probe_loop(self) -> None:
-        while not self._writable:
-            await asyncio.sleep(PROBE_INTERVAL_S)
-            try:
-                await self._call(SqliteStore.probe_write)
-            except StoreWriteFailed:
-                continue
-            self._set_writable(True)
+    async def _probe_write(self) -> bool:
+        try:
+            await self._call(SqliteStore.probe_write)
+        except StoreWriteFailed:
+            return False
+        return True
 
     # -- operations --------------------------------------------------------------------------
 
