@@ -14,8 +14,6 @@ import os
 import pathlib
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +22,7 @@ import grpc
 import psutil
 import pytest
 
+from tests.fakes.gateway_harness import trainer_process
 from tests.fakes.trainer_harness import RunningTrainer, running_trainer
 from tests.grpo_fixtures import grpo_data_root, tiny_grpo_task
 from trainer_service.testing import imitation_request
@@ -33,7 +32,6 @@ from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_g
 
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = "trainer_service.providers.grpo.worker"
 RPC_TIMEOUT_S = 180.0
 #: The promise: a job's processes are gone this soon after a cancel, a crash or a killed trainer.
@@ -240,26 +238,14 @@ def test_cancel_stops_every_rank_within_one_step_and_frees_the_slots(
 def test_kill_9_of_the_trainer_leaves_no_process_of_the_job(
     grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    with (tmp_path / "trainer.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "trainer_service", "--port", "0", "--slots", "2"),
-                *("--device", "cpu", "--data-root", str(grpo_data_root)),
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=log,
-        )
+    log = tmp_path / "trainer.log"
     processes: list[psutil.Process] = []
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        assert line.startswith("trainer listening on "), line
-        port = int(line.rsplit(":", 1)[1])
-        # One DataLoader worker per rank: each rank has a fork server and a worker below it.
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with (
+            trainer_process(log, "--data-root", str(grpo_data_root), slots=2) as (proc, address),
+            grpc.insecure_channel(address) as channel,
+        ):
+            # One DataLoader worker per rank: each rank has a fork server and a worker below it.
             stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
             call = stub.Train(_grpo_request("run-kill", steps=500, workers=1), timeout=300)
             _first_episode(call)
@@ -275,11 +261,6 @@ def test_kill_9_of_the_trainer_leaves_no_process_of_the_job(
             call.cancel()
         print(f"kill -9 of the trainer: every process of the job gone after {took:.2f} s")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         for process in processes:
             if _alive(process):
                 process.kill()
-        if proc.stdout is not None:
-            proc.stdout.close()
