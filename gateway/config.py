@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from trainwire.contract import check_episode_rate
 from trainwire.logs import LOG_FORMATS
-from trainwire_ops.settings import option
+from trainwire_ops.settings import option, port_or_off
 from trainwire_ops.tls import check_plaintext_bind
 
 DEFAULT_DB = "var/trainwire.sqlite3"
@@ -24,13 +24,6 @@ _LOGS = "logging"
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _port_or_off(text: str) -> int | None:
-    """A port; -1 (or an empty value) turns the endpoint off."""
-    if text.strip() in ("", "-1"):
-        return None
-    return int(text)
 
 
 @dataclass(frozen=True)
@@ -108,13 +101,13 @@ class GatewayConfig:
         None,
         "serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0 picks a free port; "
         "-1 or none: off)",
-        parse=_port_or_off,
+        parse=port_or_off,
     )
     http_port: int | None = option(
         None,
         "serve the page, the JSON API and event streams at http://HOST:PORT (0 picks a free "
         "port; -1: off)",
-        parse=_port_or_off,
+        parse=port_or_off,
         cli_default=DEFAULT_HTTP_PORT,
     )
     metrics_host: str = option(

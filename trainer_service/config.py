@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from trainwire.logs import LOG_FORMATS, parse_level
 from trainwire_ops.addresses import host_port
-from trainwire_ops.settings import option
+from trainwire_ops.settings import option, port_or_off
 from trainwire_ops.tls import check_plaintext_bind
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -31,13 +31,6 @@ def parse_slots(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise ValueError("neither auto nor a number") from None
-
-
-def _port_or_off(text: str) -> int | None:
-    """A port; -1 (or an empty value) turns the endpoint off."""
-    if text.strip() in ("", "-1"):
-        return None
-    return int(text)
 
 
 @dataclass(frozen=True)
@@ -82,7 +75,7 @@ class TrainerConfig:
         "serve Prometheus metrics at http://HOST:PORT/metrics on this port (0 picks a free "
         "one; -1 or none: off)",
         metavar="PORT",
-        parse=_port_or_off,
+        parse=port_or_off,
     )
     metrics_host: str = option(
         "127.0.0.1", "interface of the metrics endpoint (loopback unless you say otherwise)"

@@ -67,6 +67,13 @@ def option(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def port_or_off(text: str) -> int | None:
+    """A port flag's value: a port, or -1 (or an empty value) for an endpoint that is off."""
+    if text.strip() in ("", "-1"):
+        return None
+    return int(text)
+
+
 def flag_of(field: dataclasses.Field[Any]) -> str:
     """The flag of a config field."""
     declared = field.metadata.get("flag")
