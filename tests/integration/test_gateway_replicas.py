@@ -60,6 +60,17 @@ class StartCounter(FakeTrainer):
             yield response
 
 
+async def _give_to_a_ghost(replica: Any, run_id: str) -> None:
+    """Hands the run to a replica that is gone, its lease expired: the replica driving it has
+    lost it, and a live replica takes it over."""
+    store = replica.gateway.core._store
+    async with store.pool.connection() as conn:
+        await conn.execute(
+            "UPDATE runs SET owner = 'ghost', lease_until = now() - interval '1 s' WHERE id = %s",
+            (run_id,),
+        )
+
+
 async def wait_state(client: Client, run_id: str, state: int, timeout: float = 30) -> pb.Run:
     deadline = time.monotonic() + timeout
     while True:
@@ -231,13 +242,7 @@ async def test_a_replica_that_lost_its_lease_stops_driving_and_its_watchers_go_o
             await asyncio.sleep(1.0)
             # A stalled past its lease and a replica that is gone now took the run: A finds it
             # lost and stops driving it; then a live replica takes it over from the "ghost".
-            store = a.gateway.core._store  # type: ignore[union-attr]
-            async with store.pool.connection() as conn:  # type: ignore[attr-defined]
-                await conn.execute(
-                    "UPDATE runs SET owner = 'ghost', lease_until = now() - interval '1 s' "
-                    "WHERE id = %s",
-                    (run.id,),
-                )
+            await _give_to_a_ghost(a, run.id)
             result = await watch
             assert result.numbers == list(range(1, 301)), "every episode exactly once"
             assert result.finished is not None and result.finished.state == State.STATE_DONE
@@ -273,13 +278,7 @@ async def test_a_lease_lost_before_the_first_episode_hands_the_run_and_its_watch
         await wait_state(a, run.id, State.STATE_RUNNING)
         watch = asyncio.create_task(collect(a.stub, run.id, timeout=60))
         await asyncio.sleep(0.5)  # the watcher is attached to A's live log
-        store = a.gateway.core._store  # type: ignore[union-attr]
-        async with store.pool.connection() as conn:  # type: ignore[attr-defined]
-            await conn.execute(
-                "UPDATE runs SET owner = 'ghost', lease_until = now() - interval '1 s' "
-                "WHERE id = %s",
-                (run.id,),
-            )
+        await _give_to_a_ghost(a, run.id)
         async with running_gateway(trainers, db=postgres_url, **REPLICA) as b:
             lost = f"run {run.id}: another gateway replica drives it now"
             deadline = time.monotonic() + 60
