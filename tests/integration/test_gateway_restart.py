@@ -68,16 +68,21 @@ async def test_kill_9_mid_run_loses_nothing_a_watcher_saw(
     # (The exit status is not asserted: asyncio's child watcher may report 255 for a SIGKILLed
     # child; the broken stream above is the proof that the process died.)
     assert seen.numbers == list(range(1, len(seen.numbers) + 1))
+    # The fake takes a re-attach over while the dead gateway's stream is still open at its end
+    # (as the real trainer does), and on a loaded machine it may not have seen the reset yet:
+    # wait until it has, so that this restart meets a trainer without the job.
+    await asyncio.to_thread(fake.wait_idle)
     async with (
         gateway_process(fake.address, db, log) as (_, address),
         grpc.aio.insecure_channel(address) as channel,
     ):
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+        # The re-attach runs after the gateway starts serving: watch to the run's end first.
+        replay = await collect(stub, run_id)
         run = (await stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=TIMEOUT)).run
         assert run.state == State.STATE_ERROR
         assert run.error_message == INTERRUPTED_MESSAGE
         assert run.episode >= len(seen.episodes)
-        replay = await collect(stub, run_id)
         assert replay.numbers == list(range(1, run.episode + 1))
         seen_bytes = [e.SerializeToString(deterministic=True) for e in seen.episodes]
         replay_bytes = [e.SerializeToString(deterministic=True) for e in replay.episodes]
