@@ -144,7 +144,7 @@ class ServerTls:
         self._generation = 0
         self._material = _load(self.cert, self.key, self.client_ca)
         self._config = self._grpc_config(self._material)
-        self._contexts: list[ssl.SSLContext] = []
+        self._http: ssl.SSLContext | None = None  # what new HTTP connections use
 
     @property
     def mutual(self) -> bool:
@@ -178,17 +178,34 @@ class ServerTls:
             initial, fetch, require_client_authentication=self.mutual
         )
 
-    def ssl_context(self) -> ssl.SSLContext:
-        """An ``ssl`` server context of the same files (the gateway's HTTP side); ``reload``
-        loads the new certificate into it, for new connections."""
+    def _build_ssl_context(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(self.cert, self.key)
         if self.client_ca is not None:
             context.load_verify_locations(cafile=self.client_ca)
             context.verify_mode = ssl.CERT_REQUIRED
-        self._contexts.append(context)
         return context
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """An ``ssl`` server context of the same files (the gateway's HTTP side) that follows
+        ``reload``: each new connection is moved, as its handshake starts (the server-name
+        callback, which runs with or without SNI), onto a context built from the files as
+        last loaded, so a reload replaces the certificate and the client CAs alike. Open
+        connections keep theirs."""
+        with self._lock:
+            if self._http is None:
+                self._http = self._build_ssl_context()
+        front = self._build_ssl_context()
+        front.sni_callback = self._to_current
+        return front
+
+    def _to_current(
+        self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext
+    ) -> None:
+        current = self._http
+        if current is not None:
+            connection.context = current
 
     def reload(self) -> bool:
         """Re-reads the files. New connections get the new certificate (and client CA); open
@@ -200,18 +217,15 @@ class ServerTls:
         try:
             material = _load(self.cert, self.key, self.client_ca)
             config = self._grpc_config(material)
-            for context in self._contexts:
-                context.load_cert_chain(self.cert, self.key)
-                if self.client_ca is not None:
-                    # An ssl context only adds CAs: one taken out of the file stays trusted by
-                    # the HTTP side until a restart (gRPC's set is replaced).
-                    context.load_verify_locations(cafile=self.client_ca)
+            http = self._build_ssl_context() if self._http is not None else None
         except (TlsFileError, ssl.SSLError, OSError) as exc:
             _LOGGER.error("TLS reload failed; still serving the previous certificate: %s", exc)
             return False
         with self._lock:
             self._material, self._config = material, config
             self._generation += 1
+            if http is not None:
+                self._http = http
         _LOGGER.info("TLS certificate reloaded from %s (new connections use it)", self.cert)
         return True
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ssl
 from pathlib import Path
 
 import pytest
 
-from tests.security_fixtures import Pki
+from tests.security_fixtures import CertFiles, Pki
 from trainwire.tls import describe_connection_failure
 from trainwire_ops.tls import (
     PlaintextRefused,
@@ -102,3 +105,46 @@ def test_a_closed_handshake_suggests_a_client_certificate() -> None:
         )
         is None
     )
+
+
+async def _handshake(port: int, pki: Pki, client: CertFiles) -> str:
+    """Opens a TLS connection with ``client``'s certificate; "ok" or the error's class."""
+    context = ssl.create_default_context(cafile=pki.ca_file)
+    context.load_cert_chain(client.cert, client.key)
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.1", port, ssl=context), 10
+        )
+        # TLS 1.3 reports a refused client certificate on the first read, not the handshake.
+        answer = await asyncio.wait_for(reader.read(2), 10)
+        writer.close()
+        return answer.decode() or "closed"
+    except (ssl.SSLError, ConnectionError) as exc:
+        return type(exc).__name__
+
+
+async def test_a_reload_replaces_the_http_side_client_cas_not_only_adds(tmp_path: Path) -> None:
+    pki = Pki(tmp_path)
+    other = Pki(tmp_path / "other", "other")
+    client_ca = tmp_path / "clients.pem"
+    client_ca.write_bytes(pki.ca_pem())
+    tls = ServerTls(pki.server.cert, pki.server.key, client_ca)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"ok")
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            await writer.drain()
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=tls.ssl_context())
+    port = server.sockets[0].getsockname()[1]
+    try:
+        assert await _handshake(port, pki, pki.client) == "ok"
+        assert await _handshake(port, pki, other.client) != "ok"
+        client_ca.write_bytes(other.ca_pem())  # the old CA taken out, a new one in
+        assert tls.reload() is True
+        assert await _handshake(port, pki, other.client) == "ok"
+        assert await _handshake(port, pki, pki.client) != "ok", "the removed CA is still trusted"
+    finally:
+        server.close()
+        await server.wait_closed()
