@@ -4,6 +4,7 @@ core's ``TrainerError`` kinds."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -135,6 +136,9 @@ class _GrpcTrainerStream:
 class GrpcTrainerConnector:
     """Reaches trainers over gRPC, one channel per address (created on first use).
 
+    New credentials (a certificate reload) retire the channels in use: a retired channel is
+    closed as soon as its last call ends, so each reload costs nothing once its streams are over.
+
     Args:
         credentials: TLS (and a client certificate for trainers that require one); plaintext
             without.
@@ -143,18 +147,39 @@ class GrpcTrainerConnector:
     def __init__(self, credentials: grpc.ChannelCredentials | None = None) -> None:
         self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._retired: list[grpc.aio.Channel] = []
         self._stubs: dict[str, trainer_service_pb2_grpc.TrainerServiceStub] = {}
+        self._calls: dict[grpc.aio.Channel, int] = {}  # calls not yet ended, per channel
+        self._retired: set[grpc.aio.Channel] = set()  # replaced, closed when their calls end
+        self._closing: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
 
     def set_credentials(self, credentials: grpc.ChannelCredentials) -> None:
         """New credentials (re-read certificates): later calls go over new channels with them;
-        calls open on the old channels (Train streams) go on until they end."""
+        calls open on the old channels (Train streams) go on until they end, and each old
+        channel is closed after its last call."""
         self._credentials = credentials
-        self._retired.extend(self._channels.values())
+        for channel in self._channels.values():
+            if self._calls.get(channel):
+                self._retired.add(channel)
+            else:
+                self._close_soon(channel)
         self._channels.clear()
         self._stubs.clear()
 
-    def _stub(self, address: str) -> trainer_service_pb2_grpc.TrainerServiceStub:
+    @property
+    def open_channels(self) -> int:
+        """Channels not yet closed: the current ones and retired ones with calls still open."""
+        return len(self._channels) + len(self._retired) + len(self._closing)
+
+    def _close_soon(self, channel: grpc.aio.Channel) -> None:
+        task = asyncio.get_running_loop().create_task(channel.close(grace=None))
+        self._closing[channel] = task
+        task.add_done_callback(lambda _: self._closing.pop(channel, None))
+
+    def _open(
+        self, address: str
+    ) -> tuple[grpc.aio.Channel, trainer_service_pb2_grpc.TrainerServiceStub]:
+        """The channel to ``address`` and its stub, with one more call counted on it (end it
+        with ``_ended``)."""
         stub = self._stubs.get(address)
         if stub is None:
             if self._credentials is not None:
@@ -166,16 +191,31 @@ class GrpcTrainerConnector:
             self._channels[address] = channel
             stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
             self._stubs[address] = stub
-        return stub
+        channel = self._channels[address]
+        self._calls[channel] = self._calls.get(channel, 0) + 1
+        return channel, stub
+
+    def _ended(self, channel: grpc.aio.Channel) -> None:
+        left = self._calls[channel] - 1
+        if left:
+            self._calls[channel] = left
+            return
+        del self._calls[channel]
+        if channel in self._retired:
+            self._retired.discard(channel)
+            self._close_soon(channel)
 
     async def capabilities(self, address: str, timeout: float) -> Capabilities:
         """Asks a trainer for its providers and free slots."""
+        channel, stub = self._open(address)
         try:
-            reply = await self._stub(address).GetCapabilities(
+            reply = await stub.GetCapabilities(
                 trainer_service_pb2.GetCapabilitiesRequest(), timeout=timeout
             )
         except grpc.aio.AioRpcError as exc:
             raise TrainerLost(f"trainer {address}: {exc.code().name}: {exc.details()}") from None
+        finally:
+            self._ended(channel)
         return Capabilities(
             tuple(reply.providers),
             reply.slots_total,
@@ -203,33 +243,44 @@ class GrpcTrainerConnector:
             grant_through_episode=grant_through_episode,
             attach_after_episode=attach_after_episode,
         )
-        return _GrpcTrainerStream(self._stub(address).Train(request), address)
+        channel, stub = self._open(address)
+        call = stub.Train(request)
+        call.add_done_callback(lambda _: self._ended(channel))
+        return _GrpcTrainerStream(call, address)
 
     async def grant(self, address: str, run_id: str, through_episode: int, timeout: float) -> int:
         """Moves a job's grant forward; returns its last produced episode."""
+        channel, stub = self._open(address)
         try:
-            reply = await self._stub(address).Grant(
+            reply = await stub.Grant(
                 trainer_service_pb2.GrantRequest(run_id=run_id, through_episode=through_episode),
                 timeout=timeout,
             )
         except grpc.aio.AioRpcError as exc:
             raise classify(exc, address) from None
+        finally:
+            self._ended(channel)
         return reply.last_episode
 
     async def cancel_job(self, address: str, run_id: str, timeout: float) -> None:
         """Cancels a job at once; a job that is already gone is fine."""
+        channel, stub = self._open(address)
         try:
-            await self._stub(address).CancelJob(
+            await stub.CancelJob(
                 trainer_service_pb2.CancelJobRequest(run_id=run_id), timeout=timeout
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise classify(exc, address) from None
+        finally:
+            self._ended(channel)
 
     async def close(self) -> None:
         """Closes every channel (cancelling calls still open)."""
-        for channel in (*self._channels.values(), *self._retired):
-            await channel.close(grace=None)
+        channels = [*self._channels.values(), *self._retired]
         self._channels.clear()
         self._retired.clear()
         self._stubs.clear()
+        for channel in channels:
+            await channel.close(grace=None)
+        await asyncio.gather(*self._closing.values())

@@ -3,13 +3,18 @@ callers holding a certificate that CA signed, and a gateway that has one trains 
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
 from gateway.config import GatewayConfig
+from gateway.core.trainers import TrainerError
 from gateway.server import Gateway
+from gateway.trainer_client import GrpcTrainerConnector
 from tests.fakes.gateway_harness import create_request
 from tests.security_fixtures import Pki, Tokens, mtls_trainer
 from trainwire.v1 import gateway_service_pb2 as pb
@@ -90,3 +95,50 @@ async def test_a_run_goes_through_the_gateway_to_an_mtls_trainer_to_done(tmp_pat
                 assert final.creator == "operator-o"
         finally:
             await gateway.stop()
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_a_certificate_reload_closes_each_old_trainer_channel_after_its_last_call(
+    tmp_path: Path,
+) -> None:
+    pki = Pki(tmp_path)
+    credentials = grpc.ssl_channel_credentials(
+        pki.ca_pem(), pki.client.private_key(), pki.client.chain()
+    )
+    connector = GrpcTrainerConnector(credentials)
+    request = create_request(max_episodes=50)
+    with mtls_trainer(pki) as (_, address):
+        try:
+            # A stream held by its grant stays open on the first channel.
+            stream = connector.train(
+                address, "held", request.task, request.config, grant_through_episode=1
+            )
+            first = await asyncio.wait_for(anext(aiter(stream)), TIMEOUT)
+            assert first is not None and first.episode == 1
+            assert connector.open_channels == 1
+            connector.set_credentials(credentials)  # what a SIGHUP does
+            caps = await connector.capabilities(address, TIMEOUT)  # over a new channel
+            assert caps.slots_total == 2
+            assert connector.open_channels == 2  # the old one still carries the stream
+            assert await connector.grant(address, "held", 2, TIMEOUT) == 1
+            second = await asyncio.wait_for(anext(aiter(stream)), TIMEOUT)
+            while second is None:  # a heartbeat
+                second = await asyncio.wait_for(anext(aiter(stream)), TIMEOUT)
+            assert second.episode == 2, "the stream went on over the retired channel"
+            await connector.cancel_job(address, "held", TIMEOUT)
+            with pytest.raises(TrainerError):
+                async for _ in stream:
+                    pass
+            await _until(lambda: connector.open_channels == 1, "the retired channel was closed")
+            connector.set_credentials(credentials)  # nothing open: closed at once
+            await _until(lambda: connector.open_channels == 0, "the idle channel was closed")
+            assert (await connector.capabilities(address, TIMEOUT)).slots_total == 2
+        finally:
+            await connector.close()
+        assert connector.open_channels == 0
