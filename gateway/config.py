@@ -143,6 +143,14 @@ class GatewayConfig:
     trainer_key: str | None = option(
         None, "the PEM private key of --trainer-cert", metavar="FILE", group=_TLS
     )
+    trainer_server_name: str | None = option(
+        None,
+        "check trainers' certificates against this name instead of the host in --trainer "
+        "(trainers dialled by IP address or through a proxy; needs --trainer-ca or "
+        "--trainer-cert)",
+        metavar="NAME",
+        group=_TLS,
+    )
     auth_tokens: str | None = option(
         None,
         "require 'authorization: Bearer TOKEN' of a role that may make the call on everything "
@@ -177,6 +185,13 @@ class GatewayConfig:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
         if (self.trainer_cert is None) != (self.trainer_key is None):
             raise ValueError("--trainer-cert and --trainer-key go together")
+        if self.trainer_server_name is not None and not self.trainer_tls:
+            raise ValueError(
+                "--trainer-server-name checks trainers' TLS certificates: give --trainer-ca "
+                "(or --trainer-cert and --trainer-key) too"
+            )
+        if self.trainer_server_name == "":
+            raise ValueError("--trainer-server-name must not be empty")
         check_plaintext_bind(self.host, tls=self.tls_cert is not None, insecure=self.insecure)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")

@@ -236,7 +236,9 @@ class Gateway:
     def _grpc_connector(self) -> GrpcTrainerConnector:
         if self.trainer_tls is None:
             return GrpcTrainerConnector()
-        connector = GrpcTrainerConnector(self.trainer_tls.current)
+        connector = GrpcTrainerConnector(
+            self.trainer_tls.current, server_name=self.config.trainer_server_name
+        )
         self.trainer_tls.on_change.append(connector.set_credentials)
         return connector
 

@@ -142,10 +142,17 @@ class GrpcTrainerConnector:
     Args:
         credentials: TLS (and a client certificate for trainers that require one); plaintext
             without.
+        server_name: With TLS, the name trainers' certificates must carry instead of the host
+            in their address.
     """
 
-    def __init__(self, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None
+    ) -> None:
         self._credentials = credentials
+        self._options: tuple[tuple[str, int | str], ...] = _CHANNEL_OPTIONS
+        if server_name is not None:
+            self._options += (("grpc.ssl_target_name_override", server_name),)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, trainer_service_pb2_grpc.TrainerServiceStub] = {}
         self._calls: dict[grpc.aio.Channel, int] = {}  # calls not yet ended, per channel
@@ -183,11 +190,9 @@ class GrpcTrainerConnector:
         stub = self._stubs.get(address)
         if stub is None:
             if self._credentials is not None:
-                channel = grpc.aio.secure_channel(
-                    address, self._credentials, options=_CHANNEL_OPTIONS
-                )
+                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
             else:
-                channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                channel = grpc.aio.insecure_channel(address, options=self._options)
             self._channels[address] = channel
             stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
             self._stubs[address] = stub

@@ -118,9 +118,11 @@ class Tokens:
 
 
 @contextlib.contextmanager
-def mtls_trainer(pki: Pki) -> Iterator[tuple[TrainerServer, str]]:
-    """A trainer (fake imitation provider) that wants client certificates from ``pki``'s CA."""
-    tls = ServerTls(pki.server.cert, pki.server.key, client_ca=pki.ca_file)
+def mtls_trainer(pki: Pki, server: CertFiles | None = None) -> Iterator[tuple[TrainerServer, str]]:
+    """A trainer (fake imitation provider) that wants client certificates from ``pki``'s CA;
+    it shows ``server`` (default ``pki.server``)."""
+    server = server or pki.server
+    tls = ServerTls(server.cert, server.key, client_ca=pki.ca_file)
     with running_trainer(
         {"imitation": FakeProvider()},
         slots=2,

@@ -15,15 +15,16 @@ import ipaddress
 
 import grpc
 
+_NAME_MISMATCH = (
+    "its certificate does not name {host} (name mismatch): dial a name it carries, or check one "
+    "with grpc.ssl_target_name_override (trainwire --server-name)"
+)
 # (substring of gRPC's details, what it means); the first match wins.
 _VERIFY_FAILURES = (
     ("certificate has expired", "its certificate has expired (or is not valid yet)"),
     ("certificate is not yet valid", "its certificate is not valid yet (check the clocks)"),
-    (
-        "Hostname Verification Check failed",
-        "its certificate does not name {host} (name mismatch)",
-    ),
-    ("Peer name", "its certificate does not name {host} (name mismatch)"),
+    ("Hostname Verification Check failed", _NAME_MISMATCH),
+    ("Peer name", _NAME_MISMATCH),
     (
         "unable to get local issuer certificate",
         "its certificate is signed by an unknown CA: trust the CA that signed it "

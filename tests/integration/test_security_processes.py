@@ -178,6 +178,21 @@ async def test_cli_tls_failures_are_one_line_saying_what_failed(tmp_path: Path) 
         assert code == 1 and len(lines) == 1, (what, err)
         assert lines[0].startswith("error: UNAVAILABLE: TLS handshake with"), lines[0]
         assert what in lines[0], lines[0]
+    # --server-name checks the name the certificate carries: the handshake passes, and this
+    # bare server (no gateway service) answers UNIMPLEMENTED.
+    server, address = await _serve_tls(pki.server_for("other.example", label="other"))
+    try:
+        code, _, err = await _cli(
+            "--gateway", address, "--ca", str(pki.ca_file), "--server-name", "other.example",
+            "runs", "list",
+        )  # fmt: skip
+    finally:
+        await server.stop(None)
+    assert code == 1 and "UNIMPLEMENTED" in err and "TLS" not in err, err
+    code, _, err = await _cli(
+        "--gateway", address, "--server-name", "other.example", "runs", "list"
+    )
+    assert code != 0 and "--server-name checks a TLS certificate" in err, err
 
 
 async def test_cli_and_client_speak_tls_with_a_token(fake: FakeTrainer, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.core.trainers import TrainerError
+from gateway.core.trainers import TrainerError, TrainerLost
 from gateway.server import Gateway
 from gateway.trainer_client import GrpcTrainerConnector
 from tests.fakes.gateway_harness import create_request
@@ -54,10 +54,16 @@ def test_a_caller_without_a_client_certificate_is_refused(tmp_path: Path) -> Non
         assert _capabilities(address, good) == grpc.StatusCode.OK
 
 
-async def test_a_run_goes_through_the_gateway_to_an_mtls_trainer_to_done(tmp_path: Path) -> None:
+@pytest.mark.parametrize("server_name", [None, "trainer.internal"])
+async def test_a_run_goes_through_the_gateway_to_an_mtls_trainer_to_done(
+    tmp_path: Path, server_name: str | None
+) -> None:
+    # With a server name, the trainer's certificate names only that (not 127.0.0.1, which the
+    # gateway dials): --trainer-server-name is what lets the gateway in.
     pki = Pki(tmp_path)
     tokens = Tokens.make(tmp_path / "tokens")
-    with mtls_trainer(pki) as (_, address):
+    shown = pki.server_for(server_name, label="named") if server_name else pki.server
+    with mtls_trainer(pki, shown) as (_, address):
         gateway = Gateway(
             GatewayConfig(
                 port=0,
@@ -70,6 +76,7 @@ async def test_a_run_goes_through_the_gateway_to_an_mtls_trainer_to_done(tmp_pat
                 trainer_ca=str(pki.ca_file),
                 trainer_cert=str(pki.client.cert),
                 trainer_key=str(pki.client.key),
+                trainer_server_name=server_name,
                 auth_tokens=str(tokens.path),
             )
         )
@@ -142,3 +149,22 @@ async def test_a_certificate_reload_closes_each_old_trainer_channel_after_its_la
         finally:
             await connector.close()
         assert connector.open_channels == 0
+
+
+async def test_a_trainer_certificate_for_another_name_needs_the_server_name(
+    tmp_path: Path,
+) -> None:
+    pki = Pki(tmp_path)
+    credentials = grpc.ssl_channel_credentials(
+        pki.ca_pem(), pki.client.private_key(), pki.client.chain()
+    )
+    with mtls_trainer(pki, pki.server_for("trainer.internal", label="named")) as (_, address):
+        plain = GrpcTrainerConnector(credentials)
+        named = GrpcTrainerConnector(credentials, server_name="trainer.internal")
+        try:
+            with pytest.raises(TrainerLost):
+                await plain.capabilities(address, 5)
+            assert (await named.capabilities(address, TIMEOUT)).slots_total == 2
+        finally:
+            await plain.close()
+            await named.close()

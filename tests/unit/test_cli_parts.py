@@ -275,7 +275,9 @@ def test_server_text_never_reaches_the_terminal_raw() -> None:
     assert not any(ch in "\n".join(_format.error_lines(error, "gw:1", 5.0)) for ch in "\x1b\x07")
 
 
-_GLOBAL_FLAGS = ("--gateway", "--json", "--timeout", "--ca", "--cert", "--key", "--token", "-v")
+_GLOBAL_FLAGS = (
+    "--gateway", "--json", "--timeout", "--ca", "--cert", "--key", "--server-name", "--token", "-v",
+)  # fmt: skip
 
 
 def _subcommand_paths(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list:

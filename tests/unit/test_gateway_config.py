@@ -49,6 +49,8 @@ def test_flags_are_parsed() -> None:
         {"heartbeat_timeout_s": -1.0},
         {"live_coalesce_s": 2.0},
         {"history_cache_mb": -1.0},
+        {"trainer_server_name": "trainer.internal"},  # without TLS to trainers
+        {"trainer_server_name": "", "trainer_ca": "ca.pem"},
     ],
 )
 def test_bad_values_are_rejected(bad: dict[str, object]) -> None:

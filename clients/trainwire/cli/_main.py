@@ -49,10 +49,16 @@ def _client(args: argparse.Namespace) -> GatewayClient:
     """The client of the connection options (TLS with --ca/--cert/--key, a --token)."""
     if (args.cert is None) != (args.key is None):
         raise CliError("--cert and --key go together (TRAINWIRE_CERT, TRAINWIRE_KEY)")
+    options: list[tuple[str, str]] = []
+    if args.server_name is not None:
+        if args.ca is None and args.cert is None:
+            raise CliError("--server-name checks a TLS certificate: give --ca (TRAINWIRE_CA) too")
+        options.append(("grpc.ssl_target_name_override", args.server_name))
     try:
         return GatewayClient(
             args.gateway,
             timeout=args.timeout,
+            options=options,
             root_certificates=_read_pem(args.ca, "--ca"),
             certificate_chain=_read_pem(args.cert, "--cert"),
             private_key=_read_pem(args.key, "--key"),

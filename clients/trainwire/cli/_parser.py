@@ -101,6 +101,13 @@ def _common_options(suppress: bool) -> argparse.ArgumentParser:
         ("--cert", "TRAINWIRE_CERT", "FILE", "PEM client certificate (mutual TLS; with --key)"),
         ("--key", "TRAINWIRE_KEY", "FILE", "PEM private key of --cert"),
         (
+            "--server-name",
+            "TRAINWIRE_SERVER_NAME",
+            "NAME",
+            "check the gateway's TLS certificate against this name instead of the host in "
+            "--gateway (a gateway dialled by IP address or through a tunnel)",
+        ),
+        (
             "--token",
             "TRAINWIRE_TOKEN",
             "TOKEN",
