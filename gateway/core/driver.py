@@ -244,17 +244,25 @@ class RunDriver(FeedMixin, PublishMixin):
         )
 
     async def stop(self) -> None:
-        """Stops the run: cancels its stream and its trainer job, ends it STOPPED."""
+        """Stops the run: cancels its stream, ends it STOPPED and, once that end is stored as
+        this replica's, cancels its trainer job.
+
+        Raises:
+            NotOwner: another replica took the run over before the end was stored; the stop is
+                that replica's to apply, and the job is left to it.
+        """
         self.run.stop(self._ctx.now())
         self.finalizing = True
         self._ctx.scheduler.dequeue(self)
         dispatched = self.task is not None
         await self._cancel_task()
+        await self.finalize()
+        if not self.owned:
+            raise NotOwner(self.run.id)
         if dispatched and self._trainer:
             self._ctx.spawn(
                 asyncio.create_task(self._cancel_job(), name=f"gateway-cancel-{self.run.id}")
             )
-        await self.finalize()
 
     async def detach(self) -> None:
         """Gateway shutdown: cancels the stream but not the trainer's job (the next gateway

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -291,6 +292,46 @@ async def test_a_lease_lost_before_the_first_episode_hands_the_run_and_its_watch
             assert result.finished is not None and result.finished.state == State.STATE_DONE
             assert (await b.get(run.id)).state == State.STATE_DONE
     assert run.id not in fake.jobs_cancelled
+    assert "Traceback" not in caplog.text
+
+
+async def test_a_stop_that_meets_a_lost_lease_is_applied_by_the_new_owner(
+    trainer: str, postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A stalled replica is asked to stop a run whose lease it lost without knowing: its end is
+    # refused by the store. The stop must reach the run through whoever owns it now, and the
+    # trainer job is not cancelled behind that owner's back (it was: the user read STOPPED,
+    # and the new owner's re-attach then failed the run "Interrupted").
+    caplog.set_level(logging.INFO, logger="gateway")
+    async with running_gateway((trainer,), db=postgres_url, **REPLICA) as a:
+
+        async def still_held(run_ids: list[str]) -> set[str]:
+            return set(run_ids)
+
+        a.gateway.core._replicas._leases.renew = still_held  # type: ignore[union-attr]
+        run = await a.create(max_episodes=300, episodes_per_second=30)
+        await wait_state(a, run.id, State.STATE_RUNNING)
+        await a.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)
+        # Paused, the trainer stops at its grant: once everything granted has arrived, A has
+        # nothing more to commit, so no fenced write tells it of the lost lease.
+        deadline = time.monotonic() + 30
+        while True:
+            held = await a.get(run.id)
+            granted = re.search(r"granted through (\d+)", held.state_detail)
+            if granted and held.trainer_episode == int(granted.group(1)):
+                break
+            assert time.monotonic() < deadline, held
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the last arrivals committed
+        await _give_to_a_ghost(a, run.id)
+        reply = await a.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
+        assert reply.run.state == State.STATE_STOPPED
+        final = await collect(a.stub, run.id, timeout=60)
+        assert final.finished is not None
+        assert final.finished.state == State.STATE_STOPPED, final.finished.error_message
+        stored = await a.get(run.id)
+        assert stored.state == State.STATE_STOPPED and stored.episode == len(final.numbers)
+    assert f"run {run.id}: taking it over" in caplog.text
     assert "Traceback" not in caplog.text
 
 
