@@ -26,7 +26,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from tests.fakes.fake_trainer import Script, running_fake
 from tests.fakes.gateway_harness import ROOT
-from tests.http.harness import ApiError, LiveGateway, threaded_gateway
+from tests.http.harness import ApiError, LiveGateway, create_body, threaded_gateway
 from trainwire import motion
 
 pytestmark = pytest.mark.timeout(180)
@@ -302,6 +302,30 @@ def test_pause_resume_speed_and_stop_from_the_page(page: WebDriver, gw: LiveGate
         wait_until(page, lambda: state_badge(page) == "STOPPED", "STOPPED")
         assert gw.run(run["id"])["state"] == "STATE_STOPPED"
         assert not page.find_element(By.ID, "run-error").is_displayed()
+
+
+def test_a_grpo_run_shows_its_curve_and_its_sample_completions_as_text(
+    page: WebDriver, gw: LiveGateway
+) -> None:
+    # The fake trainer's GRPO steps carry "<answer>N</answer>": model output, shown as text
+    # (markup in a completion must never become elements on the page).
+    gw.fake.push(Script(motion=True))  # type: ignore[attr-defined]
+    body = create_body(max_episodes=12)
+    body["task"] = {"grpo": {"modelPath": "tiny-vlm", "datasetPath": "shapes.jsonl"}}
+    run = gw.api("POST", "/v1/runs", body)["run"]
+    open_run(page, gw, run["id"])
+    wait_until(page, lambda: state_badge(page) == "DONE", "the run DONE")
+    wait_until(page, lambda: curve(page)["episodes"] == 12, "12 points")
+    assert_every_episode_once(page)
+    card = page.find_element(By.ID, "completions-card")
+    assert card.is_displayed() and not page.find_element(By.ID, "avatar-card").is_displayed()
+    wait_until(page, lambda: attr(page, "completions-note", "textContent") == "episode 12", "12")
+    shown = [item.text for item in page.find_elements(By.CSS_SELECTOR, "#completions li")]
+    assert shown == ["<answer>12</answer>"]
+    assert not page.find_elements(By.TAG_NAME, "answer")
+    assert "grpo" in attr(page, "run-task", "textContent")
+    assert "tiny-vlm" in attr(page, "run-task", "textContent")
+    screenshot(page, "run-view-grpo.png")
 
 
 def test_an_error_run_shows_its_message(page: WebDriver, gw: LiveGateway) -> None:
