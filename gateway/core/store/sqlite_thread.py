@@ -23,6 +23,10 @@ and the time a restart after a crash spends reading it back. So:
   two transactions and the WAL starts again by itself; this step is the guarantee, and the
   only checkpoint work on the commit path (past one and a half times the limit it also waits
   for the checkpointer's pass in flight).
+- A transaction cannot be checkpointed while it is written, so a group commit holds at most a
+  quarter of the limit in episode bytes (``_batch_bytes``; one episode more at worst): without
+  this, 2048 episodes at the contract's largest motion detail made one 64 MiB transaction, and
+  the WAL passed its limit by that much.
 - ``journal_size_limit=0`` cuts the file back whenever the WAL starts again, so the file's size
   is what the WAL holds: the store thread measures it with one ``stat`` per commit. A clean
   close copies the WAL into the database and deletes it.
@@ -65,6 +69,13 @@ class _Op:
 _Result = tuple[Callable[..., None] | None, Any, BaseException | None]
 
 
+def _episode_bytes(op: _Op) -> int:
+    """The episode bytes an operation appends (0 for any other operation)."""
+    if op.fn is _APPEND:
+        return sum(len(record.data) for record in op.args[0])
+    return 0
+
+
 def _as_write_failure(result: _Result) -> _Result:
     callback, value, error = result
     if error is not None:
@@ -80,6 +91,8 @@ CHECKPOINT_INTERVAL_S = 1.0
 #: ... and while it holds more (then the store thread asks for them after each commit).
 CATCH_UP_INTERVAL_S = 0.1
 _MAX_BATCH = 2048
+#: The least episode bytes a group commit may hold (a quarter of the WAL limit above that).
+_MIN_BATCH_BYTES = 64 * 1024
 _APPEND = SqliteStore.append_episodes
 
 
@@ -122,6 +135,7 @@ class StoreThread:
         self._stopping = threading.Event()
         self._closed = False
         self._wal_limit = wal_limit_bytes
+        self._batch_bytes = max(_MIN_BATCH_BYTES, wal_limit_bytes // 4)
         self._wal_path = f"{store.path}-wal"
         self._wake_checkpointer = threading.Event()
         # One checkpoint at a time: the checkpointer's, or the store thread's own.
@@ -229,7 +243,8 @@ class StoreThread:
             if first is _STOP:
                 break
             batch: list[_Op] = [first]  # type: ignore[list-item]
-            while len(batch) < _MAX_BATCH:
+            size = _episode_bytes(first)  # type: ignore[arg-type]
+            while len(batch) < _MAX_BATCH and size < self._batch_bytes:
                 try:
                     op = self._queue.get_nowait()
                 except queue.Empty:
@@ -238,6 +253,7 @@ class StoreThread:
                     stop = True
                     break
                 batch.append(op)  # type: ignore[arg-type]
+                size += _episode_bytes(op)  # type: ignore[arg-type]
             start = time.perf_counter()
             try:
                 results = self._run_batch(batch)
