@@ -1,41 +1,27 @@
-"""One training job: its provider thread, its grant gate, the episodes it holds, and the streams
-attached to it.
+"""One training job: its provider thread, its credit gate, and the streams attached to it.
 
 The provider generator runs in a thread the job owns (the *producer*). Before it pulls episode
-``n`` from the generator it waits for *credit*:
+``n`` from the generator it waits for *credit*; the job holds its last episodes for a re-attach.
+The credit rule and the held episodes are bookkeeping in ``trainer_service.core.job_window``;
+here the producer waits on them under the job's condition. While it waits, the job's phase reads
+``waiting`` (it goes into heartbeats). Every episode is checked against the stream contract in
+the producer, before any stream can send it.
 
-- ``n <= grant`` when the job has a grant (credit-based flow control: the gateway grants a
-  bounded lead over what it has published, so a paused run stops training and a slow run trains
-  slowly); with no grant (``0``, direct use) ``n <= cursor + queue_size`` instead, where
-  ``cursor`` is the last episode the attached stream handed to its RPC, so a slow reader
-  throttles the provider as a bounded channel would;
-- ``n <= cursor + retain``: the job holds its last ``retain`` episodes for a re-attach, and never
-  drops one that no stream has sent yet.
+A *stream* (``trainer_service.core.job_stream.JobStream``, one per ``Train`` call) reads the held
+episodes after its start point through the job's read side (the last section of
+:class:`RunningJob`) and ends with the job's outcome. A job outlives a broken stream: it is
+*detached* (blocked at its credit) until another stream re-attaches or the runner's detach grace
+runs out. A second stream that attaches replaces the first, which ends with ``Reattached``.
 
-While the producer waits, the job's phase reads ``waiting`` (it goes into heartbeats). Every
-episode is checked against the stream contract in the producer, before any stream can send it.
-
-A *stream* (:class:`JobStream`, one per ``Train`` call) reads the held episodes after its start
-point and ends with the job's outcome. A job outlives a broken stream: it is *detached* (blocked
-at its credit) until another stream re-attaches or the runner's detach grace runs out. A second
-stream that attaches replaces the first, which ends with ``Reattached``.
-
-Invariants: ``produced`` only grows; held episodes are ``produced - len(held) + 1 .. produced``;
-the producer releases the job's slot (``on_exit``) once the provider has stopped, before the
-outcome is delivered to any stream.
+Invariant: the producer releases the job's slot (``on_exit``) once the provider has stopped,
+before the outcome is delivered to any stream.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainer_service.core.errors import (
@@ -44,6 +30,8 @@ from trainer_service.core.errors import (
     Reattached,
     ShuttingDown,
 )
+from trainer_service.core.job_stream import JobEnd, JobStream
+from trainer_service.core.job_window import EpisodeWindow
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
 from trainer_service.core.provider import ProviderError, TrainJob
 from trainwire import contract
@@ -59,21 +47,6 @@ _OUTCOME_VERBS = {
     JobOutcome.CANCELLED: "cancelled",
     JobOutcome.SHUTDOWN: "stopped by shutdown",
 }
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """A sign of life while no episode is ready.
-
-    Attributes:
-        last_episode: The last episode handed out on this stream, 0 before the first.
-        phase: What the job is doing (``loading``, ``training``, ``waiting``, ``finishing``).
-        time_ns: When it was produced, nanoseconds since the epoch.
-    """
-
-    last_episode: int
-    phase: str
-    time_ns: int
 
 
 class RunningJob:
@@ -111,16 +84,11 @@ class RunningJob:
         self._job = job
         self._provider = provider
         self._heartbeat_s = heartbeat_s
-        self._queue_size = max(1, queue_size)
-        self._retain = max(self._queue_size, retain)
         self._on_exit = on_exit
         self._observer: JobObserver = observer or NullJobObserver()
         self._checker = contract.StreamChecker.for_task(job.task, job.config, job.run_id)
         self._cond = threading.Condition()
-        self._grant = max(0, grant)
-        self._held: collections.deque[episode_pb2.Episode] = collections.deque()
-        self._produced = 0
-        self._cursor = 0  # the last episode the current (or last) stream handed to its RPC
+        self._window = EpisodeWindow(queue_size, retain, grant)
         self._stream: JobStream | None = None
         self._streams: set[JobStream] = set()  # every stream still being read
         self._stopped = False  # the producer exited
@@ -156,12 +124,12 @@ class RunningJob:
     @property
     def produced(self) -> int:
         """The last episode the provider produced (0 before the first)."""
-        return self._produced
+        return self._window.produced
 
     @property
     def grant(self) -> int:
         """The last episode the job may produce (0: no grant)."""
-        return self._grant
+        return self._window.grant
 
     @property
     def attached(self) -> bool:
@@ -192,10 +160,9 @@ class RunningJob:
         """Lets the job produce up to ``through_episode`` (grants only move forward); returns the
         last produced episode."""
         with self._cond:
-            if through_episode > self._grant:
-                self._grant = through_episode
+            if self._window.move_grant(through_episode):
                 self._notify()
-            return self._produced
+            return self._window.produced
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Stops the job at its next episode; idempotent, callable from any thread.
@@ -216,15 +183,15 @@ class RunningJob:
             EpisodesNotHeld: Those episodes are no longer (or not yet) held.
         """
         with self._cond:
-            first = self._produced - len(self._held) + 1
-            if not first - 1 <= after_episode <= self._produced:
-                raise EpisodesNotHeld(self.run_id, after_episode, first, self._produced)
+            window = self._window
+            first = window.first
+            if not first - 1 <= after_episode <= window.produced:
+                raise EpisodesNotHeld(self.run_id, after_episode, first, window.produced)
             previous = self._stream
             stream = JobStream(self, after_episode)
             self._stream = stream
-            self._cursor = after_episode
-            if grant > self._grant:
-                self._grant = grant
+            window.cursor = after_episode
+            window.move_grant(grant)
             self._notify()
         if previous is not None:
             previous.replaced = True
@@ -243,21 +210,14 @@ class RunningJob:
 
     # -- the producer ------------------------------------------------------------------------
 
-    def _credit(self, n: int) -> bool:
-        """Whether episode ``n`` may be produced now (see the module docstring)."""
-        window = self._retain if self._grant else self._queue_size
-        if n > self._cursor + window:
-            return False
-        return not self._grant or n <= self._grant
-
     def _wait_credit(self, n: int) -> bool:
         """Blocks until episode ``n`` may be produced; False once the job is stopped."""
         with self._cond:
-            if self._credit(n) or self._stop_reason:
+            if self._window.allows(n) or self._stop_reason:
                 return not self._stop_reason
             self._waiting = True
             try:
-                self._cond.wait_for(lambda: self._stop_reason or self._credit(n))
+                self._cond.wait_for(lambda: self._stop_reason or self._window.allows(n))
             finally:
                 self._waiting = False
             return not self._stop_reason
@@ -270,7 +230,7 @@ class RunningJob:
             episodes = self._provider.run(self._job)
             while True:
                 # After the done episode the generator may only end: no credit needed to see it.
-                if not self._checker.done and not self._wait_credit(self._produced + 1):
+                if not self._checker.done and not self._wait_credit(self._window.produced + 1):
                     break
                 try:
                     episode = next(episodes)
@@ -313,10 +273,7 @@ class RunningJob:
 
     def _hold(self, episode: episode_pb2.Episode) -> None:
         with self._cond:
-            self._held.append(episode)
-            self._produced = episode.episode
-            while len(self._held) > self._retain:
-                self._held.popleft()
+            self._window.hold(episode)
             self._notify()
 
     def _outcome_of(self, error: BaseException | None) -> JobOutcome:
@@ -340,7 +297,7 @@ class RunningJob:
             self.run_id,
             self.kind,
             _OUTCOME_VERBS[outcome],
-            self._produced,
+            self._window.produced,
             extra={"run_id": self.run_id, "outcome": outcome.value},
         )
         self._observer.job_ended(self.run_id, self.kind, outcome)
@@ -355,20 +312,20 @@ class RunningJob:
             Reattached: another stream replaced this one.
             ShuttingDown: the trainer is shutting down.
             JobCancelled: the job was cancelled (``CancelJob``).
-            _End: the job ended and the stream has sent everything.
+            JobEnd: the job ended and the stream has sent everything.
         """
         if stream.replaced or self._stream is not stream:
             raise Reattached(self.run_id)
         if self._stop_reason == "shutdown" and not self._checker.done:
             raise ShuttingDown(self.run_id)
         n = stream.cursor + 1
-        if n <= self._produced:
-            return self._held[n - (self._produced - len(self._held) + 1)]
+        if n <= self._window.produced:
+            return self._window.episode(n)
         if not self._stopped:
             return None
         if self._stop_reason == "cancelled" and not self._checker.done:
             raise JobCancelled(self.run_id)
-        raise _End(self._error)
+        raise JobEnd(self._error)
 
     def _next(self, stream: JobStream, timeout: float) -> episode_pb2.Episode | None:
         """Like ``_poll``, waiting up to ``timeout`` seconds for something to happen."""
@@ -384,7 +341,7 @@ class RunningJob:
         return (
             stream.replaced
             or self._stream is not stream
-            or stream.cursor < self._produced
+            or stream.cursor < self._window.produced
             or self._stopped
             or self._stop_reason == "shutdown"
         )
@@ -393,126 +350,5 @@ class RunningJob:
         with self._cond:
             stream.cursor = episode
             if self._stream is stream:
-                self._cursor = episode
+                self._window.cursor = episode
                 self._notify()
-
-
-class _End(Exception):
-    """The job ended and its stream sent every episode; ``error`` is what the job raised."""
-
-    def __init__(self, error: BaseException | None) -> None:
-        super().__init__()
-        self.error = error
-
-
-class JobStream:
-    """One ``Train`` call's view of a job: the episodes after its start point, then the end.
-
-    Read it with :meth:`events` from a thread or :meth:`aevents` from an event loop.
-    """
-
-    def __init__(self, job: RunningJob, after_episode: int) -> None:
-        self.job = job
-        self.cursor = after_episode
-        self.replaced = False
-        self.finished = False
-        #: Called (from any thread, with the job's condition held) when the job changed.
-        self.waker: Callable[[], None] | None = None
-
-    def events(self) -> Iterator[episode_pb2.Episode | Heartbeat]:
-        """Yields episodes and heartbeats until the job ends (blocking; for threads).
-
-        Returns normally after the done episode (or when the provider stopped early because the
-        job was cancelled while detached, with nothing left to send).
-
-        Raises:
-            ProviderError: The provider failed with a message for users.
-            ContractViolation: The stream broke the contract (logged where detected).
-            ShuttingDown: The trainer is shutting down.
-            JobCancelled: The job was cancelled.
-            Reattached: Another stream replaced this one.
-            Exception: Whatever else the provider raised (an unexpected failure).
-        """
-        job = self.job
-        with job._cond:
-            job._streams.add(self)
-        try:
-            last_sent = time.monotonic()
-            while True:
-                wait = max(0.0, job._heartbeat_s - (time.monotonic() - last_sent))
-                episode = self._step(partial(job._next, self, wait))
-                if episode is None:
-                    if time.monotonic() - last_sent < job._heartbeat_s:
-                        continue  # woken early (a grant, a phase change): nothing to send yet
-                    yield self._heartbeat()
-                else:
-                    yield episode
-                    self._sent(episode)
-                last_sent = time.monotonic()
-        except _Ended:
-            return
-        finally:
-            with job._cond:
-                job._streams.discard(self)
-
-    async def aevents(self) -> AsyncIterator[episode_pb2.Episode | Heartbeat]:
-        """Like :meth:`events`, for an event loop: waits without holding a thread."""
-        job = self.job
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-
-        def waker() -> None:
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                loop.call_soon_threadsafe(wake.set)
-
-        self.waker = waker
-        with job._cond:
-            job._streams.add(self)
-        try:
-            last_sent = time.monotonic()
-            while True:
-                # Cleared before polling: a change after the poll sets it again, so no wake-up
-                # is lost.
-                wake.clear()
-                episode = self._step(partial(job._try, self))
-                if episode is None:
-                    left = job._heartbeat_s - (time.monotonic() - last_sent)
-                    if left > 0:
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(left):
-                                await wake.wait()
-                        continue
-                    yield self._heartbeat()
-                else:
-                    yield episode
-                    self._sent(episode)
-                last_sent = time.monotonic()
-        except _Ended:
-            return
-        finally:
-            self.waker = None
-            with job._cond:
-                job._streams.discard(self)
-
-    def _step(self, take: Callable[[], episode_pb2.Episode | None]) -> episode_pb2.Episode | None:
-        """One poll of the job; raises ``_Ended`` after a normal end, or the job's failure."""
-        try:
-            return take()
-        except _End as end:
-            self.finished = True
-            if end.error is not None:
-                raise end.error from None
-            raise _Ended from None
-
-    def _heartbeat(self) -> Heartbeat:
-        self.job._observer.heartbeat_sent(self.job.kind)
-        return Heartbeat(self.cursor, self.job.phase, time.time_ns())
-
-    def _sent(self, episode: episode_pb2.Episode) -> None:
-        """The handler wrote ``episode`` and asks for more."""
-        self.job._sent(self, episode.episode)
-        self.job._observer.episode_sent(self.job.kind)
-
-
-class _Ended(Exception):
-    """The stream delivered the job's normal end."""

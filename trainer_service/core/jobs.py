@@ -1,7 +1,10 @@
-"""The job runner: validates a training request, takes a slot and starts the job; finds live jobs
-by run id to grant them credit, cancel them and re-attach streams to them.
+"""The job runner: starts a job for an admitted training request in the slots it needs; finds live
+jobs by run id to grant them credit, cancel them and re-attach streams to them.
 
-Jobs (``trainer_service.core.job``) run their providers in threads they own. The runner keeps a
+Whether a request may start a job (its fields, its provider, the slots it needs, all of them or
+none) is ``trainer_service.core.admission``; the runner's settings and the capabilities it
+reports are ``trainer_service.core.runner_settings`` (re-exported here). Jobs
+(``trainer_service.core.job``) run their providers in threads they own. The runner keeps a
 table of jobs by run id: a job enters it when it starts and leaves it once it is cancelled, or
 once it stayed detached (no stream attached) for ``detach_grace_s`` seconds: one whose end was
 not delivered is then cancelled; one whose end was delivered (it computes nothing more, its
@@ -10,22 +13,16 @@ received can re-attach and have the held episodes and the end again. Only a job 
 (one a gateway started) is kept; a job without one (direct use: grpcurl, a script) leaves as
 soon as its stream ends (cancelled if unfinished), as nobody will re-attach to it. The slots are
 released by the job's own thread once its provider has stopped, whatever the outcome.
-
-A job takes as many slots as its provider's ``slots_needed(task)`` says (one per process it
-runs; 1 by default), all of them or none: a job that needs more than the trainer could ever
-give it is ``INVALID_ARGUMENT``, one that waits for slots is ``SLOTS_BUSY``. Its ``TrainJob``
-names the device of each slot it holds.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import logging
-import pathlib
 import threading
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from trainer_service.core.admission import ProviderLookup, admit, check_request
 from trainer_service.core.errors import (
     InvalidRequest,
     JobExists,
@@ -33,9 +30,11 @@ from trainer_service.core.errors import (
     NoFreeSlot,
     ShuttingDown,
 )
-from trainer_service.core.job import Heartbeat, JobStream, RunningJob
+from trainer_service.core.job import RunningJob
+from trainer_service.core.job_stream import Heartbeat, JobStream
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
-from trainer_service.core.provider import ProviderError, TrainJob
+from trainer_service.core.provider import TrainJob
+from trainer_service.core.runner_settings import Capabilities, RunnerSettings
 from trainer_service.core.slots import SlotPool
 from trainwire import contract
 from trainwire.v1 import trainer_service_pb2
@@ -53,71 +52,6 @@ __all__ = [
 ]
 
 _LOGGER = logging.getLogger(__name__)
-
-#: Episodes a job may run ahead of its stream when it has no grant (direct use). Small, so that
-#: a slow reader throttles the provider quickly, but more than one so the provider can compute
-#: ahead of a slow send.
-DEFAULT_QUEUE_SIZE = 4
-#: Episodes a job holds for a re-attach. The gateway's lead (paced runs) and window (unpaced
-#: runs) stay far below it, so a restarted gateway always finds what it has not committed.
-DEFAULT_RETAIN = 1024
-DEFAULT_DETACH_GRACE_S = 60.0
-
-
-class ProviderLookup(Protocol):
-    """What the runner needs of a provider registry."""
-
-    def get(self, name: str) -> Any | None:  # pragma: no cover - protocol
-        """The provider module for ``name``, or ``None``."""
-        ...
-
-    def unavailable_reason(self, name: str) -> str:  # pragma: no cover - protocol
-        """Why ``name`` is not available."""
-        ...
-
-    def available(self) -> list[str]:  # pragma: no cover - protocol
-        """Names of the importable providers."""
-        ...
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What this trainer offers and how busy it is."""
-
-    providers: tuple[str, ...]
-    device: str
-    slots_total: int
-    slots_free: int
-    torch_version: str
-    trl_version: str
-    server_version: str
-
-
-@dataclass(frozen=True)
-class RunnerSettings:
-    """How the runner runs jobs.
-
-    Attributes:
-        device: The torch device jobs run on (``cpu``, ``cuda:0``) when the slot pool names
-            no device of its own.
-        device_description: The device for humans (``cuda:0 NVIDIA H200``).
-        data_root: Root of task-relative paths.
-        image_cache_dir: Image cache for providers that decode images; ``None`` = off.
-        heartbeat_s: Seconds without an episode after which a heartbeat goes out.
-        queue_size: Episodes a job without a grant may run ahead of its stream.
-        retain: Episodes a job holds for a re-attach.
-        detach_grace_s: Seconds a job whose stream broke stays alive for a re-attach (0: it is
-            cancelled at once).
-    """
-
-    device: str = "cpu"
-    device_description: str = "cpu"
-    data_root: pathlib.Path = pathlib.Path("var/data")
-    image_cache_dir: pathlib.Path | None = None
-    heartbeat_s: float = 5.0
-    queue_size: int = DEFAULT_QUEUE_SIZE
-    retain: int = DEFAULT_RETAIN
-    detach_grace_s: float = DEFAULT_DETACH_GRACE_S
 
 
 def _package_version(name: str) -> str:
@@ -172,17 +106,6 @@ class JobRunner:
             return self.attach(request)
         return self.start(request)
 
-    def _check(self, request: trainer_service_pb2.TrainRequest) -> list[contract.FieldViolation]:
-        violations = contract.check_train_request(request)
-        if request.grant_through_episode < 0:
-            violations.append(
-                contract.FieldViolation(
-                    "grant_through_episode",
-                    f"{request.grant_through_episode}; need >= 0 (0: no limit)",
-                )
-            )
-        return violations
-
     def start(self, request: trainer_service_pb2.TrainRequest) -> JobStream:
         """Validates a request, takes a slot and starts its job; returns its stream.
 
@@ -196,35 +119,19 @@ class JobRunner:
         run_id = request.run_id
         if self._shutting_down:
             raise ShuttingDown(run_id)
-        violations = self._check(request)
-        if violations:
-            raise InvalidRequest(run_id, violations)
-        kind = contract.task_kind(request.task)
-        provider = self._registry.get(kind)
-        if provider is None:
-            raise ProviderError(
-                f"This trainer cannot run {kind} training.",
-                detail=f"run {run_id}: provider {kind!r} unavailable: "
-                f"{self._registry.unavailable_reason(kind)}",
-                reason="PROVIDER_UNAVAILABLE",
-            )
-        validate = getattr(provider, "validate", None)
-        if validate is not None:
-            violations = validate(request.task, self.settings.data_root)
-            if violations:
-                raise InvalidRequest(run_id, violations)
-        needed = self._slots_needed(run_id, provider, kind, request)
+        admitted = admit(request, self._registry, self.slots, self.settings.data_root)
+        kind = admitted.kind
         with self._cond:
             existing = self._live.get(run_id)
             if existing is not None:
                 if not (existing.stopped and not existing.attached):
                     raise JobExists(run_id)
                 self._retire(existing)  # a finished job kept for a replay: a new one replaces it
-            slots = self.slots.try_acquire(needed)
+            slots = self.slots.try_acquire(admitted.slots_needed)
             if slots is None:
                 raise NoFreeSlot(run_id, self.slots.total)
             try:
-                job = self._make_job(request, provider, kind, slots)
+                job = self._make_job(request, admitted.provider, kind, slots)
             except BaseException:
                 self.slots.release(slots)
                 raise
@@ -258,7 +165,7 @@ class JobRunner:
         run_id = request.run_id
         if self._shutting_down:
             raise ShuttingDown(run_id)
-        violations = self._check(request)
+        violations = check_request(request)
         after = request.attach_after_episode
         if after < 0:
             violations.append(
@@ -288,30 +195,6 @@ class JobRunner:
             extra={"run_id": run_id},
         )
         return stream
-
-    def _slots_needed(
-        self,
-        run_id: str,
-        provider: Any,
-        kind: str,
-        request: trainer_service_pb2.TrainRequest,
-    ) -> int:
-        """Slots the job takes; a job that could never get them is an invalid request."""
-        slots_needed = getattr(provider, "slots_needed", None)
-        needed = max(1, int(slots_needed(request.task))) if slots_needed is not None else 1
-        most = self.slots.most_per_job()
-        if needed > most:
-            raise InvalidRequest(
-                run_id,
-                [
-                    contract.FieldViolation(
-                        f"task.{kind}",
-                        f"needs {needed} slots (one per process, each on its own GPU when "
-                        f"there are GPUs); this trainer can give one job at most {most}",
-                    )
-                ],
-            )
-        return needed
 
     def _make_job(
         self,

@@ -1,0 +1,57 @@
+"""How the job runner runs jobs and what it reports of itself: :class:`RunnerSettings` (with the
+defaults of its stream settings) and :class:`Capabilities` (``GetCapabilities``). The runner
+itself lives in ``trainer_service.core.jobs``, which re-exports both."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+#: Episodes a job may run ahead of its stream when it has no grant (direct use). Small, so that
+#: a slow reader throttles the provider quickly, but more than one so the provider can compute
+#: ahead of a slow send.
+DEFAULT_QUEUE_SIZE = 4
+#: Episodes a job holds for a re-attach. The gateway's lead (paced runs) and window (unpaced
+#: runs) stay far below it, so a restarted gateway always finds what it has not committed.
+DEFAULT_RETAIN = 1024
+DEFAULT_DETACH_GRACE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What this trainer offers and how busy it is."""
+
+    providers: tuple[str, ...]
+    device: str
+    slots_total: int
+    slots_free: int
+    torch_version: str
+    trl_version: str
+    server_version: str
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """How the runner runs jobs.
+
+    Attributes:
+        device: The torch device jobs run on (``cpu``, ``cuda:0``) when the slot pool names
+            no device of its own.
+        device_description: The device for humans (``cuda:0 NVIDIA H200``).
+        data_root: Root of task-relative paths.
+        image_cache_dir: Image cache for providers that decode images; ``None`` = off.
+        heartbeat_s: Seconds without an episode after which a heartbeat goes out.
+        queue_size: Episodes a job without a grant may run ahead of its stream.
+        retain: Episodes a job holds for a re-attach.
+        detach_grace_s: Seconds a job whose stream broke stays alive for a re-attach (0: it is
+            cancelled at once).
+    """
+
+    device: str = "cpu"
+    device_description: str = "cpu"
+    data_root: pathlib.Path = pathlib.Path("var/data")
+    image_cache_dir: pathlib.Path | None = None
+    heartbeat_s: float = 5.0
+    queue_size: int = DEFAULT_QUEUE_SIZE
+    retain: int = DEFAULT_RETAIN
+    detach_grace_s: float = DEFAULT_DETACH_GRACE_S
