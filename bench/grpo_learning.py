@@ -45,6 +45,7 @@ import torch
 
 from trainer_service.core.provider import TrainJob
 from trainer_service.providers.grpo import provider
+from trainer_service.providers.grpo.settings import Settings
 from trainer_service.tools import make_demo_dataset, make_tiny_vlm
 from trainwire.v1 import episode_pb2
 
@@ -182,7 +183,7 @@ def generalise(root: pathlib.Path, steps: int, seed: int) -> None:
 
 
 def _defaults() -> str:
-    settings = provider.Settings.from_task(episode_pb2.GrpoTask())
+    settings = Settings.from_task(episode_pb2.GrpoTask())
     return (
         f"lr {settings.learning_rate:g}, {settings.num_generations} generations, "
         f"batch {settings.batch_size}, max completion {settings.max_completion_length} tokens, "

@@ -122,7 +122,7 @@ def loader_rate(
 
     Workers start the way the provider starts them (a preloaded fork server), start-up included.
     """
-    from trainer_service.providers.grpo.provider import worker_start_method
+    from trainer_service.providers.grpo.settings import worker_start_method
 
     data = LazyImageDataset.from_jsonl(jsonl, data_root=root)
     table = datasets.Dataset.from_dict({"_i": list(range(limit or len(data)))}).with_transform(

@@ -21,6 +21,7 @@ from tests.grpo_fixtures import (
 )
 from trainer_service.core.provider import ProviderError
 from trainer_service.providers.grpo import provider
+from trainer_service.providers.grpo.settings import Settings
 from trainwire.contract import StreamChecker
 
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
@@ -125,19 +126,17 @@ def test_the_default_batch_fits_a_small_dataset_and_a_set_one_must(
     grpo_data_root: pathlib.Path,
 ) -> None:
     # 8 rows: the default 16 prompts per step shrink to 8; a batch that needs 16 rows is refused.
-    fitted = provider.Settings.from_task(
-        tiny_grpo_task(num_generations=2, batch_size=0).grpo, rows=8
-    )
+    fitted = Settings.from_task(tiny_grpo_task(num_generations=2, batch_size=0).grpo, rows=8)
     assert (fitted.batch_size, fitted.memo_rows) == (16, 8)
-    assert provider.Settings.from_task(tiny_grpo_task(batch_size=0).grpo).batch_size == 32
+    assert Settings.from_task(tiny_grpo_task(batch_size=0).grpo).batch_size == 32
     with pytest.raises(ProviderError, match="samples 16 distinct dataset rows") as info:
-        provider.Settings.from_task(tiny_grpo_task(num_generations=2, batch_size=32).grpo, rows=8)
+        Settings.from_task(tiny_grpo_task(num_generations=2, batch_size=32).grpo, rows=8)
     assert info.value.code == "INVALID_ARGUMENT"
     # batch_size is per process: two processes share the rows of a step.
     task = tiny_grpo_task(num_generations=2, batch_size=0).grpo
-    assert provider.Settings.from_task(task, rows=8, processes=2).batch_size == 8
+    assert Settings.from_task(task, rows=8, processes=2).batch_size == 8
     with pytest.raises(ProviderError, match=r"x 2 processes / num_generations 2\), but"):
-        provider.Settings.from_task(tiny_grpo_task(batch_size=16).grpo, rows=8, processes=2)
+        Settings.from_task(tiny_grpo_task(batch_size=16).grpo, rows=8, processes=2)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -29,6 +29,7 @@ from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
 from trainer_service.providers._device import slot_devices
 from trainer_service.providers.grpo import process, wire
+from trainer_service.providers.grpo.ranks import Rank
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire.contract import check_task
 from trainwire.v1 import episode_pb2
@@ -143,7 +144,7 @@ def _group(*ranks: dict[str, Any]) -> process.JobProcesses:
     group = process.JobProcesses(job, len(ranks))
     for i, fields in enumerate(ranks):
         popen: Any = types.SimpleNamespace(pid=1000 + i)
-        group.ranks.append(process._Rank(i, popen, None, **fields))  # type: ignore[arg-type]
+        group.ranks.append(Rank(i, popen, None, **fields))  # type: ignore[arg-type]
     return group
 
 

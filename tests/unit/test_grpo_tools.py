@@ -93,16 +93,16 @@ def test_gray_ablation_keeps_rows_and_replaces_every_image(tmp_path: pathlib.Pat
 
 
 def test_contract_and_provider_share_the_default_generations() -> None:
-    from trainer_service.providers.grpo import provider
+    from trainer_service.providers.grpo.settings import DEFAULT_NUM_GENERATIONS, Settings
 
-    assert contract.DEFAULT_GRPO_GENERATIONS == provider.DEFAULT_NUM_GENERATIONS
+    assert contract.DEFAULT_GRPO_GENERATIONS == DEFAULT_NUM_GENERATIONS
     task = episode_pb2.TrainTask(
         grpo=episode_pb2.GrpoTask(model_path="m", dataset_path="d.jsonl", batch_size=12)
     )
     violations = contract.check_task(task, episode_pb2.TrainConfig(max_episodes=1))
     assert [v.field for v in violations] == ["task.grpo.batch_size"]
     assert "num_generations 8" in violations[0].description
-    settings = provider.Settings.from_task(episode_pb2.GrpoTask())
+    settings = Settings.from_task(episode_pb2.GrpoTask())
     assert (settings.num_generations, settings.batch_size) == (8, 128)
     assert (settings.learning_rate, settings.max_completion_length) == (3e-3, 16)
     assert settings.temperature == 1.0

@@ -1,9 +1,10 @@
 """The ``grpo`` provider: TRL's GRPOTrainer on prepared image+text rows, one episode per step.
 
 The trainer runs every GRPO job in processes of its own (:mod:`.process`: ``num_processes`` of
-them, one per device, under torch.distributed when there are several); :mod:`.provider` is the
-training itself, which each of those processes runs (and which also runs in a thread, for the
-benchmarks and the provider's own tests).
+them, one per device, under torch.distributed when there are several); :mod:`.build` makes the
+GRPOTrainer each of those processes trains (:mod:`.worker`), with the settings of
+:mod:`.settings`; :mod:`.provider` runs that training in a thread, for the benchmarks and the
+provider's own tests.
 
 Importing this package is cheap (no torch, trl or transformers): the registry imports it to list
 providers, and :func:`validate` runs before a slot is taken. Neither does :func:`run` import the

@@ -23,7 +23,7 @@ What it guarantees (each point is tested):
    has the pixels of a miss.
 6. No randomness: the index stream (TRL's ``RepeatSampler``) lives in the main process. (That
    alone does not make 0 and N workers give the same training stream: the DataLoader also
-   draws worker seeds; see ``provider.LazyGRPOTrainer``.)
+   draws worker seeds; see ``build.LazyGRPOTrainer``.)
 7. A small per-process memo of recently decoded rows: ``RepeatSampler`` yields each index
    ``num_generations`` times in a row, so without it each image would be decoded that many times
    per step.

@@ -26,33 +26,31 @@ an exit code. The service and its other jobs go on.
 
 The trainer dying (``kill -9`` included): see :mod:`.lifeline`; every rank kills its group.
 
+Starting a rank (command line, environment, job spec) is :mod:`.launch`; the per-rank record and
+the reading of a failure are :mod:`.ranks`; this module drives the job: steps, watching,
+stopping, killing and reaping.
+
 This module imports neither torch nor grpc: the trainer process no longer loads the training
 stack for GRPO.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
 import pathlib
-import pickle
 import selectors
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 from trainer_service.core.provider import ProviderError, TrainJob
-from trainer_service.providers.grpo import wire
-from trainer_service.providers.grpo.library_output import WorkerLogging
+from trainer_service.providers.grpo import launch, wire
+from trainer_service.providers.grpo.ranks import Rank, diagnose, peek_exit
 from trainwire.v1 import episode_pb2
 
 _LOGGER = logging.getLogger(__name__)
@@ -65,54 +63,12 @@ DONE_GRACE_S = 60.0
 SETTLE_S = 2.0
 #: A rank silent this long (no frame, not even a BEAT) is named in the job's phase.
 SILENT_S = 15.0
-#: Seconds between a rank's BEAT frames.
-BEAT_S = 1.0
 _POLL_S = 0.1
-_WORKER_MODULE = "trainer_service.providers.grpo.worker"
-# Launcher variables a trainer may itself have been started with; a job sets its own.
-_DISTRIBUTED_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-    "ROLE_RANK",
-)
 
 
 def processes_of(task: episode_pb2.TrainTask) -> int:
     """How many processes (and trainer slots) a GRPO task runs on: ``num_processes``, 1 if 0."""
     return max(1, task.grpo.num_processes)
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-@dataclass
-class _Rank:
-    """What the trainer knows of one rank."""
-
-    rank: int
-    popen: subprocess.Popen[bytes]
-    frames: wire.FrameSocket
-    last_heard: float = field(default_factory=time.monotonic)
-    phase: str = "starting"
-    ended: bool = False  #: sent END
-    last_step: int | None = None  #: the last step it finished, as its END said
-    closed: bool = False  #: its channel reached end of file
-    error: dict[str, Any] | None = None  #: its ERROR report
-    exit_status: int | None = None  #: its exit, peeked before any reaping (negative: signal)
-    failed_at: float | None = None  #: when the trainer first saw it fail
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
 
 
 class JobProcesses:
@@ -127,7 +83,7 @@ class JobProcesses:
     def __init__(self, job: TrainJob, processes: int) -> None:
         self.job = job
         self.processes = processes
-        self.ranks: list[_Rank] = []
+        self.ranks: list[Rank] = []
         self.pgid: int | None = None
         self.scratch: pathlib.Path | None = None
         self._selector = selectors.DefaultSelector()
@@ -139,111 +95,23 @@ class JobProcesses:
 
     # -- starting ----------------------------------------------------------------------------
 
-    def _devices(self) -> tuple[list[str], str, dict[str, str]]:
-        """(device of each rank as the rank sees it, backend, environment for every rank)."""
-        devices = list(self.job.devices) if len(self.job.devices) == self.processes else []
-        devices = devices or [self.job.device] * self.processes
-        env: dict[str, str] = {}
-        if not devices[0].startswith("cuda"):
-            # A CPU job never touches a GPU, and one torch thread per process (measured on a
-            # small box: more threads stall it); OMP_NUM_THREADS also silences accelerate.
-            env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-            return ["cpu"] * self.processes, "gloo", env
-        # Each rank sees the job's GPUs only, as cuda:0..n-1 in rank order.
-        indices = [int(d.split(":", 1)[1]) if ":" in d else 0 for d in devices]
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        names = visible.split(",") if visible else None
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(
-            names[i] if names is not None and i < len(names) else str(i) for i in indices
-        )
-        return [f"cuda:{rank}" for rank in range(self.processes)], "nccl", env
-
-    def _base_env(self, extra: dict[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
-        env.update(extra)
-        import trainer_service
-        import trainwire
-
-        roots = {
-            str(pathlib.Path(trainer_service.__file__).resolve().parents[1]),
-            str(pathlib.Path(trainwire.__file__).resolve().parents[1]),
-        }
-        env["PYTHONPATH"] = os.pathsep.join(
-            [*sorted(roots), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-        )
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        return env
-
-    def _spec(self, rank: int, device: str, backend: str) -> dict[str, Any]:
-        assert self.scratch is not None
-        logging_like = WorkerLogging.like_this_process(None)
-        formatter = None
-        if logging_like.formatter is not None:
-            formatter = base64.b64encode(pickle.dumps(logging_like.formatter)).decode()
-        output = self.scratch / f"rank{rank}"
-        output.mkdir(exist_ok=True)
-        job = self.job
-        return {
-            "run_id": job.run_id,
-            "rank": rank,
-            "world_size": self.processes,
-            "device": device,
-            "backend": backend if self.processes > 1 else "",
-            "rendezvous": (self.scratch / "rendezvous").as_uri(),
-            "task": base64.b64encode(job.task.SerializeToString()).decode(),
-            "config": base64.b64encode(job.config.SerializeToString()).decode(),
-            "data_root": str(job.data_root),
-            "image_cache_dir": str(job.image_cache_dir) if job.image_cache_dir else None,
-            "output_dir": str(output),
-            "log": {"formatter": formatter, "level": logging_like.level},
-            "beat_s": BEAT_S,
-        }
-
     def start(self) -> None:
         """Starts every rank in one new process group and sends each its job spec.
 
         Raises:
             ProviderError: A process could not be started.
         """
-        devices, backend, extra = self._devices()
-        self.scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"grpo-{self.job.run_id}-"))
+        devices, backend, extra = launch.rank_devices(self.job, self.processes)
+        scratch = self.scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"grpo-{self.job.run_id}-"))
         for rank in range(self.processes):
-            env = self._base_env(extra)
-            if self.processes > 1:
-                world = str(self.processes)
-                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world)
-                env.update(LOCAL_WORLD_SIZE=world)
-            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                popen = subprocess.Popen(
-                    [
-                        *(sys.executable, "-m", _WORKER_MODULE),
-                        *("--fd", str(child.fileno()), "--parent-pid", str(os.getpid())),
-                    ],
-                    pass_fds=(child.fileno(),),
-                    # Rank 0 leads a new group; the others join it. Everything they start
-                    # stays in it, so one killpg ends the whole job.
-                    process_group=0 if self.pgid is None else self.pgid,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=2,  # the trainer's stdout carries its announcements only
-                )
-            except OSError as exc:
-                parent.close()
-                raise ProviderError(
-                    "The trainer could not start a training process.",
-                    detail=f"{type(exc).__name__}: {exc}",
-                    code="INTERNAL",
-                    reason="PROCESS_DIED",
-                ) from exc
-            finally:
-                child.close()
+            env = launch.rank_env(extra, rank, self.processes)
+            popen, frames = launch.spawn_rank(env, self.pgid)
             if self.pgid is None:
                 self.pgid = popen.pid
-            frames = wire.FrameSocket(parent)
-            self.ranks.append(_Rank(rank, popen, frames))
+            self.ranks.append(Rank(rank, popen, frames))
             self._selector.register(frames.sock, selectors.EVENT_READ, self.ranks[-1])
-            frames.send_json(wire.JOB, self._spec(rank, devices[rank], backend))
+            spec = launch.job_spec(self.job, rank, self.processes, devices[rank], backend, scratch)
+            frames.send_json(wire.JOB, spec)
         _LOGGER.info(
             "run %s: GRPO job started in %d process(es) %s on %s",
             self.job.run_id,
@@ -299,7 +167,7 @@ class JobProcesses:
     def _pump(self, timeout: float) -> None:
         """Reads what the ranks sent within ``timeout`` seconds and notes who exited."""
         for key, _ in self._selector.select(timeout):
-            rank: _Rank = key.data
+            rank: Rank = key.data
             try:
                 frames, closed = rank.frames.read_available()
             except ValueError as exc:  # an oversized frame: the rank is broken
@@ -316,12 +184,12 @@ class JobProcesses:
                     rank.failed_at = now
         for rank in self.ranks:
             if rank.exit_status is None:
-                rank.exit_status = _peek_exit(rank.pid)
+                rank.exit_status = peek_exit(rank.pid)
                 if rank.exit_status is not None and not rank.ended and rank.failed_at is None:
                     rank.failed_at = time.monotonic()
         self._show_silence()
 
-    def _handle(self, rank: _Rank, kind: bytes, payload: bytes) -> None:
+    def _handle(self, rank: Rank, kind: bytes, payload: bytes) -> None:
         if kind == wire.EPISODE and rank.rank == 0:
             self._episode = episode_pb2.Episode.FromString(payload)
         elif kind == wire.PHASE:
@@ -362,59 +230,14 @@ class JobProcesses:
             self._pump(_POLL_S)
         for rank in self.ranks:
             if rank.closed and rank.exit_status is None:
-                rank.exit_status = _peek_exit(rank.pid, wait_s=0.5)
+                rank.exit_status = peek_exit(rank.pid, wait_s=0.5)
         error = self.diagnose()
         self._kill()
         raise error
 
     def diagnose(self) -> ProviderError:
         """What went wrong, as the user should read it (call once a rank failed)."""
-        n = len(self.ranks)
-
-        def who(rank: _Rank) -> str:
-            return "The training process" if n == 1 else f"Training process rank {rank.rank} of {n}"
-
-        killed = [r for r in self.ranks if r.exit_status is not None and r.exit_status < 0]
-        if killed:
-            rank = min(killed, key=lambda r: r.failed_at or 0.0)
-            assert rank.exit_status is not None
-            name = _signal_name(-rank.exit_status)
-            if -rank.exit_status == signal.SIGKILL:
-                text = (
-                    f"{who(rank)} was killed ({name}). If the machine ran out of memory, try a "
-                    "smaller batch_size or max_completion_length."
-                )
-            else:
-                text = f"{who(rank)} crashed ({name})."
-            return ProviderError(
-                text, detail=f"pid {rank.pid}", code="INTERNAL", reason="PROCESS_DIED"
-            )
-        reported = [r for r in self.ranks if r.error is not None]
-        if reported:
-            rank = min(reported, key=lambda r: float((r.error or {}).get("at", 0.0)))
-            error = rank.error or {}
-            detail = f"rank {rank.rank}: {error.get('detail', '')}"
-            if error.get("kind") == "provider":
-                return ProviderError(
-                    str(error.get("user_message", "")),
-                    detail=detail,
-                    code=str(error.get("code", "FAILED_PRECONDITION")),
-                    reason=str(error.get("reason", "PROVIDER_FAILED")),
-                )
-            return ProviderError(
-                f"{who(rank)} failed with {error.get('exception') or 'an error'}; the trainer's "
-                "log has the details.",
-                detail=detail,
-                code="INTERNAL",
-                reason="PROVIDER_FAILED",
-            )
-        failed = [r for r in self.ranks if r.failed_at is not None]
-        rank = min(failed, key=lambda r: r.failed_at or 0.0) if failed else self.ranks[0]
-        if rank.exit_status is not None:
-            text = f"{who(rank)} exited unexpectedly (exit code {rank.exit_status})."
-        else:
-            text = f"{who(rank)} stopped responding."
-        return ProviderError(text, detail=f"pid {rank.pid}", code="INTERNAL", reason="PROCESS_DIED")
+        return diagnose(self.ranks)
 
     # -- stopping ----------------------------------------------------------------------------
 
@@ -484,24 +307,6 @@ class JobProcesses:
                 if time.monotonic() > deadline:
                     return
                 time.sleep(0.02)
-
-
-def _peek_exit(pid: int, wait_s: float = 0.0) -> int | None:
-    """How process ``pid`` (a child) exited, without reaping it: the exit code, or minus the
-    signal that killed it; ``None`` while it runs."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return None
-        if result is not None:
-            if result.si_code == os.CLD_EXITED:
-                return int(result.si_status)
-            return -int(result.si_status)
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.02)
 
 
 def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:

@@ -7,7 +7,7 @@ takes the same decision at every step boundary:
 
 | kind | direction | payload |
 | --- | --- | --- |
-| ``JOB`` | trainer -> rank | the job spec (JSON, see ``process.py``) |
+| ``JOB`` | trainer -> rank | the job spec (JSON, see ``launch.py``) |
 | ``STEP`` | trainer -> rank | the optimizer step the ranks may run next (8-byte int) |
 | ``STOP`` | trainer -> rank | nothing: stop at the next step boundary |
 | ``PHASE`` | rank -> trainer | what the rank does (UTF-8), for heartbeats |

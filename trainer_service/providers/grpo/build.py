@@ -1,0 +1,241 @@
+"""Builds TRL's GRPOTrainer for a job: model, processor, lazy dataset, precision and seeds.
+
+:func:`build_trainer` loads everything a job needs (errors surface as :class:`ProviderError`
+with a plain message) and returns a :class:`LazyGRPOTrainer`, ready to train; the in-thread
+provider (:mod:`.provider`) and every rank of a job (:mod:`.worker`) build it the same way.
+
+Data path: ``datasets.Dataset.from_dict({"_i": range(n)}).with_transform(RowTransform(lazy))`` —
+TRL accepts only ``datasets`` datasets, and this one holds nothing but indices, so images are
+decoded lazily, per batch, in the DataLoader workers (see :mod:`.lazy_images`). Opening the
+dataset parses no row.
+
+Seeding: ``config.seed`` seeds Python, NumPy and torch before the model is loaded and is TRL's
+``seed``/``data_seed`` (the ``RepeatSampler`` index stream and sampling during generation). The
+training DataLoader draws its worker seeds from a generator of its own, so the number of
+workers does not change the stream: 0 and N workers train on the same rows and sample the same
+completions, epoch after epoch.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import (
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    PrinterCallback,
+    ProcessorMixin,
+    set_seed,
+)
+from trl import GRPOTrainer
+
+from trainer_service.core.provider import ProviderError, TrainJob
+from trainer_service.providers.grpo.lazy_images import (
+    LazyImageDataset,
+    RowTransform,
+    resolve_cache_dir,
+)
+from trainer_service.providers.grpo.library_output import WorkerLogging, route_library_output
+from trainer_service.providers.grpo.lifeline import WorkerWatchdog
+from trainer_service.providers.grpo.rewards import CompletionTap, build_reward_functions
+from trainer_service.providers.grpo.settings import Settings, training_args
+from trainer_service.providers.grpo.validation import resolve_under_root
+
+
+def _resolve(job: TrainJob, relative: str, what: str) -> pathlib.Path:
+    path = resolve_under_root(job.data_root, relative)
+    if path is None:  # validate() rejects these first; re-checked in case the tree changed
+        raise ProviderError(
+            f"The {what} path {relative!r} leads outside the trainer's data root.",
+            code="INVALID_ARGUMENT",
+            reason="PATH_OUTSIDE_ROOT",
+        )
+    return path
+
+
+def load_dataset(job: TrainJob, provenance_key: str | None = None) -> LazyImageDataset:
+    """Opens the task's JSONL dataset lazily (no row is parsed, no image decoded here).
+
+    Raises:
+        ProviderError: Missing or unreadable file, or one without rows. Bad rows are reported
+            when read (see :mod:`.rows`).
+    """
+    task = job.task.grpo
+    path = _resolve(job, task.dataset_path, "dataset")
+    if not path.is_file():
+        raise ProviderError(
+            f"The dataset file {task.dataset_path!r} was not found on the trainer.",
+            detail=str(path),
+            reason="DATASET_NOT_FOUND",
+        )
+    return LazyImageDataset.from_jsonl(
+        path,
+        data_root=job.data_root,
+        cache_dir=resolve_cache_dir(job.image_cache_dir),
+        provenance_key=provenance_key,
+    )
+
+
+def load_model(job: TrainJob, dtype: torch.dtype) -> tuple[Any, ProcessorMixin]:
+    """Loads the vision-language model and its processor from local files only.
+
+    Raises:
+        ProviderError: Missing directory, unloadable files, or not a vision-language model.
+    """
+    task = job.task.grpo
+    path = _resolve(job, task.model_path, "model")
+    if not path.is_dir():
+        raise ProviderError(
+            f"The model directory {task.model_path!r} was not found on the trainer.",
+            detail=str(path),
+            reason="MODEL_NOT_FOUND",
+        )
+    try:
+        processor = AutoProcessor.from_pretrained(
+            path, local_files_only=True, padding_side="left", truncation_side="left"
+        )
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, local_files_only=True, dtype=dtype
+        )
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise ProviderError(
+            f"The model in {task.model_path!r} could not be loaded.",
+            detail=f"{path}: {type(exc).__name__}: {exc}",
+            reason="MODEL_UNLOADABLE",
+        ) from exc
+    if (
+        not isinstance(processor, ProcessorMixin)
+        or getattr(processor, "image_processor", None) is None
+    ):
+        raise ProviderError(
+            f"The model in {task.model_path!r} is not a vision-language model (it has no image "
+            "processor); the grpo provider trains on image+text rows.",
+            detail=f"{path}: processor {type(processor).__name__}",
+            reason="MODEL_NOT_MULTIMODAL",
+        )
+    return model, processor
+
+
+class LazyGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer with a reproducible, quiet training DataLoader, holding its lazy dataset.
+
+    Reproducible: a ``DataLoader`` draws a base seed for its workers each time it makes an
+    iterator, from the process-wide torch RNG unless it has a ``generator``. Loading inline,
+    it makes a new iterator every epoch; with persistent workers it makes one and resets it.
+    Those extra draws moved the global RNG, which also drives completion sampling, so 0 and 2
+    workers sampled different completions from the first step of epoch 2 on. With a generator
+    of its own (seeded from ``seed``) the loader leaves the global RNG alone in both modes.
+
+    Quiet: workers set their logging up like the trainer's (:class:`WorkerLogging`).
+
+    Attributes:
+        lazy_dataset: The rows behind ``train_dataset``.
+    """
+
+    lazy_dataset: LazyImageDataset | None = None
+
+    def get_train_dataloader(self) -> Any:
+        loader = super().get_train_dataloader()
+        generator = torch.Generator()
+        generator.manual_seed(self.args.seed)
+        # accelerate wraps the torch DataLoader; its __iter__ uses the wrapped one's generator.
+        base = getattr(loader, "base_dataloader", loader)
+        base.generator = generator
+        if base.num_workers > 0:
+            # In a job's process group, workers also exit when their rank is gone (lifeline).
+            base.worker_init_fn = WorkerWatchdog.wrap(
+                WorkerLogging.like_this_process(base.worker_init_fn)
+            )
+        return loader
+
+
+def world_size() -> int:
+    """Processes training together: torch.distributed's world size, 1 when not initialised."""
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return int(distributed.get_world_size())
+    return 1
+
+
+def use_cuda_device(device: str) -> None:
+    """Makes ``cuda:N`` the calling thread's current device (Trainer places the model there)."""
+    index = torch.device(device).index
+    if index is not None:
+        torch.cuda.set_device(index)
+
+
+def _precision(device: str) -> tuple[bool, bool, torch.dtype]:
+    """(use_cpu, bf16, load dtype) for a job device string."""
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ProviderError(
+                "This trainer has no usable GPU.", detail=f"device {device!r}", code="UNAVAILABLE"
+            )
+        use_cuda_device(device)
+        bf16 = torch.cuda.is_bf16_supported()
+        # Mixed precision keeps fp32 master weights; autocast does the bf16 compute.
+        return False, bf16, torch.float32
+    torch.set_num_threads(1)  # a small box stalls badly with more (measured on 2 cores)
+    return True, False, torch.float32
+
+
+def build_trainer(
+    job: TrainJob,
+    callbacks: Sequence[Any] = (),
+    *,
+    output_dir: str,
+    tap: CompletionTap | None = None,
+    provenance_key: str | None = None,
+) -> LazyGRPOTrainer:
+    """Loads everything and builds the GRPOTrainer for ``job`` (does not train).
+
+    Args:
+        job: The job.
+        callbacks: Extra trainer callbacks (the streaming callback).
+        output_dir: Trainer scratch directory (nothing is saved there: ``save_strategy="no"``).
+        tap: Receives each scored batch's completions.
+        provenance_key: Passed to :class:`LazyImageDataset` (diagnostics and tests).
+
+    Raises:
+        ProviderError: The model or dataset cannot be used.
+    """
+    route_library_output()  # before any model or dataset code draws a bar or warns
+    use_cpu, bf16, dtype = _precision(job.device)
+    set_seed(job.config.seed)
+    job.set_phase("loading dataset")
+    lazy = load_dataset(job, provenance_key=provenance_key)
+    settings = Settings.from_task(job.task.grpo, rows=len(lazy), processes=world_size())
+    lazy.set_memo_rows(settings.memo_rows)
+    job.set_phase("loading model")
+    model, processor = load_model(job, dtype)
+    train_dataset = Dataset.from_dict({"_i": list(range(len(lazy)))}).with_transform(
+        RowTransform(lazy)
+    )
+    reward_funcs: list[Any] = list(
+        build_reward_functions(settings.reward_functions, settings.max_completion_length, tap)
+    )
+    args = training_args(job, settings, output_dir, use_cpu, bf16)
+    try:
+        trainer = LazyGRPOTrainer(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processor,
+            callbacks=list(callbacks),
+        )
+    except (ValueError, TypeError) as exc:
+        raise ProviderError(
+            "The GRPO settings do not fit this model or dataset.",
+            detail=f"{type(exc).__name__}: {exc}",
+            code="INVALID_ARGUMENT",
+            reason="BAD_SETTINGS",
+        ) from exc
+    # With tqdm off, Trainer prints every log dict to stdout; episodes carry the metrics instead.
+    trainer.remove_callback(PrinterCallback)
+    trainer.lazy_dataset = lazy
+    return trainer

@@ -1,0 +1,161 @@
+"""The ``grpo`` provider's settings: a task with its defaults applied, mapped onto TRL's config.
+
+:class:`Settings` applies ``GrpoTask``'s documented defaults (and fits the default batch to the
+dataset and the number of processes); :func:`training_args` turns a job and its settings into
+TRL's ``GRPOConfig``, with the DataLoader workers started by :func:`worker_start_method`.
+
+Defaults (``DEFAULT_*``): the settings that make the offline tiny VLM learn a colour question in
+under 200 steps on a CPU (``bench/grpo_learning.py``); see the README for why each is what it is.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from dataclasses import dataclass
+
+from trl import GRPOConfig
+
+from trainer_service.core.provider import ProviderError, TrainJob
+from trainwire.v1 import episode_pb2
+
+# The defaults are the settings that learn (README, "GRPO that learns"; measured by
+# bench/grpo_learning.py): a user who sets only model, dataset, reward and steps sees learning.
+DEFAULT_NUM_GENERATIONS = 8
+#: Prompts per optimizer step when batch_size is 0 (batch = this x num_generations).
+DEFAULT_PROMPTS_PER_STEP = 16
+DEFAULT_MAX_COMPLETION_LENGTH = 16
+DEFAULT_LEARNING_RATE = 3e-3
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_NUM_WORKERS = 2
+# Largest memo: rows of one generation batch; capped so big batches of big images stay bounded.
+_MAX_MEMO_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A GrpoTask with its defaults applied (see ``GrpoTask`` in episode.proto)."""
+
+    reward_functions: tuple[str, ...]
+    num_generations: int
+    batch_size: int
+    max_completion_length: int
+    learning_rate: float
+    beta: float
+    temperature: float
+    gradient_accumulation_steps: int
+    num_workers: int
+    prefetch_factor: int | None
+
+    @classmethod
+    def from_task(
+        cls, task: episode_pb2.GrpoTask, rows: int | None = None, processes: int = 1
+    ) -> Settings:
+        """Applies the proto's documented defaults.
+
+        Args:
+            task: The task.
+            rows: The dataset's row count, when known. A step's prompts are distinct rows, so
+                the default batch takes at most ``rows`` of them (across all processes).
+            processes: Processes training together; ``batch_size`` is per process.
+
+        Raises:
+            ProviderError: A batch_size the task sets needs more distinct rows than ``rows``.
+        """
+        generations = task.num_generations or DEFAULT_NUM_GENERATIONS
+        accumulation = task.gradient_accumulation_steps or 1
+        processes = max(1, processes)
+        prompts = DEFAULT_PROMPTS_PER_STEP
+        if rows is not None and not task.batch_size:
+            prompts = max(1, min(prompts, rows // (accumulation * processes)))
+        batch_size = task.batch_size or prompts * generations
+        needed = batch_size * accumulation * processes // generations
+        if rows is not None and needed > rows:
+            across = f" x {processes} processes" if processes > 1 else ""
+            raise ProviderError(
+                f"Each step samples {needed} distinct dataset rows (batch_size {batch_size} x "
+                f"gradient_accumulation_steps {accumulation}{across} / num_generations "
+                f"{generations}), but the dataset has {rows}.",
+                code="INVALID_ARGUMENT",
+                reason="BAD_SETTINGS",
+            )
+        workers = (
+            task.dataloader_num_workers
+            if task.HasField("dataloader_num_workers")
+            else DEFAULT_NUM_WORKERS
+        )
+        prefetch = (
+            task.dataloader_prefetch_factor
+            if task.HasField("dataloader_prefetch_factor") and workers > 0
+            else None
+        )
+        return cls(
+            reward_functions=tuple(task.reward_functions),
+            num_generations=generations,
+            batch_size=batch_size,
+            max_completion_length=task.max_completion_length or DEFAULT_MAX_COMPLETION_LENGTH,
+            learning_rate=task.learning_rate or DEFAULT_LEARNING_RATE,
+            beta=task.beta if task.HasField("beta") else 0.0,
+            temperature=task.temperature or DEFAULT_TEMPERATURE,
+            gradient_accumulation_steps=accumulation,
+            num_workers=workers,
+            prefetch_factor=prefetch,
+        )
+
+    @property
+    def memo_rows(self) -> int:
+        """Distinct rows in one generation batch (the memo size that decodes each row once)."""
+        unique = self.batch_size * self.gradient_accumulation_steps // self.num_generations
+        return max(1, min(_MAX_MEMO_ROWS, unique))
+
+
+# Modules the DataLoader workers need, imported once in the fork server rather than per worker.
+_WORKER_PRELOAD = ["torch", "datasets", "PIL.Image", "trainer_service.providers.grpo.lazy_images"]
+
+
+def worker_start_method() -> str | None:
+    """How DataLoader workers start: ``forkserver`` where available, else the platform default.
+
+    Never plain ``fork``: the trainer is a gRPC server, and forking a process with live gRPC
+    (and torch) threads can crash the child (seen here: workers died with SIGSEGV). The fork
+    server is a fresh interpreter with no such threads; workers fork from it.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_WORKER_PRELOAD)
+    return "forkserver"
+
+
+def training_args(
+    job: TrainJob, settings: Settings, output_dir: str, use_cpu: bool, bf16: bool
+) -> GRPOConfig:
+    """TRL's config for the job (one optimizer step per episode, logged every step)."""
+    return GRPOConfig(
+        output_dir=output_dir,
+        max_steps=job.config.max_episodes,
+        per_device_train_batch_size=settings.batch_size,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        learning_rate=settings.learning_rate,
+        beta=settings.beta,
+        temperature=settings.temperature,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        dataloader_num_workers=settings.num_workers,
+        dataloader_prefetch_factor=settings.prefetch_factor,
+        # Workers outlive an epoch: no re-fork (and no cold memo) every pass over a small set.
+        dataloader_persistent_workers=settings.num_workers > 0,
+        dataloader_multiprocessing_context=(
+            worker_start_method() if settings.num_workers > 0 else None
+        ),
+        seed=job.config.seed,
+        data_seed=job.config.seed,
+        use_cpu=use_cpu,
+        bf16=bf16,
+        # transformers 5 renamed gradient checkpointing; TRL's default (True) would use the alias.
+        gradient_checkpointing=False,
+        activation_checkpointing=not use_cpu,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
