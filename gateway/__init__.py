@@ -5,9 +5,9 @@ Architecture (imports point one way): ``servicer`` -> ``convert`` -> ``core``. T
 scheduling and the SQLite store, and imports neither grpc nor torch. ``trainer_client`` adapts
 the trainer's gRPC stream to the core's ``TrainerConnector``; ``status`` maps domain errors to
 gRPC statuses in one table; ``metrics`` is the Prometheus observer of the core and the RPC
-interceptor (``trainwire_ops.rpc_metrics``, shared with the trainer); ``server`` wires everything
-into a ``grpc.aio`` server with health, reflection and an HTTP/2 keepalive policy; ``__main__``
-parses flags and sets up logging (``--log-format text|json``).
+interceptor (``trainwire_ops.rpc_metrics_aio``, shared with the trainer); ``server`` wires
+everything into a ``grpc.aio`` server with health, reflection and an HTTP/2 keepalive policy;
+``__main__`` parses flags and sets up logging (``--log-format text|json``).
 
 Memory bound per active run
 ---------------------------

@@ -55,7 +55,8 @@ from prometheus_client.registry import Collector
 from gateway.core.observer import Observer
 from gateway.core.runs import RunState
 from gateway.core.trainers import Capabilities
-from trainwire_ops.rpc_metrics import AioMetricsServerInterceptor, RpcMetrics, service_registry
+from trainwire_ops.rpc_metrics import RpcMetrics, service_registry
+from trainwire_ops.rpc_metrics_aio import AioMetricsServerInterceptor
 
 #: Group commits take microseconds in memory and milliseconds on a disk.
 COMMIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)

@@ -26,9 +26,10 @@ same on the gateway; the service-specific ones carry a ``trainwire_trainer_`` pr
 ``contract_violation``, ``cancelled``, ``shutdown``). Slot gauges are read from the
 ``SlotPool`` at scrape time, so they cannot drift.
 
-The RPC metrics, both interceptors and :class:`MetricsEndpoint` live in
-``trainwire_ops.rpc_metrics`` (shared with the gateway) and are re-exported here. This module
-imports neither torch nor the trainer's core.
+The RPC metrics (``trainwire_ops.rpc_metrics``), both interceptors (``rpc_metrics_sync``,
+``rpc_metrics_aio``) and :class:`MetricsEndpoint` (``metrics_endpoint``) live in
+``trainwire_ops`` (shared with the gateway) and are re-exported here. This module imports
+neither torch nor the trainer's core.
 """
 
 from __future__ import annotations
@@ -40,13 +41,11 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from trainwire_ops.metrics_endpoint import MetricsEndpoint
 from trainwire_ops.rpc_metrics import (
     DEADLINE_SLACK_S,
     RPC_LABELS,
     RPC_LATENCY_BUCKETS,
-    AioMetricsServerInterceptor,
-    MetricsEndpoint,
-    MetricsServerInterceptor,
     RpcLabels,
     RpcMetrics,
     clone_handler,
@@ -58,6 +57,8 @@ from trainwire_ops.rpc_metrics import (
     rpc_type,
     service_registry,
 )
+from trainwire_ops.rpc_metrics_aio import AioMetricsServerInterceptor
+from trainwire_ops.rpc_metrics_sync import MetricsServerInterceptor
 
 if TYPE_CHECKING:
     from trainer_service.core.observe import JobOutcome

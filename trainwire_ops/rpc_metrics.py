@@ -1,4 +1,4 @@
-"""Prometheus RPC metrics for gRPC servers, sync and ``grpc.aio``, and the ``/metrics`` endpoint.
+"""Prometheus RPC metrics for gRPC servers: their names, labels, status codes and registry.
 
 Both services record the same RPC metrics, named after go-grpc-prometheus so stock dashboards
 work:
@@ -12,36 +12,27 @@ work:
 ``grpc_type`` is ``unary``, ``client_stream``, ``server_stream`` or ``bidi_stream``;
 ``grpc_code`` a ``grpc.StatusCode`` name (``OK``, ``CANCELLED``, ...).
 
-:class:`MetricsServerInterceptor` records them on a sync ``grpc.server`` (the trainer),
-:class:`AioMetricsServerInterceptor` on a ``grpc.aio`` server (the gateway); the naming, status
-code and handler helpers below are shared by both. :class:`MetricsEndpoint` serves a
-``CollectorRegistry`` over HTTP. Each service keeps its metrics in its own registry (never the
-process-global default), so several in-process servers in one test run do not collide.
+This module holds :class:`RpcMetrics` and the naming, status code and handler helpers shared by
+the two interceptors that record them: ``trainwire_ops.rpc_metrics_sync`` on a sync
+``grpc.server`` (the trainer) and ``trainwire_ops.rpc_metrics_aio`` on a ``grpc.aio`` server
+(the gateway). ``trainwire_ops.metrics_endpoint`` serves a ``CollectorRegistry`` over HTTP.
+Each service keeps its metrics in its own registry (never the process-global default, see
+:func:`service_registry`), so several in-process servers in one test run do not collide.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import logging
-import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from wsgiref.simple_server import WSGIServer
 
 import grpc
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from trainwire_ops.addresses import host_port
-
 # No ``*_created`` series: one timestamp gauge per counter and histogram child doubles what a
 # scrape carries and no dashboard reads it.
 prometheus_client.disable_created_metrics()
-
-_LOGGER = logging.getLogger(__name__)
 
 #: Label names of every RPC metric, in order (``grpc_code`` follows on handled/latency).
 RPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
@@ -253,293 +244,3 @@ class RpcMetrics:
         values = (*labels.values(), code)
         self.handled_total.labels(*values).inc()
         self.handling_seconds.labels(*values).observe(seconds)
-
-
-# -- the sync interceptor ----------------------------------------------------------------------
-
-
-class MetricsServerInterceptor(grpc.ServerInterceptor):
-    """Records :class:`RpcMetrics` for every RPC of a sync ``grpc.server``.
-
-    A unary handler's code is read from the context when it returns or raises. A streaming
-    handler's response iterator is wrapped: its code is known only when the iterator ends
-    (normally, by an exception or an abort), or when grpc abandons it because the RPC was
-    cancelled; the latency runs to that point. Handlers using grpc's experimental non-blocking
-    streaming (health ``Watch``) are passed through unmeasured: their end is invisible here.
-    """
-
-    def __init__(self, metrics: RpcMetrics) -> None:
-        self._metrics = metrics
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        """Wraps the method's handler in one that records its metrics."""
-        handler = continuation(handler_call_details)
-        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
-            return None
-        behavior = handler_behavior(handler)
-        if getattr(behavior, "experimental_non_blocking", False):
-            return handler
-        labels = rpc_labels(handler_call_details.method, handler)
-        if handler.response_streaming:
-            return clone_handler(handler, self._streaming(behavior, labels))
-        return clone_handler(handler, self._unary(behavior, labels))
-
-    def _unary(self, behavior: Callable[..., Any], labels: RpcLabels) -> Callable[..., Any]:
-        metrics = self._metrics
-
-        def observed(request: Any, context: grpc.ServicerContext) -> Any:
-            metrics.started(labels)
-            start = time.perf_counter()
-            error: BaseException | None = None
-            try:
-                response = behavior(request, context)
-                if response is not None:
-                    metrics.sent_counter(labels).inc()
-                return response
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                _record(metrics, labels, context, start, error=error)
-
-        return observed
-
-    def _streaming(self, behavior: Callable[..., Any], labels: RpcLabels) -> Callable[..., Any]:
-        metrics = self._metrics
-
-        def observed(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            metrics.started(labels)
-            start = time.perf_counter()
-            try:
-                responses = behavior(request, context)
-            except BaseException as exc:
-                _record(metrics, labels, context, start, error=exc)
-                raise
-            return _observed_stream(responses, context, metrics, labels, start)
-
-        return observed
-
-
-def _observed_stream(
-    responses: Iterable[Any],
-    context: grpc.ServicerContext,
-    metrics: RpcMetrics,
-    labels: RpcLabels,
-    start: float,
-) -> Iterator[Any]:
-    """Yields ``responses`` and records the RPC's code and latency once they end."""
-    error: BaseException | None = None
-    abandoned = False
-    sent = metrics.sent_counter(labels)
-    iterator = iter(responses)
-    try:
-        for response in iterator:
-            yield response
-            sent.inc()  # grpc asked for the next one: this one went out
-    except GeneratorExit:
-        # grpc stopped asking for responses: the RPC was cancelled (client, deadline, shutdown).
-        abandoned = True
-        raise
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            close()  # the handler's generator cleans up when grpc abandons ours
-        _record(metrics, labels, context, start, error=error, abandoned=abandoned)
-
-
-def _record(
-    metrics: RpcMetrics,
-    labels: RpcLabels,
-    context: grpc.ServicerContext,
-    start: float,
-    *,
-    error: BaseException | None = None,
-    abandoned: bool = False,
-) -> None:
-    """Records an RPC whose handler has just ended (returned, raised or was abandoned)."""
-    # Once the client has gone, it saw CANCELLED or DEADLINE_EXCEEDED whatever we set.
-    gone = not context.is_active()
-    code = final_code(
-        context.code(),
-        error=error,
-        cancelled=abandoned or gone,
-        deadline_passed=deadline_passed(context.time_remaining()),
-    )
-    metrics.handled(labels, code, time.perf_counter() - start)
-
-
-# -- the aio interceptor -----------------------------------------------------------------------
-
-
-class AioMetricsServerInterceptor(grpc.aio.ServerInterceptor):
-    """Records :class:`RpcMetrics` for every RPC of a ``grpc.aio`` server.
-
-    The aio twin of :class:`MetricsServerInterceptor`. Each behavior is wrapped in a coroutine
-    that runs it to its end, so code and latency are recorded when the handler ends: normally,
-    by an exception or an abort, or by cancellation (the client cancelled or left, the deadline
-    passed, the server stopped: a ``CancelledError``). A streaming behavior's responses (an
-    async generator) are written with ``context.write`` from that coroutine, the way grpc's own
-    loop writes them: no extra generator layer per message, so a busy watch stream pays nothing
-    per message for being measured. Sync behaviors (aio runs them in a thread pool) pass
-    through unmeasured.
-    """
-
-    def __init__(self, metrics: RpcMetrics) -> None:
-        self._metrics = metrics
-        # method -> (the handler grpc returned, its wrapped twin): a method's handler is one
-        # object for the server's life, so it is wrapped once, not on every call.
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        """Wraps the method's handler in one that records its metrics."""
-        handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
-            return None
-        method = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(method, handler)
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
-
-    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        behavior = handler_behavior(handler)
-        labels = rpc_labels(method, handler)
-        if inspect.isasyncgenfunction(behavior):
-            return clone_handler(handler, self._generator(behavior, labels))
-        if inspect.iscoroutinefunction(behavior):
-            return clone_handler(handler, self._coroutine(behavior, labels))
-        return handler
-
-    def _coroutine(
-        self, behavior: Callable[..., Awaitable[Any]], labels: RpcLabels
-    ) -> Callable[..., Awaitable[Any]]:
-        """A unary response, or a stream written by the behavior itself (``context.write``)."""
-        metrics = self._metrics
-
-        async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            metrics.started(labels)
-            start = time.perf_counter()
-            error: BaseException | None = None
-            cancelled = False
-            try:
-                response = await behavior(request, context)
-                if response is not None:
-                    metrics.sent_counter(labels).inc()
-                return response
-            except asyncio.CancelledError:
-                cancelled = True
-                raise
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                _record_aio(metrics, labels, context, start, error, cancelled)
-
-        return observed
-
-    def _generator(
-        self, behavior: Callable[..., AsyncIterator[Any]], labels: RpcLabels
-    ) -> Callable[..., Awaitable[None]]:
-        """A stream of responses yielded by the behavior (an async generator)."""
-        metrics = self._metrics
-
-        async def observed(request: Any, context: grpc.aio.ServicerContext) -> None:
-            metrics.started(labels)
-            start = time.perf_counter()
-            error: BaseException | None = None
-            cancelled = False
-            responses = behavior(request, context)
-            sent = metrics.sent_counter(labels)
-            try:
-                async for response in responses:
-                    await context.write(response)
-                    sent.inc()
-            except asyncio.CancelledError:
-                cancelled = True
-                raise
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                try:
-                    # A cancellation that hit our write leaves the behavior suspended at its
-                    # yield: close it now, so its cleanup runs before the RPC is counted done.
-                    await responses.aclose()  # type: ignore[attr-defined]
-                finally:
-                    _record_aio(metrics, labels, context, start, error, cancelled)
-
-        return observed
-
-
-def _record_aio(
-    metrics: RpcMetrics,
-    labels: RpcLabels,
-    context: grpc.aio.ServicerContext,
-    start: float,
-    error: BaseException | None,
-    cancelled: bool,
-) -> None:
-    """Records an aio RPC whose handler has just ended (returned, raised or was cancelled)."""
-    code = final_code(
-        context.code(),
-        error=error,
-        cancelled=cancelled,
-        deadline_passed=deadline_passed(context.time_remaining()),
-    )
-    metrics.handled(labels, code, time.perf_counter() - start)
-
-
-# -- the HTTP endpoint -------------------------------------------------------------------------
-
-
-class MetricsEndpoint:
-    """A registry served at ``http://HOST:PORT/metrics`` by prometheus_client in a thread.
-
-    Start it with :meth:`start`; :meth:`stop` closes the socket and joins the thread.
-    """
-
-    def __init__(self, httpd: WSGIServer, thread: threading.Thread, host: str) -> None:
-        self._httpd = httpd
-        self._thread = thread
-        self.host = host
-        self.port: int = httpd.server_port
-
-    @classmethod
-    def start(cls, registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
-        """Serves ``registry`` on ``host:port`` (0 picks a free port).
-
-        Raises:
-            OSError: The address could not be bound.
-        """
-        try:
-            httpd, thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc}") from exc
-        endpoint = cls(httpd, thread, host)
-        _LOGGER.info("metrics on %s", endpoint.url)
-        return endpoint
-
-    @property
-    def url(self) -> str:
-        """``http://HOST:PORT/metrics`` (IPv6 hosts bracketed)."""
-        return f"http://{host_port(self.host, self.port)}/metrics"
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stops serving, closes the socket and joins the thread; idempotent."""
-        if self._thread.is_alive():
-            self._httpd.shutdown()  # returns once serve_forever has left its loop
-        self._httpd.server_close()
-        self._thread.join(timeout)
