@@ -1,0 +1,178 @@
+"""The PostgreSQL database under the store: its URL, the connection pool, transactions and
+writability.
+
+psycopg 3 on the event loop with a connection pool (``AsyncConnectionPool``), opened once the
+schema is checked (or migrated: ``gateway.core.store.postgres_schema``). Each read or write runs
+in one transaction, retried when it lost a deadlock or a serialization race.
+
+Writability as SQLite's backend: a write that fails because the database cannot be written or
+reached (disk full, read-only, server gone) raises ``StoreWriteFailed`` and turns ``writable``
+off until a probe write succeeds (every ``PROBE_INTERVAL_S``). A read that cannot reach the
+database raises ``StoreUnavailable`` (UNAVAILABLE to clients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import psycopg
+import psycopg.errors
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from gateway.core.errors import StoreUnavailable
+from gateway.core.store.base import DatabaseProblem, StoreWriteFailed, Writability
+from gateway.core.store.postgres_schema import upgrade
+
+T = TypeVar("T")
+
+#: The channel every replica listens on; payloads are ``KIND:RUN_ID``
+#: (``gateway.core.store.postgres_leases``).
+CHANNEL = "trainwire"
+#: Seconds between two write probes while the store cannot be written.
+PROBE_INTERVAL_S = 2.0
+#: Retries of a transaction that lost a deadlock or a serialization race.
+RETRIES = 3
+POOL_SIZE = 8
+CONNECT_TIMEOUT_S = 5
+
+
+def is_postgres_url(db: str) -> bool:
+    """Whether ``--db`` names a PostgreSQL database."""
+    return db.startswith(("postgresql://", "postgres://"))
+
+
+def safe_url(url: str) -> str:
+    """The URL without its password (for logs and messages)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{host}"
+
+
+def write_failure(exc: BaseException) -> StoreWriteFailed | None:
+    """The ``StoreWriteFailed`` of an error that means the database cannot be written or
+    reached, else None (a bug, a constraint)."""
+    if isinstance(exc, psycopg.errors.DiskFull):
+        return StoreWriteFailed("the disk is full")
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        return StoreWriteFailed("it is read-only")
+    if isinstance(exc, PoolTimeout):
+        return StoreWriteFailed("no connection to the database")
+    if isinstance(exc, psycopg.OperationalError):
+        return StoreWriteFailed(f"the database cannot be reached ({_first_line(exc)})")
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, psycopg.errors.DeadlockDetected | psycopg.errors.SerializationFailure)
+
+
+class PostgresDatabase:
+    """The database under a ``PostgresStore``, its base class (see the module docstring).
+
+    Args:
+        url: libpq URL of the database.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.where = safe_url(url)
+        self.pool: AsyncConnectionPool | None = None
+        self._writability = Writability(self.where, self._probe_write, PROBE_INTERVAL_S)
+
+    async def _open(self, migrate: bool) -> None:
+        """Checks (or migrates) the schema and opens the pool.
+
+        Raises:
+            DatabaseProblem: the database cannot be reached or used (``SchemaOutdated`` when
+                it needs a migration and ``migrate`` is not set).
+        """
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
+            )
+        except psycopg.Error as exc:
+            problem = f"it cannot be reached ({_first_line(exc)})"
+            raise DatabaseProblem(self.where, problem) from None
+        try:
+            await upgrade(conn, self.where, migrate)
+        except psycopg.Error as exc:
+            raise DatabaseProblem(self.where, _first_line(exc)) from None
+        finally:
+            await conn.close()
+        self.pool = AsyncConnectionPool(
+            self.url,
+            min_size=2,
+            max_size=POOL_SIZE,
+            open=False,
+            timeout=10,
+            kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
+            name="trainwire",
+        )
+        await self.pool.open(wait=True, timeout=10)
+
+    async def _close_pool(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+            self.pool = None
+
+    # -- transactions ------------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[[psycopg.AsyncConnection], Awaitable[T]], read: bool) -> T:
+        """Runs ``fn(conn)`` in a transaction, retrying deadlocks; maps connection failures
+        (``StoreUnavailable`` for reads, ``StoreWriteFailed`` for writes)."""
+        assert self.pool is not None, "the store is not started"
+        for attempt in range(RETRIES + 1):
+            try:
+                async with self.pool.connection() as conn, conn.transaction():
+                    return await fn(conn)
+            except Exception as exc:
+                if _retryable(exc) and attempt < RETRIES:
+                    continue
+                failed = write_failure(exc)
+                if failed is None:
+                    raise
+                if read:
+                    raise StoreUnavailable(f"the store cannot be read: {failed}") from None
+                self._set_writable(False, str(failed))
+                raise failed from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def read(self, fn: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
+        """Runs a read in a transaction (see ``_run``)."""
+        return await self._run(fn, read=True)
+
+    async def write(self, fn: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
+        """Runs a write in a transaction (see ``_run``)."""
+        return await self._run(fn, read=False)
+
+    # -- writability -------------------------------------------------------------------------
+
+    @property
+    def writable(self) -> bool:
+        """False after a write failed, until a probe write succeeds."""
+        return self._writability.writable
+
+    def on_writable(self, callback: Callable[[bool], None]) -> None:
+        """Registers ``callback(writable)`` for every change."""
+        self._writability.on_change(callback)
+
+    def _set_writable(self, writable: bool, why: str = "") -> None:
+        self._writability.set(writable, why)
+
+    async def _probe_write(self) -> bool:
+        try:
+            assert self.pool is not None
+            async with self.pool.connection(timeout=PROBE_INTERVAL_S) as conn:
+                await conn.execute(
+                    "UPDATE trainwire_meta SET value = value WHERE key = 'schema_version'"
+                )
+        except Exception:
+            return False
+        return True
