@@ -10,173 +10,38 @@ still open (that stream ends ``ABORTED``, the new one goes on after ``attach_aft
 it keeps no detached jobs, so any other re-attach is ``NOT_FOUND``.
 It runs on its own thread pool (sync server), so it
 is independent of the event loop of the gateway under test.
+
+This module holds the servicer (its calls, slots, jobs and bookkeeping, and the waits tests
+block on) and ``running_fake``. ``Script`` and ``VIOLATIONS`` live in ``tests.fakes.scripts``,
+the episode streams in ``tests.fakes.episodes``, the playing of a script on one call in
+``tests.fakes.playback``; the names the suites use are re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent import futures
-from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
-from google.protobuf import timestamp_pb2
 
-from trainwire import contract, motion
+from tests.fakes.episodes import scripted_episodes, valid_episodes
+from tests.fakes.playback import ScriptPlayer, abort_with
+from tests.fakes.scripts import VIOLATIONS, Script
 from trainwire.reasons import ErrorReason
-from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
-from trainwire_ops.rich_status import rich_status
+from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 
-#: Contract rules a script can break (``Script.violate``).
-VIOLATIONS = (
-    "sequence",
-    "finite",
-    "metric_finite",
-    "best_reward",
-    "done",
-    "done_missing",
-    "detail_kind",
-    "detail_size",
-    "end_without_done",
-)
-
-
-@dataclass
-class Script:
-    """How one ``Train`` call behaves.
-
-    Attributes:
-        episodes: Episodes to send (default: the request's max_episodes).
-        interval: Seconds between episodes (heartbeats are sent meanwhile).
-        heartbeat_interval: Seconds between heartbeats while no episode goes out.
-        heartbeats_only: Send heartbeats forever, never an episode.
-        silent: Send nothing at all (until cancelled).
-        busy: Answer RESOURCE_EXHAUSTED (reason SLOTS_BUSY) at once.
-        exhausted: Answer RESOURCE_EXHAUSTED without the SLOTS_BUSY reason (a message too
-            large, out of memory), with this LocalizedMessage text ("" for none).
-        ignore_grants: Stream without waiting for grants.
-        abort_after: Abort after this many episodes (``abort_code``; with ``localized`` the
-            details carry a LocalizedMessage).
-        abort_code: Status code of the abort.
-        localized: The LocalizedMessage text for users.
-        violate: A rule from ``VIOLATIONS`` broken at episode ``violate_at``.
-        violate_at: Where the violation happens.
-        hold_at: Before sending this episode, wait for ``release`` (or cancellation).
-        detail_every: Imitation detail on every n-th episode and on the last.
-        frames: Frames of the imitation detail.
-        joints: Joints of the imitation detail (32 with 240 frames: the contract's largest).
-        motion: Send ``scripted_episodes``: a reward curve that rises and, for imitation runs,
-            the motion of the task's own rig and clip (the CLI's pictures need it).
-    """
-
-    episodes: int | None = None
-    interval: float = 0.0
-    heartbeat_interval: float = 0.05
-    heartbeats_only: bool = False
-    silent: bool = False
-    busy: bool = False
-    exhausted: str | None = None
-    ignore_grants: bool = False
-    abort_after: int | None = None
-    abort_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-    localized: str | None = None
-    violate: str | None = None
-    violate_at: int = 3
-    hold_at: int | None = None
-    release: threading.Event = field(default_factory=threading.Event)
-    detail_every: int = 10
-    frames: int = 60
-    joints: int = 11
-    motion: bool = False
-
-
-def reward_of(n: int) -> float:
-    """The deterministic reward of episode n."""
-    return round(0.5 + 0.45 * math.sin(n / 7.0), 6)
-
-
-def make_episode(
-    n: int, best: float, last: bool, detail: bool, frames: int = 60, joints: int = 11
-) -> episode_pb2.Episode:
-    """A valid imitation episode n (best = running max so far, including n)."""
-    ep = episode_pb2.Episode(
-        episode=n,
-        reward=reward_of(n),
-        best_reward=best,
-        done=last,
-        metrics={"loss": 1.0 / n, "reward_std": 0.1},
-    )
-    ep.produce_time.FromNanoseconds(time.time_ns())
-    if detail:
-        ep.imitation.frame_count = frames
-        ep.imitation.joint_count = joints
-        ep.imitation.angles.extend(
-            math.sin(0.1 * f + 0.3 * j + 0.01 * n) for f in range(frames) for j in range(joints)
-        )
-    return ep
-
-
-def valid_episodes(
-    count: int, detail_every: int = 10, frames: int = 60, joints: int = 11
-) -> Iterator[episode_pb2.Episode]:
-    """A valid imitation stream of ``count`` episodes (``produce_time`` set when built)."""
-    best = -math.inf
-    for n in range(1, count + 1):
-        best = max(best, reward_of(n))
-        last = n == count
-        yield make_episode(n, best, last, last or n % detail_every == 0, frames, joints)
-
-
-def scripted_reward(n: int) -> float:
-    """The fake's reward curve: rising towards 1 with a deterministic wobble."""
-    return round(1.0 - 0.9 * math.exp(-n / 15.0) + 0.03 * math.sin(n * 1.7), 6)
-
-
-def scripted_episodes(
-    task: episode_pb2.TrainTask, config: episode_pb2.TrainConfig
-) -> list[episode_pb2.Episode]:
-    """A valid episode stream for the task: rewards from ``scripted_reward``; imitation runs carry
-    the policy's motion every 10th episode and on the last (the target clip plus an error that
-    shrinks as training goes), grpo runs a sample completion."""
-    kind = contract.task_kind(task)
-    clip = motion.clip_from_task(task.imitation) if kind == "imitation" else None
-    total = config.max_episodes
-    episodes: list[episode_pb2.Episode] = []
-    best = -math.inf
-    for n in range(1, total + 1):
-        reward = scripted_reward(n)
-        best = max(best, reward)
-        episode = episode_pb2.Episode(
-            episode=n,
-            reward=reward,
-            best_reward=best,
-            done=n == total,
-            metrics={"loss": 1.0 / n},
-            produce_time=_now(),
-        )
-        if clip is not None and (n % 10 == 0 or n == total):
-            error = 0.8 * (1.0 - n / total) + 0.15
-            angles = [a + error * math.sin(i * 0.37 + n) for i, a in enumerate(clip.angles)]
-            episode.imitation.CopyFrom(
-                episode_pb2.ImitationDetail(
-                    frame_count=clip.frame_count, joint_count=clip.joint_count, angles=angles
-                )
-            )
-        elif kind == "grpo":
-            episode.grpo.sample_completions.append(f"<answer>{n}</answer>")
-        episodes.append(episode)
-    return episodes
-
-
-def _now() -> timestamp_pb2.Timestamp:
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(time.time_ns())
-    return stamp
+__all__ = [
+    "VIOLATIONS",
+    "FakeTrainer",
+    "Script",
+    "running_fake",
+    "scripted_episodes",
+    "valid_episodes",
+]
 
 
 class _Ended(threading.Event):
@@ -194,55 +59,7 @@ class _Ended(threading.Event):
         return super().wait(timeout) or self._closed.is_set()
 
 
-def _heartbeat(last: int, phase: str = "training") -> trainer_service_pb2.TrainResponse:
-    hb = trainer_service_pb2.Heartbeat(last_episode=last, phase=phase)
-    hb.time.FromNanoseconds(time.time_ns())
-    return trainer_service_pb2.TrainResponse(heartbeat=hb)
-
-
-def _break(ep: episode_pb2.Episode, rule: str) -> list[episode_pb2.Episode]:
-    """The episode(s) to send instead of ``ep`` to break ``rule``."""
-    if rule == "sequence":
-        ep.episode += 1
-    elif rule == "finite":
-        ep.reward = math.nan
-    elif rule == "metric_finite":
-        ep.metrics["loss"] = math.inf
-    elif rule == "best_reward":
-        ep.best_reward = ep.best_reward + 1.0
-    elif rule == "done":
-        ep.done = True
-        follower = episode_pb2.Episode()
-        follower.CopyFrom(ep)
-        follower.episode += 1
-        follower.done = False
-        return [ep, follower]
-    elif rule == "detail_kind":
-        ep.ClearField("imitation")
-        ep.grpo.sample_completions.append("not an imitation run")
-    elif rule == "detail_size":
-        ep.imitation.frame_count = 2
-        ep.imitation.joint_count = 11
-        del ep.imitation.angles[:]
-        ep.imitation.angles.extend([0.0] * 5)
-    else:
-        raise ValueError(f"unknown rule {rule}")
-    return [ep]
-
-
-def _abort_with(
-    context: grpc.ServicerContext,
-    code: grpc.StatusCode,
-    message: str,
-    reason: str,
-    localized: str | None = None,
-) -> NoReturn:
-    """Aborts with a rich status, built as the real trainer builds its own."""
-    context.abort_with_status(rich_status(code, message, reason, localized=localized))
-    raise AssertionError("unreachable")
-
-
-class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
+class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer):
     """The fake trainer. ``start()`` returns its address; ``push`` queues scripts per call.
 
     Args:
@@ -335,7 +152,7 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         with self._cond:
             self.granted.append((request.run_id, request.through_episode))
             if request.run_id not in self.grants:
-                _abort_with(
+                abort_with(
                     context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
                 )
             if request.through_episode > self.grants[request.run_id]:
@@ -350,9 +167,7 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
             self.jobs_cancelled.append(request.run_id)
             ended = self._ended_by_run.get(request.run_id)
         if ended is None:
-            _abort_with(
-                context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
-            )
+            abort_with(context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND)
         ended.set()
         return trainer_service_pb2.CancelJobResponse()
 
@@ -389,7 +204,7 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
                 self.active += 1
             self._cond.notify_all()
         if script.exhausted is not None:
-            _abort_with(
+            abort_with(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "request too large",
@@ -397,7 +212,7 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
                 script.exhausted or None,
             )
         if script.busy or full:
-            _abort_with(
+            abort_with(
                 context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot", ErrorReason.SLOTS_BUSY
             )
         yield from self._serve(script, request, request, context)
@@ -415,9 +230,7 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
         if self._closed.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the fake trainer is going away")
         if job is None:
-            _abort_with(
-                context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
-            )
+            abort_with(context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND)
         script, first, previous = job
         previous.superseded = True
         previous.set()
@@ -460,109 +273,6 @@ class FakeTrainer(trainer_service_pb2_grpc.TrainerServiceServicer):
             )
         if self._closed.is_set():  # killed: a dying server's streams break, none ends OK
             context.abort(grpc.StatusCode.UNAVAILABLE, "the fake trainer is going away")
-
-    def _wait(
-        self, script: Script, seconds: float, last: int, ended: threading.Event
-    ) -> Iterator[trainer_service_pb2.TrainResponse]:
-        """Waits ``seconds``, sending heartbeats meanwhile."""
-        deadline = time.monotonic() + seconds
-        while not ended.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            if ended.wait(min(left, script.heartbeat_interval)):
-                return
-            if time.monotonic() < deadline:
-                yield _heartbeat(last)
-
-    def _wait_grant(
-        self, script: Script, run_id: str, n: int, ended: threading.Event
-    ) -> Iterator[trainer_service_pb2.TrainResponse]:
-        """Holds episode ``n`` until it is granted, with "waiting" heartbeats meanwhile."""
-        while not ended.is_set():
-            with self._cond:
-                grant = self.grants.get(run_id, 0)
-                if not grant or n <= grant:
-                    return
-                self._cond.wait(script.heartbeat_interval)
-                grant = self.grants.get(run_id, 0)
-                if not grant or n <= grant:
-                    return
-            yield _heartbeat(n - 1, "waiting")
-
-    def _play(
-        self,
-        script: Script,
-        request: trainer_service_pb2.TrainRequest,
-        context: grpc.ServicerContext,
-        ended: threading.Event,
-        after: int = 0,
-    ) -> Iterator[trainer_service_pb2.TrainResponse]:
-        if script.silent:
-            while not ended.wait(0.05):
-                pass
-            return
-        yield _heartbeat(after, "loading")
-        if script.heartbeats_only:
-            while not ended.wait(script.heartbeat_interval):
-                yield _heartbeat(0, "loading")
-            return
-        count = script.episodes or request.config.max_episodes
-        source = (
-            scripted_episodes(request.task, request.config)[:count]
-            if script.motion
-            else valid_episodes(count, script.detail_every, script.frames, script.joints)
-        )
-        for ep in source:
-            n = ep.episode
-            if n <= after:
-                continue
-            if ended.is_set():
-                return
-            if script.abort_after is not None and n > script.abort_after:
-                self._abort(script, request, context)
-            if script.hold_at is not None and n == script.hold_at:
-                while not script.release.wait(script.heartbeat_interval):
-                    if ended.is_set():
-                        return
-                    yield _heartbeat(n - 1)
-            if script.interval > 0 and n > 1:
-                yield from self._wait(script, script.interval, n - 1, ended)
-            yield from self._wait_grant(script, request.run_id, n, ended)
-            if ended.is_set():
-                return
-            if script.violate == "end_without_done" and ep.done:
-                return
-            out = [ep]
-            if script.violate not in (None, "end_without_done") and n == script.violate_at:
-                assert script.violate is not None
-                if script.violate == "done_missing":
-                    return  # ends OK without done, mid-run
-                out = _break(ep, script.violate)
-            for item in out:
-                item.produce_time.FromNanoseconds(time.time_ns())
-                yield trainer_service_pb2.TrainResponse(episode=item)
-                with self._cond:
-                    self.sent += 1
-                    self._cond.notify_all()
-        if script.abort_after is not None and script.abort_after >= count:
-            self._abort(script, request, context)
-
-    def _abort(
-        self,
-        script: Script,
-        request: trainer_service_pb2.TrainRequest,
-        context: grpc.ServicerContext,
-    ) -> None:
-        if script.localized is None:
-            context.abort(script.abort_code, f"run {request.run_id}: the fake trainer gave up")
-        _abort_with(
-            context,
-            script.abort_code,
-            f"run {request.run_id}: provider failed",
-            ErrorReason.PROVIDER_FAILED,
-            script.localized,
-        )
 
 
 @contextlib.contextmanager

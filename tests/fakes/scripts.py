@@ -1,0 +1,75 @@
+"""What one ``Train`` call of the fake trainer does: the ``Script`` and the rules it can break.
+
+``tests.fakes.fake_trainer.FakeTrainer`` plays one ``Script`` per call; ``VIOLATIONS`` names the
+contract rules ``Script.violate`` may break: ``tests.fakes.episodes.broken`` builds the bad
+episodes, and ``done_missing`` and ``end_without_done`` end the stream early instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+#: Contract rules a script can break (``Script.violate``).
+VIOLATIONS = (
+    "sequence",
+    "finite",
+    "metric_finite",
+    "best_reward",
+    "done",
+    "done_missing",
+    "detail_kind",
+    "detail_size",
+    "end_without_done",
+)
+
+
+@dataclass
+class Script:
+    """How one ``Train`` call behaves.
+
+    Attributes:
+        episodes: Episodes to send (default: the request's max_episodes).
+        interval: Seconds between episodes (heartbeats are sent meanwhile).
+        heartbeat_interval: Seconds between heartbeats while no episode goes out.
+        heartbeats_only: Send heartbeats forever, never an episode.
+        silent: Send nothing at all (until cancelled).
+        busy: Answer RESOURCE_EXHAUSTED (reason SLOTS_BUSY) at once.
+        exhausted: Answer RESOURCE_EXHAUSTED without the SLOTS_BUSY reason (a message too
+            large, out of memory), with this LocalizedMessage text ("" for none).
+        ignore_grants: Stream without waiting for grants.
+        abort_after: Abort after this many episodes (``abort_code``; with ``localized`` the
+            details carry a LocalizedMessage).
+        abort_code: Status code of the abort.
+        localized: The LocalizedMessage text for users.
+        violate: A rule from ``VIOLATIONS`` broken at episode ``violate_at``.
+        violate_at: Where the violation happens.
+        hold_at: Before sending this episode, wait for ``release`` (or cancellation).
+        detail_every: Imitation detail on every n-th episode and on the last.
+        frames: Frames of the imitation detail.
+        joints: Joints of the imitation detail (32 with 240 frames: the contract's largest).
+        motion: Send ``scripted_episodes``: a reward curve that rises and, for imitation runs,
+            the motion of the task's own rig and clip (the CLI's pictures need it).
+    """
+
+    episodes: int | None = None
+    interval: float = 0.0
+    heartbeat_interval: float = 0.05
+    heartbeats_only: bool = False
+    silent: bool = False
+    busy: bool = False
+    exhausted: str | None = None
+    ignore_grants: bool = False
+    abort_after: int | None = None
+    abort_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    localized: str | None = None
+    violate: str | None = None
+    violate_at: int = 3
+    hold_at: int | None = None
+    release: threading.Event = field(default_factory=threading.Event)
+    detail_every: int = 10
+    frames: int = 60
+    joints: int = 11
+    motion: bool = False
