@@ -3,7 +3,8 @@
 ``DriverContext`` is what the registry hands every driver (config, store, connector, hooks);
 ``DriverState`` declares the state of one driver, which the driver's parts share: the trainer
 feed (``gateway.core.driver_feed``), the publisher and its grants
-(``gateway.core.driver_publish``) and the run's lifecycle (``gateway.core.driver``).
+(``gateway.core.driver_publish``), how the run ends (``gateway.core.driver_end``) and the run's
+lifecycle (``gateway.core.driver``).
 """
 
 from __future__ import annotations
@@ -98,14 +99,19 @@ class DriverState:
     _buffer: deque[episode_pb2.Episode]
     _received_best: float | None
     _trainer: str
+    #: Whether this replica owns the run (see ``gateway.core.driver``).
+    owned: bool
     _granted: int
     _granting: bool
 
     # Defined by the driver's parts:
     persist: Callable[[], Awaitable[None]]
+    abandon: Callable[[], Awaitable[None]]
     _release_reservation: Callable[[], None]
+    _stream: Callable[[int | None], Awaitable[None]]
     _read: Callable[[TrainerStream, StreamChecker], Awaitable[None]]
     _publish_loop: Callable[[asyncio.Task[None]], Awaitable[None]]
+    _flush: Callable[[], Awaitable[None]]
     _lead: Callable[[], int]
     _grant_target: Callable[[], int]
     _maybe_grant: Callable[[], None]
