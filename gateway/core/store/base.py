@@ -151,6 +151,22 @@ class Writability:
             self._probe = None
 
 
+class WritableStore:
+    """``Store.writable`` and ``Store.on_writable`` of a store that keeps a ``Writability`` in
+    ``_writability`` (both stores do)."""
+
+    _writability: Writability
+
+    @property
+    def writable(self) -> bool:
+        """False after a write failed, until a probe write succeeds."""
+        return self._writability.writable
+
+    def on_writable(self, callback: Callable[[bool], None]) -> None:
+        """Registers ``callback(writable)`` for every change."""
+        self._writability.on_change(callback)
+
+
 class Store(Protocol):
     """Durable runs and episode histories (see the module docstring)."""
 

@@ -21,7 +21,12 @@ import psycopg.errors
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from gateway.core.errors import StoreUnavailable
-from gateway.core.store.base import DatabaseProblem, StoreWriteFailed, Writability
+from gateway.core.store.base import (
+    DatabaseProblem,
+    StoreWriteFailed,
+    Writability,
+    WritableStore,
+)
 from gateway.core.store.postgres_schema import upgrade
 
 T = TypeVar("T")
@@ -73,7 +78,7 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.errors.DeadlockDetected | psycopg.errors.SerializationFailure)
 
 
-class PostgresDatabase:
+class PostgresDatabase(WritableStore):
     """The database under a ``PostgresStore``, its base class (see the module docstring).
 
     Args:
@@ -140,7 +145,7 @@ class PostgresDatabase:
                     raise
                 if read:
                     raise StoreUnavailable(f"the store cannot be read: {failed}") from None
-                self._set_writable(False, str(failed))
+                self._writability.set(False, str(failed))
                 raise failed from None
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -153,18 +158,6 @@ class PostgresDatabase:
         return await self._run(fn, read=False)
 
     # -- writability -------------------------------------------------------------------------
-
-    @property
-    def writable(self) -> bool:
-        """False after a write failed, until a probe write succeeds."""
-        return self._writability.writable
-
-    def on_writable(self, callback: Callable[[bool], None]) -> None:
-        """Registers ``callback(writable)`` for every change."""
-        self._writability.on_change(callback)
-
-    def _set_writable(self, writable: bool, why: str = "") -> None:
-        self._writability.set(writable, why)
 
     async def _probe_write(self) -> bool:
         try:

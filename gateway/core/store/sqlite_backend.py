@@ -21,6 +21,7 @@ from gateway.core.store.base import (
     EpisodeRecord,
     StoreWriteFailed,
     Writability,
+    WritableStore,
 )
 from gateway.core.store.sqlite import SqliteStore
 from gateway.core.store.sqlite_thread import StoreThread
@@ -33,7 +34,7 @@ T = TypeVar("T")
 PROBE_INTERVAL_S = 2.0
 
 
-class SqliteBackend:
+class SqliteBackend(WritableStore):
     """The embedded default store (see the module docstring).
 
     Args:
@@ -82,18 +83,6 @@ class SqliteBackend:
 
     # -- writability -------------------------------------------------------------------------
 
-    @property
-    def writable(self) -> bool:
-        """False after a write failed, until a write succeeds again."""
-        return self._writability.writable
-
-    def on_writable(self, callback: Callable[[bool], None]) -> None:
-        """Registers ``callback(writable)`` for every change."""
-        self._writability.on_change(callback)
-
-    def _set_writable(self, writable: bool, why: str = "") -> None:
-        self._writability.set(writable, why)
-
     async def _probe_write(self) -> bool:
         try:
             await self._call(SqliteStore.probe_write)
@@ -111,7 +100,7 @@ class SqliteBackend:
         try:
             return await self._call(fn, *args)
         except StoreWriteFailed as exc:
-            self._set_writable(False, str(exc))
+            self._writability.set(False, str(exc))
             raise
 
     async def insert_run(self, run: TrainingRun) -> int:
@@ -143,7 +132,7 @@ class SqliteBackend:
 
         def committed(_result: object, error: BaseException | None) -> None:
             if isinstance(error, StoreWriteFailed):
-                self._set_writable(False, str(error))
+                self._writability.set(False, str(error))
             callback(error)
 
         self._thread.submit(SqliteStore.append_episodes, (record,), callback=committed)
