@@ -23,6 +23,11 @@ from trainwire.v1 import gateway_service_pb2_grpc, trainer_service_pb2, trainer_
 TIMEOUT = 20.0
 
 
+def _gateway_credentials(pki: Pki) -> grpc.ChannelCredentials:
+    """What a gateway presents to an mTLS trainer: ``pki``'s CA and its client certificate."""
+    return grpc.ssl_channel_credentials(pki.ca_pem(), pki.client.private_key(), pki.client.chain())
+
+
 def _capabilities(address: str, credentials: grpc.ChannelCredentials) -> grpc.StatusCode:
     with grpc.secure_channel(address, credentials) as channel:
         try:
@@ -50,7 +55,7 @@ def test_a_caller_without_a_client_certificate_is_refused(tmp_path: Path) -> Non
             trainer_service_pb2_grpc.TrainerServiceStub(plain).GetCapabilities(
                 trainer_service_pb2.GetCapabilitiesRequest(), timeout=5
             )
-        good = grpc.ssl_channel_credentials(ca, pki.client.private_key(), pki.client.chain())
+        good = _gateway_credentials(pki)
         assert _capabilities(address, good) == grpc.StatusCode.OK
 
 
@@ -115,9 +120,7 @@ async def test_a_certificate_reload_closes_each_old_trainer_channel_after_its_la
     tmp_path: Path,
 ) -> None:
     pki = Pki(tmp_path)
-    credentials = grpc.ssl_channel_credentials(
-        pki.ca_pem(), pki.client.private_key(), pki.client.chain()
-    )
+    credentials = _gateway_credentials(pki)
     connector = GrpcTrainerConnector(credentials)
     request = create_request(max_episodes=50)
     with mtls_trainer(pki) as (_, address):
@@ -155,9 +158,7 @@ async def test_a_trainer_certificate_for_another_name_needs_the_server_name(
     tmp_path: Path,
 ) -> None:
     pki = Pki(tmp_path)
-    credentials = grpc.ssl_channel_credentials(
-        pki.ca_pem(), pki.client.private_key(), pki.client.chain()
-    )
+    credentials = _gateway_credentials(pki)
     with mtls_trainer(pki, pki.server_for("trainer.internal", label="named")) as (_, address):
         plain = GrpcTrainerConnector(credentials)
         named = GrpcTrainerConnector(credentials, server_name="trainer.internal")
