@@ -153,8 +153,10 @@ class GrpcTrainerConnector:
         self._options: tuple[tuple[str, int | str], ...] = _CHANNEL_OPTIONS
         if server_name is not None:
             self._options += (("grpc.ssl_target_name_override", server_name),)
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, trainer_service_pb2_grpc.TrainerServiceStub] = {}
+        # The current channel to each address, and its stub.
+        self._channels: dict[
+            str, tuple[grpc.aio.Channel, trainer_service_pb2_grpc.TrainerServiceStub]
+        ] = {}
         self._calls: dict[grpc.aio.Channel, int] = {}  # calls not yet ended, per channel
         self._retired: set[grpc.aio.Channel] = set()  # replaced, closed when their calls end
         self._closing: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
@@ -164,13 +166,12 @@ class GrpcTrainerConnector:
         calls open on the old channels (Train streams) go on until they end, and each old
         channel is closed after its last call."""
         self._credentials = credentials
-        for channel in self._channels.values():
+        for channel, _ in self._channels.values():
             if self._calls.get(channel):
                 self._retired.add(channel)
             else:
                 self._close_soon(channel)
         self._channels.clear()
-        self._stubs.clear()
 
     @property
     def open_channels(self) -> int:
@@ -187,16 +188,16 @@ class GrpcTrainerConnector:
     ) -> tuple[grpc.aio.Channel, trainer_service_pb2_grpc.TrainerServiceStub]:
         """The channel to ``address`` and its stub, with one more call counted on it (end it
         with ``_ended``)."""
-        stub = self._stubs.get(address)
-        if stub is None:
+        if address not in self._channels:
             if self._credentials is not None:
                 channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
             else:
                 channel = grpc.aio.insecure_channel(address, options=self._options)
-            self._channels[address] = channel
-            stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
-            self._stubs[address] = stub
-        channel = self._channels[address]
+            self._channels[address] = (
+                channel,
+                trainer_service_pb2_grpc.TrainerServiceStub(channel),
+            )
+        channel, stub = self._channels[address]
         self._calls[channel] = self._calls.get(channel, 0) + 1
         return channel, stub
 
@@ -282,10 +283,9 @@ class GrpcTrainerConnector:
 
     async def close(self) -> None:
         """Closes every channel (cancelling calls still open)."""
-        channels = [*self._channels.values(), *self._retired]
+        channels = [channel for channel, _ in self._channels.values()] + [*self._retired]
         self._channels.clear()
         self._retired.clear()
-        self._stubs.clear()
         for channel in channels:
             await channel.close(grace=None)
         await asyncio.gather(*self._closing.values())
