@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gateway.core.settings import DEFAULTS, CoreSettings
 from trainwire.contract import check_episode_rate
 from trainwire.logs import LOG_FORMATS
 from trainwire_ops.settings import option, port_or_off
@@ -38,7 +39,7 @@ class GatewayConfig:
     host: str = option("127.0.0.1", "interface to listen on")
     port: int = option(50051, "port to listen on; 0 picks a free one")
     trainers: tuple[str, ...] = option(
-        ("127.0.0.1:50052",),
+        DEFAULTS.trainers,
         "trainer address(es) HOST:PORT, comma-separated, tried in order",
         flag="--trainer",
         parse=_addresses,
@@ -54,36 +55,44 @@ class GatewayConfig:
         "refused with one line saying how; see `python -m gateway migrate`)",
     )
     episode_rate: float = option(
-        20.0, "default episodes per second of a run that sets none; negative = unpaced"
+        DEFAULTS.episode_rate,
+        "default episodes per second of a run that sets none; negative = unpaced",
     )
     keepalive_s: float = option(
-        15.0, "seconds of silence on a watch stream before a keepalive is sent"
+        DEFAULTS.keepalive_s, "seconds of silence on a watch stream before a keepalive is sent"
     )
     heartbeat_timeout_s: float = option(
-        30.0,
+        DEFAULTS.heartbeat_timeout_s,
         "seconds without an episode or heartbeat before a trainer counts as lost (a broken "
         "stream is re-attached for this long before the run fails)",
     )
     lead_s: float = option(
-        2.0,
+        DEFAULTS.lead_s,
         "seconds of a paced run's rate x speed its trainer may train ahead of publication (at "
         "least 4 episodes; unpaced runs get 256); a paused run's trainer gets no more",
     )
-    shutdown_grace_s: float = option(2.0, "seconds in-flight calls get on SIGTERM")
+    shutdown_grace_s: float = option(
+        DEFAULTS.shutdown_grace_s, "seconds in-flight calls get on SIGTERM"
+    )
     schedule_poll_s: float = option(
-        1.0, "seconds between asking busy trainers again for a free slot"
+        DEFAULTS.schedule_poll_s, "seconds between asking busy trainers again for a free slot"
     )
     trainer_call_timeout_s: float = option(
-        5.0, "deadline (s) of a GetCapabilities call to a trainer", flag="--trainer-call-timeout"
+        DEFAULTS.trainer_call_timeout_s,
+        "deadline (s) of a GetCapabilities call to a trainer",
+        flag="--trainer-call-timeout",
     )
-    history_cache_mb: float = option(64.0, "memory for cached history pages of finished runs (MiB)")
+    history_cache_mb: float = option(
+        DEFAULTS.history_cache_mb, "memory for cached history pages of finished runs (MiB)"
+    )
     live_coalesce_s: float = option(
-        0.02,
+        DEFAULTS.live_coalesce_s,
         "upper bound (s) of a run's live wake window: its watchers are woken at most once per "
         "window (0.2 ms per attached watcher, at most this); 0: one wake-up per episode",
     )
     max_pending: int = option(
-        1000, "the most runs waiting for a trainer; CreateRun beyond answers RESOURCE_EXHAUSTED"
+        DEFAULTS.max_pending,
+        "the most runs waiting for a trainer; CreateRun beyond answers RESOURCE_EXHAUSTED",
     )
     lease_s: float = option(
         10.0,
@@ -237,6 +246,22 @@ class GatewayConfig:
             raise ValueError(f"live_coalesce_s must be in 0..1, got {self.live_coalesce_s}")
         if not (math.isfinite(self.history_cache_mb) and self.history_cache_mb >= 0):
             raise ValueError(f"history_cache_mb must be >= 0, got {self.history_cache_mb}")
+
+    def core(self) -> CoreSettings:
+        """The settings the gateway core runs on."""
+        return CoreSettings(
+            trainers=self.trainers,
+            episode_rate=self.episode_rate,
+            keepalive_s=self.keepalive_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            lead_s=self.lead_s,
+            shutdown_grace_s=self.shutdown_grace_s,
+            schedule_poll_s=self.schedule_poll_s,
+            trainer_call_timeout_s=self.trainer_call_timeout_s,
+            history_cache_mb=self.history_cache_mb,
+            live_coalesce_s=self.live_coalesce_s,
+            max_pending=self.max_pending,
+        )
 
     @property
     def trainer_tls(self) -> bool:

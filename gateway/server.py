@@ -178,7 +178,7 @@ class Gateway:
                 replica_id=self.replica_id,
             )
             self.core = RunRegistry(
-                self.config,
+                self.config.core(),
                 store,
                 self._connector or self._grpc_connector(),
                 metrics,

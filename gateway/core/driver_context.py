@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from gateway.config import GatewayConfig
+from gateway.core.settings import CoreSettings
 from gateway.core.history import EpisodeLog
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
@@ -53,7 +53,7 @@ class SchedulerHooks(Protocol):
 class DriverContext:
     """What every driver of a registry shares."""
 
-    config: GatewayConfig
+    config: CoreSettings
     store: Store
     connector: TrainerConnector
     observer: Observer

@@ -30,7 +30,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 
-from gateway.config import GatewayConfig
+from gateway.core.settings import CoreSettings
 from gateway.core.driver import DriverContext, RunDriver
 from gateway.core.errors import InvalidRequest, ShuttingDown
 from gateway.core.follower import Follower
@@ -75,7 +75,7 @@ class RunRegistry(RunsMixin, LifecycleMixin, ReplicaHostMixin):
 
     def __init__(
         self,
-        config: GatewayConfig,
+        config: CoreSettings,
         store: Store,
         connector: TrainerConnector,
         observer: Observer | None = None,

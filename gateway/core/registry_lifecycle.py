@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import cast
 
-from gateway.config import GatewayConfig
+from gateway.core.settings import CoreSettings
 from gateway.core.driver import DriverContext, RunDriver
 from gateway.core.errors import StoreUnavailable
 from gateway.core.follower import Follower
@@ -32,7 +32,7 @@ _LOGGER = logging.getLogger("gateway.core.registry")
 class LifecycleMixin:
     """See the module docstring; ``RunRegistry`` provides these attributes."""
 
-    _config: GatewayConfig
+    _config: CoreSettings
     _store: Store
     _connector: TrainerConnector
     _observer: Observer

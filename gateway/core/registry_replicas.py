@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable
 from typing import NoReturn
 
-from gateway.config import GatewayConfig
+from gateway.core.settings import CoreSettings
 from gateway.core.driver import DriverContext, RunDriver
 from gateway.core.errors import GatewayError, IllegalTransition, RunNotFound, StoreUnavailable
 from gateway.core.follower import Follower
@@ -60,7 +60,7 @@ def _elsewhere_detail(run: TrainingRun, candidate: RunDriver | None) -> str:
 class ReplicaHostMixin:
     """See the module docstring; ``RunRegistry`` provides these attributes."""
 
-    _config: GatewayConfig
+    _config: CoreSettings
     _store: Store
     _replicas: Replicas
     _shared: bool

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.config import GatewayConfig
+from gateway.core.settings import CoreSettings
 from gateway.core.driver import DriverContext, RunDriver
 from gateway.core.errors import (
     IllegalTransition,
@@ -82,7 +82,7 @@ def _require_run_id(run_id: str) -> None:
 class RunsMixin:
     """See the module docstring; ``RunRegistry`` provides these attributes."""
 
-    _config: GatewayConfig
+    _config: CoreSettings
     _store: Store
     _observer: Observer
     _shared: bool

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.config import GatewayConfig
+from gateway.core.settings import CoreSettings
 from gateway.core.observer import Observer
 from gateway.core.trainers import Capabilities, TrainerConnector, TrainerError
 
@@ -105,7 +105,7 @@ class Scheduler:
 
     def __init__(
         self,
-        config: GatewayConfig,
+        config: CoreSettings,
         connector: TrainerConnector,
         observer: Observer,
         on_health: Callable[[bool], None] = lambda healthy: None,
