@@ -19,9 +19,9 @@ from gateway.config import GatewayConfig
 from gateway.core.dblock import DatabaseLocked
 from gateway.core.store import DatabaseProblem
 from gateway.server import Gateway
-from trainwire.logs import configure_logging
 from trainwire_ops import settings
 from trainwire_ops.addresses import host_port
+from trainwire_ops.logs import configure_logging
 from trainwire_ops.tls import TlsFileError
 
 _LOGGER = logging.getLogger("gateway")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from gateway.core.settings import DEFAULTS, CoreSettings
 from trainwire.contract import check_episode_rate
-from trainwire.logs import LOG_FORMATS
+from trainwire_ops.logs import LOG_FORMATS
 from trainwire_ops.settings import option, port_or_off
 from trainwire_ops.tls import check_plaintext_bind
 

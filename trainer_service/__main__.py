@@ -24,9 +24,9 @@ from trainer_service.core.slots import SlotPool
 from trainer_service.metrics import TrainerMetrics
 from trainer_service.providers import default_registry
 from trainer_service.server import build_server
-from trainwire.logs import configure_logging
 from trainwire_ops import settings
 from trainwire_ops.addresses import host_port
+from trainwire_ops.logs import configure_logging
 from trainwire_ops.tls import PlaintextRefused, ServerTls, TlsFileError
 
 # Under ``python -m`` __name__ is "__main__"; log under the module's real name.

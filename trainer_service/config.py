@@ -13,8 +13,8 @@ import pathlib
 import re
 from dataclasses import dataclass
 
-from trainwire.logs import LOG_FORMATS, parse_level
 from trainwire_ops.addresses import host_port
+from trainwire_ops.logs import LOG_FORMATS, parse_level
 from trainwire_ops.settings import option, port_or_off
 from trainwire_ops.tls import check_plaintext_bind
 

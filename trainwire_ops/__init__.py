@@ -1,8 +1,14 @@
 """Operations plumbing shared by the Trainwire services (gateway and trainer), not by clients.
 
-``trainwire_ops.rpc_metrics`` holds the Prometheus RPC metrics of a gRPC server, recorded by
-the interceptors in ``rpc_metrics_sync`` and ``rpc_metrics_aio`` (same metric names);
-``metrics_endpoint`` serves them over HTTP at ``/metrics``. They import grpc and
-prometheus_client only, never torch or either service's core, so neither service depends on
-the other, and the client package (``trainwire``) stays free of prometheus_client.
+- ``settings``: command lines and ``TRAINWIRE_*`` variables generated from a config dataclass;
+- ``logs``: ``--log-format text|json`` and ``--log-level``;
+- ``tls`` and ``addresses``: certificates reloaded on SIGHUP, the plaintext-bind rule, and
+  ``HOST:PORT`` as both services print and bind it;
+- ``rich_status``: the ``google.rpc.Status`` both services and the test fakes send;
+- ``rpc_metrics`` (recorded by the interceptors in ``rpc_metrics_sync`` and
+  ``rpc_metrics_aio``) and ``metrics_endpoint``: Prometheus RPC metrics at ``/metrics``.
+
+These modules import grpc, protobuf, prometheus_client and the client package (``trainwire``) at
+most, never torch or either service, so neither service depends on the other, and the client
+package stays free of them.
 """

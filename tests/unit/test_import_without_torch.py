@@ -52,7 +52,7 @@ def test_blocker_really_blocks_torch() -> None:
         "trainwire.v1.gateway_service_pb2_grpc, trainwire.v1.trainer_service_pb2_grpc",
         "trainwire.contract, trainwire.motion",
         "gateway.server, gateway.__main__, gateway.core.registry",
-        "trainwire.client, trainwire.cli, trainwire.logs",
+        "trainwire.client, trainwire.cli, trainwire_ops.logs",
     ],
 )
 def test_client_package_imports_without_torch(modules: str) -> None:

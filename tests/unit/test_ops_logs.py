@@ -1,4 +1,4 @@
-"""``trainwire.logs``: text and JSON log lines, extras, exceptions, reconfiguration."""
+"""``trainwire_ops.logs``: text and JSON log lines, extras, exceptions, reconfiguration."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from trainwire.logs import JsonFormatter, configure_logging, parse_level
+from trainwire_ops.logs import JsonFormatter, configure_logging, parse_level
 
 
 @pytest.fixture

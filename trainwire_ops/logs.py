@@ -1,4 +1,4 @@
-"""Logging setup shared by the Trainwire services and tools: ``--log-format text|json``.
+"""Logging setup of the Trainwire services: ``--log-format text|json``.
 
 ``text`` is the classic one-line format for people; ``json`` writes one JSON object per line for
 log shippers (Loki, Elasticsearch, Cloud Logging)::
@@ -7,8 +7,9 @@ log shippers (Loki, Elasticsearch, Cloud Logging)::
      "message": "run r1: imitation job finished after 3 episode(s)", "run_id": "r1", ...}
 
 Fields passed through ``extra=`` (``run_id``, ``outcome``, ...) become top-level fields; an
-exception becomes the ``exception`` field (its formatted traceback, one string). Standard library
-only: this module ships in the client package.
+exception becomes the ``exception`` field (its formatted traceback, one string). The services'
+``__main__`` s call ``configure_logging``; their configs check ``--log-format`` and
+``--log-level`` against ``LOG_FORMATS`` and ``parse_level``. Standard library only.
 """
 
 from __future__ import annotations
