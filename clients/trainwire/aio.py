@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -36,6 +36,7 @@ from trainwire.errors import TrainwireError, error_from_rpc
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from trainwire.watch import (
     EpisodeChecker,
+    ErrorFor,
     Reconnect,
     RetryPolicy,
     WatchCursor,
@@ -244,26 +245,67 @@ class GatewayClient:
         """
         if after_episode < 0:
             raise ValueError(f"after_episode must be >= 0, got {after_episode}")
-        return AsyncWatchStream(self, run_id, after_episode, checker, on_reconnect)
+        return AsyncWatchStream(
+            self._open_watch,
+            self._error,
+            run_id,
+            after_episode,
+            retry=self.retry,
+            idle_timeout=self.idle_timeout,
+            tls=self._tls,
+            checker=checker,
+            on_reconnect=on_reconnect,
+        )
+
+    def _open_watch(self, request: gateway_service_pb2.WatchRunRequest) -> AsyncWatchCall:
+        """Opens one ``WatchRun`` stream with the stream deadline and this client's token."""
+        call: AsyncWatchCall = self._stub.WatchRun(
+            request, timeout=self.stream_timeout, metadata=self._metadata or None
+        )
+        return call
+
+
+#: One open ``WatchRun`` call of ``grpc.aio``.
+AsyncWatchCall: TypeAlias = "grpc.aio.UnaryStreamCall[Any, Any]"
 
 
 class AsyncWatchStream(AsyncIterator[WatchEvent]):
-    """The async iterator ``GatewayClient.watch`` returns (see there)."""
+    """The async iterator ``GatewayClient.watch`` returns (see there).
+
+    Args:
+        open_call: Opens each stream of the watch (the first, and one per reconnection).
+        error_for: Turns a status that ends the watch into the error the iteration raises.
+        run_id: The run to follow.
+        after_episode: Start after this episode.
+        retry: How to reconnect.
+        idle_timeout: A stream silent for this long is dropped and reopened; ``None``: never.
+        tls: Whether the channel uses TLS (a certificate failure is then never retried).
+        checker: Vets each episode before it is yielded.
+        on_reconnect: Called before each reconnection.
+    """
 
     def __init__(
         self,
-        client: GatewayClient,
+        open_call: Callable[[gateway_service_pb2.WatchRunRequest], AsyncWatchCall],
+        error_for: ErrorFor,
         run_id: str,
         after_episode: int,
-        checker: EpisodeChecker | None,
-        on_reconnect: Callable[[Reconnect], None] | None,
+        *,
+        retry: RetryPolicy,
+        idle_timeout: float | None,
+        tls: bool,
+        checker: EpisodeChecker | None = None,
+        on_reconnect: Callable[[Reconnect], None] | None = None,
     ) -> None:
-        self._client = client
-        self._cursor = WatchCursor(run_id, after_episode, checker, client.retry)
+        self._open_call = open_call
+        self._error_for = error_for
+        self._cursor = WatchCursor(run_id, after_episode, checker, retry)
+        self._idle_timeout = idle_timeout
+        self._tls = tls
         self._on_reconnect = on_reconnect
         self._cancelled = False
         self._wake = asyncio.Event()
-        self._call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
+        self._call: AsyncWatchCall | None = None
         self._events = self._run()
 
     @property
@@ -306,19 +348,16 @@ class AsyncWatchStream(AsyncIterator[WatchEvent]):
         self.cancel()
         await self._events.aclose()
 
-    async def _read(self, call: grpc.aio.UnaryStreamCall[Any, Any]) -> Any:
-        timeout = self._client.idle_timeout
+    async def _read(self, call: AsyncWatchCall) -> Any:
+        timeout = self._idle_timeout
         if timeout is None:
             return await call.read()
         return await asyncio.wait_for(call.read(), timeout)
 
     async def _run(self) -> AsyncGenerator[WatchEvent, None]:
-        client = self._client
         cursor = self._cursor
         while not self._cancelled:
-            call = client._stub.WatchRun(
-                cursor.request(), timeout=client.stream_timeout, metadata=client._metadata or None
-            )
+            call = self._open_call(cursor.request())
             self._call = call
             code: grpc.StatusCode | None = None
             reason = "the stream closed before the run finished"
@@ -331,7 +370,7 @@ class AsyncWatchStream(AsyncIterator[WatchEvent]):
                     except TimeoutError:
                         # Silence: a dead connection the transport has not noticed.
                         idle = True
-                        reason = f"no message for {client.idle_timeout:g} s"
+                        reason = f"no message for {self._idle_timeout:g} s"
                         break
                     if response is grpc.aio.EOF:
                         break
@@ -342,8 +381,8 @@ class AsyncWatchStream(AsyncIterator[WatchEvent]):
             except grpc.aio.AioRpcError as exc:
                 if self._cancelled:
                     return
-                if not is_retriable(exc, tls=client._tls):
-                    raise client._error(exc) from exc
+                if not is_retriable(exc, tls=self._tls):
+                    raise self._error_for(exc) from exc
                 code = exc.code()
                 reason = exc.details() or "dropped"
                 error = exc
@@ -356,7 +395,7 @@ class AsyncWatchStream(AsyncIterator[WatchEvent]):
                 self._call = None
             if self._cancelled:
                 return
-            delay = cursor.next_delay(reason, error, client._error, idle)
+            delay = cursor.next_delay(reason, error, self._error_for, idle)
             if self._on_reconnect is not None:
                 self._on_reconnect(
                     Reconnect(cursor.failures, delay, code, reason, cursor.last_episode)

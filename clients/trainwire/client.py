@@ -71,6 +71,7 @@ from trainwire.watch import (
     EpisodeChecker,
     Reconnect,
     RetryPolicy,
+    WatchCall,
     WatchEvent,
     WatchStream,
 )
@@ -425,4 +426,21 @@ class GatewayClient:
         """
         if after_episode < 0:
             raise ValueError(f"after_episode must be >= 0, got {after_episode}")
-        return WatchStream(self, run_id, after_episode, checker, on_reconnect)
+        return WatchStream(
+            self._open_watch,
+            self._error,
+            run_id,
+            after_episode,
+            retry=self.retry,
+            idle_timeout=self.idle_timeout,
+            tls=self._tls,
+            checker=checker,
+            on_reconnect=on_reconnect,
+        )
+
+    def _open_watch(self, request: gateway_service_pb2.WatchRunRequest) -> WatchCall:
+        """Opens one ``WatchRun`` stream with the stream deadline and this client's token."""
+        call: WatchCall = self._stub.WatchRun(
+            request, timeout=self.stream_timeout, metadata=self._metadata or None
+        )
+        return call

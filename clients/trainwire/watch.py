@@ -3,9 +3,13 @@
 ``WatchCursor`` is the bookkeeping both clients share (``trainwire.client`` and
 ``trainwire.aio``): the episode to resume after, batches flattened, repeats dropped, a skipped
 episode raised as ``DataLoss``, the ``CaughtUp`` of a resumed stream dropped, and the retry count.
-``WatchStream`` drives it over the sync stub; ``trainwire.aio.AsyncWatchStream`` over
-``grpc.aio``. Which codes resume (``is_retriable``) and how long to wait (``RetryPolicy``) are
-decided here once for both.
+``WatchStream`` drives it over sync calls, ``trainwire.aio.AsyncWatchStream`` over ``grpc.aio``
+ones. Which codes resume (``is_retriable``) and how long to wait (``RetryPolicy``) are decided
+here once for both.
+
+A watch never sees its client: the client hands it a callable that opens one ``WatchRun`` call
+for a request (its stub, deadline and metadata inside) and one that turns a final status into
+its typed error, so this module imports no client and the client's channel stays its own.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import Protocol, TypeAlias
 
 import grpc
 
@@ -24,13 +28,13 @@ from trainwire.errors import DataLoss, TrainwireError, Unavailable
 from trainwire.tls import is_certificate_failure
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
-if TYPE_CHECKING:
-    from trainwire.client import GatewayClient
-
 __all__ = [
     "EpisodeChecker",
+    "ErrorFor",
+    "OpenWatchCall",
     "Reconnect",
     "RetryPolicy",
+    "WatchCall",
     "WatchCursor",
     "WatchEvent",
     "WatchStream",
@@ -108,6 +112,22 @@ class EpisodeChecker(Protocol):
     """Anything that vets each episode, e.g. ``trainwire.contract.StreamChecker``."""
 
     def check(self, episode: episode_pb2.Episode) -> None: ...
+
+
+class WatchCall(Protocol):
+    """One open sync ``WatchRun`` call, as the stub returns it."""
+
+    def __iter__(self) -> Iterator[gateway_service_pb2.WatchRunResponse]: ...
+
+    def cancel(self) -> bool: ...
+
+
+#: Opens one ``WatchRun`` call for a request; the client's stub, deadline and metadata are
+#: behind it.
+OpenWatchCall: TypeAlias = Callable[[gateway_service_pb2.WatchRunRequest], WatchCall]
+#: A failed call as the typed error the client raises (its connection problems said in one
+#: line).
+ErrorFor: TypeAlias = Callable[[grpc.RpcError], TrainwireError]
 
 
 # Codes after which the same watch can simply be reopened from the last episode seen. INTERNAL
@@ -193,7 +213,7 @@ class WatchCursor:
         self,
         reason: str,
         error: grpc.RpcError | None,
-        error_for: Callable[[grpc.RpcError], TrainwireError],
+        error_for: ErrorFor,
         idle: bool,
     ) -> float:
         """Counts one more drop; returns the delay before reconnecting.
@@ -250,7 +270,7 @@ class _IdleWatchdog:
     transport has not noticed (a half-open TCP connection, a stuck proxy).
     """
 
-    def __init__(self, call: grpc.Call, timeout: float | None) -> None:
+    def __init__(self, call: WatchCall, timeout: float | None) -> None:
         self.fired = False
         self._call = call
         self._timeout = timeout
@@ -286,30 +306,53 @@ class WatchStream(Iterator[WatchEvent]):
 
     Dropping it (leaving a ``for`` loop early) cancels the stream; ``close`` and ``cancel`` do
     so explicitly.
+
+    Args:
+        open_call: Opens each stream of the watch (the first, and one per reconnection).
+        error_for: Turns a status that ends the watch into the error the iteration raises.
+        run_id: The run to follow.
+        after_episode: Start after this episode.
+        retry: How to reconnect.
+        idle_timeout: A stream silent for this long is dropped and reopened; ``None``: never.
+        tls: Whether the channel uses TLS (a certificate failure is then never retried).
+        checker: Vets each episode before it is yielded.
+        on_reconnect: Called before each reconnection.
     """
 
     def __init__(
         self,
-        client: GatewayClient,
+        open_call: OpenWatchCall,
+        error_for: ErrorFor,
         run_id: str,
         after_episode: int,
-        checker: EpisodeChecker | None,
-        on_reconnect: Callable[[Reconnect], None] | None,
+        *,
+        retry: RetryPolicy,
+        idle_timeout: float | None,
+        tls: bool,
+        checker: EpisodeChecker | None = None,
+        on_reconnect: Callable[[Reconnect], None] | None = None,
     ) -> None:
         # The generator holds the state, never this object: no reference cycle, so a dropped
         # WatchStream closes its generator (and cancels its call) at once.
-        self._state = _WatchState(client, run_id, after_episode, checker, on_reconnect)
+        self._state = _WatchState(
+            open_call,
+            error_for,
+            WatchCursor(run_id, after_episode, checker, retry),
+            idle_timeout,
+            tls,
+            on_reconnect,
+        )
         self._events = self._state.run()
 
     @property
     def run_id(self) -> str:
         """The watched run."""
-        return self._state.run_id
+        return self._state.cursor.run_id
 
     @property
     def last_episode(self) -> int:
         """The last episode delivered (``after_episode`` before the first)."""
-        return self._state.last_episode
+        return self._state.cursor.last_episode
 
     @property
     def cancelled(self) -> bool:
@@ -346,39 +389,32 @@ class _WatchState:
 
     def __init__(
         self,
-        client: GatewayClient,
-        run_id: str,
-        after_episode: int,
-        checker: EpisodeChecker | None,
+        open_call: OpenWatchCall,
+        error_for: ErrorFor,
+        cursor: WatchCursor,
+        idle_timeout: float | None,
+        tls: bool,
         on_reconnect: Callable[[Reconnect], None] | None,
     ) -> None:
-        self.client = client
-        self.cursor = WatchCursor(run_id, after_episode, checker, client.retry)
+        self.open_call = open_call
+        self.error_for = error_for
+        self.cursor = cursor
+        self.idle_timeout = idle_timeout
+        self.tls = tls
         self.on_reconnect = on_reconnect
         self.cancel = threading.Event()
         self.lock = threading.Lock()
-        self.call: grpc.Call | None = None
-
-    @property
-    def run_id(self) -> str:
-        return self.cursor.run_id
-
-    @property
-    def last_episode(self) -> int:
-        return self.cursor.last_episode
+        self.call: WatchCall | None = None
 
     def run(self) -> Generator[WatchEvent, None, None]:
-        client = self.client
         cursor = self.cursor
         while not self.cancel.is_set():
-            call = client._stub.WatchRun(
-                cursor.request(), timeout=client.stream_timeout, metadata=client._metadata or None
-            )
+            call = self.open_call(cursor.request())
             with self.lock:
                 self.call = call
             if self.cancel.is_set():  # cancel() ran before it could see this call
                 call.cancel()
-            watchdog = _IdleWatchdog(call, client.idle_timeout)
+            watchdog = _IdleWatchdog(call, self.idle_timeout)
             code: grpc.StatusCode | None = None
             reason = "the stream closed before the run finished"
             error: grpc.RpcError | None = None
@@ -393,12 +429,12 @@ class _WatchState:
                 if self.cancel.is_set():
                     return
                 if watchdog.fired:
-                    reason = f"no message for {client.idle_timeout:g} s"
-                elif is_retriable(exc, tls=client._tls):
+                    reason = f"no message for {self.idle_timeout:g} s"
+                elif is_retriable(exc, tls=self.tls):
                     code = exc.code() if isinstance(exc, grpc.Call) else None
                     reason = (exc.details() if isinstance(exc, grpc.Call) else "") or "dropped"
                 else:
-                    raise client._error(exc) from exc
+                    raise self.error_for(exc) from exc
                 error = exc
             finally:
                 watchdog.stop()
@@ -407,7 +443,7 @@ class _WatchState:
                     self.call = None
             if self.cancel.is_set():
                 return
-            delay = cursor.next_delay(reason, error, client._error, watchdog.fired)
+            delay = cursor.next_delay(reason, error, self.error_for, watchdog.fired)
             if self.on_reconnect is not None:
                 self.on_reconnect(
                     Reconnect(cursor.failures, delay, code, reason, cursor.last_episode)
