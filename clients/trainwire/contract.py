@@ -1,7 +1,7 @@
 """The Trainwire contract: stream rules for episodes and validation of training requests.
 
 Both services and every client apply the same checks, so a stream that passes here passes
-everywhere. Stream rules (design.md, "Stream rules"):
+everywhere. Stream rules (each named by the ``ContractViolation.rule`` it raises):
 
 1. ``sequence``: the first episode is 1 and each next one is the previous + 1;
    ``max_episodes``: never above the run's ``TrainConfig.max_episodes``.
