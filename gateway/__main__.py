@@ -3,6 +3,10 @@
 Prints ``gateway listening on HOST:PORT`` once serving, with ``--metrics-port``
 ``gateway metrics on http://HOST:PORT/metrics``, then ``gateway http on http://HOST:PORT`` (the
 page and the JSON API; ``--http-port -1`` turns it off). Scripts wait for these lines.
+
+A flag, a certificate or token file, or a database it cannot use (locked by another gateway,
+in a directory it cannot write, needing a migration) exits 2 with one
+``python -m gateway: error: ...`` line that names the file and the problem.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ async def serve(config: GatewayConfig) -> int:
     gateway = Gateway(config)
     try:
         port = await gateway.start()
+    # DatabaseProblem includes a database directory or lock file that cannot be created.
     except (DatabaseLocked, DatabaseProblem, TlsFileError, TokenFileError) as exc:
         print(f"python -m gateway: error: {exc}", file=sys.stderr, flush=True)
         return 2

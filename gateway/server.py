@@ -152,6 +152,8 @@ class Gateway:
             TlsFileError: A certificate, key or CA file cannot be used (nothing was started).
             TokenFileError: The tokens file cannot be used (nothing was started).
             DatabaseLocked: Another gateway uses the database (nothing was started).
+            DatabasePathProblem: The database's directory or lock file cannot be created
+                (nothing was started).
             DatabaseProblem: The database cannot be used, or needs a migration (nothing was
                 started).
             OSError: The metrics or HTTP port cannot be bound (nothing was started).
