@@ -1,4 +1,7 @@
-"""The trainer's core alone: slots, episode counter, registry and job runner with fake providers."""
+"""The trainer's core alone: slots, episode counter, registry and job runner with fake providers.
+
+Streams are read the way the servicer reads them, with ``JobStream.aevents`` on an event loop.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +12,14 @@ import sys
 import threading
 import time
 import types
+from collections.abc import AsyncIterator, Sequence
+from typing import TypeAlias
 
 import pytest
 
 from trainer_service.core import errors as contract_errors
 from trainer_service.core.errors import InvalidRequest, NoFreeSlot, ShuttingDown
-from trainer_service.core.jobs import Heartbeat, JobRunner, RunnerSettings
+from trainer_service.core.jobs import Heartbeat, JobRunner, JobStream, RunnerSettings, RunningJob
 from trainer_service.core.provider import EpisodeCounter, ProviderError
 from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
@@ -46,8 +51,26 @@ def make_runner(
     )
 
 
-def episodes_of(events: list[object]) -> list[episode_pb2.Episode]:
+def episodes_of(events: Sequence[object]) -> list[episode_pb2.Episode]:
     return [e for e in events if isinstance(e, episode_pb2.Episode)]
+
+
+Event: TypeAlias = episode_pb2.Episode | Heartbeat
+
+
+async def read_all(stream: JobStream[RunningJob]) -> list[Event]:
+    """Every event of ``stream`` to its end (raises what ends it)."""
+    return [event async for event in stream.aevents()]
+
+
+async def take(events: AsyncIterator[Event], count: int) -> list[Event]:
+    """The next ``count`` events."""
+    return [await anext(events) for _ in range(count)]
+
+
+async def rest(events: AsyncIterator[Event]) -> list[Event]:
+    """Every event left (raises what ends the stream)."""
+    return [event async for event in events]
 
 
 # -- slots -------------------------------------------------------------------------------------
@@ -132,11 +155,11 @@ def test_registry_loads_a_module_with_run() -> None:
 # -- job runner --------------------------------------------------------------------------------
 
 
-def test_job_streams_checked_episodes_and_frees_the_slot() -> None:
+async def test_job_streams_checked_episodes_and_frees_the_slot() -> None:
     fake = FakeProvider()
     runner = make_runner(fake)
     job = runner.start(imitation_request(max_episodes=5))
-    events = list(job.events())
+    events = await read_all(job)
     episodes = episodes_of(events)
     assert [e.episode for e in episodes] == [1, 2, 3, 4, 5]
     assert episodes[-1].done
@@ -147,7 +170,7 @@ def test_job_streams_checked_episodes_and_frees_the_slot() -> None:
     assert fake.jobs[0].image_cache_dir is None
 
 
-def test_job_gets_the_runner_settings() -> None:
+async def test_job_gets_the_runner_settings() -> None:
     fake = FakeProvider()
     runner = JobRunner(
         ProviderRegistry({"imitation": fake}),
@@ -158,7 +181,7 @@ def test_job_gets_the_runner_settings() -> None:
             image_cache_dir=pathlib.Path("/cache"),
         ),
     )
-    list(runner.start(imitation_request(max_episodes=1)).events())
+    await read_all(runner.start(imitation_request(max_episodes=1)))
     job = fake.jobs[0]
     assert (job.device, job.data_root, job.image_cache_dir) == (
         "cuda:0",
@@ -167,12 +190,12 @@ def test_job_gets_the_runner_settings() -> None:
     )
 
 
-def test_slot_is_free_as_soon_as_a_successful_stream_ends() -> None:
+async def test_slot_is_free_as_soon_as_a_successful_stream_ends() -> None:
     runner = make_runner(FakeProvider())
-    list(runner.start(imitation_request(max_episodes=2)).events())
+    await read_all(runner.start(imitation_request(max_episodes=2)))
     # The job thread frees the slot before it hands over the end of the stream.
     assert runner.slots.free == 1
-    list(runner.start(imitation_request("run-2", max_episodes=2)).events())
+    await read_all(runner.start(imitation_request("run-2", max_episodes=2)))
 
 
 def test_invalid_request_lists_every_bad_field() -> None:
@@ -206,7 +229,7 @@ def test_missing_provider_is_a_provider_error() -> None:
     assert runner.slots.free == 1
 
 
-def test_no_free_slot() -> None:
+async def test_no_free_slot() -> None:
     fake = FakeProvider(hold_after=0)
     runner = make_runner(fake)
     job = runner.start(imitation_request())
@@ -215,47 +238,47 @@ def test_no_free_slot() -> None:
     assert "run-2" in str(info.value)
     runner.cancel_job("run-1")
     with pytest.raises(contract_errors.JobCancelled):
-        list(job.events())
+        await read_all(job)
     assert runner.wait_idle(WAIT)
     assert runner.slots.free == 1
 
 
-def test_heartbeats_while_the_provider_is_busy() -> None:
+async def test_heartbeats_while_the_provider_is_busy() -> None:
     fake = FakeProvider(hold_after=2, phase="loading")
     runner = make_runner(fake, heartbeat_s=0.02)
     job = runner.start(imitation_request(max_episodes=5))
-    events = job.events()
-    first = [next(events) for _ in range(2)]
+    events = job.aevents()
+    first = await take(events, 2)
     assert [e.episode for e in episodes_of(first)] == [1, 2]
-    beats = [next(events) for _ in range(3)]
-    assert all(isinstance(b, Heartbeat) for b in beats)
-    assert [b.last_episode for b in beats] == [2, 2, 2]  # type: ignore[union-attr]
-    assert beats[0].phase == "loading"  # type: ignore[union-attr]
-    assert beats[0].time_ns > 0  # type: ignore[union-attr]
-    events.close()  # the handler stops reading, the RPC ends: no grace, so the job is cancelled
+    beats = [b for b in await take(events, 3) if isinstance(b, Heartbeat)]
+    assert [b.last_episode for b in beats] == [2, 2, 2]
+    assert beats[0].phase == "loading"
+    assert beats[0].time_ns > 0
+    # The handler stops reading and the RPC ends: no grace, so the job is cancelled.
+    await events.aclose()
     runner.detach(job)
     assert fake.stopped.wait(WAIT)
     assert runner.wait_idle(WAIT)
     assert runner.slots.free == 1
 
 
-def test_provider_error_is_raised_after_the_episodes_before_it() -> None:
+async def test_provider_error_is_raised_after_the_episodes_before_it() -> None:
     error = ProviderError("The model could not be loaded.", detail="boom", code="NOT_FOUND")
     runner = make_runner(FakeProvider(fail_at=3, error=error))
     job = runner.start(imitation_request(max_episodes=5))
     seen: list[object] = []
     with pytest.raises(ProviderError) as info:
-        for event in job.events():
+        async for event in job.aevents():
             seen.append(event)
     assert info.value is error
     assert [e.episode for e in episodes_of(seen)] == [1, 2]
     assert runner.slots.free == 1
 
 
-def test_crash_in_the_provider_is_raised_and_frees_the_slot() -> None:
+async def test_crash_in_the_provider_is_raised_and_frees_the_slot() -> None:
     runner = make_runner(FakeProvider(fail_at=1, error=ZeroDivisionError("x")))
     with pytest.raises(ZeroDivisionError):
-        list(runner.start(imitation_request()).events())
+        await read_all(runner.start(imitation_request()))
     assert runner.slots.free == 1
     assert runner.wait_idle(WAIT)
 
@@ -266,11 +289,11 @@ def _skip_episode_two(episode: episode_pb2.Episode) -> episode_pb2.Episode:
     return episode
 
 
-def test_contract_violation_is_logged_and_raised(caplog: pytest.LogCaptureFixture) -> None:
+async def test_contract_violation_is_logged_and_raised(caplog: pytest.LogCaptureFixture) -> None:
     runner = make_runner(FakeProvider(tamper=_skip_episode_two))
     job = runner.start(imitation_request("run-bad", max_episodes=5))
     with caplog.at_level(logging.ERROR), pytest.raises(contract.ContractViolation) as info:
-        list(job.events())
+        await read_all(job)
     assert info.value.rule == "sequence"
     lines = [r.getMessage() for r in caplog.records if "CONTRACT VIOLATION" in r.getMessage()]
     assert lines and lines[0].startswith("CONTRACT VIOLATION run run-bad rule sequence")
@@ -278,18 +301,18 @@ def test_contract_violation_is_logged_and_raised(caplog: pytest.LogCaptureFixtur
     assert runner.slots.free == 1
 
 
-def test_stream_that_ends_without_done_is_a_violation() -> None:
+async def test_stream_that_ends_without_done_is_a_violation() -> None:
     class Short(FakeProvider):
         def run(self, job):  # type: ignore[no-untyped-def]
             yield EpisodeCounter(job.config.max_episodes).make(0.5)
 
     runner = make_runner(Short())
     with pytest.raises(contract.ContractViolation) as info:
-        list(runner.start(imitation_request(max_episodes=3)).events())
+        await read_all(runner.start(imitation_request(max_episodes=3)))
     assert info.value.rule == "done"
 
 
-def test_full_channel_blocks_the_provider_until_read() -> None:
+async def test_full_channel_blocks_the_provider_until_read() -> None:
     """Flow control: a handler that does not read keeps the provider from running ahead."""
     produced: list[int] = []
     blocked = threading.Event()
@@ -310,16 +333,16 @@ def test_full_channel_blocks_the_provider_until_read() -> None:
     time.sleep(0.2)
     assert produced == [1, 2]
     assert runner.active_jobs == 1
-    episodes = episodes_of(list(job.events()))
+    episodes = episodes_of(await read_all(job))
     assert len(episodes) == 50 and produced == list(range(1, 51))
 
 
-def test_cancel_stops_the_provider_within_one_episode() -> None:
+async def test_cancel_stops_the_provider_within_one_episode() -> None:
     fake = FakeProvider()
     runner = make_runner(fake, queue_size=1)
     job = runner.start(imitation_request(max_episodes=5000))
-    events = job.events()
-    next(events)
+    events = job.aevents()
+    await anext(events)
     assert runner.cancel_job("run-1") <= 2
     assert fake.finished.wait(WAIT)
     assert runner.wait_idle(WAIT)
@@ -327,22 +350,22 @@ def test_cancel_stops_the_provider_within_one_episode() -> None:
     # What is left is at most the one episode made ahead; the stream then ends cancelled.
     left: list[object] = []
     with pytest.raises(contract_errors.JobCancelled):
-        for event in events:
+        async for event in events:
             left.append(event)
     assert len(episodes_of(left)) <= 1
     assert runner.live_jobs == 0
 
 
-def test_shutdown_ends_streams_with_shutting_down_and_refuses_new_jobs() -> None:
+async def test_shutdown_ends_streams_with_shutting_down_and_refuses_new_jobs() -> None:
     fake = FakeProvider(hold_after=1)
     runner = make_runner(fake, slots=2, heartbeat_s=0.05)
     job = runner.start(imitation_request(max_episodes=10))
-    events = job.events()
-    first = next(events)
+    events = job.aevents()
+    first = await anext(events)
     assert isinstance(first, episode_pb2.Episode)
     runner.shutdown()
     with pytest.raises(ShuttingDown):
-        list(events)
+        await rest(events)
     with pytest.raises(ShuttingDown):
         runner.start(imitation_request("run-2"))
     assert runner.wait_idle(WAIT)

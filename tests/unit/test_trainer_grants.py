@@ -1,9 +1,13 @@
-"""The trainer core's grants, detach and re-attach, with a fake provider (no grpc, no torch)."""
+"""The trainer core's grants, detach and re-attach, with a fake provider (no grpc, no torch).
+
+Streams are read the way the servicer reads them, with ``JobStream.aevents`` on an event loop.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -15,7 +19,7 @@ from trainer_service.core.errors import (
     JobNotFound,
     Reattached,
 )
-from trainer_service.core.jobs import Heartbeat, JobRunner, RunnerSettings
+from trainer_service.core.jobs import Heartbeat, JobRunner, JobStream, RunnerSettings, RunningJob
 from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
 from trainer_service.testing import FakeProvider, imitation_request
@@ -68,28 +72,36 @@ def attach_request(
     return request
 
 
-def take_episodes(events, count: int) -> list[episode_pb2.Episode]:  # type: ignore[no-untyped-def]
+async def take_episodes(
+    events: AsyncIterator[episode_pb2.Episode | Heartbeat], count: int
+) -> list[episode_pb2.Episode]:
+    """The next ``count`` episodes (heartbeats skipped)."""
     out: list[episode_pb2.Episode] = []
     while len(out) < count:
-        event = next(events)
+        event = await anext(events)
         if isinstance(event, episode_pb2.Episode):
             out.append(event)
     return out
 
 
-def test_the_provider_is_not_pulled_beyond_the_grant() -> None:
+async def all_episodes(stream: JobStream[RunningJob]) -> list[episode_pb2.Episode]:
+    """Every episode of ``stream`` to its end (raises what ends it)."""
+    return [e async for e in stream.aevents() if isinstance(e, episode_pb2.Episode)]
+
+
+async def test_the_provider_is_not_pulled_beyond_the_grant() -> None:
     provider = Recording()
     runner = runner_for(provider)
     stream = runner.start(granted(grant=3, max_episodes=20))
-    events = stream.events()
-    assert [e.episode for e in take_episodes(events, 3)] == [1, 2, 3]
+    events = stream.aevents()
+    assert [e.episode for e in await take_episodes(events, 3)] == [1, 2, 3]
     # Blocked at its grant: heartbeats say "waiting" and the provider made nothing more.
-    beats = [next(events) for _ in range(3)]
+    beats = [await anext(events) for _ in range(3)]
     assert all(isinstance(b, Heartbeat) and b.phase == "waiting" for b in beats)
     assert provider.made == [1, 2, 3]
     assert runner.grant("run-1", 2) == 3  # lower: a no-op
     assert runner.grant("run-1", 6) == 3
-    assert [e.episode for e in take_episodes(events, 3)] == [4, 5, 6]
+    assert [e.episode for e in await take_episodes(events, 3)] == [4, 5, 6]
     provider.wait_made(6)
     assert provider.made == [1, 2, 3, 4, 5, 6]
     runner.cancel_job("run-1")
@@ -116,16 +128,16 @@ def test_a_second_train_for_a_live_job_is_already_exists() -> None:
     runner.cancel_job("run-1")
 
 
-def test_a_broken_stream_leaves_the_job_blocked_and_a_reattach_continues_exactly() -> None:
+async def test_a_broken_stream_leaves_the_job_blocked_and_a_reattach_continues_exactly() -> None:
     provider = Recording()
     runner = runner_for(provider)
     stream = runner.start(granted(grant=10, max_episodes=30))
-    first = take_episodes(stream.events(), 4)
+    first = await take_episodes(stream.aevents(), 4)
     runner.detach(stream)  # the gateway died after receiving 1..4
     provider.wait_made(10)  # the job trains on to its grant, then blocks
     assert runner.live_jobs == 1 and runner.slots.free == 0
     again = runner.attach(attach_request(after=2, grant=30, max_episodes=30))
-    rest = [e for e in again.events() if isinstance(e, episode_pb2.Episode)]
+    rest = await all_episodes(again)
     assert [e.episode for e in first] == [1, 2, 3, 4]
     assert [e.episode for e in rest] == list(range(3, 31))
     assert rest[-1].done
@@ -134,7 +146,7 @@ def test_a_broken_stream_leaves_the_job_blocked_and_a_reattach_continues_exactly
     assert runner.live_jobs == 1  # its end delivered, kept for a replay (next test)
 
 
-def test_reattach_keeps_the_grant_with_zero_and_refuses_other_tasks() -> None:
+async def test_reattach_keeps_the_grant_with_zero_and_refuses_other_tasks() -> None:
     runner = runner_for(Recording())
     stream = runner.start(granted(grant=2, max_episodes=30))
     runner.detach(stream)
@@ -142,16 +154,16 @@ def test_reattach_keeps_the_grant_with_zero_and_refuses_other_tasks() -> None:
         runner.attach(attach_request(after=0, max_episodes=31))
     again = runner.attach(attach_request(after=0, grant=0, max_episodes=30))
     assert runner.job("run-1").grant == 2  # type: ignore[union-attr]
-    assert [e.episode for e in take_episodes(again.events(), 2)] == [1, 2]
+    assert [e.episode for e in await take_episodes(again.aevents(), 2)] == [1, 2]
     runner.cancel_job("run-1")
 
 
-def test_attach_errors() -> None:
+async def test_attach_errors() -> None:
     runner = runner_for(FakeProvider(), retain=4, queue_size=1)
     with pytest.raises(JobNotFound):
         runner.attach(attach_request(after=0))
     stream = runner.start(granted(grant=12, max_episodes=30))
-    take_episodes(stream.events(), 12)
+    await take_episodes(stream.aevents(), 12)
     with pytest.raises(EpisodesNotHeld) as info:
         runner.attach(attach_request(after=3, max_episodes=30))
     assert "holds episodes 9..12" in str(info.value)
@@ -160,67 +172,67 @@ def test_attach_errors() -> None:
     runner.cancel_job("run-1")
 
 
-def test_a_reattach_replaces_the_attached_stream() -> None:
+async def test_a_reattach_replaces_the_attached_stream() -> None:
     runner = runner_for(FakeProvider())
     old = runner.start(granted(grant=5, max_episodes=30))
-    old_events = old.events()
-    take_episodes(old_events, 2)
+    old_events = old.aevents()
+    await take_episodes(old_events, 2)
     new = runner.attach(attach_request(after=2, max_episodes=30))
     with pytest.raises(Reattached):
-        take_episodes(old_events, 1)
+        await take_episodes(old_events, 1)
     runner.detach(old)  # the old RPC ends: the new stream stays attached
-    assert [e.episode for e in take_episodes(new.events(), 3)] == [3, 4, 5]
+    assert [e.episode for e in await take_episodes(new.aevents(), 3)] == [3, 4, 5]
     assert runner.live_jobs == 1
     runner.cancel_job("run-1")
 
 
-def test_cancel_job_ends_the_attached_stream_and_frees_the_slot() -> None:
+async def test_cancel_job_ends_the_attached_stream_and_frees_the_slot() -> None:
     runner = runner_for(FakeProvider())
     stream = runner.start(granted(grant=3, max_episodes=30))
-    events = stream.events()
-    take_episodes(events, 3)
+    events = stream.aevents()
+    await take_episodes(events, 3)
     assert runner.cancel_job("run-1") == 3
     with pytest.raises(JobCancelled):
-        list(events)
+        await take_episodes(events, 1)
     assert runner.wait_idle(WAIT) and runner.slots.free == 1
 
 
-def test_a_detached_job_is_cancelled_after_the_grace() -> None:
+async def test_a_detached_job_is_cancelled_after_the_grace() -> None:
     provider = FakeProvider()
     runner = runner_for(provider, detach_grace_s=0.2)
     stream = runner.start(granted(grant=3, max_episodes=30))
-    take_episodes(stream.events(), 1)
+    await take_episodes(stream.aevents(), 1)
     runner.detach(stream)
     assert provider.finished.wait(WAIT)
     assert runner.wait_idle(WAIT)
     assert runner.live_jobs == 0 and runner.slots.free == 1
 
 
-def test_a_job_that_finished_while_detached_delivers_its_tail_on_reattach() -> None:
+async def test_a_job_that_finished_while_detached_delivers_its_tail_on_reattach() -> None:
     runner = runner_for(FakeProvider())
     stream = runner.start(granted(grant=10, max_episodes=5))
-    take_episodes(stream.events(), 1)
+    await take_episodes(stream.aevents(), 1)
     runner.detach(stream)
     assert runner.wait_idle(WAIT)  # finished: its slot is free, its episodes still held
     assert runner.slots.free == 1
     again = runner.attach(attach_request(after=1, max_episodes=5))
-    assert [e.episode for e in again.events() if isinstance(e, episode_pb2.Episode)] == [2, 3, 4, 5]
+    assert [e.episode for e in await all_episodes(again)] == [2, 3, 4, 5]
     runner.detach(again)
     assert runner.live_jobs == 1
 
 
-def test_a_delivered_end_can_be_replayed_within_the_grace_then_the_job_leaves() -> None:
+async def test_a_delivered_end_can_be_replayed_within_the_grace_then_the_job_leaves() -> None:
     # A gateway receives a paced run's last episodes before their time, so it may restart
     # having stored fewer than it received: the trainer replays them, computing nothing.
     provider = Recording()
     runner = runner_for(provider, detach_grace_s=0.5)
     stream = runner.start(granted(grant=10, max_episodes=5))
-    delivered = [e.episode for e in stream.events() if isinstance(e, episode_pb2.Episode)]
+    delivered = [e.episode for e in await all_episodes(stream)]
     assert delivered == [1, 2, 3, 4, 5]
     runner.detach(stream)
     assert runner.wait_idle(WAIT) and runner.slots.free == 1 and runner.live_jobs == 1
     again = runner.attach(attach_request(after=3, max_episodes=5))
-    replayed = [e for e in again.events() if isinstance(e, episode_pb2.Episode)]
+    replayed = await all_episodes(again)
     assert [e.episode for e in replayed] == [4, 5] and replayed[-1].done
     assert provider.made == [1, 2, 3, 4, 5], "a replay computes nothing"
     runner.detach(again)
@@ -232,34 +244,34 @@ def test_a_delivered_end_can_be_replayed_within_the_grace_then_the_job_leaves() 
         runner.attach(attach_request(after=3, max_episodes=5))
 
 
-def test_a_new_train_replaces_a_finished_job_kept_for_a_replay() -> None:
+async def test_a_new_train_replaces_a_finished_job_kept_for_a_replay() -> None:
     runner = runner_for(FakeProvider())
     stream = runner.start(granted(grant=10, max_episodes=3))
-    assert len([e for e in stream.events() if isinstance(e, episode_pb2.Episode)]) == 3
+    assert len(await all_episodes(stream)) == 3
     runner.detach(stream)
     assert runner.wait_idle(WAIT) and runner.live_jobs == 1
     again = runner.start(granted(grant=10, max_episodes=3))
-    assert [e.episode for e in again.events() if isinstance(e, episode_pb2.Episode)] == [1, 2, 3]
+    assert [e.episode for e in await all_episodes(again)] == [1, 2, 3]
     runner.detach(again)
 
 
-def test_without_a_grant_the_job_runs_free_up_to_its_queue() -> None:
+async def test_without_a_grant_the_job_runs_free_up_to_its_queue() -> None:
     provider = Recording()
     runner = runner_for(provider, queue_size=3)
     stream = runner.start(granted(grant=0, max_episodes=8))
     provider.wait_made(3)
     time.sleep(0.2)
     assert provider.made == [1, 2, 3]
-    episodes = [e for e in stream.events() if isinstance(e, episode_pb2.Episode)]
+    episodes = await all_episodes(stream)
     assert [e.episode for e in episodes] == list(range(1, 9))
 
 
-def test_a_job_without_a_grant_is_cancelled_when_its_stream_ends() -> None:
+async def test_a_job_without_a_grant_is_cancelled_when_its_stream_ends() -> None:
     """Direct use (grpcurl, a script): nobody will re-attach, so the grace does not apply."""
     provider = FakeProvider()
     runner = runner_for(provider, detach_grace_s=3600.0)
     stream = runner.start(granted(grant=0, max_episodes=5000))
-    take_episodes(stream.events(), 2)
+    await take_episodes(stream.aevents(), 2)
     runner.detach(stream)
     assert provider.finished.wait(WAIT)
     assert runner.wait_idle(WAIT)

@@ -9,9 +9,10 @@ the producer, before any stream can send it.
 
 A *stream* (``trainer_service.core.job_stream.JobStream``, one per ``Train`` call) reads the held
 episodes after its start point through the job's read side (the last section of
-:class:`RunningJob`) and ends with the job's outcome. A job outlives a broken stream: it is
-*detached* (blocked at its credit) until another stream re-attaches or the runner's detach grace
-runs out. A second stream that attaches replaces the first, which ends with ``Reattached``.
+:class:`RunningJob`, the ``StreamSource`` a stream knows its job by) and ends with the job's
+outcome. A job outlives a broken stream: it is *detached* (blocked at its credit) until another
+stream re-attaches or the runner's detach grace runs out. A second stream that attaches
+replaces the first, which ends with ``Reattached``.
 
 Invariant: the producer releases the job's slot (``on_exit``) once the provider has stopped,
 before the outcome is delivered to any stream.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,7 +32,7 @@ from trainer_service.core.errors import (
     Reattached,
     ShuttingDown,
 )
-from trainer_service.core.job_stream import JobEnd, JobStream
+from trainer_service.core.job_stream import Heartbeat, JobEnd, JobStream
 from trainer_service.core.job_window import EpisodeWindow
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
 from trainer_service.core.provider import ProviderError, TrainJob
@@ -83,14 +85,14 @@ class RunningJob:
         self.devices = job.devices or (job.device,)
         self._job = job
         self._provider = provider
-        self._heartbeat_s = heartbeat_s
+        self.heartbeat_s = heartbeat_s
         self._on_exit = on_exit
         self._observer: JobObserver = observer or NullJobObserver()
         self._checker = contract.StreamChecker.for_task(job.task, job.config, job.run_id)
         self._cond = threading.Condition()
         self._window = EpisodeWindow(queue_size, retain, grant)
-        self._stream: JobStream | None = None
-        self._streams: set[JobStream] = set()  # every stream still being read
+        self._stream: JobStream[RunningJob] | None = None
+        self._wakers: set[Callable[[], None]] = set()  # of the streams still being read
         self._stopped = False  # the producer exited
         self._error: BaseException | None = None  # what the provider (or the checker) raised
         self._stop_reason = ""  # "cancelled" or "shutdown" once stopped from outside
@@ -105,12 +107,11 @@ class RunningJob:
     # -- state -------------------------------------------------------------------------------
 
     def _notify(self) -> None:
-        """Wakes every waiter: threads on the condition and async streams (call with the
-        condition held)."""
+        """Wakes every waiter: the producer on the condition and the streams through their
+        wakers (call with the condition held)."""
         self._cond.notify_all()
-        for stream in self._streams:
-            if stream.waker is not None:
-                stream.waker()
+        for waker in self._wakers:
+            waker()
 
     @property
     def phase(self) -> str:
@@ -176,7 +177,7 @@ class RunningJob:
             self._notify()
         self._job.stop_event.set()
 
-    def attach(self, after_episode: int, grant: int) -> JobStream:
+    def attach(self, after_episode: int, grant: int) -> JobStream[RunningJob]:
         """A new stream of the episodes after ``after_episode``; replaces any attached stream.
 
         Raises:
@@ -197,7 +198,7 @@ class RunningJob:
             previous.replaced = True
         return stream
 
-    def detach(self, stream: JobStream) -> bool | None:
+    def detach(self, stream: JobStream[RunningJob]) -> bool | None:
         """Called when ``stream``'s RPC ended. Returns None when ``stream`` was not attached (any
         more), else whether the job is left undelivered (the stream broke before the job's end),
         so the runner keeps it for a re-attach."""
@@ -302,11 +303,10 @@ class RunningJob:
         )
         self._observer.job_ended(self.run_id, self.kind, outcome)
 
-    # -- what streams read -------------------------------------------------------------------
+    # -- what streams read (the ``StreamSource`` of ``job_stream``) --------------------------
 
-    def _poll(self, stream: JobStream) -> episode_pb2.Episode | None:
-        """The episode after ``stream.cursor`` if held, else None (call with the condition
-        held).
+    def next_episode(self, stream: JobStream[RunningJob]) -> episode_pb2.Episode | None:
+        """The episode after ``stream.cursor`` if held, else None.
 
         Raises:
             Reattached: another stream replaced this one.
@@ -314,41 +314,40 @@ class RunningJob:
             JobCancelled: the job was cancelled (``CancelJob``).
             JobEnd: the job ended and the stream has sent everything.
         """
-        if stream.replaced or self._stream is not stream:
-            raise Reattached(self.run_id)
-        if self._stop_reason == "shutdown" and not self._checker.done:
-            raise ShuttingDown(self.run_id)
-        n = stream.cursor + 1
-        if n <= self._window.produced:
-            return self._window.episode(n)
-        if not self._stopped:
-            return None
-        if self._stop_reason == "cancelled" and not self._checker.done:
-            raise JobCancelled(self.run_id)
-        raise JobEnd(self._error)
-
-    def _next(self, stream: JobStream, timeout: float) -> episode_pb2.Episode | None:
-        """Like ``_poll``, waiting up to ``timeout`` seconds for something to happen."""
         with self._cond:
-            self._cond.wait_for(lambda: self._ready(stream), timeout)
-            return self._poll(stream)
+            if stream.replaced or self._stream is not stream:
+                raise Reattached(self.run_id)
+            if self._stop_reason == "shutdown" and not self._checker.done:
+                raise ShuttingDown(self.run_id)
+            n = stream.cursor + 1
+            if n <= self._window.produced:
+                return self._window.episode(n)
+            if not self._stopped:
+                return None
+            if self._stop_reason == "cancelled" and not self._checker.done:
+                raise JobCancelled(self.run_id)
+            raise JobEnd(self._error)
 
-    def _try(self, stream: JobStream) -> episode_pb2.Episode | None:
-        with self._cond:
-            return self._poll(stream)
-
-    def _ready(self, stream: JobStream) -> bool:
-        return (
-            stream.replaced
-            or self._stream is not stream
-            or stream.cursor < self._window.produced
-            or self._stopped
-            or self._stop_reason == "shutdown"
-        )
-
-    def _sent(self, stream: JobStream, episode: int) -> None:
+    def sent(self, stream: JobStream[RunningJob], episode: int) -> None:
+        """``stream``'s RPC wrote ``episode``: moves its cursor and, if attached, the credit."""
         with self._cond:
             stream.cursor = episode
             if self._stream is stream:
                 self._window.cursor = episode
                 self._notify()
+        self._observer.episode_sent(self.kind)
+
+    def heartbeat(self, stream: JobStream[RunningJob]) -> Heartbeat:
+        """A heartbeat for ``stream`` now, counted as sent."""
+        self._observer.heartbeat_sent(self.kind)
+        return Heartbeat(stream.cursor, self.phase, time.time_ns())
+
+    def add_waker(self, waker: Callable[[], None]) -> None:
+        """Calls ``waker`` (with the job's condition held) whenever the job changes."""
+        with self._cond:
+            self._wakers.add(waker)
+
+    def remove_waker(self, waker: Callable[[], None]) -> None:
+        """Stops calling ``waker``."""
+        with self._cond:
+            self._wakers.discard(waker)

@@ -1,11 +1,13 @@
 """What a ``Train`` call reads of a job: :class:`JobStream` (the held episodes after its start
 point, heartbeats while none is ready, then the job's end) and :class:`Heartbeat`.
 
-A stream reads through the job's read side (``RunningJob._next`` from a thread, ``_try`` from an
-event loop, which the job's changes wake through :attr:`JobStream.waker`) and reports each
-episode its RPC sent (``_sent``), which moves the job's credit. The job raises :class:`JobEnd`
+A stream knows its job only through :class:`StreamSource`, the job's read side: it polls the
+job for the episode after its cursor (:meth:`StreamSource.next_episode`), reports each episode
+its RPC sent (:meth:`StreamSource.sent`, which moves the job's credit), asks the job for a
+heartbeat when none has gone out for :attr:`StreamSource.heartbeat_s` seconds, and registers a
+waker that the job calls (from any thread) whenever it changes. The job raises :class:`JobEnd`
 to a stream that has sent everything once the job ended; the stream then returns, or raises the
-job's failure. Jobs and their producer threads live in ``trainer_service.core.job``.
+job's failure.
 """
 
 from __future__ import annotations
@@ -13,15 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING
+from typing import Any, Generic, Protocol, TypeVar
 
 from trainwire.v1 import episode_pb2
-
-if TYPE_CHECKING:
-    from trainer_service.core.job import RunningJob
 
 
 @dataclass(frozen=True)
@@ -47,22 +45,63 @@ class JobEnd(Exception):
         self.error = error
 
 
-class JobStream:
+class StreamSource(Protocol):
+    """The read side of a job, as its streams see it (thread-safe)."""
+
+    @property
+    def heartbeat_s(self) -> float:
+        """Seconds without an episode after which a stream sends a heartbeat."""
+        ...
+
+    def next_episode(self, stream: JobStream[Any]) -> episode_pb2.Episode | None:
+        """The episode after ``stream.cursor`` if held, else None.
+
+        Raises:
+            JobEnd: The job ended and ``stream`` has sent everything.
+            Exception: The domain error that ends ``stream`` (replaced, cancelled, shutdown).
+        """
+        ...
+
+    def sent(self, stream: JobStream[Any], episode: int) -> None:
+        """``stream``'s RPC wrote ``episode`` and asks for more."""
+        ...
+
+    def heartbeat(self, stream: JobStream[Any]) -> Heartbeat:
+        """A heartbeat for ``stream`` (counted as sent)."""
+        ...
+
+    def add_waker(self, waker: Callable[[], None]) -> None:
+        """Calls ``waker`` (from any thread) whenever the job changes, until removed."""
+        ...
+
+    def remove_waker(self, waker: Callable[[], None]) -> None:
+        """Stops calling ``waker``."""
+        ...
+
+
+SourceT = TypeVar("SourceT", bound=StreamSource)
+
+
+class JobStream(Generic[SourceT]):
     """One ``Train`` call's view of a job: the episodes after its start point, then the end.
 
-    Read it with :meth:`events` from a thread or :meth:`aevents` from an event loop.
+    Read it with :meth:`aevents` from an event loop; it waits without holding a thread.
+
+    Attributes:
+        job: The job it reads.
+        cursor: The last episode handed out on this stream (its start point before the first).
+        replaced: Set by the job when another stream attached in its place.
+        finished: Set once the stream delivered the job's end.
     """
 
-    def __init__(self, job: RunningJob, after_episode: int) -> None:
+    def __init__(self, job: SourceT, after_episode: int) -> None:
         self.job = job
         self.cursor = after_episode
         self.replaced = False
         self.finished = False
-        #: Called (from any thread, with the job's condition held) when the job changed.
-        self.waker: Callable[[], None] | None = None
 
-    def events(self) -> Iterator[episode_pb2.Episode | Heartbeat]:
-        """Yields episodes and heartbeats until the job ends (blocking; for threads).
+    async def aevents(self) -> AsyncGenerator[episode_pb2.Episode | Heartbeat, None]:
+        """Yields episodes and heartbeats until the job ends.
 
         Returns normally after the done episode (or when the provider stopped early because the
         job was cancelled while detached, with nothing left to send).
@@ -76,30 +115,6 @@ class JobStream:
             Exception: Whatever else the provider raised (an unexpected failure).
         """
         job = self.job
-        with job._cond:
-            job._streams.add(self)
-        try:
-            last_sent = time.monotonic()
-            while True:
-                wait = max(0.0, job._heartbeat_s - (time.monotonic() - last_sent))
-                episode = self._step(partial(job._next, self, wait))
-                if episode is None:
-                    if time.monotonic() - last_sent < job._heartbeat_s:
-                        continue  # woken early (a grant, a phase change): nothing to send yet
-                    yield self._heartbeat()
-                else:
-                    yield episode
-                    self._sent(episode)
-                last_sent = time.monotonic()
-        except _Ended:
-            return
-        finally:
-            with job._cond:
-                job._streams.discard(self)
-
-    async def aevents(self) -> AsyncIterator[episode_pb2.Episode | Heartbeat]:
-        """Like :meth:`events`, for an event loop: waits without holding a thread."""
-        job = self.job
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
 
@@ -107,53 +122,40 @@ class JobStream:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
                 loop.call_soon_threadsafe(wake.set)
 
-        self.waker = waker
-        with job._cond:
-            job._streams.add(self)
+        job.add_waker(waker)
         try:
             last_sent = time.monotonic()
             while True:
                 # Cleared before polling: a change after the poll sets it again, so no wake-up
                 # is lost.
                 wake.clear()
-                episode = self._step(partial(job._try, self))
+                episode = self._next()
                 if episode is None:
-                    left = job._heartbeat_s - (time.monotonic() - last_sent)
+                    left = job.heartbeat_s - (time.monotonic() - last_sent)
                     if left > 0:
                         with contextlib.suppress(TimeoutError):
                             async with asyncio.timeout(left):
                                 await wake.wait()
                         continue
-                    yield self._heartbeat()
+                    yield job.heartbeat(self)
                 else:
                     yield episode
-                    self._sent(episode)
+                    job.sent(self, episode.episode)
                 last_sent = time.monotonic()
         except _Ended:
             return
         finally:
-            self.waker = None
-            with job._cond:
-                job._streams.discard(self)
+            job.remove_waker(waker)
 
-    def _step(self, take: Callable[[], episode_pb2.Episode | None]) -> episode_pb2.Episode | None:
+    def _next(self) -> episode_pb2.Episode | None:
         """One poll of the job; raises ``_Ended`` after a normal end, or the job's failure."""
         try:
-            return take()
+            return self.job.next_episode(self)
         except JobEnd as end:
             self.finished = True
             if end.error is not None:
                 raise end.error from None
             raise _Ended from None
-
-    def _heartbeat(self) -> Heartbeat:
-        self.job._observer.heartbeat_sent(self.job.kind)
-        return Heartbeat(self.cursor, self.job.phase, time.time_ns())
-
-    def _sent(self, episode: episode_pb2.Episode) -> None:
-        """The handler wrote ``episode`` and asks for more."""
-        self.job._sent(self, episode.episode)
-        self.job._observer.episode_sent(self.job.kind)
 
 
 class _Ended(Exception):

@@ -96,7 +96,7 @@ class JobRunner:
 
     # -- starting and attaching --------------------------------------------------------------
 
-    def open(self, request: trainer_service_pb2.TrainRequest) -> JobStream:
+    def open(self, request: trainer_service_pb2.TrainRequest) -> JobStream[RunningJob]:
         """A stream for a ``Train`` call: a new job, or a re-attach when the request asks.
 
         Raises:
@@ -106,7 +106,7 @@ class JobRunner:
             return self.attach(request)
         return self.start(request)
 
-    def start(self, request: trainer_service_pb2.TrainRequest) -> JobStream:
+    def start(self, request: trainer_service_pb2.TrainRequest) -> JobStream[RunningJob]:
         """Validates a request, takes a slot and starts its job; returns its stream.
 
         Raises:
@@ -152,7 +152,7 @@ class JobRunner:
         job.start()
         return stream
 
-    def attach(self, request: trainer_service_pb2.TrainRequest) -> JobStream:
+    def attach(self, request: trainer_service_pb2.TrainRequest) -> JobStream[RunningJob]:
         """Re-attaches a stream to the live job of ``request.run_id`` after
         ``attach_after_episode``; a larger ``grant_through_episode`` moves its grant.
 
@@ -272,7 +272,7 @@ class JobRunner:
         )
         return job.produced
 
-    def detach(self, stream: JobStream) -> None:
+    def detach(self, stream: JobStream[RunningJob]) -> None:
         """Called when a stream's RPC ended for any reason. A job with a grant stays in the
         table for ``detach_grace_s`` seconds for a re-attach: one left undelivered (its stream
         broke) is then cancelled; a delivered one (its end went out) computes nothing more, but
