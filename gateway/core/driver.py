@@ -1,98 +1,132 @@
-"""The per-run driver: one trainer stream, credit grants, pacing, commits and how a run ends.
+"""The per-run driver: one active run's lifecycle over its trainer feed, publisher and credit.
 
-A ``RunDriver`` owns an active run. This module holds its state and lifecycle (dispatch,
-re-attach, controls, persisting the run); its parts are the trainer feed
-(``gateway.core.driver_feed``), the publisher with its grants (``gateway.core.driver_publish``),
-how the run ends (``gateway.core.driver_end``: the stream driven to its end, its failure mapped
-to the run's end, finalize) and the state they share (``gateway.core.driver_context``). Once the
-scheduler places the run on a trainer (or the gateway re-attaches it after a restart) the driver
-runs two coroutines:
-
-- the *reader* reads the trainer stream, checks every episode against the contract and puts it
-  in the run's buffer (``trainer_episode`` is the last one received);
-- the *publisher* takes episodes from the buffer at the run's pace (none while paused), hands
-  them to the store, and grants the trainer credit.
+A ``RunDriver`` owns an active run. Once the scheduler places the run on a trainer (or the
+gateway re-attaches it after a restart) it runs the run's ``TrainerFeed`` (the trainer stream,
+checked and queued, re-attached when it breaks; ``gateway.core.feed``) into its ``Publisher``
+(the queue to the store at the run's pace, visible once committed; ``gateway.core.publisher``)
+and grants the trainer credit as episodes commit (``CreditWindow``, ``gateway.core.credit``).
+It applies the controls, persists the run and ends it (``gateway.core.ending``).
 
 Invariants:
 
-- ``episode`` (the run's published episode) is the last episode the store has *committed*; an
-  episode enters the run's ``EpisodeLog`` (and so reaches watchers) only after its commit, in
-  order. Nothing a watcher saw can be lost by a crash.
+- ``episode`` (published) is the last episode the store has committed; nothing a watcher saw
+  can be lost by a crash.
 - ``trainer_episode`` is the last episode received; ``episode <= trainer_episode <= granted``.
-- Grants follow commits: ``granted = min(max_episodes, episode + lead)`` whenever that moves it
-  forward by at least a quarter of the lead, never while paused. ``lead`` is ``lead_s`` seconds
-  of the paced rate x speed, at least ``MIN_LEAD`` episodes; an unpaced run gets a window of
-  ``UNPACED_WINDOW`` episodes. Hence ``trainer_episode - episode <= lead`` at all times (the
-  lead at the time of the last grant), the trainer stops training when the run is paused, trains
-  at the run's pace when it is slow, and never runs further ahead than it holds for a re-attach.
-- A stream that breaks (trainer lost, heartbeat timeout) is re-attached after
-  ``trainer_episode`` for up to ``heartbeat_timeout_s``; only then does the run fail.
+- A stream that breaks is re-attached after ``trainer_episode`` for up to
+  ``heartbeat_timeout_s``; only then does the run fail.
 - Stop cancels the stream and the trainer's job (``CancelJob``); gateway shutdown cancels the
   stream only, so the trainer keeps the job for the next gateway to re-attach.
-- With gateway replicas (PostgreSQL) a driver drives its run only while its replica owns it:
-  a *candidate* (a PENDING run no replica owns, ``owned`` False) claims the run before it
-  dispatches it, and any write the store refuses with ``NotOwner`` (another replica took the
-  lease over) makes the driver *abandon* the run: it stops driving without cancelling the
-  trainer's job (the new owner re-attaches to it) and without writing anything more.
+- With gateway replicas a driver drives its run only while its replica owns it: a *candidate*
+  (a PENDING run no replica owns, ``owned`` False) has its ``Ownership`` claim the run before
+  it dispatches it, and any write the store refuses with ``NotOwner`` makes the driver
+  *abandon* the run: it stops driving without cancelling the trainer's job and without writing
+  anything more.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
-from gateway.core.driver_context import DriverContext
-from gateway.core.driver_end import EndMixin
-from gateway.core.driver_feed import FeedMixin
-from gateway.core.driver_publish import PublishMixin
+from gateway.core.credit import CreditWindow, lead_for
+from gateway.core.ending import Ending, end_of, log_end
 from gateway.core.errors import StoreUnavailable
+from gateway.core.feed import TrainerFeed
 from gateway.core.history import EpisodeLog
+from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
+from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
 from gateway.core.runs import RunState, TrainingRun
-from gateway.core.store import STORE_MESSAGE, NotOwner, StoreWriteFailed
-from trainwire.contract import task_kind
-from trainwire.v1 import episode_pb2
+from gateway.core.settings import CoreSettings
+from gateway.core.store import STORE_MESSAGE, NotOwner, Store, StoreWriteFailed
+from gateway.core.trainers import TrainerBusy, TrainerConnector, TrainerError
+from trainwire.contract import ContractViolation, task_kind
 
 _LOGGER = logging.getLogger(__name__)
 
 
-class RunDriver(FeedMixin, PublishMixin, EndMixin):
+class SchedulerHooks(Protocol):
+    """What a driver tells the scheduler."""
+
+    def started(self, trainer: str) -> None:
+        """A run dispatched to ``trainer`` got its first answer (or gave up waiting for it)."""
+        ...
+
+    def requeue(self, driver: RunDriver) -> None:
+        """The trainer was busy: the run goes back in the queue at its place."""
+        ...
+
+    def dequeue(self, driver: RunDriver) -> None:
+        """The run leaves the queue (stopped while PENDING)."""
+        ...
+
+    def run_ended(self, trainer: str) -> None:
+        """A run that was placed on ``trainer`` ended: a slot may be free."""
+        ...
+
+
+class DriverOwnership(Protocol):
+    """What a driver asks of its replica's ownership of runs."""
+
+    async def claim(self, driver: RunDriver) -> bool:
+        """Claims a candidate's run before it starts; False when another replica has it."""
+        ...
+
+    def lost(self, driver: RunDriver) -> None:
+        """The driver abandoned its run to another replica (it leaves the active runs)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DriverContext:
+    """What every driver of a registry shares."""
+
+    settings: CoreSettings
+    store: Store
+    connector: TrainerConnector
+    observer: Observer
+    scheduler: SchedulerHooks
+    ownership: DriverOwnership
+    clock: Callable[[], float]
+    now: Callable[[], int]
+    #: Called once a run is finalized (it leaves the active runs).
+    on_end: Callable[[RunDriver], None]
+    #: Keeps a background task (a grant, a CancelJob) referenced until it is done.
+    spawn: Callable[[Awaitable[None], str], None]
+    #: Takes a run whose final state the store could not take, to write it later.
+    unsaved: Callable[[TrainingRun], None]
+
+
+class RunDriver:
     """Drives one active run (see the module docstring).
 
     Args:
         run: The run (PENDING, or RUNNING/PAUSED when re-attached after a restart).
         ctx: What the registry's drivers share.
+        owned: Whether this replica owns the run (always, with one gateway); a candidate's
+            ownership claims it before it starts.
     """
 
-    def __init__(self, run: TrainingRun, ctx: DriverContext) -> None:
+    def __init__(self, run: TrainingRun, ctx: DriverContext, owned: bool = True) -> None:
         self.run = run
         self._ctx = ctx
         self.kind = task_kind(run.task)
-        self.log = EpisodeLog(run.id, ctx.config.live_coalesce_s, ctx.clock)
+        self.log = EpisodeLog(run.id, ctx.settings.live_coalesce_s, ctx.clock)
         self.pacer = Pacer(run.episodes_per_second, run.speed, ctx.clock)
+        self.credit = CreditWindow(run.config.max_episodes)
+        self.publisher = Publisher(
+            run, self.log, self.pacer, ctx.store, ctx.observer, self._maybe_grant
+        )
+        self.feed: TrainerFeed | None = None
         self.task: asyncio.Task[None] | None = None
         self.finalizing = False
         self.pending_detail = "waiting for the scheduler"
-        # Set by every control (pause, resume, speed, stop) to wake a waiting publisher.
-        self._control = asyncio.Event()
-        # Set by every commit of this run's episodes.
-        self._committed = asyncio.Event()
-        # Set when the reader buffered an episode or ended.
-        self._arrived = asyncio.Event()
-        # Episodes handed to the store, awaiting commit: (episode, reward, best_reward, frame).
-        self._pending: deque[tuple[int, float, float, bytes]] = deque()
-        self._commit_error: BaseException | None = None
-        # Received and checked, not yet handed to the store.
-        self._buffer: deque[episode_pb2.Episode] = deque()
-        self._received_best: float | None = run.best_reward if run.episode else None
+        self.owned = owned
         self._trainer = run.trainer
         self._reserved = False  # counted by the scheduler as starting on self._trainer
-        self._granted = 0
-        self._granting = False
-        #: Whether this replica owns the run (always, with one gateway); a candidate claims it
-        #: before it starts it.
-        self.owned = True
 
     @property
     def seq(self) -> int:
@@ -104,6 +138,11 @@ class RunDriver(FeedMixin, PublishMixin, EndMixin):
         """Whether the scheduler may still place the run."""
         return self.run.state is RunState.PENDING and not self.finalizing and self.task is None
 
+    @property
+    def trainer(self) -> str:
+        """The trainer it was placed on ("" before)."""
+        return self._trainer
+
     def snapshot(self) -> TrainingRun:
         """A copy of the run with its ``state_detail`` filled in."""
         run = self.run.snapshot()
@@ -112,17 +151,18 @@ class RunDriver(FeedMixin, PublishMixin, EndMixin):
 
     def _detail(self) -> str:
         run = self.run
+        granted = self.credit.granted
         if run.state is RunState.PENDING:
             return self.pending_detail
         if run.state is RunState.RUNNING:
             return (
                 f"training on {self._trainer}: episode {run.trainer_episode} of "
-                f"{run.config.max_episodes} trained, granted through {self._granted}"
+                f"{run.config.max_episodes} trained, granted through {granted}"
             )
         if run.state is RunState.PAUSED:
             return (
                 f"paused at episode {run.episode}; training holds at episode "
-                f"{run.trainer_episode} (granted through {self._granted})"
+                f"{run.trainer_episode} (granted through {granted})"
             )
         return ""
 
@@ -147,11 +187,14 @@ class RunDriver(FeedMixin, PublishMixin, EndMixin):
 
     # -- controls ----------------------------------------------------------------------------
 
+    def _controlled(self) -> None:
+        self.publisher.controlled()
+        self.log.wake()
+
     async def pause(self) -> None:
         """Pauses publication; the trainer gets no new grant. No-op when paused."""
         if self.run.pause():
-            self._control.set()
-            self.log.wake()
+            self._controlled()
             await self.persist()
             _LOGGER.info(
                 "run %s paused at episode %d (trainer at %d)",
@@ -165,8 +208,7 @@ class RunDriver(FeedMixin, PublishMixin, EndMixin):
         """Resumes publication and grants. No-op when running."""
         if self.run.resume():
             self.pacer.restart()
-            self._control.set()
-            self.log.wake()
+            self._controlled()
             self._maybe_grant()
             await self.persist()
             _LOGGER.info(
@@ -180,7 +222,7 @@ class RunDriver(FeedMixin, PublishMixin, EndMixin):
         """Changes the speed of publication and of the lead, at once."""
         self.run.set_speed(speed)
         self.pacer.set_speed(self.run.speed)
-        self._control.set()
+        self.publisher.controlled()
         self._maybe_grant()
         await self.persist()
         _LOGGER.info(
@@ -189,6 +231,11 @@ class RunDriver(FeedMixin, PublishMixin, EndMixin):
             self.run.speed,
             extra={"run_id": self.run.id, "event": "speed"},
         )
+
+    def take_speed(self, speed: float) -> None:
+        """Takes the speed another replica stored while this one had the run as a candidate."""
+        self.run.speed = speed
+        self.pacer.set_speed(speed)
 
     async def stop(self) -> None:
         """Stops the run: cancels its stream, ends it STOPPED and, once that end is stored as
@@ -207,9 +254,7 @@ class RunDriver(FeedMixin, PublishMixin, EndMixin):
         if not self.owned:
             raise NotOwner(self.run.id)
         if dispatched and self._trainer:
-            self._ctx.spawn(
-                asyncio.create_task(self._cancel_job(), name=f"gateway-cancel-{self.run.id}")
-            )
+            self._ctx.spawn(self._cancel_job(), f"gateway-cancel-{self.run.id}")
 
     async def detach(self) -> None:
         """Gateway shutdown: cancels the stream but not the trainer's job (the next gateway
@@ -217,7 +262,7 @@ class RunDriver(FeedMixin, PublishMixin, EndMixin):
         self.finalizing = True
         await self._cancel_task()
         try:
-            await self._flush()
+            await self.publisher.flush()
         except Exception:
             _LOGGER.exception(
                 "run %s: episodes lost on the way to the store",
@@ -229,15 +274,14 @@ class RunDriver(FeedMixin, PublishMixin, EndMixin):
 
     async def abandon(self) -> None:
         """Another replica owns the run now: stops driving it, leaving the trainer's job and
-        the store alone (the new owner re-attaches and writes), and leaves the registry."""
+        the store alone (the new owner re-attaches and writes), and leaves the active runs."""
         if not self.owned and self.finalizing:
             return  # abandoned already
         self.finalizing = True
         self.owned = False
         self._ctx.scheduler.dequeue(self)
         await self._cancel_task()
-        if self._ctx.on_lost is not None:
-            self._ctx.on_lost(self)
+        self._ctx.ownership.lost(self)
 
     async def _cancel_task(self) -> None:
         task, self.task = self.task, None
@@ -266,3 +310,229 @@ class RunDriver(FeedMixin, PublishMixin, EndMixin):
         if self._reserved:
             self._reserved = False
             self._ctx.scheduler.started(self._trainer)
+
+    # -- credit ------------------------------------------------------------------------------
+
+    def lead(self) -> int:
+        """The credit the trainer may hold beyond the published episode."""
+        rate = self.run.episodes_per_second * self.run.speed if self.pacer.paced else None
+        return lead_for(rate, self._ctx.settings.lead_s)
+
+    def _opening_grant(self) -> int:
+        paused = self.run.state is RunState.PAUSED
+        return self.credit.opening(self.run.episode, self.lead(), paused)
+
+    def _maybe_grant(self) -> None:
+        """Sends a grant when the credit window says one is due (at most one in flight)."""
+        if self.finalizing or self.task is None or self.run.state is not RunState.RUNNING:
+            return
+        target = self.credit.due(self.run.episode, self.lead())
+        if target is not None:
+            self._ctx.spawn(self._send_grant(target), f"gateway-grant-{self.run.id}")
+
+    async def _send_grant(self, target: int) -> None:
+        delivered = False
+        try:
+            await self._ctx.connector.grant(
+                self._trainer, self.run.id, target, self._ctx.settings.trainer_call_timeout_s
+            )
+            delivered = True
+        except TrainerError as exc:
+            # The stream tells whether the trainer is gone; the next commit grants again.
+            _LOGGER.debug(
+                "run %s: grant through %d failed: %s",
+                self.run.id,
+                target,
+                exc,
+                extra={"run_id": self.run.id},
+            )
+        finally:
+            self.credit.sent(target, delivered)
+        self._maybe_grant()
+
+    # -- driving -----------------------------------------------------------------------------
+
+    async def _answered(self) -> None:
+        """The trainer answered: its reservation ends, and a PENDING run starts."""
+        self._release_reservation()
+        run = self.run
+        if run.state is RunState.PENDING:
+            run.start(self._trainer, self._ctx.now())
+            await self.persist()
+            _LOGGER.info(
+                "run %s started on trainer %s",
+                run.id,
+                self._trainer,
+                extra={"run_id": run.id, "event": "started"},
+            )
+
+    async def _stream(self, attach_after: int | None) -> None:
+        ctx = self._ctx
+        feed = TrainerFeed(
+            self.run,
+            self._trainer,
+            ctx.connector,
+            ctx.settings,
+            ctx.observer,
+            ctx.clock,
+            self._answered,
+        )
+        self.feed = feed
+        await feed.stream(
+            attach_after,
+            self._opening_grant,
+            lambda: 2 * self.lead() + MAX_UNCOMMITTED,
+            lambda reader: self.publisher.run(feed.inbox, reader),
+        )
+
+    async def _drive(self, attach_after: int | None) -> None:
+        """Runs the trainer stream to its end and records how the run ended."""
+        run = self.run
+        trainer = self._trainer
+        failure: BaseException | None = None
+        try:
+            if not self.owned:
+                if not await self._ctx.ownership.claim(self):
+                    raise NotOwner(run.id)
+                self.owned = True
+            await self._stream(attach_after)
+        except asyncio.CancelledError:
+            raise  # stop or shutdown: whoever cancelled finalizes the run
+        except NotOwner:
+            self.task = None
+            self._release_reservation()
+            await self.abandon()
+            return
+        except TrainerBusy as exc:
+            if run.state is RunState.PENDING and not self.finalizing:
+                _LOGGER.info(
+                    "run %s: trainer %s is busy; back in the queue",
+                    run.id,
+                    trainer,
+                    extra={"run_id": run.id},
+                )
+                self._ctx.observer.trainer_failure(run.id, "busy")
+                self.task = None
+                self._release_reservation()
+                self._ctx.scheduler.requeue(self)
+                return
+            failure = TrainerBusy(f"busy after it started the run: {exc}")
+        except Exception as exc:
+            failure = exc
+        finally:
+            self._release_reservation()
+        if self.finalizing:
+            return
+        self.finalizing = True
+        self.task = None
+        ending = None if failure is None else self._report(failure, trainer)
+        try:
+            await self.publisher.flush()
+        except NotOwner:
+            await self.abandon()
+            return
+        except Exception as exc:
+            if ending is None:
+                ending = self._report(exc, trainer)
+        if ending is None:
+            run.complete(self._ctx.now())
+        else:
+            run.fail(ending.message, self._ctx.now())
+        await self.finalize()
+        if ending is not None and ending.cancel_job and self._trainer and self.owned:
+            # The trainer's job would run on for its detach grace, computing for nobody. Only
+            # once the end is ours: a replica that lost the run meanwhile (its stream ended
+            # because the new owner re-attached) leaves the job to that owner.
+            self._ctx.spawn(self._cancel_job(), f"gateway-cancel-{run.id}")
+
+    def _report(self, exc: BaseException, trainer: str) -> Ending:
+        """Logs and counts the failure that ends the run; returns its ``Ending``."""
+        run = self.run
+        ending = end_of(exc)
+        if isinstance(exc, ContractViolation):
+            self._ctx.observer.contract_violation(run.id, exc.rule)
+            _LOGGER.error(
+                "CONTRACT VIOLATION run=%s rule=%s trainer=%s episode=%s field=%s: %s",
+                run.id,
+                exc.rule,
+                trainer,
+                exc.episode,
+                exc.field,
+                exc,
+                extra={"run_id": run.id, "rule": exc.rule},
+            )
+        elif ending.line is not None:
+            self._ctx.observer.trainer_failure(run.id, ending.label)
+            _LOGGER.warning(
+                "run %s: " + ending.line, run.id, trainer, exc, extra={"run_id": run.id}
+            )
+        elif not isinstance(exc, (StoreWriteFailed, StoreUnavailable)):
+            # (A store failure was logged where the write failed.)
+            _LOGGER.error(
+                "run %s: unexpected failure driving trainer %s",
+                run.id,
+                trainer,
+                exc_info=exc,
+                extra={"run_id": run.id},
+            )
+        return ending
+
+    async def _cancel_job(self) -> None:
+        try:
+            await self._ctx.connector.cancel_job(
+                self._trainer, self.run.id, self._ctx.settings.trainer_call_timeout_s
+            )
+        except TrainerError as exc:
+            _LOGGER.warning(
+                "run %s: could not cancel its job on %s (it ends after the trainer's detach "
+                "grace): %s",
+                self.run.id,
+                self._trainer,
+                exc,
+                extra={"run_id": self.run.id},
+            )
+
+    # -- the end -----------------------------------------------------------------------------
+
+    async def finalize(self) -> None:
+        """After the final transition: flush, persist, leave the active runs, end the
+        watches."""
+        self.finalizing = True
+        run = self.run
+        try:
+            await self.publisher.flush()
+        except (StoreWriteFailed, NotOwner):
+            pass  # logged where the write failed; a NotOwner comes again from persist below
+        except Exception:
+            _LOGGER.exception(
+                "run %s: episodes lost on the way to the store", run.id, extra={"run_id": run.id}
+            )
+        try:
+            await self.persist()
+        except NotOwner:
+            _LOGGER.warning(
+                "run %s: another gateway replica took it over before its end (%s) was "
+                "saved; that replica finishes it",
+                run.id,
+                run.state.name,
+                extra={"run_id": run.id},
+            )
+            self.log.wake()
+            await self.abandon()
+            return
+        except StoreUnavailable:
+            _LOGGER.error(
+                "run %s: its final state %s is saved once the store can be written again",
+                run.id,
+                run.state.name,
+                extra={"run_id": run.id},
+            )
+        except Exception:
+            _LOGGER.exception(
+                "run %s: could not store its final state", run.id, extra={"run_id": run.id}
+            )
+        self._ctx.on_end(self)
+        self.log.close()
+        if run.trainer or self._trainer:
+            self._ctx.scheduler.run_ended(run.trainer or self._trainer)
+        log_end(run)

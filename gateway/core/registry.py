@@ -1,51 +1,47 @@
 """The run registry: the gateway core's facade over its runs.
 
-``RunRegistry`` creates, finds, lists, controls, deletes and watches runs, on one asyncio event
-loop (no locks: every method runs between two awaits atomically). It holds the active runs, one
-``RunDriver`` each (``gateway.core.driver``: trainer stream, grants, pacing, commits), hands
-PENDING runs to the ``Scheduler`` (``gateway.core.scheduler``: queue, probes, placement) and
-serves watches through ``Replay`` (``gateway.core.replay``).
+``RunRegistry`` assembles the core and answers for it, on one asyncio event loop (no locks:
+every method runs between two awaits atomically):
 
-This module holds its construction, the controls and the watches; its parts are the runs
-(``gateway.core.registry_runs``: create, get, list, delete, ``RunSpec``), the lifecycle
-(``gateway.core.registry_lifecycle``: start and recovery, shutdown, health) and the side of
-gateway replicas (``gateway.core.registry_replicas``).
+- ``RunCatalog`` creates, finds, lists and deletes runs (``gateway.core.catalog``);
+- ``RunTable`` holds the active runs' ``RunDriver``s (``gateway.core.driver``: trainer feed,
+  publisher, credit);
+- the ``Scheduler`` places PENDING runs on trainers (``gateway.core.scheduler``);
+- ``Watches`` serves watch streams (``gateway.core.watches``);
+- ``Recovery`` brings back what a previous gateway left active, and ``UnsavedEnds`` keeps the
+  final states a full disk could not take (``gateway.core.recovery``);
+- an ``Ownership`` says which runs this gateway drives: all (``SoloOwnership``) or, with
+  gateway replicas on PostgreSQL, those whose lease it holds (``LeasedOwnership``,
+  ``gateway.core.ownership``).
 
-On start it recovers what a previous gateway left: PENDING runs are queued again in creation
-order and RUNNING/PAUSED runs re-attach to their trainer's job (a PAUSED run stays paused); a run
-whose job is gone ends ERROR (``INTERRUPTED_MESSAGE``) with its history intact. Shutdown leaves
-active runs as they are in the store and their jobs on the trainers, for the next start.
-
-With gateway replicas on PostgreSQL (``gateway.core.replicas``) the registry drives only the
-runs its replica owns; it queues the PENDING runs no replica owns as *candidates* (claimed when
-placed), takes runs over the way it recovers them on start, answers for the runs others drive
-from the store (``Follower`` for watches), and hands controls of those to their owner. On
-shutdown it releases its runs, so another replica takes them over at once.
+The registry itself applies controls, and owns start, shutdown and health. Shutdown leaves
+active runs as they are in the store and their jobs on the trainers, for the next start (with
+replicas: for another replica, at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from gateway.core.settings import CoreSettings
+from gateway.core.catalog import RunCatalog, RunSpec, require_run_id
+from gateway.core.controls import Action, apply
 from gateway.core.driver import DriverContext, RunDriver
-from gateway.core.errors import InvalidRequest, ShuttingDown
-from gateway.core.follower import Follower
 from gateway.core.history import PageCache
 from gateway.core.observer import Observer
-from gateway.core.registry_lifecycle import LifecycleMixin
-from gateway.core.registry_replicas import ReplicaHostMixin, _refuse
-from gateway.core.registry_runs import RunsMixin, RunSpec, _require_run_id
+from gateway.core.ownership import LeasedOwnership, Ownership, SoloOwnership
+from gateway.core.recovery import Recovery, UnsavedEnds
 from gateway.core.replay import CaughtUp, EpisodeFrames, Finished, Keepalive, Replay, WatchEvent
-from gateway.core.replicas import Replicas
-from gateway.core.runs import TrainingRun
+from gateway.core.replicas import SharedReplicas
+from gateway.core.runs import RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
+from gateway.core.settings import CoreSettings
 from gateway.core.store import NotOwner, Store
+from gateway.core.table import RunTable
 from gateway.core.trainers import TrainerConnector
-from trainwire.contract import FieldViolation
+from gateway.core.watches import Watches
 
 __all__ = [
     "CaughtUp",
@@ -57,111 +53,152 @@ __all__ = [
     "WatchEvent",
 ]
 
+_LOGGER = logging.getLogger(__name__)
 
-class RunRegistry(RunsMixin, LifecycleMixin, ReplicaHostMixin):
-    """Owns every run of the gateway.
+
+class RunRegistry:
+    """Owns every run of the gateway (see the module docstring).
 
     Args:
-        config: Gateway settings (rates, timeouts, trainers).
+        settings: Rates, timeouts, trainers.
         store: The store (not yet started).
         connector: How to reach trainers.
         observer: Metrics hooks.
-        clock: Monotonic clock in seconds (pacing, keepalives).
+        clock: Monotonic clock in seconds (pacing, keepalives, timeouts).
         wall_clock: Wall time in Unix nanoseconds (run timestamps).
-        on_health: Called with whether any trainer answers (the gateway's health).
-        replicas: How this gateway shares its database with other replicas (``Replicas()``,
-            the default: it does not).
+        on_health: Called with whether the gateway can take runs (a trainer answers and the
+            store can be written) whenever that changes.
+        replicas: The coordinator of this gateway among replicas sharing its PostgreSQL
+            database; None for a gateway on its own database.
     """
 
     def __init__(
         self,
-        config: CoreSettings,
+        settings: CoreSettings,
         store: Store,
         connector: TrainerConnector,
         observer: Observer | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], int] = time.time_ns,
         on_health: Callable[[bool], None] = lambda healthy: None,
-        replicas: Replicas | None = None,
+        replicas: SharedReplicas | None = None,
     ) -> None:
-        self._config = config
-        self._replicas = replicas or Replicas()
-        self._shared = self._replicas.shared
+        self._settings = settings
         self._store = store
         self._connector = connector
         self._observer = observer or Observer()
-        self._clock = clock
-        self._now = wall_clock
-        self._active: dict[str, RunDriver] = {}
-        self._creating: dict[str, asyncio.Future[TrainingRun]] = {}
-        self._background: set[asyncio.Task[None]] = set()
-        self._closing = False
-        self._started = False
         self._on_health = on_health
         self._healthy: bool | None = None
-        self._trainers_ok = False
-        # Final states the store could not take (disk full): written once it can again.
-        self._unsaved: dict[str, TrainingRun] = {}
-        # Watched runs another replica drives: the followers new watchers join, and those that
-        # took over the log of a driver that lost its run.
-        self._followers: dict[str, Follower] = {}
-        self._adopted: set[Follower] = set()
-        self._applying: dict[str, bool] = {}  # run id -> controls arrived while applying
-        self._claiming: set[str] = set()  # candidates a control claims now
-        self._successors: weakref.WeakKeyDictionary[RunDriver, Follower] = (
-            weakref.WeakKeyDictionary()
+        self._started = False
+        self._background: set[asyncio.Task[None]] = set()
+        self.table = RunTable()
+        self.scheduler = Scheduler(
+            settings, connector, self._observer, lambda _: self._health_changed(), clock
         )
-        self.scheduler = Scheduler(config, connector, self._observer, self._trainers_changed, clock)
-        self._pages = PageCache(self._load_page, int(config.history_cache_mb * (1 << 20)))
-        self._replay = Replay(self._pages, config.keepalive_s, clock, lambda: self._closing)
+        self.unsaved = UnsavedEnds(store)
+        self.ownership: Ownership = (
+            SoloOwnership(store, self.table, self.scheduler)
+            if replicas is None
+            else LeasedOwnership(
+                replicas,
+                store,
+                self.table,
+                self.scheduler,
+                self._make_driver,
+                settings.live_coalesce_s,
+                clock,
+                wall_clock,
+            )
+        )
         self._ctx = DriverContext(
-            config=config,
+            settings=settings,
             store=store,
             connector=connector,
             observer=self._observer,
             scheduler=self.scheduler,
+            ownership=self.ownership,
             clock=clock,
             now=wall_clock,
             on_end=self._ended,
             spawn=self._spawn,
-            unsaved=self._remember_unsaved,
-            claim=self._claim if self._shared else None,
-            on_lost=self._lost,
+            unsaved=self.unsaved.remember,
         )
+        self._pages = PageCache(store.read_episodes, int(settings.history_cache_mb * (1 << 20)))
+        self.catalog = RunCatalog(
+            settings,
+            store,
+            self.table,
+            self.scheduler,
+            self.ownership,
+            self.unsaved,
+            self._pages,
+            self._observer,
+            self._make_driver,
+            wall_clock,
+        )
+        self._recovery = Recovery(
+            store, self.table, self.scheduler, self._observer, self._make_driver, wall_clock
+        )
+        replay = Replay(self._pages, settings.keepalive_s, clock, lambda: self.table.closing)
+        self._watches = Watches(
+            self.table, replay, self.ownership, self.catalog.get, self._observer
+        )
+
+    def _make_driver(self, run: TrainingRun, owned: bool) -> RunDriver:
+        return RunDriver(run, self._ctx, owned)
+
+    def _spawn(self, work: Awaitable[None], name: str) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(work)
+        task.set_name(name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _ended(self, driver: RunDriver) -> None:
+        self.table.remove(driver)
+        self.scheduler.dequeue(driver)
+
+    # -- runs --------------------------------------------------------------------------------
+
+    async def create(self, spec: RunSpec) -> TrainingRun:
+        """Creates a run (or returns the one created with the same request id); see
+        ``RunCatalog.create``."""
+        return await self.catalog.create(spec)
+
+    async def get(self, run_id: str) -> TrainingRun:
+        """The run (a snapshot); see ``RunCatalog.get``."""
+        return await self.catalog.get(run_id)
+
+    async def list_runs(
+        self, page_size: int, before_seq: int | None, state: RunState | None
+    ) -> tuple[list[TrainingRun], int | None]:
+        """A page of runs, newest first; see ``RunCatalog.list_runs``."""
+        return await self.catalog.list_runs(page_size, before_seq, state)
+
+    async def delete(self, run_id: str) -> TrainingRun:
+        """Deletes a finished run; see ``RunCatalog.delete``."""
+        return await self.catalog.delete(run_id)
+
+    def watch(self, run_id: str, after_episode: int) -> AsyncIterator[WatchEvent]:
+        """Streams a run's history after ``after_episode``, then its live episodes; see
+        ``Watches.watch``."""
+        return self._watches.watch(run_id, after_episode)
 
     # -- controls ----------------------------------------------------------------------------
 
-    async def _driver(self, run_id: str, action: str, speed: float = 0.0) -> RunDriver | None:
-        """The driver a control acts on; None when another replica drives the run.
-
-        Raises:
-            RunNotFound, IllegalTransition, InvalidRequest (a speed for a finished run).
-        """
-        _require_run_id(run_id)
-        driver = self._active.get(run_id)
+    async def _control(self, run_id: str, action: Action, speed: float = 0.0) -> TrainingRun:
+        require_run_id(run_id)
+        driver = self.table.get(run_id)
         if driver is not None and driver.owned and not driver.finalizing:
-            return driver
-        if self._shared and (driver is None or not driver.owned):
-            return await self._claim_candidate(run_id, driver)
-        run = driver.run if driver is not None else await self.get(run_id)
-        _refuse(run, action, speed)
-
-    async def _control(self, run_id: str, action: str, speed: float = 0.0) -> TrainingRun:
-        driver = await self._driver(run_id, action, speed)
-        if driver is not None:
+            target: RunDriver | None = driver
+        else:
+            target = await self.ownership.control_target(run_id, driver, action, speed)
+        if target is not None:
             try:
-                if action == "pause":
-                    await driver.pause()
-                elif action == "resume":
-                    await driver.resume()
-                elif action == "stop":
-                    await driver.stop()
-                else:
-                    await driver.set_speed(speed)
-                return driver.snapshot()
+                await apply(target, action, speed)
+                return target.snapshot()
             except NotOwner:  # taken over meanwhile: its new owner applies it
-                await driver.abandon()
-        return await self._control_elsewhere(run_id, action, speed)
+                await target.abandon()
+        return await self.ownership.forward(run_id, action, speed)
 
     async def pause(self, run_id: str) -> TrainingRun:
         """Pauses a run: publication stops, the trainer gets no new grant (no-op when paused).
@@ -169,7 +206,7 @@ class RunRegistry(RunsMixin, LifecycleMixin, ReplicaHostMixin):
         Raises:
             RunNotFound, IllegalTransition.
         """
-        return await self._control(run_id, "pause")
+        return await self._control(run_id, Action.PAUSE)
 
     async def resume(self, run_id: str) -> TrainingRun:
         """Resumes publication and training at the paced rate (no-op when running).
@@ -177,7 +214,7 @@ class RunRegistry(RunsMixin, LifecycleMixin, ReplicaHostMixin):
         Raises:
             RunNotFound, IllegalTransition.
         """
-        return await self._control(run_id, "resume")
+        return await self._control(run_id, Action.RESUME)
 
     async def set_speed(self, run_id: str, speed: float) -> TrainingRun:
         """Changes the speed (clamped to 0.1..20), effective at once.
@@ -186,7 +223,7 @@ class RunRegistry(RunsMixin, LifecycleMixin, ReplicaHostMixin):
             InvalidRequest: non-finite speed.
             RunNotFound, IllegalTransition.
         """
-        return await self._control(run_id, "speed", speed)
+        return await self._control(run_id, Action.SPEED, speed)
 
     async def stop(self, run_id: str) -> TrainingRun:
         """Stops a run: cancels its training at once and ends it STOPPED.
@@ -194,57 +231,65 @@ class RunRegistry(RunsMixin, LifecycleMixin, ReplicaHostMixin):
         Raises:
             RunNotFound, IllegalTransition.
         """
-        return await self._control(run_id, "stop")
+        return await self._control(run_id, Action.STOP)
 
-    # -- watching ----------------------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------------
 
-    async def _load_page(self, run_id: str, first: int, last: int) -> list[bytes]:
-        return await self._store.read_episodes(run_id, first, last)
+    async def start(self) -> None:
+        """Starts the store and the trainer probes and brings back the runs a previous gateway
+        left active (``Recovery``)."""
+        await self._store.start()
+        self._store.on_writable(self._store_changed)
+        self._started = True
+        self.scheduler.start()
+        counts = await self._store.count_by_state()
+        self._observer.runs_loaded({state.name: n for state, n in counts.items()})
+        await self.ownership.start(self._recovery.recover)
+        await self.scheduler.first_round(min(2.0, self._settings.trainer_call_timeout_s))
 
-    async def watch(self, run_id: str, after_episode: int) -> AsyncIterator[WatchEvent]:
-        """Streams a run's history after ``after_episode``, then its live episodes.
+    @property
+    def closing(self) -> bool:
+        """True once shutdown began."""
+        return self.table.closing
 
-        Raises:
-            InvalidRequest: empty run id or negative after_episode.
-            RunNotFound: no such run (or deleted while replayed).
-            ShuttingDown: the gateway is stopping.
-        """
-        _require_run_id(run_id)
-        if after_episode < 0:
-            raise InvalidRequest(
-                f"after_episode of run {run_id!r} must be >= 0, got {after_episode}",
-                [FieldViolation("after_episode", f"{after_episode}; need >= 0")],
-                run_id,
-            )
-        if self._closing:
-            raise ShuttingDown(f"the gateway is shutting down; resume watching run {run_id!r}")
-        observer = self._observer
-        observer.watcher_attached(run_id)
-        follower: Follower | None = None
-        try:
-            driver = self._active.get(run_id)
-            if driver is not None and driver.owned:
-                view = self._view(driver)
-                events = self._replay.active(driver.log, lambda: view().state, view, after_episode)
-            else:
-                run = await self.get(run_id)
-                if not (self._shared and run.state.active):
-                    events = self._replay.finished(run, after_episode)
-                else:  # another replica drives it: follow it in the store
-                    follower = self._follow(run)
-                    follower.users += 1
-                    await follower.ready()
-                    f = follower
-                    events = self._replay.active(
-                        f.log, lambda: f.run.state, f.snapshot, after_episode
-                    )
-            async for event in events:
-                if type(event) is EpisodeFrames:  # one call per message, not per episode
-                    observer.episodes_sent(run_id, len(event.frames))
-                yield event
-        finally:
-            if follower is not None:
-                follower.users -= 1
-                if follower.users == 0:
-                    follower.wake()  # the last watcher gone: it ends
-            observer.watcher_detached(run_id)
+    def begin_shutdown(self) -> None:
+        """Refuses new runs and watches and ends open watches with ``ShuttingDown``."""
+        self.table.closing = True
+        for driver in self.table.drivers():
+            driver.log.wake()
+        self.ownership.wake_watchers()
+
+    async def shutdown(self) -> None:
+        """Ends watches (``ShuttingDown``), cancels trainer streams (the trainers keep their
+        jobs for the next start), stores every active run as it is and closes the store."""
+        self.begin_shutdown()
+        if not self._started:
+            return  # never started, or already shut down
+        self._started = False
+        await self.scheduler.stop()
+        owned = self.table.owned()
+        await asyncio.gather(*(d.detach() for d in owned), return_exceptions=True)
+        await self.ownership.stop()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=self._settings.shutdown_grace_s)
+        await self._store.close()
+        await self._connector.close()
+        _LOGGER.info("gateway core stopped")
+
+    # -- health ------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the gateway can take runs: a trainer answers and the store can be written."""
+        return self.scheduler.healthy and self._store.writable
+
+    def _store_changed(self, writable: bool) -> None:
+        if writable and self.unsaved:
+            self._spawn(self.unsaved.save(), "gateway-store-catch-up")
+        self._health_changed()
+
+    def _health_changed(self) -> None:
+        healthy = self.healthy
+        if healthy != self._healthy:
+            self._healthy = healthy
+            self._on_health(healthy)

@@ -1,8 +1,9 @@
 """Gateway replicas: how the gateways that share one PostgreSQL database divide the runs.
 
-``Replicas`` is the single gateway (SQLite): nothing to coordinate, every active run is driven
-by the one gateway, exactly as without replicas. ``SharedReplicas`` coordinates a replica with
-the others through the database (``gateway.core.store.postgres_leases``):
+``SharedReplicas`` coordinates a replica with the others through the database
+(``gateway.core.store.postgres_leases``); its host is the replica's ``LeasedOwnership``
+(``gateway.core.ownership``). A single gateway on its own database needs none of this
+(``SoloOwnership``).
 
 - **Ownership.** Each active run is driven by exactly one replica, its *owner*, which holds a
   lease on it (``runs.owner``, ``runs.lease_until`` on the database's clock). The owner renews
@@ -17,7 +18,7 @@ the others through the database (``gateway.core.store.postgres_leases``):
 - **Failover.** Once a RUNNING or PAUSED run's lease has expired (its owner died) or was
   released (its owner stopped), a replica takes it over: it claims the run and re-attaches to
   the trainer's job after the last committed episode, exactly as a restarted gateway does
-  (``RunRegistry._recover``). Replicas look for such runs every ``SCAN_S`` and at once when a
+  (``gateway.core.recovery``). Replicas look for such runs every ``SCAN_S`` and at once when a
   replica announces a release.
 - **Controls.** A control sent to a replica that does not own the run is validated against the
   stored run (the same errors as on the owner), recorded as the run's desired state or speed,
@@ -86,27 +87,7 @@ class ReplicaHost(Protocol):
         ...
 
 
-class Replicas:
-    """One gateway on its own database: nothing to coordinate (see the module docstring)."""
-
-    shared = False
-    leases: Leases | None = None
-
-    async def start(self, host: ReplicaHost) -> None:
-        """Starts coordinating (nothing to do)."""
-
-    async def stop(self, owned: list[str]) -> None:
-        """Stops coordinating, releasing the leases on ``owned`` (nothing to do)."""
-
-    def scan_now(self) -> None:
-        """Looks for runs to take over at once (nothing to do)."""
-
-    async def wait_applied(self, run_id: str, seq: int, timeout: float) -> Control | None:
-        """Waits until the owner applied control ``seq`` (never, here)."""
-        return None
-
-
-class SharedReplicas(Replicas):
+class SharedReplicas:
     """This replica among the others on one PostgreSQL database (see the module docstring).
 
     Args:
@@ -114,8 +95,6 @@ class SharedReplicas(Replicas):
         lease_s: How long a lease holds without renewal.
         clock: Monotonic seconds.
     """
-
-    shared = True
 
     def __init__(
         self, store: PostgresStore, lease_s: float, clock: Callable[[], float] = time.monotonic

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.core.settings import CoreSettings
 from gateway.core.observer import Observer
+from gateway.core.settings import CoreSettings
 from gateway.core.trainers import Capabilities, TrainerConnector, TrainerError
 
 _LOGGER = logging.getLogger(__name__)

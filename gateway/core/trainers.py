@@ -46,6 +46,11 @@ class TrainerLost(TrainerError):
     """The stream broke (connection lost, trainer killed)."""
 
 
+class TrainerBrokeContract(TrainerError):
+    """The trainer's own contract check stopped its stream (``INTERNAL`` with reason
+    ``CONTRACT_VIOLATION``): users read what a violation the gateway catches reads."""
+
+
 class TrainerCrashed(TrainerError):
     """Any other failure of the trainer."""
 

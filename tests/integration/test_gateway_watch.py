@@ -75,7 +75,7 @@ async def test_200_watchers_each_get_every_episode_exactly_once(
         await ch.close()
     # Every watcher is gone: nothing is left parked on the (finished) run.
     assert client.gateway.core is not None
-    assert client.gateway.core._active == {}
+    assert len(client.gateway.core.table) == 0
 
 
 async def test_late_joiner_and_resume_see_the_same_history(
@@ -229,7 +229,7 @@ async def test_disconnected_watchers_leave_nothing_behind(
         calls.append(call)
     core = client.gateway.core
     assert core is not None
-    log = core._active[run.id].log
+    log = core.table.get(run.id).log  # type: ignore[union-attr]
     assert log.watchers == 20
     for call in calls:
         call.cancel()

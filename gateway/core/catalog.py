@@ -1,20 +1,16 @@
-"""The run registry's runs: create (idempotent by request id), get, list and delete, and the
-validated request a new run comes from (``RunSpec``).
-
-``RunsMixin`` is part of ``RunRegistry`` (``gateway.core.registry``; split off to keep each
-module readable in one sitting).
+"""The catalogue of runs: create (idempotent by request id), get, list and delete, the
+validated request a new run comes from (``RunSpec``), and the freshest copy of a run wherever
+it is (its driver, an end the store could not take yet, or the store).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.core.settings import CoreSettings
-from gateway.core.driver import DriverContext, RunDriver
+from gateway.core.driver import RunDriver
 from gateway.core.errors import (
     IllegalTransition,
     InvalidRequest,
@@ -25,11 +21,14 @@ from gateway.core.errors import (
 )
 from gateway.core.history import PageCache
 from gateway.core.observer import Observer
+from gateway.core.ownership import Ownership
 from gateway.core.pacing import clamp_speed
-from gateway.core.registry_replicas import _elsewhere_detail
+from gateway.core.recovery import UnsavedEnds
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
+from gateway.core.settings import CoreSettings
 from gateway.core.store import STORE_MESSAGE, DuplicateRequest, Store, StoreWriteFailed
+from gateway.core.table import RunTable
 from trainwire.contract import FieldViolation, check_run_id, display_run_id, task_kind
 from trainwire.v1 import episode_pb2
 
@@ -70,7 +69,7 @@ def _check_same_request(request_id: str, run: TrainingRun, spec: RunSpec) -> Non
     )
 
 
-def _require_run_id(run_id: str) -> None:
+def require_run_id(run_id: str) -> None:
     violations = check_run_id(run_id)
     if violations:
         # A bad id is never echoed whole and never goes into trailing metadata.
@@ -79,26 +78,46 @@ def _require_run_id(run_id: str) -> None:
         )
 
 
-class RunsMixin:
-    """See the module docstring; ``RunRegistry`` provides these attributes."""
+class RunCatalog:
+    """Creates, finds, lists and deletes runs (see the module docstring).
 
-    _config: CoreSettings
-    _store: Store
-    _observer: Observer
-    _shared: bool
-    _active: dict[str, RunDriver]
-    _creating: dict[str, asyncio.Future[TrainingRun]]
-    _unsaved: dict[str, TrainingRun]
-    _ctx: DriverContext
-    _pages: PageCache
-    _closing: bool
-    _now: Callable[[], int]
-    scheduler: Scheduler
+    Args:
+        settings: Default rate, pending limit.
+        store: Where runs are kept.
+        table: The active runs (a new run's driver goes there).
+        scheduler: Where a new run queues.
+        ownership: Whether a new run is driven here at once, and how runs driven elsewhere
+            look.
+        unsaved: Final states the store could not take yet.
+        pages: Cached history pages (a deleted run's are dropped).
+        observer: Metrics hooks.
+        make_driver: A new driver of a run (owned or a candidate).
+        now: Wall time in Unix nanoseconds.
+    """
 
-    # Defined by LifecycleMixin:
-    _require_writable: Callable[[str], None]
-
-    # -- runs --------------------------------------------------------------------------------
+    def __init__(
+        self,
+        settings: CoreSettings,
+        store: Store,
+        table: RunTable,
+        scheduler: Scheduler,
+        ownership: Ownership,
+        unsaved: UnsavedEnds,
+        pages: PageCache,
+        observer: Observer,
+        make_driver: Callable[[TrainingRun, bool], RunDriver],
+        now: Callable[[], int],
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._table = table
+        self._scheduler = scheduler
+        self._ownership = ownership
+        self._unsaved = unsaved
+        self._pages = pages
+        self._observer = observer
+        self._make_driver = make_driver
+        self._now = now
 
     async def create(self, spec: RunSpec) -> TrainingRun:
         """Creates a run (or returns the one created with the same request id).
@@ -106,67 +125,57 @@ class RunsMixin:
         Raises:
             ShuttingDown: the gateway is stopping.
         """
-        if self._closing:
+        if self._table.closing:
             raise ShuttingDown("the gateway is shutting down; cannot create a run")
         rid = spec.request_id
         if not rid:
             return await self._insert(spec)
-        in_flight = self._creating.get(rid)
-        if in_flight is not None:
-            run = await asyncio.shield(in_flight)
-            _check_same_request(rid, run, spec)
-            return self._current(run)
-        future: asyncio.Future[TrainingRun] = asyncio.get_running_loop().create_future()
-        self._creating[rid] = future
-        existing: TrainingRun | None = None
-        try:
+
+        async def once() -> tuple[TrainingRun, bool]:
             existing = await self._store.find_request(rid)
             if existing is None:
                 try:
-                    run = await self._insert(spec)
+                    return await self._insert(spec), False
                 except DuplicateRequest:  # the same request, just created by another replica
                     existing = await self._store.find_request(rid)
                     if existing is None:
                         raise
-            if existing is not None:
-                _check_same_request(rid, existing, spec)
-                run = existing
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()
-            raise
-        finally:
-            del self._creating[rid]
-        future.set_result(run)
-        if existing is not None:
+            _check_same_request(rid, existing, spec)
+            return existing, True
+
+        (run, seen), joined = await self._table.single_flight(rid, once)
+        if joined:
+            _check_same_request(rid, run, spec)
+        elif seen:
             _LOGGER.info(
                 "run %s: request_id %r seen before; returning it",
                 run.id,
                 rid,
                 extra={"run_id": run.id},
             )
-        return self._current(run)
+        return self.current(run)
 
-    def _current(self, run: TrainingRun) -> TrainingRun:
+    def current(self, run: TrainingRun) -> TrainingRun:
         """The freshest copy of a run: its driver's, an end the store could not take yet, or
         what the store has (with replicas: a run another replica drives, or none yet)."""
-        driver = self._active.get(run.id)
-        if driver is not None and driver.owned:
+        driver = self._table.driving(run.id)
+        if driver is not None:
             return driver.snapshot()
-        current = self._unsaved.get(run.id, run).snapshot()
-        if self._shared and current.state.active:
-            current.state_detail = _elsewhere_detail(current, driver)
+        current = (self._unsaved.get(run.id) or run).snapshot()
+        if current.state.active:
+            current = self._ownership.elsewhere(current)
         return current
 
     async def _insert(self, spec: RunSpec) -> TrainingRun:
-        self._require_writable("create a run")
-        limit = self._config.max_pending
-        if self.scheduler.waiting >= limit:
+        if not self._store.writable:
+            raise StoreUnavailable(f"cannot create a run: {STORE_MESSAGE}")
+        limit = self._settings.max_pending
+        if self._scheduler.waiting >= limit:
             raise TooManyPending(
-                f"the gateway already has {self.scheduler.waiting} runs waiting for a trainer "
+                f"the gateway already has {self._scheduler.waiting} runs waiting for a trainer "
                 f"(--max-pending {limit}); try again when some have started"
             )
-        rate = spec.episodes_per_second or self._config.episode_rate
+        rate = spec.episodes_per_second or self._settings.episode_rate
         run = TrainingRun(
             id=uuid.uuid4().hex[:16],
             task=spec.task,
@@ -183,11 +192,11 @@ class RunsMixin:
             run.seq = await self._store.insert_run(run)
         except StoreWriteFailed:
             raise StoreUnavailable(f"cannot create a run: {STORE_MESSAGE}") from None
-        if self._closing:
+        if self._table.closing:
             raise ShuttingDown(f"the gateway is shutting down; run {run.id!r} was not started")
-        driver = RunDriver(run, self._ctx)
-        driver.owned = not self._shared  # a replica claims it when it places it
-        self._active[run.id] = driver
+        # With replicas, a new run is a candidate: the replica that places it claims it.
+        driver = self._make_driver(run, self._ownership.owns_new_runs)
+        self._table.add(driver)
         self._observer.run_created(run.id)
         self._observer.run_state_changed(run.id, run.state.name)
         _LOGGER.info(
@@ -198,7 +207,7 @@ class RunsMixin:
             "unpaced" if rate < 0 else f"{rate:g} episodes/s x {run.speed:g}",
             extra={"run_id": run.id, "event": "created"},
         )
-        self.scheduler.enqueue(driver)
+        self._scheduler.enqueue(driver)
         return driver.snapshot()
 
     async def get(self, run_id: str) -> TrainingRun:
@@ -208,14 +217,14 @@ class RunsMixin:
             InvalidRequest: empty run id.
             RunNotFound: no such run.
         """
-        _require_run_id(run_id)
-        driver = self._active.get(run_id)
-        if driver is not None and driver.owned:
+        require_run_id(run_id)
+        driver = self._table.driving(run_id)
+        if driver is not None:
             return driver.snapshot()
         run = await self._store.get_run(run_id)
         if run is None:
             raise RunNotFound(run_id)
-        return self._current(run)
+        return self.current(run)
 
     async def list_runs(
         self, page_size: int, before_seq: int | None, state: RunState | None
@@ -233,7 +242,7 @@ class RunsMixin:
         limit = page_size or DEFAULT_PAGE_SIZE
         rows = await self._store.list_runs(state, before_seq, limit + 1)
         more = len(rows) > limit
-        runs = [self._current(r) for r in rows[:limit]]
+        runs = [self.current(r) for r in rows[:limit]]
         return runs, (runs[-1].seq if more else None)
 
     async def delete(self, run_id: str) -> TrainingRun:
@@ -243,8 +252,8 @@ class RunsMixin:
             RunNotFound: no such run.
             IllegalTransition: the run is active.
         """
-        _require_run_id(run_id)
-        driver = self._active.get(run_id)
+        require_run_id(run_id)
+        driver = self._table.get(run_id)
         if driver is not None:
             raise IllegalTransition(
                 f"cannot delete run {run_id!r}: it is {driver.run.state.name}; stop it first",

@@ -1,0 +1,88 @@
+"""Watches of runs: a run's history after a given episode, then its live episodes, from the
+log of its driver, of a follower (a run another replica drives) or from the store (a finished
+run), through ``Replay`` (``gateway.core.replay``), counted for the metrics."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from gateway.core.catalog import require_run_id
+from gateway.core.errors import InvalidRequest, ShuttingDown
+from gateway.core.follower import Follower
+from gateway.core.observer import Observer
+from gateway.core.ownership import Ownership
+from gateway.core.replay import EpisodeFrames, Replay, WatchEvent
+from gateway.core.runs import TrainingRun
+from gateway.core.table import RunTable
+from trainwire.contract import FieldViolation
+
+
+class Watches:
+    """Serves watch streams (see the module docstring).
+
+    Args:
+        table: The active runs (and whether the gateway is closing).
+        replay: Walks a log or a finished run's history.
+        ownership: What the watchers of a run driven elsewhere follow.
+        get_run: A run by id (raises ``RunNotFound``).
+        observer: Metrics hooks.
+    """
+
+    def __init__(
+        self,
+        table: RunTable,
+        replay: Replay,
+        ownership: Ownership,
+        get_run: Callable[[str], Awaitable[TrainingRun]],
+        observer: Observer,
+    ) -> None:
+        self._table = table
+        self._replay = replay
+        self._ownership = ownership
+        self._get_run = get_run
+        self._observer = observer
+
+    async def watch(self, run_id: str, after_episode: int) -> AsyncIterator[WatchEvent]:
+        """Streams a run's history after ``after_episode``, then its live episodes.
+
+        Raises:
+            InvalidRequest: empty run id or negative after_episode.
+            RunNotFound: no such run (or deleted while replayed).
+            ShuttingDown: the gateway is stopping.
+        """
+        require_run_id(run_id)
+        if after_episode < 0:
+            raise InvalidRequest(
+                f"after_episode of run {run_id!r} must be >= 0, got {after_episode}",
+                [FieldViolation("after_episode", f"{after_episode}; need >= 0")],
+                run_id,
+            )
+        if self._table.closing:
+            raise ShuttingDown(f"the gateway is shutting down; resume watching run {run_id!r}")
+        observer = self._observer
+        observer.watcher_attached(run_id)
+        follower: Follower | None = None
+        try:
+            driver = self._table.driving(run_id)
+            if driver is not None:
+                view = self._ownership.view(driver)
+                events = self._replay.active(driver.log, lambda: view().state, view, after_episode)
+            else:
+                run = await self._get_run(run_id)
+                follower = self._ownership.follow(run)
+                if follower is None:
+                    events = self._replay.finished(run, after_episode)
+                else:  # another replica drives it: follow it in the store
+                    await follower.ready()
+                    f = follower
+                    events = self._replay.active(
+                        f.log, lambda: f.run.state, f.snapshot, after_episode
+                    )
+            async for event in events:
+                if type(event) is EpisodeFrames:  # one call per message, not per episode
+                    observer.episodes_sent(run_id, len(event.frames))
+                yield event
+        finally:
+            if follower is not None:
+                self._ownership.unfollow(follower)
+            observer.watcher_detached(run_id)
