@@ -1,6 +1,7 @@
 """The run state machine: ``TrainingRun`` and its legal transitions.
 
-``PENDING -> RUNNING <-> PAUSED -> DONE | STOPPED | ERROR`` (design.md, "Run lifecycle").
+``PENDING -> RUNNING <-> PAUSED -> DONE | STOPPED | ERROR``; a PENDING run waits for a trainer
+slot.
 Pausing a paused run and resuming a running one are no-ops; any other control that does not fit
 the state raises ``IllegalTransition``; every terminal state is absorbing.
 """

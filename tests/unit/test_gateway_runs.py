@@ -14,7 +14,7 @@ from trainwire.v1 import episode_pb2
 
 ACTIONS = ("start", "pause", "resume", "stop", "complete", "fail", "speed")
 
-# The transition table of design.md, written out independently of the implementation:
+# The run lifecycle's transition table, written out independently of the implementation:
 # (state, action) -> next state; None means illegal.
 EXPECTED: dict[tuple[RunState, str], RunState | None] = {}
 for s in RunState:
