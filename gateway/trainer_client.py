@@ -1,6 +1,7 @@
 """The gRPC side of reaching trainers: ``GrpcTrainerConnector`` implements the core's
 ``TrainerConnector`` over ``trainwire.v1.TrainerService`` and maps trainer statuses to the
-core's ``TrainerError`` kinds."""
+core's ``TrainerError`` kinds, whose text the core logs as is: a TLS name mismatch says there
+what to set (``--trainer-server-name``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from gateway.core.trainers import (
     TrainerLost,
 )
 from trainwire.reasons import ERROR_DOMAIN, ErrorReason
+from trainwire.tls import is_name_mismatch, target_host
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 
 _LOGGER = logging.getLogger(__name__)
@@ -82,15 +84,43 @@ _REASONS: dict[str, type[TrainerError]] = {
 }
 
 
-def classify(error: grpc.aio.AioRpcError, address: str) -> TrainerError:
+def failure_detail(error: grpc.aio.AioRpcError, address: str, server_name: str | None) -> str:
+    """The log text of a failed trainer call: the address and the status; for a certificate
+    that does not carry the name checked, first what to set.
+
+    Args:
+        error: The failed call.
+        address: The trainer's address.
+        server_name: The gateway's ``--trainer-server-name`` (``None`` when not set).
+    """
+    status = f"{error.code().name}: {error.details()}"
+    if not is_name_mismatch(error.details() or ""):
+        return f"trainer {address}: {status}"
+    if server_name is None:
+        hint = (
+            f"its TLS certificate does not name {target_host(address)}: start the gateway with "
+            "--trainer-server-name set to a name the certificate carries"
+        )
+    else:
+        hint = (
+            f"its TLS certificate does not name {server_name} (--trainer-server-name): set it to "
+            "a name the certificate carries"
+        )
+    return f"trainer {address}: {hint} ({status})"
+
+
+def classify(
+    error: grpc.aio.AioRpcError, address: str, server_name: str | None = None
+) -> TrainerError:
     """Maps a trainer's non-OK status to the core's error kinds.
 
     Busy is ``RESOURCE_EXHAUSTED`` with reason ``SLOTS_BUSY`` and nothing else: any other
     ``RESOURCE_EXHAUSTED`` (a message too large, out of memory) fails the run, with the trainer's
-    ``LocalizedMessage`` when it sent one.
+    ``LocalizedMessage`` when it sent one. ``server_name`` is the gateway's
+    ``--trainer-server-name``, for the text of a TLS name mismatch (``failure_detail``).
     """
     code = error.code()
-    detail = f"trainer {address}: {code.name}: {error.details()}"
+    detail = failure_detail(error, address, server_name)
     kind = _REASONS.get(error_reason(error))
     if kind is not None:
         return kind(detail)
@@ -105,9 +135,12 @@ def classify(error: grpc.aio.AioRpcError, address: str) -> TrainerError:
 class _GrpcTrainerStream:
     """One ``Train`` call as an async iterator of episodes (``None`` for heartbeats)."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, address: str) -> None:
+    def __init__(
+        self, call: grpc.aio.UnaryStreamCall, address: str, server_name: str | None
+    ) -> None:
         self._call = call
         self._address = address
+        self._server_name = server_name
 
     def __aiter__(self) -> AsyncIterator[episode_pb2.Episode | None]:
         return self
@@ -116,7 +149,7 @@ class _GrpcTrainerStream:
         try:
             message = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            raise classify(exc, self._address) from None
+            raise classify(exc, self._address, self._server_name) from None
         except grpc.RpcError as exc:  # pragma: no cover - defensive: other RpcError shapes
             raise TrainerCrashed(f"trainer {self._address}: {exc}") from None
         if message is grpc.aio.EOF:
@@ -150,6 +183,7 @@ class GrpcTrainerConnector:
         self, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None
     ) -> None:
         self._credentials = credentials
+        self._server_name = server_name
         self._options: tuple[tuple[str, int | str], ...] = _CHANNEL_OPTIONS
         if server_name is not None:
             self._options += (("grpc.ssl_target_name_override", server_name),)
@@ -219,7 +253,7 @@ class GrpcTrainerConnector:
                 trainer_service_pb2.GetCapabilitiesRequest(), timeout=timeout
             )
         except grpc.aio.AioRpcError as exc:
-            raise TrainerLost(f"trainer {address}: {exc.code().name}: {exc.details()}") from None
+            raise TrainerLost(failure_detail(exc, address, self._server_name)) from None
         finally:
             self._ended(channel)
         return Capabilities(
@@ -252,7 +286,7 @@ class GrpcTrainerConnector:
         channel, stub = self._open(address)
         call = stub.Train(request)
         call.add_done_callback(lambda _: self._ended(channel))
-        return _GrpcTrainerStream(call, address)
+        return _GrpcTrainerStream(call, address, self._server_name)
 
     async def grant(self, address: str, run_id: str, through_episode: int, timeout: float) -> int:
         """Moves a job's grant forward; returns its last produced episode."""
@@ -263,7 +297,7 @@ class GrpcTrainerConnector:
                 timeout=timeout,
             )
         except grpc.aio.AioRpcError as exc:
-            raise classify(exc, address) from None
+            raise classify(exc, address, self._server_name) from None
         finally:
             self._ended(channel)
         return reply.last_episode
@@ -277,7 +311,7 @@ class GrpcTrainerConnector:
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise classify(exc, address) from None
+                raise classify(exc, address, self._server_name) from None
         finally:
             self._ended(channel)
 

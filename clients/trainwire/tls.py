@@ -6,7 +6,9 @@ addresses; last error: UNKNOWN: ipv4:...: Tls handshake failed (TSI_PROTOCOL_FAI
 SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: ...``).
 ``describe_connection_failure`` says instead what failed (an unknown CA, a name mismatch, an
 expired certificate, a server that does not speak TLS or wants a client certificate) and what
-to do, in one line. Certificates and keys are never part of a message.
+to do, in one line. ``is_certificate_failure`` and ``is_name_mismatch`` classify the same
+details for callers that say it in their own words (the gateway, about its trainers).
+Certificates and keys are never part of a message.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import ipaddress
 
 import grpc
 
+# What gRPC's details say when the certificate does not carry the name the channel checks.
+_NAME_MISMATCH_NEEDLES = ("Hostname Verification Check failed", "Peer name")
 _NAME_MISMATCH = (
     "its certificate does not name {host} (name mismatch): dial a name it carries, or check one "
     "with grpc.ssl_target_name_override (trainwire --server-name)"
@@ -23,8 +27,7 @@ _NAME_MISMATCH = (
 _VERIFY_FAILURES = (
     ("certificate has expired", "its certificate has expired (or is not valid yet)"),
     ("certificate is not yet valid", "its certificate is not valid yet (check the clocks)"),
-    ("Hostname Verification Check failed", _NAME_MISMATCH),
-    ("Peer name", _NAME_MISMATCH),
+    *((needle, _NAME_MISMATCH) for needle in _NAME_MISMATCH_NEEDLES),
     (
         "unable to get local issuer certificate",
         "its certificate is signed by an unknown CA: trust the CA that signed it "
@@ -68,7 +71,8 @@ def channel_credentials(
     )
 
 
-def _host(target: str) -> str:
+def target_host(target: str) -> str:
+    """The host of a ``host:port`` target (IPv6 without its brackets)."""
     host = target.rsplit(":", 1)[0] if target.count(":") == 1 or "]" in target else target
     return host.strip("[]") or target
 
@@ -88,7 +92,8 @@ def describe_connection_failure(
     if tls:
         for needle, meaning in _VERIFY_FAILURES:
             if needle in details:
-                return f"TLS handshake with {target} failed: " + meaning.format(host=_host(target))
+                host = target_host(target)
+                return f"TLS handshake with {target} failed: " + meaning.format(host=host)
         if any(closed in details for closed in _CLOSED) or "handshake" in details.lower():
             if client_certificate:
                 return (
@@ -116,10 +121,16 @@ def is_certificate_failure(details: str) -> bool:
     return any(needle in details for needle, _ in _VERIFY_FAILURES)
 
 
+def is_name_mismatch(details: str) -> bool:
+    """Whether a status's details show a TLS certificate that does not carry the name the
+    channel checked (the target's host, or its ``grpc.ssl_target_name_override``)."""
+    return any(needle in details for needle in _NAME_MISMATCH_NEEDLES)
+
+
 def is_loopback_target(target: str) -> bool:
     """Whether ``target`` (``host:port``) is this machine (a token may go there in
     plaintext)."""
-    host = _host(target)
+    host = target_host(target)
     if host.lower() == "localhost":
         return True
     try:
