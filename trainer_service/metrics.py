@@ -26,8 +26,8 @@ same on the gateway; the service-specific ones carry a ``trainwire_trainer_`` pr
 ``contract_violation``, ``cancelled``, ``shutdown``). Slot gauges are read from the
 ``SlotPool`` at scrape time, so they cannot drift.
 
-The RPC metrics (``trainwire_ops.rpc_metrics``), both interceptors (``rpc_metrics_sync``,
-``rpc_metrics_aio``) and :class:`MetricsEndpoint` (``metrics_endpoint``) live in
+The RPC metrics (``trainwire_ops.rpc_metrics``), their ``grpc.aio`` interceptor
+(``rpc_metrics_aio``) and :class:`MetricsEndpoint` (``metrics_endpoint``) live in
 ``trainwire_ops`` (shared with the gateway) and are re-exported here. This module imports
 neither torch nor the trainer's core.
 """
@@ -58,7 +58,6 @@ from trainwire_ops.rpc_metrics import (
     service_registry,
 )
 from trainwire_ops.rpc_metrics_aio import AioMetricsServerInterceptor
-from trainwire_ops.rpc_metrics_sync import MetricsServerInterceptor
 
 if TYPE_CHECKING:
     from trainer_service.core.observe import JobOutcome
@@ -68,9 +67,9 @@ __all__ = [
     "DEADLINE_SLACK_S",
     "RPC_LABELS",
     "RPC_LATENCY_BUCKETS",
+    "AioMetricsServerInterceptor",
     "JobMetrics",
     "MetricsEndpoint",
-    "MetricsServerInterceptor",
     "RpcLabels",
     "RpcMetrics",
     "TrainerMetrics",
@@ -194,11 +193,7 @@ class TrainerMetrics:
         self._slots = slots
         self.registry.register(_SlotCollector(slots))
 
-    def interceptor(self) -> MetricsServerInterceptor:
-        """The (sync) server interceptor that records :attr:`rpc`."""
-        return MetricsServerInterceptor(self.rpc)
-
-    def aio_interceptor(self) -> AioMetricsServerInterceptor:
+    def interceptor(self) -> AioMetricsServerInterceptor:
         """The ``grpc.aio`` server interceptor that records :attr:`rpc`."""
         return AioMetricsServerInterceptor(self.rpc)
 

@@ -223,7 +223,7 @@ def build_server(
 
     async def build() -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
         server = grpc.aio.server(
-            interceptors=(metrics.aio_interceptor(),),
+            interceptors=(metrics.interceptor(),),
             options=[("grpc.so_reuseport", 0)],
         )
         add_to_server(TrainerServicer(runner), server)

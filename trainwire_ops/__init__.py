@@ -5,8 +5,8 @@
 - ``tls`` and ``addresses``: certificates reloaded on SIGHUP, the plaintext-bind rule, and
   ``HOST:PORT`` as both services print and bind it;
 - ``rich_status``: the ``google.rpc.Status`` both services and the test fakes send;
-- ``rpc_metrics`` (recorded by the interceptors in ``rpc_metrics_sync`` and
-  ``rpc_metrics_aio``) and ``metrics_endpoint``: Prometheus RPC metrics at ``/metrics``.
+- ``rpc_metrics`` (recorded by the ``grpc.aio`` interceptor in ``rpc_metrics_aio``) and
+  ``metrics_endpoint``: Prometheus RPC metrics at ``/metrics``.
 
 These modules import grpc, protobuf, prometheus_client and the client package (``trainwire``) at
 most, never torch or either service, so neither service depends on the other, and the client

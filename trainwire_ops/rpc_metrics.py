@@ -12,10 +12,9 @@ work:
 ``grpc_type`` is ``unary``, ``client_stream``, ``server_stream`` or ``bidi_stream``;
 ``grpc_code`` a ``grpc.StatusCode`` name (``OK``, ``CANCELLED``, ...).
 
-This module holds :class:`RpcMetrics` and the naming, status code and handler helpers shared by
-the two interceptors that record them: ``trainwire_ops.rpc_metrics_sync`` on a sync
-``grpc.server`` (the trainer) and ``trainwire_ops.rpc_metrics_aio`` on a ``grpc.aio`` server
-(the gateway). ``trainwire_ops.metrics_endpoint`` serves a ``CollectorRegistry`` over HTTP.
+This module holds :class:`RpcMetrics` and the naming, status code and handler helpers of the
+interceptor that records them on a ``grpc.aio`` server (``trainwire_ops.rpc_metrics_aio``, on
+both services). ``trainwire_ops.metrics_endpoint`` serves a ``CollectorRegistry`` over HTTP.
 Each service keeps its metrics in its own registry (never the process-global default, see
 :func:`service_registry`), so several in-process servers in one test run do not collide.
 """
@@ -67,7 +66,7 @@ DEADLINE_SLACK_S = 0.05
 _CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
-# -- naming and codes, shared by the sync and the aio interceptor --------------------------
+# -- naming and codes -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -133,8 +132,8 @@ def final_code(
         error: What the handler (or its response iterator) raised, if anything. grpc answers an
             exception with the code set on the context, else ``UNKNOWN``.
         cancelled: The RPC ended before the handler did: the client cancelled or disconnected,
-            the deadline passed, or the server shut down (a sync stream abandoned mid-way, a
-            ``CancelledError`` in aio). Wins over everything else.
+            the deadline passed, or the server shut down (a ``CancelledError`` in the handler).
+            Wins over everything else.
         deadline_passed: With ``cancelled``: the deadline had passed, so the client saw
             ``DEADLINE_EXCEEDED`` rather than ``CANCELLED`` (see :func:`deadline_passed`).
 
@@ -162,10 +161,7 @@ def handler_behavior(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
 def clone_handler(
     handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same kind and (de)serializers as ``handler`` running ``behavior``.
-
-    Works for sync and aio servers alike: both take the ``grpc.*_rpc_method_handler`` objects.
-    """
+    """A handler of the same kind and (de)serializers as ``handler`` running ``behavior``."""
     serializers: dict[str, Any] = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,

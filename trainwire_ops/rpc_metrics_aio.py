@@ -1,7 +1,5 @@
-"""Records the RPC metrics (``trainwire_ops.rpc_metrics``) on a ``grpc.aio`` server.
-
-The gateway's interceptor; ``trainwire_ops.rpc_metrics_sync`` is its sync twin.
-"""
+"""Records the RPC metrics (``trainwire_ops.rpc_metrics``) on a ``grpc.aio`` server (the
+gateway's and the trainer's)."""
 
 from __future__ import annotations
 
@@ -27,14 +25,13 @@ from trainwire_ops.rpc_metrics import (
 class AioMetricsServerInterceptor(grpc.aio.ServerInterceptor):
     """Records :class:`RpcMetrics` for every RPC of a ``grpc.aio`` server.
 
-    The aio twin of :class:`MetricsServerInterceptor`. Each behavior is wrapped in a coroutine
-    that runs it to its end, so code and latency are recorded when the handler ends: normally,
-    by an exception or an abort, or by cancellation (the client cancelled or left, the deadline
-    passed, the server stopped: a ``CancelledError``). A streaming behavior's responses (an
-    async generator) are written with ``context.write`` from that coroutine, the way grpc's own
-    loop writes them: no extra generator layer per message, so a busy watch stream pays nothing
-    per message for being measured. Sync behaviors (aio runs them in a thread pool) pass
-    through unmeasured.
+    Each behavior is wrapped in a coroutine that runs it to its end, so code and latency are
+    recorded when the handler ends: normally, by an exception or an abort, or by cancellation
+    (the client cancelled or left, the deadline passed, the server stopped: a
+    ``CancelledError``). A streaming behavior's responses (an async generator) are written with
+    ``context.write`` from that coroutine, the way grpc's own loop writes them: no extra
+    generator layer per message, so a busy watch stream pays nothing per message for being
+    measured. Sync behaviors (aio runs them in a thread pool) pass through unmeasured.
     """
 
     def __init__(self, metrics: RpcMetrics) -> None:

@@ -6,6 +6,7 @@ Real trainers on port 0 with metrics on port 0; jobs run through gRPC; numbers a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
@@ -18,8 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -31,7 +31,7 @@ from tests.fakes.trainer_harness import running_trainer
 from trainer_service.__main__ import parse_args
 from trainer_service.core.provider import ProviderError
 from trainer_service.metrics import (
-    MetricsServerInterceptor,
+    AioMetricsServerInterceptor,
     RpcMetrics,
     final_code,
 )
@@ -208,35 +208,43 @@ def test_failures_and_heartbeats_are_counted() -> None:
         call.cancel()
 
 
-# -- the interceptor on a toy service: aborts, exceptions, streams ----------------------------
+# -- the interceptor on a toy aio service: aborts, exceptions, streams ------------------------
 
 
-def _toy_handlers(release: threading.Event) -> grpc.GenericRpcHandler:
-    def ok(request: bytes, context: grpc.ServicerContext) -> bytes:
+def _toy_handlers(release: asyncio.Event) -> grpc.GenericRpcHandler:
+    async def ok(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
 
-    def abort(request: bytes, context: grpc.ServicerContext) -> bytes:
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, "no")
+    async def abort(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, "no")
         raise AssertionError("unreachable")
 
-    def crash(request: bytes, context: grpc.ServicerContext) -> bytes:
+    async def crash(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         raise RuntimeError("boom")
 
-    def stream_abort(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    async def stream_abort(
+        request: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
         yield b"one"
-        context.abort(grpc.StatusCode.NOT_FOUND, "gone")
+        await context.abort(grpc.StatusCode.NOT_FOUND, "gone")
 
-    def stream_crash(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    async def stream_crash(
+        request: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
         yield b"one"
         raise RuntimeError("boom")
 
-    def stream_set_code(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    async def stream_set_code(
+        request: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
         yield b"one"
         context.set_code(grpc.StatusCode.ABORTED)
 
-    def stream_forever(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        while not release.is_set():
-            yield b"tick"
+    async def stream_forever(
+        request: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        yield b"tick"
+        await release.wait()
 
     unary: dict[str, Callable[..., Any]] = {"Ok": ok, "Abort": abort, "Crash": crash}
     streams: dict[str, Callable[..., Any]] = {
@@ -250,24 +258,28 @@ def _toy_handlers(release: threading.Event) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("toy.v1.ToyService", handlers)
 
 
-def test_interceptor_codes_on_a_toy_service() -> None:
+async def test_interceptor_codes_on_a_toy_service() -> None:
     registry = CollectorRegistry()
     metrics = RpcMetrics(registry)
-    release = threading.Event()
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4),
-        interceptors=(MetricsServerInterceptor(metrics),),
-    )
+    release = asyncio.Event()
+    server = grpc.aio.server(interceptors=(AioMetricsServerInterceptor(metrics),))
     server.add_generic_rpc_handlers((_toy_handlers(release),))
     port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    await server.start()
 
     def handled(method: str, code: str, kind: str) -> float | None:
         labels = {"grpc_type": kind, "grpc_service": "toy.v1.ToyService", "grpc_method": method}
         return registry.get_sample_value("grpc_server_handled_total", {**labels, "grpc_code": code})
 
+    async def counted(method: str, code: str) -> None:
+        """Waits for a stream's count: the server records it after the client saw its end."""
+        deadline = time.monotonic() + WAIT
+        while handled(method, code, "server_stream") != 1:
+            assert time.monotonic() < deadline, (method, code)
+            await asyncio.sleep(0.005)
+
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             expected = {
                 "Ok": grpc.StatusCode.OK,
                 "Abort": grpc.StatusCode.PERMISSION_DENIED,
@@ -276,10 +288,10 @@ def test_interceptor_codes_on_a_toy_service() -> None:
             for method, code in expected.items():
                 call = channel.unary_unary(f"/toy.v1.ToyService/{method}")
                 if code is grpc.StatusCode.OK:
-                    assert call(b"x", timeout=RPC_TIMEOUT) == b"x"
+                    assert await call(b"x", timeout=RPC_TIMEOUT) == b"x"
                 else:
                     with pytest.raises(grpc.RpcError) as info:
-                        call(b"x", timeout=RPC_TIMEOUT)
+                        await call(b"x", timeout=RPC_TIMEOUT)
                     assert info.value.code() is code
                 assert handled(method, code.name, "unary") == 1
             streams = {
@@ -291,25 +303,29 @@ def test_interceptor_codes_on_a_toy_service() -> None:
                 stream = channel.unary_stream(f"/toy.v1.ToyService/{method}")(
                     b"x", timeout=RPC_TIMEOUT
                 )
-                assert next(stream) == b"one"
+                assert await stream.read() == b"one"
                 with pytest.raises(grpc.RpcError) as info:
-                    next(stream)
+                    await stream.read()
                 assert info.value.code() is code
-                assert handled(method, code.name, "server_stream") == 1
-            forever = channel.unary_stream("/toy.v1.ToyService/StreamForever")(
-                b"x", timeout=RPC_TIMEOUT
-            )
-            assert next(forever) == b"tick"
-            forever.cancel()
-            deadline = time.monotonic() + WAIT
-            while handled("StreamForever", "CANCELLED", "server_stream") != 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
+                await counted(method, code.name)
+            forever = channel.unary_stream("/toy.v1.ToyService/StreamForever")
+            cancelled = forever(b"x", timeout=RPC_TIMEOUT)
+            assert await cancelled.read() == b"tick"
+            cancelled.cancel()
+            await counted("StreamForever", "CANCELLED")
+            expiring = forever(b"x", timeout=0.5)
+            assert await expiring.read() == b"tick"
+            with pytest.raises(grpc.RpcError) as info:
+                await expiring.read()
+            assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            await counted("StreamForever", "DEADLINE_EXCEEDED")
         ok = {"grpc_type": "unary", "grpc_service": "toy.v1.ToyService", "grpc_method": "Ok"}
         assert registry.get_sample_value("grpc_server_started_total", ok) == 1
+        sent = {**ok, "grpc_method": "StreamSetCode", "grpc_type": "server_stream"}
+        assert registry.get_sample_value("grpc_server_msg_sent_total", sent) == 1
     finally:
         release.set()
-        server.stop(None).wait(WAIT)
+        await server.stop(None)
 
 
 def test_final_code_rules() -> None:
