@@ -7,9 +7,9 @@ follows a run as a plain iterator of events, resuming dropped streams so each ep
 exactly once (``trainwire.watch``). ``trainwire.aio.GatewayClient`` is the same surface for
 asyncio services.
 
-The names callers import from here stay here: the errors, the watch types and the request
-builders (``imitation_task``, ``grpo_task``, ``train_config``, ``state_name``, ``parse_state``)
-are re-exported from the modules that own them.
+Callers import the client's whole surface from here: the errors, the watch types and the
+request builders (``imitation_task``, ``grpo_task``, ``train_config``, ``state_name``,
+``parse_state``) are re-exported from the modules that own them.
 
 It depends on grpcio, grpcio-status and protobuf only (no torch, no rich).
 """
