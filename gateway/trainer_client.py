@@ -14,6 +14,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from gateway.core.trainers import (
     Capabilities,
+    TrainerBrokeContract,
     TrainerBusy,
     TrainerCrashed,
     TrainerError,
@@ -81,6 +82,7 @@ _REASONS: dict[str, type[TrainerError]] = {
     ErrorReason.JOB_EXISTS: TrainerJobExists,
     ErrorReason.JOB_NOT_FOUND: TrainerJobGone,
     ErrorReason.EPISODES_NOT_HELD: TrainerJobGone,
+    ErrorReason.CONTRACT_VIOLATION: TrainerBrokeContract,
 }
 
 

@@ -141,12 +141,12 @@ class ScriptPlayer:
         request: trainer_service_pb2.TrainRequest,
         context: grpc.ServicerContext,
     ) -> None:
-        if script.localized is None:
+        if script.localized is None and script.abort_reason is None:
             context.abort(script.abort_code, f"run {request.run_id}: the fake trainer gave up")
         abort_with(
             context,
             script.abort_code,
             f"run {request.run_id}: provider failed",
-            ErrorReason.PROVIDER_FAILED,
+            script.abort_reason or ErrorReason.PROVIDER_FAILED,
             script.localized,
         )

@@ -43,6 +43,8 @@ class Script:
         abort_after: Abort after this many episodes (``abort_code``; with ``localized`` the
             details carry a LocalizedMessage).
         abort_code: Status code of the abort.
+        abort_reason: The abort's ErrorInfo reason (a rich status even without ``localized``);
+            None: a plain status unless ``localized`` is given (then PROVIDER_FAILED).
         localized: The LocalizedMessage text for users.
         violate: A rule from ``VIOLATIONS`` broken at episode ``violate_at``.
         violate_at: Where the violation happens.
@@ -64,6 +66,7 @@ class Script:
     ignore_grants: bool = False
     abort_after: int | None = None
     abort_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    abort_reason: str | None = None
     localized: str | None = None
     violate: str | None = None
     violate_at: int = 3

@@ -31,6 +31,7 @@ from tests.fakes.gateway_harness import (
     running_gateway,
     to_thread,
 )
+from trainwire.reasons import ErrorReason
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 State = gateway_service_pb2.Run.State
@@ -272,11 +273,13 @@ async def test_resource_exhausted_requeues_the_run(client: Client, fake: FakeTra
             "The dataset file is missing.",
         ),
         (Script(abort_after=3), UNEXPECTED_MESSAGE),
+        # The trainer's own contract check stopped its stream: read as one the gateway caught.
+        (Script(abort_after=3, abort_reason=ErrorReason.CONTRACT_VIOLATION), CONTRACT_MESSAGE),
         (Script(abort_after=0, abort_code=grpc.StatusCode.UNKNOWN), UNEXPECTED_MESSAGE),
         (Script(silent=True), LOST_MESSAGE),
         (Script(hold_at=4, heartbeat_interval=5.0), LOST_MESSAGE),  # goes silent mid-run
     ],
-    ids=["localized", "plain", "plain-at-start", "silent", "silent-mid-run"],
+    ids=["localized", "plain", "trainer-contract", "plain-at-start", "silent", "silent-mid-run"],
 )
 async def test_trainer_failures_become_user_messages(
     fake: FakeTrainer, script: Script, message: str
