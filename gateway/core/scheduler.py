@@ -303,6 +303,8 @@ class Scheduler:
 
 def _short_reason(detail: str) -> str:
     """A few words of why a trainer does not answer, from a gRPC error's text."""
+    if "--trainer-server-name" in detail:  # the TLS name check failed: the hint is the reason
+        return detail.split(" (UNAVAILABLE", 1)[0].split(": ", 1)[-1][:300]
     lowered = detail.lower()
     if "connection refused" in lowered:
         return "connection refused"

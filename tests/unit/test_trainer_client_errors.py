@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 
+from gateway.core.scheduler import _short_reason
 from gateway.core.trainers import TrainerLost
 from gateway.trainer_client import classify, failure_detail
 
@@ -60,3 +61,13 @@ def test_a_train_stream_that_meets_a_name_mismatch_is_lost_with_the_hint() -> No
         "trainer 10.0.0.7:50052: its TLS certificate does not name 10.0.0.7: start the gateway "
         "with --trainer-server-name"
     )
+
+
+def test_a_run_waiting_for_a_trainer_with_a_name_mismatch_says_why_in_its_detail() -> None:
+    # The scheduler's pending_detail keeps the hint, not just "unavailable".
+    text = failure_detail(_unavailable(MISMATCH), "127.0.0.1:50052", None)
+    assert _short_reason(text) == (
+        "its TLS certificate does not name 127.0.0.1: start the gateway with "
+        "--trainer-server-name set to a name the certificate carries"
+    )
+    assert _short_reason(f"trainer t:1: UNAVAILABLE: {UNKNOWN_CA}") == "unavailable"
