@@ -1,0 +1,552 @@
+"""An in-memory ``TrainerConnector`` for tests of the gateway core: trainers without grpc,
+sockets or threads, on the test's event loop (so virtual time drives them too).
+
+``MemoryConnector`` reaches ``MemoryTrainer`` s by address. A trainer offers providers in a
+number of slots; each ``train`` call starts a ``MemoryJob`` (one slot, until its provider stops)
+or re-attaches a stream to one. Like the real trainer (``trainer_service.core.jobs``), a job:
+
+- produces episodes only up to its grant (``n <= grant``): it is not pulled past it, and its
+  stream sends ``None`` heartbeats every ``heartbeat_s`` while it waits;
+- produces a valid stream (``tests.fakes.episodes.make_episode``: episodes 1..N, best_reward the
+  running maximum, done on the last);
+- outlives a broken or cancelled stream (detached) and holds its episodes for a re-attach
+  after ``attach_after_episode``; a re-attach to a job that is gone is ``TrainerJobGone``, a
+  new ``train`` of a run whose job is still live ``TrainerJobExists``;
+- releases its slot once its provider stopped (the done episode produced, a failure, or
+  ``cancel_job``).
+
+Every ``train``, ``grant`` and ``cancel_job`` call is recorded with its arguments and the loop
+time it came at (``MemoryConnector.calls``), so tests assert on values, never on log text.
+
+What a job does wrong is scripted per trainer: ``MemoryTrainer.script(JobScript(...))`` queues a
+script that the next new job takes (fail with a provider error, crash, break a contract rule, go
+silent, lose its stream once). The trainer itself can answer busy (``answer_busy``), be killed
+(``kill``: streams raise ``TrainerLost``, every call ``TrainerLost``, its jobs are gone) and
+come back empty (``revive``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+
+from gateway.core.trainers import (
+    Capabilities,
+    TrainerBusy,
+    TrainerCrashed,
+    TrainerError,
+    TrainerFailed,
+    TrainerJobExists,
+    TrainerJobGone,
+    TrainerLost,
+)
+from tests.fakes.episodes import broken, make_episode, reward_of
+from trainwire.contract import task_kind
+from trainwire.v1 import episode_pb2
+
+#: Seconds between two heartbeats of a stream whose job waits (the real trainer's default).
+HEARTBEAT_S = 5.0
+
+
+# -- what the connector records ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainCall:
+    """One ``train`` call: a new job (``attach_after`` None) or a re-attach."""
+
+    address: str
+    run_id: str
+    grant: int
+    attach_after: int | None
+    at: float
+
+
+@dataclass(frozen=True)
+class GrantCall:
+    """One ``grant`` call."""
+
+    address: str
+    run_id: str
+    through_episode: int
+    at: float
+
+
+@dataclass(frozen=True)
+class CancelCall:
+    """One ``cancel_job`` call."""
+
+    address: str
+    run_id: str
+    at: float
+
+
+Call = TrainCall | GrantCall | CancelCall
+
+
+# -- what a job does ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobScript:
+    """How one job misbehaves (the default: not at all).
+
+    Attributes:
+        fail_after: Fail with a provider error (``TrainerFailed``) once this many episodes
+            were sent, with ``user_message`` for users.
+        user_message: The provider's message (a ``google.rpc.LocalizedMessage``).
+        crash_after: Fail without a message (``TrainerCrashed``) once this many were sent.
+        violate: A rule of ``tests.fakes.scripts.VIOLATIONS`` that episode ``violate_at``
+            breaks (``tests.fakes.episodes.broken`` builds it).
+        violate_at: The episode that breaks it.
+        silent_after: Send nothing more, not even heartbeats, once this many were sent.
+        end_after: End the stream without a done episode once this many were sent.
+        lose_stream_after: Break the stream (``TrainerLost``) once, after this many were sent;
+            the job lives on for a re-attach.
+        episode_s: Seconds the provider takes per episode (0: as fast as its grant allows).
+    """
+
+    fail_after: int | None = None
+    user_message: str = "The provider failed."
+    crash_after: int | None = None
+    violate: str | None = None
+    violate_at: int = 3
+    silent_after: int | None = None
+    end_after: int | None = None
+    lose_stream_after: int | None = None
+    episode_s: float = 0.0
+
+
+class MemoryJob:
+    """One training job on a ``MemoryTrainer`` (see the module docstring).
+
+    Attributes:
+        run_id: Its run.
+        kind: Its task kind.
+        max_episodes: How many episodes it trains.
+        grant: The last episode it may produce.
+        produced: Its episodes so far (index ``n - 1`` is episode ``n``).
+        sent: The last episode a stream handed to the gateway.
+        stopped: Its provider stopped (done, failed or cancelled); its slot is free.
+        cancelled: ``cancel_job`` ended it.
+        streams: How many streams were opened on it (one per ``train`` call).
+    """
+
+    def __init__(
+        self,
+        trainer: MemoryTrainer,
+        run_id: str,
+        task: episode_pb2.TrainTask,
+        config: episode_pb2.TrainConfig,
+        grant: int,
+        script: JobScript,
+    ) -> None:
+        self.trainer = trainer
+        self.run_id = run_id
+        self.task = task
+        self.config = config
+        self.kind = task_kind(task)
+        self.max_episodes = config.max_episodes
+        self.grant = grant
+        self.script = script
+        self.produced: list[episode_pb2.Episode] = []
+        self.sent = 0
+        self.stopped = False
+        self.cancelled = False
+        self.streams = 0
+        self.lost_once = False
+        self._best = -math.inf
+        self._changed = asyncio.Event()
+        self._stream: MemoryStream | None = None
+        self._producer: asyncio.Task[None] | None = None
+        self._produce()
+
+    @property
+    def last_produced(self) -> int:
+        """The last episode produced (0 before the first)."""
+        return len(self.produced)
+
+    @property
+    def done(self) -> bool:
+        """Whether the done episode was produced."""
+        return self.last_produced >= self.max_episodes
+
+    def move_grant(self, through_episode: int) -> None:
+        """Moves the grant forward (never back) and produces what it allows."""
+        if through_episode > self.grant:
+            self.grant = through_episode
+            self._produce()
+
+    def _produce(self) -> None:
+        if self.script.episode_s > 0:
+            if self._producer is None or self._producer.done():
+                self._producer = asyncio.get_running_loop().create_task(self._produce_slowly())
+            return
+        while self._may_produce():
+            self._produce_one()
+        self.changed()
+
+    async def _produce_slowly(self) -> None:
+        while self._may_produce():
+            await asyncio.sleep(self.script.episode_s)
+            if self._may_produce():
+                self._produce_one()
+                self.changed()
+
+    def _may_produce(self) -> bool:
+        return not self.stopped and self.last_produced < min(self.grant, self.max_episodes)
+
+    def _produce_one(self) -> None:
+        n = self.last_produced + 1
+        self._best = max(self._best, reward_of(n))
+        episode = make_episode(n, self._best, n == self.max_episodes, detail=False)
+        self.produced.append(episode)
+        if episode.done:
+            self.stop()
+
+    def stop(self, cancelled: bool = False) -> None:
+        """The provider stops: the slot is free (the episodes stay held for a re-attach)."""
+        self.cancelled = self.cancelled or cancelled
+        self.stopped = True
+        if self._producer is not None:
+            self._producer.cancel()
+        self.changed()
+
+    def changed(self) -> None:
+        """Wakes the stream."""
+        self._changed.set()
+
+    async def wait_changed(self, timeout: float | None) -> bool:
+        """Waits for a change (episodes, grant, cancel, kill); False after ``timeout``."""
+        self._changed.clear()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def attach(self, stream: MemoryStream) -> None:
+        """A new stream replaces the current one."""
+        old, self._stream = self._stream, stream
+        self.streams += 1
+        if old is not None:
+            old.superseded = True
+        self.changed()
+
+    def detach(self, stream: MemoryStream) -> None:
+        """A stream ended (broken or cancelled); the job waits for a re-attach."""
+        if self._stream is stream:
+            self._stream = None
+
+    @property
+    def attached(self) -> bool:
+        """Whether a stream reads the job now."""
+        return self._stream is not None
+
+
+class MemoryStream:
+    """One ``Train`` call on a job: a ``TrainerStream`` (``None`` = heartbeat). A refused call
+    raises its error at the first read, as a gRPC call does."""
+
+    def __init__(
+        self,
+        trainer: MemoryTrainer,
+        job: MemoryJob | None,
+        after: int,
+        error: TrainerError | None = None,
+    ) -> None:
+        self._trainer = trainer
+        self._job = job
+        self._cursor = after
+        self._error = error
+        self.cancelled = False
+        self.superseded = False
+        self._sent_violation = False
+        self._pending: deque[episode_pb2.Episode] = deque()
+        if job is not None:
+            job.attach(self)
+
+    def __aiter__(self) -> AsyncIterator[episode_pb2.Episode | None]:
+        return self
+
+    def cancel(self) -> None:
+        """The gateway cancels the call: the job is detached (it stays for a re-attach)."""
+        self.cancelled = True
+        if self._job is not None:
+            self._job.detach(self)
+            self._job.changed()
+
+    def _fail(self, error: TrainerError) -> TrainerError:
+        if self._job is not None:
+            self._job.detach(self)
+        return error
+
+    async def __anext__(self) -> episode_pb2.Episode | None:
+        if self._error is not None:
+            raise self._error
+        job = self._job
+        assert job is not None
+        trainer = self._trainer
+        while True:
+            if trainer.killed:
+                raise self._fail(TrainerLost(f"trainer {trainer.address}: UNAVAILABLE: killed"))
+            if self.cancelled or job.cancelled:
+                raise self._fail(TrainerLost(f"trainer {trainer.address}: CANCELLED"))
+            if self.superseded:
+                raise TrainerCrashed(f"trainer {trainer.address}: ABORTED: re-attached")
+            if self._pending:
+                return self._pending.popleft()
+            script = job.script
+            sent = self._cursor
+            if script.lose_stream_after == sent and not job.lost_once:
+                job.lost_once = True
+                raise self._fail(TrainerLost(f"trainer {trainer.address}: UNAVAILABLE: blip"))
+            if script.fail_after == sent:
+                job.stop()
+                raise self._fail(
+                    TrainerFailed(f"trainer {trainer.address}: INTERNAL", script.user_message)
+                )
+            if script.crash_after == sent:
+                job.stop()
+                raise self._fail(TrainerCrashed(f"trainer {trainer.address}: INTERNAL: crash"))
+            if script.end_after == sent:
+                job.stop()
+                job.detach(self)
+                raise StopAsyncIteration
+            if script.silent_after is not None and sent >= script.silent_after:
+                await job.wait_changed(None)
+                continue
+            if sent < job.last_produced:
+                self._cursor = sent + 1
+                job.sent = max(job.sent, self._cursor)
+                trainer.episodes_sent += 1
+                episode = job.produced[sent]
+                if script.violate is not None and self._cursor == script.violate_at:
+                    bad = episode_pb2.Episode()
+                    bad.CopyFrom(episode)
+                    self._pending.extend(broken(bad, script.violate))
+                    return self._pending.popleft()
+                return episode
+            if job.stopped and sent >= job.last_produced:
+                job.detach(self)
+                if job.done:
+                    raise StopAsyncIteration
+                raise TrainerLost(f"trainer {trainer.address}: CANCELLED: job cancelled")
+            if not await job.wait_changed(trainer.heartbeat_s):
+                trainer.heartbeats_sent += 1
+                return None
+
+
+# -- trainers and the connector ---------------------------------------------------------------
+
+
+@dataclass
+class MemoryTrainer:
+    """One trainer (see the module docstring).
+
+    Attributes:
+        address: Where the connector reaches it.
+        providers: Task kinds it offers.
+        slots_total: Jobs it runs at once.
+        heartbeat_s: Seconds between heartbeats of a waiting job's stream.
+        grant_delay_s: Seconds a ``grant`` call takes to answer.
+        answer_busy: New jobs it refuses as busy (``TrainerBusy``) although it reports free
+            slots (a probe that raced another gateway's run); counts down.
+        killed: It is gone: streams and calls raise ``TrainerLost``.
+        jobs: Its live jobs by run id.
+        probes: ``capabilities`` calls it answered.
+    """
+
+    address: str
+    providers: tuple[str, ...] = ("imitation",)
+    slots_total: int = 4
+    heartbeat_s: float = HEARTBEAT_S
+    grant_delay_s: float = 0.0
+    answer_busy: int = 0
+    killed: bool = False
+    jobs: dict[str, MemoryJob] = field(default_factory=dict)
+    probes: int = 0
+    episodes_sent: int = 0
+    heartbeats_sent: int = 0
+    _scripts: deque[JobScript] = field(default_factory=deque)
+
+    @property
+    def slots_free(self) -> int:
+        """Slots no running job holds."""
+        return self.slots_total - sum(1 for j in self.jobs.values() if not j.stopped)
+
+    def script(self, *scripts: JobScript) -> None:
+        """Queues scripts; each new job takes the next one (then the default)."""
+        self._scripts.extend(scripts)
+
+    def kill(self) -> None:
+        """The trainer dies: every stream and call fails ``TrainerLost``; its jobs are gone."""
+        self.killed = True
+        jobs = list(self.jobs.values())
+        self.jobs.clear()
+        for job in jobs:
+            job.stop()
+
+    def revive(self) -> None:
+        """The trainer is back, without the jobs it had."""
+        self.killed = False
+        self.jobs.clear()
+
+    def _check_alive(self) -> None:
+        if self.killed:
+            raise TrainerLost(f"trainer {self.address}: UNAVAILABLE: connection refused")
+
+    def capabilities(self) -> Capabilities:
+        self._check_alive()
+        self.probes += 1
+        return Capabilities(self.providers, self.slots_total, self.slots_free, device="memory")
+
+    def open(
+        self,
+        run_id: str,
+        task: episode_pb2.TrainTask,
+        config: episode_pb2.TrainConfig,
+        grant: int,
+        attach_after: int | None,
+    ) -> MemoryStream:
+        if self.killed:
+            return MemoryStream(self, None, 0, TrainerLost(f"trainer {self.address}: killed"))
+        job = self.jobs.get(run_id)
+        if attach_after is not None:
+            if job is None:
+                return MemoryStream(self, None, 0, TrainerJobGone(f"{self.address}: NOT_FOUND"))
+            job.move_grant(grant)
+            return MemoryStream(self, job, attach_after)
+        if job is not None and not (job.stopped and not job.attached):
+            return MemoryStream(self, None, 0, TrainerJobExists(f"{self.address}: EXISTS"))
+        if task_kind(task) not in self.providers:
+            error = TrainerFailed(f"{self.address}: no provider", "No provider for this task.")
+            return MemoryStream(self, None, 0, error)
+        if self.answer_busy > 0 or self.slots_free <= 0:
+            self.answer_busy = max(0, self.answer_busy - 1)
+            return MemoryStream(self, None, 0, TrainerBusy(f"{self.address}: SLOTS_BUSY"))
+        script = self._scripts.popleft() if self._scripts else JobScript()
+        job = MemoryJob(self, run_id, task, config, grant, script)
+        self.jobs[run_id] = job
+        return MemoryStream(self, job, 0)
+
+
+class MemoryConnector:
+    """A ``TrainerConnector`` over ``MemoryTrainer`` s (see the module docstring).
+
+    Args:
+        trainers: The trainers, reached by their addresses; any other address is refused.
+    """
+
+    def __init__(self, trainers: Iterable[MemoryTrainer]) -> None:
+        self.trainers = {t.address: t for t in trainers}
+        self.calls: list[Call] = []
+        self.closed = 0
+        #: Called with every recorded call as it comes (before the trainer answers it).
+        self.on_call: Callable[[Call], None] | None = None
+        #: The most ``grant`` calls of one run that were in flight at once.
+        self.max_grants_in_flight = 0
+        self._grants_in_flight: dict[str, int] = {}
+
+    def _record(self, call: Call) -> None:
+        self.calls.append(call)
+        if self.on_call is not None:
+            self.on_call(call)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The trainers' addresses, in order."""
+        return tuple(self.trainers)
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _trainer(self, address: str) -> MemoryTrainer:
+        trainer = self.trainers.get(address)
+        if trainer is None:
+            raise TrainerLost(f"trainer {address}: UNAVAILABLE: connection refused")
+        return trainer
+
+    def job(self, run_id: str) -> MemoryJob:
+        """The job of a run, on whichever trainer has it."""
+        for trainer in self.trainers.values():
+            if run_id in trainer.jobs:
+                return trainer.jobs[run_id]
+        raise KeyError(f"no trainer has a job of run {run_id}")
+
+    # -- the record --------------------------------------------------------------------------
+
+    def trains(self, run_id: str) -> list[TrainCall]:
+        """The ``train`` calls of a run, in order."""
+        return [c for c in self.calls if isinstance(c, TrainCall) and c.run_id == run_id]
+
+    def grants(self, run_id: str) -> list[int]:
+        """The ``through_episode`` of every ``grant`` call of a run, in order."""
+        return [
+            c.through_episode for c in self.calls if isinstance(c, GrantCall) and c.run_id == run_id
+        ]
+
+    def granted(self, run_id: str) -> int:
+        """How far the gateway granted a run: the largest grant of its ``train`` and ``grant``
+        calls (0 before any)."""
+        return max([*self.grants(run_id), *(c.grant for c in self.trains(run_id))], default=0)
+
+    def cancels(self, run_id: str) -> list[CancelCall]:
+        """The ``cancel_job`` calls of a run."""
+        return [c for c in self.calls if isinstance(c, CancelCall) and c.run_id == run_id]
+
+    # -- TrainerConnector --------------------------------------------------------------------
+
+    async def capabilities(self, address: str, timeout: float) -> Capabilities:
+        return self._trainer(address).capabilities()
+
+    def train(
+        self,
+        address: str,
+        run_id: str,
+        task: episode_pb2.TrainTask,
+        config: episode_pb2.TrainConfig,
+        grant_through_episode: int = 0,
+        attach_after_episode: int | None = None,
+    ) -> MemoryStream:
+        self._record(
+            TrainCall(address, run_id, grant_through_episode, attach_after_episode, self._now())
+        )
+        trainer = self.trainers.get(address)
+        if trainer is None:
+            return MemoryStream(MemoryTrainer(address), None, 0, TrainerLost(f"{address}: refused"))
+        return trainer.open(run_id, task, config, grant_through_episode, attach_after_episode)
+
+    async def grant(self, address: str, run_id: str, through_episode: int, timeout: float) -> int:
+        self._record(GrantCall(address, run_id, through_episode, self._now()))
+        in_flight = self._grants_in_flight.get(run_id, 0) + 1
+        self._grants_in_flight[run_id] = in_flight
+        self.max_grants_in_flight = max(self.max_grants_in_flight, in_flight)
+        try:
+            trainer = self._trainer(address)
+            if trainer.grant_delay_s:
+                await asyncio.sleep(trainer.grant_delay_s)
+            trainer._check_alive()
+            job = trainer.jobs.get(run_id)
+            if job is None:
+                raise TrainerJobGone(f"trainer {address}: NOT_FOUND: no job of run {run_id}")
+            job.move_grant(through_episode)
+            return job.last_produced
+        finally:
+            self._grants_in_flight[run_id] -= 1
+
+    async def cancel_job(self, address: str, run_id: str, timeout: float) -> None:
+        self._record(CancelCall(address, run_id, self._now()))
+        trainer = self._trainer(address)
+        trainer._check_alive()
+        job = trainer.jobs.pop(run_id, None)
+        if job is not None:
+            job.stop(cancelled=True)
+
+    async def close(self) -> None:
+        """Counts the close; the trainers live on (a restarted gateway reaches them again)."""
+        self.closed += 1

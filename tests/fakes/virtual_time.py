@@ -1,0 +1,162 @@
+"""Virtual time for tests of the gateway core: ``looptime`` fast-forwards the event loop's clock
+to its next timer whenever the loop has nothing else to do, so a test of minutes of pacing,
+heartbeats and keepalives takes milliseconds.
+
+looptime knows only two kinds of outside work that the clock must wait for: socket I/O and the
+futures of ``loop.run_in_executor``. The SQLite store commits on a thread of its own
+(``gateway.core.store.sqlite_thread``) and hands results back with ``call_soon_threadsafe``,
+which looptime cannot see coming: while a commit is in flight, it would jump the clock to the
+next timer (a heartbeat timeout, a pacing deadline) as if the commit took that long.
+``InFlightStore`` wraps the real store and, while any of its operations is in flight, keeps one
+``run_in_executor`` future pending (a thread that waits for the last operation to come back).
+With that future pending, looptime moves the clock only in step with real time, and not at all
+when the result arrives within 80 % of the time to the next timer (the commit's I/O wakes the
+loop first): a commit then takes no virtual time, as a commit of a fast disk would.
+
+Both ``VIRTUAL_TIME`` (the marker of core tests) and ``virtual_loop`` (a coroutine on a fresh
+looptime loop, for tests that start many loops: hypothesis examples) set ``noop_cycles=0``:
+looptime advances its clock only after that many idle passes of the loop in a row, and a pass
+with ready callbacks starts the count again. A wait shorter than asyncio's clock resolution (the
+pacer's ``last + interval - now`` can be a float error like 5e-17) fires at once without the
+clock moving, the waiter computes the same tiny delay again, and the count never reaches 42: the
+loop spins at one instant for ever. With 0 the clock moves by one tick at the second such pass.
+Nothing here needs the idle passes: they only give outside work a chance to arrive, and the one
+outside worker, the store's thread, is made visible by ``InFlightStore``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import looptime
+import pytest
+
+from gateway.core.runs import RunState, TrainingRun
+from gateway.core.store import EpisodeRecord, Store
+
+T = TypeVar("T")
+
+#: The latest virtual second a core test may reach (looptime's end of time): a test that waits
+#: for something that never comes fails there instead of spinning its clock forever.
+END_OF_TIME_S = 3600.0
+
+#: The marker of tests in virtual time (see the module docstring).
+VIRTUAL_TIME = pytest.mark.looptime(end=END_OF_TIME_S, noop_cycles=0)
+
+
+class InFlightStore:
+    """A ``Store`` that shows looptime when the wrapped store's thread is working (see the
+    module docstring). Everything else is the wrapped store's own behaviour.
+
+    Args:
+        inner: The real store (not yet started).
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self._in_flight = 0
+        self._idle = threading.Event()
+        self._idle.set()
+        self._executor = ThreadPoolExecutor(2, thread_name_prefix="in-flight-store")
+        self._marker: asyncio.Future[Any] | None = None  # held: looptime keeps only weak refs
+        #: The last episode of each run whose commit came back (for tests of "after commits").
+        self.committed: dict[str, int] = {}
+
+    def _begin(self) -> None:
+        self._in_flight += 1
+        if self._in_flight == 1:
+            self._idle.clear()
+            loop = asyncio.get_running_loop()
+            self._marker = loop.run_in_executor(self._executor, self._idle.wait)
+
+    def _end(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    async def _call(self, call: Callable[[], Awaitable[T]]) -> T:
+        self._begin()
+        try:
+            return await call()
+        finally:
+            self._end()
+
+    @property
+    def writable(self) -> bool:
+        return self.inner.writable
+
+    def on_writable(self, callback: Callable[[bool], None]) -> None:
+        self.inner.on_writable(callback)
+
+    async def start(self) -> None:
+        await self._call(self.inner.start)
+
+    async def close(self) -> None:
+        try:
+            await self._call(self.inner.close)
+        finally:
+            self._idle.set()
+            self._executor.shutdown(wait=False)
+
+    async def insert_run(self, run: TrainingRun) -> int:
+        return await self._call(lambda: self.inner.insert_run(run))
+
+    async def update_run(self, run: TrainingRun) -> None:
+        await self._call(lambda: self.inner.update_run(run))
+
+    def append_episode(
+        self, record: EpisodeRecord, callback: Callable[[BaseException | None], None]
+    ) -> None:
+        self._begin()
+
+        def committed(error: BaseException | None) -> None:
+            if error is None:
+                self.committed[record.run_id] = record.episode
+            try:
+                callback(error)
+            finally:
+                self._end()
+
+        try:
+            self.inner.append_episode(record, committed)
+        except BaseException:
+            self._end()
+            raise
+
+    async def get_run(self, run_id: str) -> TrainingRun | None:
+        return await self._call(lambda: self.inner.get_run(run_id))
+
+    async def find_request(self, request_id: str) -> TrainingRun | None:
+        return await self._call(lambda: self.inner.find_request(request_id))
+
+    async def list_runs(
+        self, state: RunState | None, before_seq: int | None, limit: int
+    ) -> list[TrainingRun]:
+        return await self._call(lambda: self.inner.list_runs(state, before_seq, limit))
+
+    async def read_episodes(self, run_id: str, first: int, last: int) -> list[bytes]:
+        return await self._call(lambda: self.inner.read_episodes(run_id, first, last))
+
+    async def delete_run(self, run_id: str) -> None:
+        await self._call(lambda: self.inner.delete_run(run_id))
+
+    async def count_by_state(self) -> dict[RunState, int]:
+        return await self._call(self.inner.count_by_state)
+
+    async def active_runs(self) -> list[TrainingRun]:
+        return await self._call(self.inner.active_runs)
+
+
+def virtual_loop(main: Callable[[], Coroutine[Any, Any, T]], end: float = END_OF_TIME_S) -> T:
+    """Runs ``main()`` on a new event loop in virtual time (from 0) and closes the loop."""
+    loop = looptime.new_event_loop(start=0.0, end=end, noop_cycles=0)
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()

@@ -1,0 +1,44 @@
+"""The suite's one wait-for-condition helper and its one timeout.
+
+``until`` polls a condition on the event loop's own clock, so the same call waits in real time
+on a real loop and in virtual time under ``looptime`` (where a condition that never comes true
+fails after ``TIMEOUT`` virtual seconds, in milliseconds of real time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+#: Seconds any test waits for anything before it fails.
+TIMEOUT = 20.0
+#: Seconds between two looks at a condition.
+POLL_S = 0.01
+
+
+async def until(
+    condition: Callable[[], T | Awaitable[T]], what: str, timeout: float = TIMEOUT
+) -> T:
+    """Waits until ``condition()`` (sync or async) returns something truthy; returns it.
+
+    Raises:
+        AssertionError: not within ``timeout`` seconds of the loop's clock; says ``what`` was
+            awaited and the last value seen.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if loop.time() >= deadline:
+            raise AssertionError(
+                f"timed out after {timeout:g} s waiting for {what}; last: {value!r}"
+            )
+        await asyncio.sleep(POLL_S)
