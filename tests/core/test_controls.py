@@ -1,0 +1,155 @@
+"""Pacing and the controls, in virtual time: episodes reach watchers at the run's rate x speed, a
+speed change takes effect at once, pause holds publication and the trainer's credit, resume goes
+on, and stop cancels the trainer's job."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from gateway.core.errors import IllegalTransition
+from gateway.core.registry import Keepalive
+from gateway.core.runs import RunState
+from tests.fakes.core_harness import running_core
+from tests.fakes.memory_trainer import GrantCall
+from tests.fakes.virtual_time import VIRTUAL_TIME
+from tests.fakes.waiting import until
+
+pytestmark = VIRTUAL_TIME
+
+
+#: How far a virtual timer may land from its deadline: looptime's clock moves in microsecond
+#: ticks and rounds a step to the nearest one.
+TICK = 2e-6
+
+
+def assert_paced(times: list[float], interval: float) -> None:
+    """Each time is ``interval`` after the one before (to a tick), without drift."""
+    assert len(times) > 1
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert all(abs(gap - interval) <= TICK for gap in gaps), gaps
+    assert times[-1] - times[0] == pytest.approx(interval * len(gaps), abs=TICK)
+
+
+@pytest.mark.parametrize(
+    ("rate", "speed", "interval"), [(10.0, 1.0, 0.1), (10.0, 2.0, 0.05), (4.0, 0.5, 0.5)]
+)
+async def test_episodes_are_published_at_rate_times_speed(
+    rate: float, speed: float, interval: float
+) -> None:
+    async with running_core() as core:
+        run = await core.create(max_episodes=30, episodes_per_second=rate, speed=speed)
+        watch = core.watch(run.id)
+        await watch.ended()
+
+        assert watch.numbers() == list(range(1, 31))
+        assert_paced(watch.times(), interval)
+        assert watch.finished is not None and watch.finished.state is RunState.DONE
+
+
+async def test_a_speed_change_takes_effect_at_the_next_episode() -> None:
+    async with running_core() as core:
+        run = await core.create(max_episodes=60)  # 10 episodes/s
+        watch = core.watch(run.id)
+        await core.wait_episode(run.id, 10)
+        at = asyncio.get_running_loop().time()
+        changed = await core.registry.set_speed(run.id, 4.0)
+        assert changed.speed == 4.0
+        await watch.ended()
+
+        times = watch.times()
+        before = [t for t in times if t < at]
+        after = [t for t in times if t >= at]
+        assert len(before) >= 10
+        assert_paced(before, 0.1)
+        # The episode that was due is published at once if a new interval has passed since the
+        # last one, and the ones after it every new interval.
+        assert after[0] - before[-1] <= 0.1
+        assert_paced(after[1:], 0.025)
+        # The lead grows with the speed: 2 s at 40 episodes/s is 80 episodes (up to the end).
+        [grant] = [c for c in core.connector.calls if isinstance(c, GrantCall) and c.at >= at]
+        assert grant.through_episode == 60
+
+
+async def test_pause_holds_publication_and_the_trainer_at_its_grant_and_resume_goes_on() -> None:
+    async with running_core() as core:
+        run = await core.create(max_episodes=100)  # lead 20
+        watch = core.watch(run.id)
+        await core.wait_episode(run.id, 12)
+        paused = await core.registry.pause(run.id)
+        assert paused.state is RunState.PAUSED
+        at_pause = asyncio.get_running_loop().time()
+        grants_at_pause = len(core.connector.grants(run.id))
+
+        await asyncio.sleep(30.0)
+        held = await core.run(run.id)
+        job = core.connector.job(run.id)
+        granted = core.connector.granted(run.id)
+        assert held.state is RunState.PAUSED
+        assert held.episode == paused.episode  # nothing published while paused
+        assert held.trainer_episode == job.last_produced == granted  # trained up to its grant
+        assert granted <= paused.episode + 20  # ... which is the lead beyond what was published
+        assert len(core.connector.grants(run.id)) == grants_at_pause  # and got no new grant
+        assert held.state_detail == (
+            f"paused at episode {held.episode}; training holds at episode {granted} "
+            f"(granted through {granted})"
+        )
+        # Watchers hear keepalives (every keepalive_s) saying the run is paused.
+        keepalives = [k for at, k in watch.of(Keepalive) if at > at_pause]
+        assert len(keepalives) == 30 // 5
+        assert {k.state for k in keepalives} == {RunState.PAUSED}
+        assert {k.last_episode for k in keepalives} == {paused.episode}
+
+        resumed = await core.registry.resume(run.id)
+        assert resumed.state is RunState.RUNNING
+        await watch.ended()
+        assert watch.numbers() == list(range(1, 101))
+        assert watch.finished is not None and watch.finished.state is RunState.DONE
+        assert len(core.connector.grants(run.id)) > grants_at_pause
+
+
+async def test_pausing_twice_is_a_no_op_and_resuming_a_running_run_too() -> None:
+    async with running_core() as core:
+        run = await core.create(max_episodes=100)
+        await core.wait_state(run.id, RunState.RUNNING)
+        assert (await core.registry.resume(run.id)).state is RunState.RUNNING
+        await core.registry.pause(run.id)
+        assert (await core.registry.pause(run.id)).state is RunState.PAUSED
+        stopped = await core.registry.stop(run.id)
+        with pytest.raises(IllegalTransition, match=r"cannot resume run .*: it is STOPPED"):
+            await core.registry.resume(run.id)
+        assert stopped.state is RunState.STOPPED
+
+
+async def test_stop_cancels_the_trainer_job_and_ends_the_run_stopped() -> None:
+    async with running_core() as core:
+        run = await core.create(max_episodes=100)
+        watch = core.watch(run.id)
+        await core.wait_episode(run.id, 5)
+        stopped = await core.registry.stop(run.id)
+        assert stopped.state is RunState.STOPPED
+        await until(lambda: core.connector.cancels(run.id), "CancelJob of the stopped run")
+        await watch.ended()
+
+        [cancel] = core.connector.cancels(run.id)
+        assert cancel.address == "t1"
+        assert run.id not in core.trainer.jobs  # the trainer freed the job
+        assert core.trainer.slots_free == core.trainer.slots_total
+        assert watch.finished is not None and watch.finished.state is RunState.STOPPED
+        assert watch.numbers() == list(range(1, watch.finished.episode + 1))
+        # Nothing is published once it stopped.
+        await asyncio.sleep(5.0)
+        final = await core.run(run.id)
+        assert (final.state, final.episode) == (RunState.STOPPED, stopped.episode)
+
+
+async def test_stop_while_paused_cancels_the_job_too() -> None:
+    async with running_core() as core:
+        run = await core.create(max_episodes=100)
+        await core.wait_episode(run.id, 3)
+        await core.registry.pause(run.id)
+        await core.registry.stop(run.id)
+        await until(lambda: core.connector.cancels(run.id), "CancelJob of the stopped run")
+        assert (await core.run(run.id)).state is RunState.STOPPED
