@@ -157,6 +157,16 @@ def virtual_loop(main: Callable[[], Coroutine[Any, Any, T]], end: float = END_OF
     try:
         return loop.run_until_complete(main())
     finally:
+        # What outlives the test (a trainer's job the core left for a re-attach) ends here, as
+        # asyncio.run ends it.
+        loop.run_until_complete(_cancel_the_rest())
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.run_until_complete(loop.shutdown_default_executor())
         loop.close()
+
+
+async def _cancel_the_rest() -> None:
+    rest = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
