@@ -1,4 +1,4 @@
-"""The parts of process-per-job GRPO that need no training stack: the channel's frames, slots
+"""The parts of process-per-job GRPO that need no training stack: the channel's messages, slots
 that are devices, multi-slot jobs in the runner, how a failed job is described, and a real rank
 process that reports a bad job spec and takes its group down when the trainer goes away."""
 
@@ -9,7 +9,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,26 +39,31 @@ WAIT = 10.0
 # -- the channel -------------------------------------------------------------------------------
 
 
-def test_frames_survive_any_split_and_oversized_ones_are_refused() -> None:
-    a, b = socket.socketpair()
-    sender = wire.FrameSocket(a)
-    sender.send_step(7)
-    sender.send(wire.EPISODE, b"x" * 70_000)
-    sender.send_json(wire.ERROR, {"kind": "crash"})
-    a.shutdown(socket.SHUT_WR)
-    data = b""
-    while chunk := b.recv(1 << 20):
-        data += chunk
-    reader = wire.FrameReader()
-    frames = [f for i in range(len(data)) for f in reader.feed(data[i : i + 1])]
-    assert [kind for kind, _ in frames] == [wire.STEP, wire.EPISODE, wire.ERROR]
-    assert wire.step_of(frames[0][1]) == 7 and frames[1][1] == b"x" * 70_000
-    assert json.loads(frames[2][1]) == {"kind": "crash"}
-    with pytest.raises(ValueError, match="exceeds"):
-        list(wire.FrameReader().feed(wire.END + (wire.MAX_FRAME + 1).to_bytes(4, "big")))
-    assert wire.FrameSocket(b).recv() is None  # end of file
-    a.close()
-    b.close()
+def test_messages_keep_their_kind_and_payload_and_oversized_ones_break_the_channel() -> None:
+    trainer, rank_connection = wire.ChannelEnd.pair()
+    rank = wire.ChannelEnd(rank_connection)
+    assert rank.send_step(7)
+    assert rank.send(wire.EPISODE, b"x" * 70_000)
+    assert rank.send_json(wire.ERROR, {"kind": "crash"})
+    assert rank.send(wire.BEAT)
+    messages, closed = trainer.read_available()
+    assert [kind for kind, _ in messages] == [wire.STEP, wire.EPISODE, wire.ERROR, wire.BEAT]
+    assert wire.step_of(messages[0][1]) == 7 and messages[1][1] == b"x" * 70_000
+    assert json.loads(messages[2][1]) == {"kind": "crash"} and messages[3][1] == b""
+    assert not closed and trainer.read_available() == ([], False)
+    # A message over the limit is a broken peer: the channel reports it and gives up.
+    oversized = threading.Thread(target=rank.send, args=(wire.EPISODE, b"x" * wire.MAX_MESSAGE))
+    oversized.start()
+    assert trainer.recv() is None and trainer.failure
+    trainer.close()
+    oversized.join(WAIT)
+    assert not rank.send(wire.BEAT)  # the peer is gone: False, nothing raised
+    rank.close()
+    ours, theirs = wire.ChannelEnd.pair()
+    wire.ChannelEnd(theirs).close()
+    assert ours.recv() is None and ours.failure is None  # end of file
+    assert ours.read_available() == ([], True)
+    ours.close()
 
 
 # -- slots are devices -------------------------------------------------------------------------
@@ -197,9 +201,9 @@ def test_the_first_report_wins_and_provider_errors_pass_as_they_are() -> None:
 
 
 @pytest.fixture
-def rank_process() -> Iterator[tuple[subprocess.Popen[bytes], wire.FrameSocket]]:
-    """A rank process in a process group of its own, talking to this test over a socket pair."""
-    ours, theirs = socket.socketpair()
+def rank_process() -> Iterator[tuple[subprocess.Popen[bytes], wire.ChannelEnd]]:
+    """A rank process in a process group of its own, talking to this test over its channel."""
+    ours, theirs = wire.ChannelEnd.pair()
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "trainer_service.providers.grpo.worker"),
@@ -211,33 +215,32 @@ def rank_process() -> Iterator[tuple[subprocess.Popen[bytes], wire.FrameSocket]]
         env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'clients'}"},
     )
     theirs.close()
-    frames = wire.FrameSocket(ours)
     try:
-        yield proc, frames
+        yield proc, ours
     finally:
-        frames.close()
+        ours.close()
         if proc.poll() is None:
             proc.kill()
         proc.wait(WAIT)
 
 
-def _frames_until_end(frames: wire.FrameSocket) -> list[tuple[bytes, bytes]]:
+def _messages_until_end(channel: wire.ChannelEnd) -> list[tuple[bytes, bytes]]:
     out = []
-    while (frame := frames.recv()) is not None:
-        out.append(frame)
+    while (message := channel.recv()) is not None:
+        out.append(message)
     return out
 
 
 def test_a_rank_reports_a_bad_job_spec_as_a_crash_and_exits(
-    rank_process: tuple[subprocess.Popen[bytes], wire.FrameSocket],
+    rank_process: tuple[subprocess.Popen[bytes], wire.ChannelEnd],
 ) -> None:
-    proc, frames = rank_process
+    proc, channel = rank_process
     spec = {
         **{"run_id": "run-bad", "rank": 0, "world_size": 1, "device": "cpu"},
         **{"task": base64.b64encode(b"\xff\xff\xff").decode(), "config": "", "log": {}},
     }
-    frames.send_json(wire.JOB, spec)
-    received = _frames_until_end(frames)
+    channel.send_json(wire.JOB, spec)
+    received = _messages_until_end(channel)
     errors = [json.loads(payload) for kind, payload in received if kind == wire.ERROR]
     assert len(errors) == 1 and errors[0]["kind"] == "crash"
     assert errors[0]["exception"] == "DecodeError" and "Traceback" in errors[0]["detail"]
@@ -245,11 +248,12 @@ def test_a_rank_reports_a_bad_job_spec_as_a_crash_and_exits(
 
 
 def test_a_rank_takes_its_process_group_down_when_the_trainer_goes_away(
-    rank_process: tuple[subprocess.Popen[bytes], wire.FrameSocket],
+    rank_process: tuple[subprocess.Popen[bytes], wire.ChannelEnd],
 ) -> None:
-    proc, frames = rank_process
+    proc, channel = rank_process
     deadline = time.monotonic() + WAIT
-    while (frame := frames.recv()) is not None and frame[0] != wire.BEAT:
+    while (message := channel.recv()) is not None and message[0] != wire.BEAT:
         assert time.monotonic() < deadline
-    frames.close()  # what the trainer's death looks like from the rank
+    channel.close()  # what the trainer's death looks like from the rank
     assert proc.wait(WAIT) == -signal.SIGKILL  # it killed its whole group, itself included
+

@@ -2,9 +2,9 @@
 
 The trainer starts each rank as ``python -m trainer_service.providers.grpo.worker`` (a fresh
 interpreter that finds its entry point by module name, never a fork of the trainer), with its
-end of a socket pair passed as ``--fd`` and its process group chosen by the caller (rank 0 leads
-a new one; the others join it). The rank's first frame is its ``JOB`` spec (:func:`job_spec`):
-everything it needs to build the same trainer as every other rank.
+end of the job's channel (:mod:`.wire`) passed as ``--fd`` and its process group chosen by the
+caller (rank 0 leads a new one; the others join it). The rank's first message is its ``JOB``
+spec (:func:`job_spec`): everything it needs to build the same trainer as every other rank.
 
 :mod:`.process` drives what happens once a rank is started.
 
@@ -17,7 +17,6 @@ import base64
 import os
 import pathlib
 import pickle
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -26,7 +25,7 @@ from trainer_service.core.provider import ProviderError, TrainJob
 from trainer_service.providers.grpo import wire
 from trainer_service.providers.grpo.library_output import WorkerLogging
 
-#: Seconds between a rank's BEAT frames.
+#: Seconds between a rank's BEAT messages.
 BEAT_S = 1.0
 _WORKER_MODULE = "trainer_service.providers.grpo.worker"
 # Launcher variables a trainer may itself have been started with; a job sets its own.
@@ -97,7 +96,7 @@ def job_spec(
     backend: str,
     scratch: pathlib.Path,
 ) -> dict[str, Any]:
-    """The ``JOB`` frame's payload for rank ``rank`` (it also makes the rank's output dir)."""
+    """The ``JOB`` message's payload for rank ``rank`` (it also makes the rank's output dir)."""
     logging_like = WorkerLogging.like_this_process(None)
     formatter = None
     if logging_like.formatter is not None:
@@ -123,7 +122,7 @@ def job_spec(
 
 def spawn_rank(
     env: dict[str, str], pgid: int | None
-) -> tuple[subprocess.Popen[bytes], wire.FrameSocket]:
+) -> tuple[subprocess.Popen[bytes], wire.ChannelEnd]:
     """Starts one rank process and returns it with the trainer's end of its channel.
 
     Args:
@@ -133,7 +132,7 @@ def spawn_rank(
     Raises:
         ProviderError: The process could not be started.
     """
-    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    parent, child = wire.ChannelEnd.pair()
     try:
         popen = subprocess.Popen(
             [
@@ -158,4 +157,4 @@ def spawn_rank(
         ) from exc
     finally:
         child.close()
-    return popen, wire.FrameSocket(parent)
+    return popen, parent

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing.connection
 import os
 import pathlib
-import selectors
 import shutil
 import signal
 import subprocess
@@ -61,7 +61,7 @@ STOP_GRACE_S = 5.0
 DONE_GRACE_S = 60.0
 #: After the first failure, how long the trainer keeps listening for its cause.
 SETTLE_S = 2.0
-#: A rank silent this long (no frame, not even a BEAT) is named in the job's phase.
+#: A rank silent this long (no message, not even a BEAT) is named in the job's phase.
 SILENT_S = 15.0
 _POLL_S = 0.1
 
@@ -86,7 +86,6 @@ class JobProcesses:
         self.ranks: list[Rank] = []
         self.pgid: int | None = None
         self.scratch: pathlib.Path | None = None
-        self._selector = selectors.DefaultSelector()
         self._episode: episode_pb2.Episode | None = None
         self._stopping = False
         self._killed = False
@@ -105,13 +104,12 @@ class JobProcesses:
         scratch = self.scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"grpo-{self.job.run_id}-"))
         for rank in range(self.processes):
             env = launch.rank_env(extra, rank, self.processes)
-            popen, frames = launch.spawn_rank(env, self.pgid)
+            popen, channel = launch.spawn_rank(env, self.pgid)
             if self.pgid is None:
                 self.pgid = popen.pid
-            self.ranks.append(Rank(rank, popen, frames))
-            self._selector.register(frames.sock, selectors.EVENT_READ, self.ranks[-1])
+            self.ranks.append(Rank(rank, popen, channel))
             spec = launch.job_spec(self.job, rank, self.processes, devices[rank], backend, scratch)
-            frames.send_json(wire.JOB, spec)
+            channel.send_json(wire.JOB, spec)
         _LOGGER.info(
             "run %s: GRPO job started in %d process(es) %s on %s",
             self.job.run_id,
@@ -132,8 +130,8 @@ class JobProcesses:
         Raises:
             ProviderError: A rank failed, or training ended before this step.
         """
-        for rank in self.ranks:  # the same frame to every rank, in rank order
-            rank.frames.send_step(step)
+        for rank in self.ranks:  # the same message to every rank, in rank order
+            rank.channel.send_step(step)
         self._episode = None
         while self._episode is None:
             if self.job.stop_event.is_set():
@@ -166,20 +164,22 @@ class JobProcesses:
 
     def _pump(self, timeout: float) -> None:
         """Reads what the ranks sent within ``timeout`` seconds and notes who exited."""
-        for key, _ in self._selector.select(timeout):
-            rank: Rank = key.data
-            try:
-                frames, closed = rank.frames.read_available()
-            except ValueError as exc:  # an oversized frame: the rank is broken
-                frames, closed = [], True
-                _LOGGER.error("run %s: rank %d: %s", self.job.run_id, rank.rank, exc)
+        listening = [r.channel.connection for r in self.ranks if not r.closed]
+        ready = multiprocessing.connection.wait(listening, timeout)
+        for rank in self.ranks:
+            if rank.closed or rank.channel.connection not in ready:
+                continue
+            messages, closed = rank.channel.read_available()
             now = time.monotonic()
             rank.last_heard = now
-            for kind, payload in frames:
+            for kind, payload in messages:
                 self._handle(rank, kind, payload)
             if closed:
                 rank.closed = True
-                self._selector.unregister(rank.frames.sock)
+                if rank.channel.failure is not None:  # a broken peer, not a plain exit
+                    _LOGGER.error(
+                        "run %s: rank %d: %s", self.job.run_id, rank.rank, rank.channel.failure
+                    )
                 if not rank.ended and rank.failed_at is None:
                     rank.failed_at = now
         for rank in self.ranks:
@@ -252,7 +252,7 @@ class JobProcesses:
         if not self._killed:
             for rank in self.ranks:
                 if not (rank.ended or rank.closed):
-                    rank.frames.send(wire.STOP)
+                    rank.channel.send(wire.STOP)
             deadline = time.monotonic() + STOP_GRACE_S
             while time.monotonic() < deadline and not all(r.ended or r.closed for r in self.ranks):
                 self._pump(_POLL_S)
@@ -267,8 +267,7 @@ class JobProcesses:
             extra={"run_id": self.job.run_id},
         )
         for rank in self.ranks:
-            rank.frames.close()
-        self._selector.close()
+            rank.channel.close()
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None

@@ -31,7 +31,7 @@ class Rank:
 
     rank: int
     popen: subprocess.Popen[bytes]
-    frames: wire.FrameSocket
+    channel: wire.ChannelEnd
     last_heard: float = field(default_factory=time.monotonic)
     phase: str = "starting"
     ended: bool = False  #: sent END

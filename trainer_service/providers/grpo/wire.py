@@ -1,9 +1,11 @@
-"""The local channel between the trainer and a GRPO job's processes: length-prefixed frames.
+"""The local channel between the trainer and a GRPO job's processes: kinds of message and the
+:class:`ChannelEnd` that sends and receives them over a ``multiprocessing.connection``.
 
-Each rank of a job holds one end of its own ``socketpair`` (``AF_UNIX``, ``SOCK_STREAM``); the
-trainer holds the other ends. A frame is one kind byte, a 4-byte big-endian payload length and
-the payload. The trainer sends the same sequence of control frames to every rank, so every rank
-takes the same decision at every step boundary:
+Each rank of a job holds one end of its own ``multiprocessing.Pipe()`` (on Linux a Unix stream
+socket pair; the rank gets its end's descriptor as ``--fd``); the trainer holds the other ends.
+A message is one kind byte followed by its payload, sent whole with ``send_bytes`` (the
+connection frames it). The trainer sends the same sequence of control messages to every rank,
+so every rank takes the same decision at every step boundary:
 
 | kind | direction | payload |
 | --- | --- | --- |
@@ -16,8 +18,8 @@ takes the same decision at every step boundary:
 | ``ERROR`` | rank -> trainer | why the rank failed (JSON, see :func:`error_payload`) |
 | ``END`` | rank -> trainer | training returned: the last step the rank finished (8-byte int) |
 
-End of file on a socket means the other side is gone: for a rank, that the trainer died (it then
-kills its process group); for the trainer, that the rank died.
+End of file on a connection means the other side is gone: for a rank, that the trainer died (it
+then kills its process group); for the trainer, that the rank died.
 
 This module imports neither torch nor grpc.
 """
@@ -26,11 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
+import multiprocessing
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from typing import Any
 
 __all__ = [
@@ -39,12 +41,11 @@ __all__ = [
     "EPISODE",
     "ERROR",
     "JOB",
-    "MAX_FRAME",
+    "MAX_MESSAGE",
     "PHASE",
     "STEP",
     "STOP",
-    "FrameReader",
-    "FrameSocket",
+    "ChannelEnd",
     "error_payload",
 ]
 
@@ -57,60 +58,46 @@ EPISODE = b"E"
 ERROR = b"X"
 END = b"D"
 
-_HEADER = struct.Struct(">cI")
 _STEP = struct.Struct(">q")
-#: Largest payload accepted: an episode is at most ~40 KiB, a job spec a few KiB.
-MAX_FRAME = 16 << 20
+#: Largest message accepted: an episode is at most ~40 KiB, a job spec a few KiB.
+MAX_MESSAGE = 16 << 20
 
 
-class FrameReader:
-    """Reassembles frames from the bytes of a stream, in order.
-
-    Raises:
-        ValueError: From :meth:`feed`, a frame larger than :data:`MAX_FRAME` (a broken peer).
-    """
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes) -> Iterator[tuple[bytes, bytes]]:
-        """Adds bytes; yields every ``(kind, payload)`` completed by them."""
-        self._buffer += data
-        while len(self._buffer) >= _HEADER.size:
-            kind, size = _HEADER.unpack_from(self._buffer)
-            if size > MAX_FRAME:
-                raise ValueError(f"frame of {size} bytes exceeds {MAX_FRAME}")
-            end = _HEADER.size + size
-            if len(self._buffer) < end:
-                return
-            payload = bytes(self._buffer[_HEADER.size : end])
-            del self._buffer[:end]
-            yield kind, payload
-
-
-class FrameSocket:
-    """One end of a channel: thread-safe sends, and blocking receives for one reader thread.
+class ChannelEnd:
+    """One end of a job's channel: thread-safe sends, and receives for one reader thread.
 
     Args:
-        sock: A connected stream socket.
+        connection: A connected ``multiprocessing.connection.Connection``.
+
+    Attributes:
+        connection: The connection (``multiprocessing.connection.wait`` takes it).
+        failure: Why the last receive gave up, if the connection broke rather than ended
+            (a message over :data:`MAX_MESSAGE` from a broken peer, an I/O error).
     """
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self.failure: str | None = None
+        # Connection.send_bytes is not thread-safe: a rank sends from its main thread, its
+        # heartbeat thread and its row check.
         self._send_lock = threading.Lock()
-        self._reader = FrameReader()
-        self._pending: list[tuple[bytes, bytes]] = []
 
-    def fileno(self) -> int:
-        """The socket's descriptor (for selectors)."""
-        return self.sock.fileno()
+    @classmethod
+    def pair(cls) -> tuple[ChannelEnd, Connection]:
+        """A new channel: this process's end, and the connection to hand to the rank."""
+        ours, theirs = multiprocessing.Pipe(duplex=True)
+        return cls(ours), theirs
+
+    @classmethod
+    def from_fd(cls, fd: int) -> ChannelEnd:
+        """The end whose connected socket is descriptor ``fd`` (a rank's ``--fd``)."""
+        return cls(Connection(fd))
 
     def send(self, kind: bytes, payload: bytes = b"") -> bool:
-        """Sends one frame; returns False when the peer is gone (nothing is raised)."""
-        frame = _HEADER.pack(kind, len(payload)) + payload
+        """Sends one message; returns False when the peer is gone (nothing is raised)."""
         with self._send_lock:
             try:
-                self.sock.sendall(frame)
+                self.connection.send_bytes(kind + payload)
             except OSError:
                 return False
         return True
@@ -120,49 +107,51 @@ class FrameSocket:
         return self.send(STEP, step_payload(step))
 
     def send_json(self, kind: bytes, value: Any) -> bool:
-        """Sends a frame whose payload is ``value`` as JSON."""
+        """Sends a message whose payload is ``value`` as JSON."""
         return self.send(kind, json.dumps(value).encode())
 
     def recv(self) -> tuple[bytes, bytes] | None:
-        """The next frame, blocking; ``None`` at end of file (or when the socket failed).
-
-        Raises:
-            ValueError: An oversized frame.
-        """
-        while not self._pending:
-            try:
-                data = self.sock.recv(1 << 16)
-            except OSError:
-                return None
-            if not data:
-                return None
-            self._pending.extend(self._reader.feed(data))
-        return self._pending.pop(0)
+        """The next ``(kind, payload)``, blocking; ``None`` at end of file or once broken."""
+        try:
+            return _split(self.connection.recv_bytes(MAX_MESSAGE))
+        except EOFError:
+            return None
+        except OSError as exc:
+            self.failure = str(exc)
+            return None
 
     def read_available(self) -> tuple[list[tuple[bytes, bytes]], bool]:
-        """Reads what is there without blocking (call when the socket is readable).
+        """Receives every message that has arrived, without waiting for more (call when the
+        connection is readable).
+
+        A message is sent whole, so one whose start has arrived completes at once.
 
         Returns:
-            The completed frames and whether the peer closed its end.
+            The messages and whether the peer closed its end (or the connection broke).
         """
+        messages: list[tuple[bytes, bytes]] = []
         try:
-            data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return [], False
-        except OSError:
-            return [], True
-        if not data:
-            return [], True
-        return list(self._reader.feed(data)), False
+            while self.connection.poll():
+                messages.append(_split(self.connection.recv_bytes(MAX_MESSAGE)))
+        except EOFError:
+            return messages, True
+        except OSError as exc:
+            self.failure = str(exc)
+            return messages, True
+        return messages, False
 
     def close(self) -> None:
-        """Closes the socket (idempotent)."""
+        """Closes this end (idempotent)."""
         with contextlib.suppress(OSError):
-            self.sock.close()
+            self.connection.close()
+
+
+def _split(message: bytes) -> tuple[bytes, bytes]:
+    return message[:1], message[1:]
 
 
 def step_payload(step: int) -> bytes:
-    """The payload of a ``STEP`` or ``END`` frame."""
+    """The payload of a ``STEP`` or ``END`` message."""
     return _STEP.pack(step)
 
 
@@ -180,7 +169,7 @@ def error_payload(
     reason: str = "PROVIDER_FAILED",
     exception: str = "",
 ) -> dict[str, Any]:
-    """The JSON of an ``ERROR`` frame.
+    """The JSON of an ``ERROR`` message.
 
     Args:
         kind: ``provider`` (a ``ProviderError``: shown as is) or ``crash`` (anything else).

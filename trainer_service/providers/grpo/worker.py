@@ -1,7 +1,7 @@
 """One rank of a GRPO job: ``python -m trainer_service.providers.grpo.worker --fd N ...``.
 
 The trainer starts one of these per process of a job (see :mod:`.process`), all in one process
-group, each with its own end of a socket pair (``--fd``) speaking :mod:`.wire`. A rank:
+group, each with its own end of the job's channel (``--fd``, see :mod:`.wire`). A rank:
 
 1. arms its lifeline first (:func:`.lifeline.arm_rank`: the group dies with the trainer), then
    reads its ``JOB`` spec and sets its logging up like the trainer's (before torch and friends
@@ -11,15 +11,15 @@ group, each with its own end of a socket pair (``--fd``) speaking :mod:`.wire`. 
    ``LazyGRPOTrainer`` as the in-thread provider: TRL's own sampler and gathering do the rest.
    Every rank decodes its own rows in its own DataLoader workers; the index stream comes from
    each rank's ``RepeatSampler`` (one seed for all ranks), never from a worker;
-3. trains one optimizer step per ``STEP`` frame. :class:`StepGate` waits for the next frame at
-   each step's ``on_log``, after the step's collectives are done, so a paused job waits with no
-   collective pending (none can time out), and every rank reads the same frame sequence, so all
+3. trains one optimizer step per ``STEP`` message. :class:`StepGate` waits for the next message
+   at each step's ``on_log``, after the step's collectives are done, so a paused job waits with
+   no collective pending (none can time out), and every rank reads the same messages, so all
    ranks run the same steps and stop at the same boundary (a ``STOP`` reaches every rank within
    one optimizer step). Rank 0 sends each step's episode before it waits;
 4. reports ``END`` (with the last step it finished) when training returned, or ``ERROR`` (a
    ``ProviderError`` as it is, anything else as a crash with its traceback), and exits at once.
 
-Phases go to the trainer as ``PHASE`` frames and a ``BEAT`` goes out every second from a thread
+Phases go to the trainer as ``PHASE`` messages and a ``BEAT`` goes out every second from a thread
 of its own, so the trainer sees a slow load or step, and a rank that went silent.
 """
 
@@ -34,7 +34,6 @@ import os
 import pathlib
 import pickle
 import queue
-import socket
 import sys
 import threading
 import traceback
@@ -57,16 +56,16 @@ JOB_TIMEOUT_S = 60.0
 class RankChannel:
     """A rank's side of the channel: a reader thread, a heartbeat thread and the step queue.
 
-    The reader is the only thread that reads the socket. End of file there means the trainer
+    The reader is the only thread that reads the channel. End of file there means the trainer
     is gone (or gave up on this job) while the rank still works: it kills the job's group.
 
     Args:
-        frames: The rank's end of the socket pair.
-        beat_s: Seconds between ``BEAT`` frames.
+        end: The rank's end of the job's channel.
+        beat_s: Seconds between ``BEAT`` messages.
     """
 
-    def __init__(self, frames: wire.FrameSocket, beat_s: float = 1.0) -> None:
-        self.frames = frames
+    def __init__(self, end: wire.ChannelEnd, beat_s: float = 1.0) -> None:
+        self.end = end
         self.beat_s = beat_s
         self.stopped = threading.Event()  #: set once a STOP arrived
         self.last_step = 0  #: the last optimizer step this rank finished (reported with END)
@@ -81,26 +80,23 @@ class RankChannel:
 
     def _read(self) -> None:
         while True:
-            try:
-                frame = self.frames.recv()
-            except ValueError:
-                frame = None
-            if frame is None:
+            message = self.end.recv()
+            if message is None:
                 if not self.finishing.is_set():
                     lifeline.kill_own_group("the trainer closed this job's channel")
                 self._controls.put((wire.STOP, b""))
                 return
-            kind, payload = frame
+            kind, payload = message
             if kind == wire.JOB:
                 self._job.put(payload)
             elif kind in (wire.STEP, wire.STOP):
                 if kind == wire.STOP:
                     self.stopped.set()
-                self._controls.put(frame)
+                self._controls.put(message)
 
     def _beat(self) -> None:
         while not self.finishing.wait(self.beat_s):
-            if not self.frames.send(wire.BEAT):
+            if not self.end.send(wire.BEAT):
                 return
 
     def job(self, timeout: float) -> dict[str, Any] | None:
@@ -111,7 +107,7 @@ class RankChannel:
             return None
 
     def wait_step(self, step: int) -> bool:
-        """Blocks for the next control frame: True for ``STEP step``, False for ``STOP``.
+        """Blocks for the next control message: True for ``STEP step``, False for ``STOP``.
 
         Raises:
             RuntimeError: A ``STEP`` for another step (the trainer broke the protocol).
@@ -126,7 +122,7 @@ class RankChannel:
 
     def send_phase(self, phase: str) -> None:
         """Reports what the rank does."""
-        self.frames.send(wire.PHASE, phase.encode())
+        self.end.send(wire.PHASE, phase.encode())
 
 
 def _apply_logging(spec: Mapping[str, Any]) -> None:
@@ -169,10 +165,10 @@ def make_step_gate(maker: EpisodeMaker | None, channel: RankChannel, max_steps: 
             self.last_step = channel.last_step = state.global_step
             if maker is not None and not maker.counter.finished:
                 episode = maker.make(logs)
-                channel.frames.send(wire.EPISODE, episode.SerializeToString())
+                channel.end.send(wire.EPISODE, episode.SerializeToString())
             if state.global_step >= max_steps:
                 return control
-            # Every rank reads the same frame here, after the step's collectives: all run the
+            # Every rank reads the same message here, after the step's collectives: all run the
             # next step or all stop, and none waits inside a collective while a run is paused.
             if not channel.wait_step(state.global_step + 1):
                 control.should_training_stop = True
@@ -195,7 +191,7 @@ def _set_up_distributed(spec: Mapping[str, Any]) -> None:
 
 
 def _train(spec: Mapping[str, Any], channel: RankChannel) -> None:
-    """Builds the trainer and trains one step per ``STEP`` frame (see the module docstring)."""
+    """Builds the trainer and trains one step per ``STEP`` message (see the module docstring)."""
     from trainer_service.core.provider import EpisodeCounter, TrainJob
     from trainwire.v1 import episode_pb2
 
@@ -236,7 +232,7 @@ def _train(spec: Mapping[str, Any], channel: RankChannel) -> None:
                 try:
                     lazy.check_rows(scan_stop)
                 except Exception as exc:  # reported: the trainer ends the job
-                    channel.frames.send_json(wire.ERROR, _describe(exc))
+                    channel.end.send_json(wire.ERROR, _describe(exc))
 
             threading.Thread(target=check_rows, name="grpo-rows", daemon=True).start()
         if not channel.wait_step(1):
@@ -286,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lifeline.arm_rank(args.parent_pid)
     os.set_inheritable(args.fd, False)  # the fork server and DataLoader workers never hold it
-    channel = RankChannel(wire.FrameSocket(socket.socket(fileno=args.fd)))
+    channel = RankChannel(wire.ChannelEnd.from_fd(args.fd))
     channel.start()
     spec = channel.job(JOB_TIMEOUT_S)
     if spec is None:
@@ -311,7 +307,7 @@ def _exit(channel: RankChannel, kind: bytes, payload: bytes, status: int) -> NoR
     (:mod:`.lifeline`).
     """
     channel.finishing.set()
-    channel.frames.send(kind, payload)
+    channel.end.send(kind, payload)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
