@@ -2,9 +2,9 @@
 
 ``python bench/grpo_learning.py`` builds the offline tiny VLM (random weights) and a four-colour
 demo dataset into a temp dir, then for each seed runs the ``grpo`` provider's generator exactly
-as the trainer does (``provider.run(job)``) with a task that sets only the model, the dataset,
-the reward (``exact_match``) and the number of steps, so every other setting is the provider's
-default. It prints, per seed:
+as the trainer does (``process.run(job)``: the job in a process of its own) with a task that
+sets only the model, the dataset, the reward (``exact_match``) and the number of steps, so
+every other setting is the provider's default. It prints, per seed:
 
 - the mean ``exact_match`` reward of the first and of the last 10 optimizer steps, and the
   first step at which the trailing 10-step mean reaches 0.9 (``steps-to-0.9``);
@@ -44,7 +44,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch
 
 from trainer_service.core.provider import TrainJob
-from trainer_service.providers.grpo import provider
+from trainer_service.providers.grpo import process
 from trainer_service.providers.grpo.settings import Settings
 from trainer_service.tools import make_demo_dataset, make_tiny_vlm
 from trainwire.v1 import episode_pb2
@@ -86,7 +86,7 @@ class Curve:
 
 
 def run_curve(root: pathlib.Path, dataset: str, steps: int, seed: int) -> Curve:
-    """Trains through ``provider.run`` with only model, dataset, reward and steps set."""
+    """Trains through ``process.run`` with only model, dataset, reward and steps set."""
     task = episode_pb2.TrainTask(
         grpo=episode_pb2.GrpoTask(
             model_path=MODEL_DIR, dataset_path=dataset, reward_functions=["exact_match"]
@@ -102,7 +102,7 @@ def run_curve(root: pathlib.Path, dataset: str, steps: int, seed: int) -> Curve:
         stop_event=threading.Event(),
     )
     start = time.perf_counter()
-    rewards = tuple(episode.reward for episode in provider.run(job))
+    rewards = tuple(episode.reward for episode in process.run(job))
     return Curve(rewards, time.perf_counter() - start)
 
 

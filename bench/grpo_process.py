@@ -3,9 +3,9 @@
 ``python bench/grpo_process.py`` builds the offline tiny VLM and a demo dataset into a temp dir
 and runs the same GRPO task (same seed, model, data and per-process settings) four ways:
 
-- **in-thread**: the provider's generator in this process (``provider.run``), as the trainer
-  ran GRPO before jobs had processes of their own; the training stack is imported first, as
-  it was in a trainer that had run a GRPO job before;
+- **this process**: TRL training the task right here (``build.build_trainer(...).train()``),
+  with no channel and no episodes, a callback noting when each step's log arrives: the
+  baseline; the training stack is imported first, as in a process that has trained before;
 - **child process**: the trainer's provider (``process.run``): one rank process, driven one
   optimizer step per pull over the local channel;
 - **2 processes, same per-process batch**: two ranks under gloo, each with the batch above
@@ -13,11 +13,11 @@ and runs the same GRPO task (same seed, model, data and per-process settings) fo
 - **2 processes, same total batch**: two ranks, each with half the batch (the same
   completions per step as one process).
 
-For each it prints the start-up time (from asking for the first episode until it arrives, less
-the median step: loading, for the child also the interpreter and the imports) and the median and
-90th-percentile step time (wall time between consecutive episodes, first step excluded; the
+For each it prints the start-up time (from the start until the first step is done, less the
+median step: loading, for the child also the interpreter and the imports) and the median and
+90th-percentile step time (wall time between consecutive steps, first step excluded; the
 consumer asks for the next episode at once). The process boundary's cost per step is the child's
-median step less the in-thread one. Everything runs on the CPU with one torch thread per process.
+median step less this process's. Everything runs on the CPU with one torch thread per process.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -62,17 +63,44 @@ def _task(args: argparse.Namespace, processes: int, batch: int) -> episode_pb2.T
     )
 
 
-def _measure(
-    run: Callable[[TrainJob], Iterator[episode_pb2.Episode]], job: TrainJob
-) -> tuple[float, list[float]]:
-    """(seconds to the first episode, seconds between consecutive episodes)."""
+def _child_processes(job: TrainJob) -> list[float]:
+    """When each episode of the trainer's provider (``process.run``) arrived."""
     checker = StreamChecker.for_task(job.task, job.config, job.run_id)
-    start = time.perf_counter()
     stamps = []
-    for episode in run(job):
+    for episode in process.run(job):
         stamps.append(time.perf_counter())
         checker.check(episode)
     checker.finish()
+    return stamps
+
+
+def _this_process(job: TrainJob) -> list[float]:
+    """When each optimizer step's log arrived, with TRL training ``job`` in this process."""
+    from transformers import TrainerCallback
+
+    from trainer_service.providers.grpo.build import build_trainer
+    from trainer_service.providers.grpo.callback import is_step_log
+
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):  # type: ignore[misc]
+        last_step = 0
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> Any:
+            if is_step_log(logs, state.global_step, self.last_step):
+                self.last_step = state.global_step
+                stamps.append(time.perf_counter())
+            return control
+
+    with tempfile.TemporaryDirectory(prefix="grpo-process-bench-run-") as scratch:
+        build_trainer(job, [Stamp()], output_dir=scratch).train()
+    return stamps
+
+
+def _measure(run: Callable[[TrainJob], list[float]], job: TrainJob) -> tuple[float, list[float]]:
+    """(seconds to the first step, seconds between consecutive steps)."""
+    start = time.perf_counter()
+    stamps = run(job)
     return stamps[0] - start, [b - a for a, b in itertools.pairwise(stamps)]
 
 
@@ -102,13 +130,13 @@ def main() -> None:
                 stop_event=threading.Event(),
             )
 
-        from trainer_service.providers.grpo import provider  # the stack, once, as a warm trainer
+        from trainer_service.providers.grpo import build  # noqa: F401  the stack, once
 
         cases = [
-            ("in-thread", provider.run, job(1, batch)),
-            ("child process", process.run, job(1, batch)),
-            ("2 processes, same per-process batch", process.run, job(2, batch)),
-            ("2 processes, same total batch", process.run, job(2, batch // 2)),
+            ("this process", _this_process, job(1, batch)),
+            ("child process", _child_processes, job(1, batch)),
+            ("2 processes, same per-process batch", _child_processes, job(2, batch)),
+            ("2 processes, same total batch", _child_processes, job(2, batch // 2)),
         ]
         rows = []
         for name, run, case in cases:
@@ -126,10 +154,10 @@ def main() -> None:
         print(
             f"{name:38} {startup:8.2f}s {median * 1000:7.1f}ms {p90 * 1000:7.1f}ms  {per_step:>6}"
         )
-    in_thread, child = rows[0][2], rows[1][2]
+    here, child = rows[0][2], rows[1][2]
     print(
-        f"process boundary: {(child - in_thread) * 1000:+.1f} ms per step "
-        f"({(child / in_thread - 1) * 100:+.1f} %); start-up {rows[1][1] - rows[0][1]:+.2f} s"
+        f"process boundary: {(child - here) * 1000:+.1f} ms per step "
+        f"({(child / here - 1) * 100:+.1f} %); start-up {rows[1][1] - rows[0][1]:+.2f} s"
     )
 
 

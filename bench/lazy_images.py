@@ -1,4 +1,4 @@
-"""Benchmark: the lazy image dataset against the materialized path, and the GRPO streaming cost.
+"""Benchmark: the lazy image dataset against the materialized path, and the GRPO step gate's cost.
 
 Prints, side by side in one run (``python bench/lazy_images.py``):
 
@@ -11,7 +11,7 @@ Prints, side by side in one run (``python bench/lazy_images.py``):
 3. disk cache: per-image time without a cache, on a miss and on a hit, for the PNG set and for
    expensive sources (JPEG photos of 1, 6 and 12 megapixels);
 4. decodes per unique row over GRPO-style batches (``RepeatSampler``), without and with the memo;
-5. GRPO step time on the tiny VLM with the streaming callback vs plain TRL (target < 2 %).
+5. GRPO step time on the tiny VLM with a rank's step gate vs plain TRL (target < 2 %).
 
 Everything runs on CPU with one torch thread; images and the tiny model are generated into a
 temp dir. ``--rows`` trades precision for time (default 400, a few minutes on 2 cores).
@@ -215,14 +215,17 @@ def decodes_per_row(jsonl: pathlib.Path, root: pathlib.Path, memo_rows: int) -> 
 
 
 def grpo_step_times(root: pathlib.Path, steps: int, repeats: int) -> dict[str, Any]:
-    """Step time of plain TRL vs TRL + streaming callback, alternating runs.
+    """Step time of plain TRL vs TRL + a rank's step gate, alternating runs.
 
-    Per run the median TRL ``step_time``; across runs the minimum (the run least disturbed by
-    other load on a shared box). The callback's own time is measured directly as well.
+    The gate is the callback every rank of a job trains with (``callback.StepGate``), here
+    with a channel that grants every step at once, so what is timed is its own work: making and
+    serializing each step's episode. Per run the median TRL ``step_time``; across runs the
+    minimum (the run least disturbed by other load on a shared box). The gate's own time is
+    measured directly as well.
     """
     from trainer_service.core.provider import EpisodeCounter, TrainJob
-    from trainer_service.providers.grpo import provider
-    from trainer_service.providers.grpo.callback import EpisodeHandoff, StreamingCallback, _End
+    from trainer_service.providers.grpo.build import build_trainer
+    from trainer_service.providers.grpo.callback import EpisodeMaker
     from trainer_service.providers.grpo.rewards import CompletionTap
     from trainwire.v1 import episode_pb2
 
@@ -246,61 +249,54 @@ def grpo_step_times(root: pathlib.Path, steps: int, repeats: int) -> dict[str, A
         image_cache_dir=None,
         stop_event=threading.Event(),
     )
-    results: dict[str, list[float]] = {"plain": [], "streaming": []}
+    results: dict[str, list[float]] = {"plain": [], "gated": []}
     callback_s: list[float] = []
     for _ in range(repeats):
-        for mode in ("plain", "streaming"):
+        for mode in ("plain", "gated"):
             with tempfile.TemporaryDirectory() as scratch:
                 if mode == "plain":
-                    trainer = provider.build_trainer(job, output_dir=scratch)
+                    trainer = build_trainer(job, output_dir=scratch)
                     trainer.train()
                 else:
-                    counter = EpisodeCounter(steps)
-                    handoff = EpisodeHandoff()
                     tap = CompletionTap()
-                    callback = _TimedCallback(counter, handoff, job.stop_event, tap)
-                    trainer = provider.build_trainer(job, [callback], output_dir=scratch, tap=tap)
-                    consumer = threading.Thread(target=_consume, args=(handoff,))
-                    consumer.start()
+                    maker = EpisodeMaker(EpisodeCounter(steps), tap)
+                    gate = _TimedGate(maker, _GrantingChannel(), steps)
+                    trainer = build_trainer(job, [gate], output_dir=scratch, tap=tap)
                     trainer.train()
-                    handoff.finish()
-                    consumer.join()
-                    callback_s.append(callback.spent / steps)
+                    callback_s.append(gate.spent / steps)
                 times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
                 results[mode].append(statistics.median(times[1:]))  # first step warms up
-    del StreamingCallback, _End
     plain = min(results["plain"])
-    streaming = min(results["streaming"])
+    gated = min(results["gated"])
     return {
         "plain_ms": plain * 1000,
-        "streaming_ms": streaming * 1000,
-        "overhead_pct": (streaming - plain) / plain * 100,
+        "gated_ms": gated * 1000,
+        "overhead_pct": (gated - plain) / plain * 100,
         "callback_us": statistics.median(callback_s) * 1e6,
         "callback_pct": statistics.median(callback_s) / plain * 100,
     }
 
 
-def _consume(handoff: Any) -> None:
-    from trainer_service.providers.grpo.callback import _End
+class _GrantingChannel:
+    """A rank's channel whose trainer grants every step at once; episodes are serialized as the
+    real channel does and dropped."""
 
-    while not isinstance(handoff.get(), _End):
-        pass
+    last_step = 0
+
+    def send_episode(self, episode: Any) -> None:
+        episode.SerializeToString()
+
+    def wait_step(self, step: int) -> bool:
+        return True
 
 
-def _make_timed_callback() -> type:
-    from trainer_service.providers.grpo.callback import StreamingCallback
+def _make_timed_gate() -> type:
+    from trainer_service.providers.grpo.callback import StepGate
 
-    class TimedCallback(StreamingCallback):
-        """The streaming callback, timing its own work (on_step_end + on_log)."""
+    class TimedGate(StepGate):  # type: ignore[misc]
+        """The step gate, timing its own work (on_log)."""
 
         spent = 0.0
-
-        def on_step_end(self, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return super().on_step_end(*args, **kwargs)
-            finally:
-                self.spent += time.perf_counter() - start
 
         def on_log(self, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
@@ -309,14 +305,14 @@ def _make_timed_callback() -> type:
             finally:
                 self.spent += time.perf_counter() - start
 
-    return TimedCallback
+    return TimedGate
 
 
-_TimedCallback: Any = None
+_TimedGate: Any = None
 
 
 def main() -> int:
-    global _TimedCallback
+    global _TimedGate
     parser = argparse.ArgumentParser(description="lazy image dataset benchmark")
     parser.add_argument("--rows", type=int, default=400, help="images (640x480) to generate")
     parser.add_argument("--grpo-steps", type=int, default=10, help="GRPO steps per run")
@@ -326,7 +322,7 @@ def main() -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
-    _TimedCallback = _make_timed_callback()
+    _TimedGate = _make_timed_gate()
     import logging
 
     logging.disable(logging.WARNING)
@@ -418,11 +414,11 @@ def main() -> int:
         )
         print(f"   {'plain TRL':24}{grpo['plain_ms']:>8.1f} ms")
         print(
-            f"   {'with streaming callback':24}{grpo['streaming_ms']:>8.1f} ms   "
+            f"   {'with the step gate':24}{grpo['gated_ms']:>8.1f} ms   "
             f"{grpo['overhead_pct']:+.1f} % (run-to-run noise included)"
         )
         print(
-            f"   {'callback own time':24}{grpo['callback_us']:>8.0f} us   "
+            f"   {'gate own time':24}{grpo['callback_us']:>8.0f} us   "
             f"{grpo['callback_pct']:.2f} % of a step (target < 2 %)"
         )
     return 0

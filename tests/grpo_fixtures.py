@@ -9,10 +9,14 @@ from __future__ import annotations
 import pathlib
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
 from trainwire.v1 import episode_pb2
+
+if TYPE_CHECKING:
+    from trainer_service.core.provider import TrainJob
 
 #: Where the fixtures put things under the data root.
 MODEL_DIR = "models/tiny-vlm"
@@ -93,7 +97,7 @@ def make_job(
     image_cache_dir: pathlib.Path | None = None,
     stop_event: threading.Event | None = None,
     set_phase: Callable[[str], None] | None = None,
-) -> object:
+) -> TrainJob:
     """A ``TrainJob`` for the grpo provider on CPU."""
     from trainer_service.core.provider import TrainJob
 

@@ -1,4 +1,5 @@
-"""GRPO learns: a shortened ``bench/grpo_learning.py`` run through the real provider generator.
+"""GRPO learns: a shortened ``bench/grpo_learning.py`` run as the trainer runs GRPO, in a process
+of its own (``process.run``, one CPU thread).
 
 The offline tiny VLM starts with random weights, so its ``exact_match`` reward on the four-colour
 demo dataset starts at or below chance (0.25). With the provider's defaults (the task sets only
@@ -12,10 +13,8 @@ from __future__ import annotations
 import pathlib
 import threading
 
-import torch
-
 from trainer_service.core.provider import TrainJob
-from trainer_service.providers.grpo import provider
+from trainer_service.providers.grpo import process
 from trainer_service.tools import make_demo_dataset, make_tiny_vlm
 from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
@@ -25,7 +24,6 @@ CHANCE = 1 / len(make_demo_dataset.DEFAULT_ANSWERS["colour"])
 
 
 def test_reward_rises_well_above_chance_in_60_steps(tmp_path: pathlib.Path) -> None:
-    torch.set_num_threads(1)
     make_tiny_vlm.build(tmp_path / "models" / "tiny-vlm")
     make_demo_dataset.build(tmp_path / "datasets" / "colours")
     task = episode_pb2.TrainTask(
@@ -48,7 +46,7 @@ def test_reward_rises_well_above_chance_in_60_steps(tmp_path: pathlib.Path) -> N
     )
     checker = StreamChecker.for_task(job.task, job.config, job.run_id)
     rewards = []
-    for episode in provider.run(job):
+    for episode in process.run(job):
         checker.check(episode)
         rewards.append(episode.reward)
         assert episode.metrics["rewards/exact_match/mean"] == episode.reward

@@ -1,4 +1,9 @@
-"""The grpo provider on the real GRPOTrainer with the offline tiny VLM (CPU, a few tiny steps)."""
+"""The grpo provider on the real GRPOTrainer with the offline tiny VLM (CPU, a few tiny steps).
+
+Jobs run as the trainer runs them, in a process of their own (``process.run``); the trainer
+builder (``build.build_trainer``) that every such process uses is also called here directly,
+where a test looks inside the trainer it builds.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import os
 import pathlib
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -20,7 +26,8 @@ from tests.grpo_fixtures import (
     tiny_grpo_task,
 )
 from trainer_service.core.provider import ProviderError
-from trainer_service.providers.grpo import provider
+from trainer_service.providers.grpo import process
+from trainer_service.providers.grpo.build import build_trainer
 from trainer_service.providers.grpo.settings import Settings
 from trainwire.contract import StreamChecker
 
@@ -30,7 +37,7 @@ __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 def _stream(job: Any) -> list[tuple[float, tuple[str, ...]]]:
     checker = StreamChecker.for_task(job.task, job.config, job.run_id)
     out = []
-    for episode in provider.run(job):
+    for episode in process.run(job):
         checker.check(episode)
         out.append((episode.reward, tuple(episode.grpo.sample_completions)))
     checker.finish()
@@ -50,8 +57,15 @@ def test_0_and_2_workers_give_the_same_stream_over_3_epochs(grpo_data_root: path
             reward_functions=("exact_match", "length"),
         )
 
-    inline = _stream(make_job(grpo_data_root, task(0), max_episodes=14, seed=11))
-    workers = _stream(make_job(grpo_data_root, task(2), max_episodes=14, seed=11))
+    # Two independent jobs, each in its own process: run side by side.
+    with ThreadPoolExecutor(2) as pool:
+        inline_job, workers_job = (
+            make_job(grpo_data_root, task(n), max_episodes=14, seed=11, run_id=f"run-w{n}")
+            for n in (0, 2)
+        )
+        inline_run = pool.submit(_stream, inline_job)
+        workers_run = pool.submit(_stream, workers_job)
+        inline, workers = inline_run.result(), workers_run.result()
     assert len(inline) == 14
     assert all(len(completions) == 2 for _, completions in inline)
     # Sampling is random over many words, so equal completions at every step mean equal index
@@ -65,7 +79,7 @@ def test_decoding_runs_in_worker_processes_once_per_row(
     grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     job = make_job(grpo_data_root, tiny_grpo_task(workers=2, num_generations=4), seed=3)
-    trainer = provider.build_trainer(job, output_dir=str(tmp_path), provenance_key="_decode")
+    trainer = build_trainer(job, output_dir=str(tmp_path), provenance_key="_decode")
     batches = iter(trainer.get_train_dataloader())
     try:
         rows = [row for _ in range(2) for row in next(batches)]
@@ -83,7 +97,7 @@ def test_model_and_dataset_problems_are_plain_provider_errors(
     grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     def build(task: Any) -> None:
-        provider.build_trainer(make_job(grpo_data_root, task), output_dir=str(tmp_path))
+        build_trainer(make_job(grpo_data_root, task), output_dir=str(tmp_path))
 
     with pytest.raises(
         ProviderError, match="model directory 'models/absent' was not found"
@@ -101,20 +115,18 @@ def test_model_and_dataset_problems_are_plain_provider_errors(
     assert info.value.reason == "MODEL_UNLOADABLE"
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_bad_row_fails_the_run_naming_its_line_and_image(
-    grpo_data_root: pathlib.Path, workers: int
-) -> None:
+def test_a_bad_row_fails_the_run_naming_its_line_and_image(grpo_data_root: pathlib.Path) -> None:
     # The last of 8 lines escapes the data root. Opening the file checks no row, so the run
-    # starts; the background check (or reading the row) fails it, naming line and image.
+    # starts; rank 0's background check of every row fails it within seconds, naming line and
+    # image, whether rows are decoded inline or in DataLoader workers (the default, here).
     rows = (grpo_data_root / DATASET_FILE).read_text().splitlines()
     bad = json.loads(rows[-1])
     bad["image_paths"] = ["../../../etc/passwd"]
     escaping = grpo_data_root / "datasets" / "demo" / "escaping.jsonl"
     escaping.write_text("\n".join([*rows[:-1], json.dumps(bad)]) + "\n")
-    task = tiny_grpo_task(dataset_path="datasets/demo/escaping.jsonl", workers=workers)
+    task = tiny_grpo_task(dataset_path="datasets/demo/escaping.jsonl", workers=2)
     with pytest.raises(ProviderError) as info:
-        list(provider.run(make_job(grpo_data_root, task, max_episodes=50)))
+        list(process.run(make_job(grpo_data_root, task, max_episodes=50)))
     assert info.value.user_message == (
         f"Dataset line {len(rows)} of escaping.jsonl: image '../../../etc/passwd' must be "
         "relative to the dataset file and stay inside the data root."
@@ -153,7 +165,7 @@ def test_unreadable_image_fails_the_run_naming_the_row(
     (demo / "broken.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     task = tiny_grpo_task(dataset_path="datasets/demo/broken.jsonl", workers=workers)
     with pytest.raises(ProviderError) as info:
-        list(provider.run(make_job(grpo_data_root, task, max_episodes=2)))
+        list(process.run(make_job(grpo_data_root, task, max_episodes=2)))
     message = info.value.user_message
     assert re.fullmatch(
         r"Dataset line \d of broken\.jsonl: image 'broken/bad\.png' could not be read\.", message

@@ -1,31 +1,35 @@
-"""The streaming callback, the episode hand-off and the provider's threads (with a fake trainer)."""
+"""A rank's step gate (its episodes, its waits for the trainer's go) and what a rank's failures
+read as, driven like Trainer's loop drives them, without a model."""
 
 from __future__ import annotations
 
 import math
-import pathlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
+import torch
 from transformers import TrainerControl, TrainerState
 
-from tests.grpo_fixtures import make_job, tiny_grpo_task
-from trainer_service.core.provider import EpisodeCounter
-from trainer_service.providers.grpo import provider
+from trainer_service.core.provider import EpisodeCounter, ProviderError
+from trainer_service.providers.grpo import wire
 from trainer_service.providers.grpo.callback import (
-    EpisodeHandoff,
-    StreamingCallback,
-    _End,
+    EpisodeMaker,
+    StepGate,
     finite_metrics,
     truncate_utf8,
 )
+from trainer_service.providers.grpo.lazy_images import DatasetError
 from trainer_service.providers.grpo.rewards import CompletionTap
+from trainer_service.providers.grpo.worker import (
+    OUT_OF_MEMORY_ADVICE,
+    RankChannel,
+    translate_error,
+)
 from trainwire.contract import MAX_COMPLETION_BYTES, StreamChecker
 from trainwire.v1 import episode_pb2
 
-ARGS: Any = None  # the callback never reads TrainingArguments
+ARGS: Any = None  # the gate never reads TrainingArguments
+WAIT = 10.0
 
 
 def _step_logs(reward: float | None) -> dict[str, float]:
@@ -36,13 +40,21 @@ def _step_logs(reward: float | None) -> dict[str, float]:
     return logs
 
 
-def _drain(handoff: EpisodeHandoff) -> list[episode_pb2.Episode]:
-    out = []
-    while not handoff._queue.empty():
-        item = handoff.get()
-        assert not isinstance(item, _End)
-        out.append(item)
-    return out
+class GrantingChannel:
+    """A rank's channel whose trainer grants every step: records episodes and waits."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.last_step = 0
+        self.episodes: list[episode_pb2.Episode] = []
+        self.waits: list[int] = []
+        self.stop_at = stop_at
+
+    def send_episode(self, episode: episode_pb2.Episode) -> None:
+        self.episodes.append(episode)
+
+    def wait_step(self, step: int) -> bool:
+        self.waits.append(step)
+        return step != self.stop_at
 
 
 def test_finite_metrics_and_truncation() -> None:
@@ -55,10 +67,9 @@ def test_finite_metrics_and_truncation() -> None:
 
 
 def test_episodes_carry_a_reward_on_every_step() -> None:
-    counter = EpisodeCounter(4)
-    handoff = EpisodeHandoff(capacity=8)
     tap = CompletionTap()
-    callback = StreamingCallback(counter, handoff, threading.Event(), tap)
+    channel = GrantingChannel()
+    gate = StepGate(EpisodeMaker(EpisodeCounter(4), tap), channel, max_steps=4)
     state, control = TrainerState(), TrainerControl()
     checker = StreamChecker("grpo", 4, "run-cb")
     # Steps 1 and 3 generated; steps 2 and 4 reused their generation batch and logged no reward.
@@ -71,12 +82,11 @@ def test_episodes_carry_a_reward_on_every_step() -> None:
         if texts is not None:
             tap.record([[{"role": "assistant", "content": t}] for t in texts])
         state.global_step = step
-        callback.on_step_end(ARGS, state, control)
-        callback.on_log(ARGS, state, control, logs=_step_logs(reward))
-        callback.on_log(ARGS, state, control, logs=_step_logs(reward))  # same step again: ignored
+        gate.on_log(ARGS, state, control, logs=_step_logs(reward))
+        gate.on_log(ARGS, state, control, logs=_step_logs(reward))  # same step again: ignored
     state.global_step = 4
-    callback.on_log(ARGS, state, control, logs={"train_runtime": 1.0, "train_loss": 0.5})
-    episodes = _drain(handoff)
+    gate.on_log(ARGS, state, control, logs={"train_runtime": 1.0, "train_loss": 0.5})
+    episodes = channel.episodes
     for episode in episodes:
         checker.check(episode)
     checker.finish()
@@ -89,122 +99,90 @@ def test_episodes_carry_a_reward_on_every_step() -> None:
     assert len(episodes[2].grpo.sample_completions) == 4
     assert all(len(t.encode()) <= MAX_COMPLETION_BYTES for t in episodes[2].grpo.sample_completions)
     assert all(math.isfinite(v) for e in episodes for v in e.metrics.values())
+    # Each step but the last waits for the trainer's go for the next one.
+    assert channel.waits == [2, 3, 4] and channel.last_step == 4
     assert not control.should_training_stop
 
 
-def test_stop_event_stops_at_step_end() -> None:
-    stop = threading.Event()
-    callback = StreamingCallback(EpisodeCounter(10), EpisodeHandoff(), stop)
-    control = TrainerControl()
-    callback.on_step_end(ARGS, TrainerState(), control)
-    assert not control.should_training_stop
-    stop.set()
-    callback.on_step_end(ARGS, TrainerState(), control)
-    assert control.should_training_stop
+def test_a_stop_from_the_trainer_stops_training_after_the_step_and_other_ranks_send_nothing() -> (
+    None
+):
+    channel = GrantingChannel(stop_at=3)
+    gate = StepGate(None, channel, max_steps=10)  # a rank other than 0
+    state, control = TrainerState(), TrainerControl()
+    for step in (1, 2):
+        state.global_step = step
+        gate.on_log(ARGS, state, control, logs=_step_logs(0.5))
+        if control.should_training_stop:
+            break
+    assert channel.waits == [2, 3] and control.should_training_stop
+    assert channel.episodes == [] and channel.last_step == 2
 
 
-def test_closed_handoff_unblocks_the_trainer_and_stops_it() -> None:
-    handoff = EpisodeHandoff(capacity=1)
-    callback = StreamingCallback(EpisodeCounter(10), handoff, threading.Event())
+def test_a_step_waits_on_the_rank_channel_for_the_trainer() -> None:
+    """A paused run: the step's episode is out and training waits for the next STEP (or STOP)."""
+    trainer, rank_end = wire.ChannelEnd.pair()
+    channel = RankChannel(wire.ChannelEnd(rank_end), beat_s=60.0)
+    channel.start()
+    gate = StepGate(EpisodeMaker(EpisodeCounter(10)), channel, max_steps=10)
+    controls: list[bool] = []
+
+    def step(n: int) -> threading.Thread:
+        def run() -> None:
+            state, control = TrainerState(), TrainerControl()
+            state.global_step = n
+            gate.on_log(ARGS, state, control, logs=_step_logs(0.5))
+            controls.append(control.should_training_stop)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    try:
+        first = step(1)
+        message = trainer.recv()
+        assert message is not None and message[0] == wire.EPISODE
+        assert episode_pb2.Episode.FromString(message[1]).episode == 1
+        first.join(0.2)
+        assert first.is_alive()  # no grant: training waits, with nothing pending
+        assert trainer.send_step(2)
+        first.join(WAIT)
+        assert not first.is_alive() and controls == [False]
+        second = step(2)
+        assert trainer.recv() is not None  # episode 2
+        assert trainer.send(wire.STOP)
+        second.join(WAIT)
+        assert controls == [False, True] and channel.stopped.is_set()
+        assert channel.last_step == 2
+    finally:
+        channel.finishing.set()  # the end of file below is expected: no group kill
+        trainer.close()
+
+
+def test_a_rank_failure_reads_as_what_the_user_can_act_on() -> None:
+    oom = translate_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried 2 GiB"))
+    assert isinstance(oom, ProviderError) and oom.user_message == OUT_OF_MEMORY_ADVICE
+    assert (oom.code, oom.reason) == ("RESOURCE_EXHAUSTED", "OUT_OF_MEMORY")
+    host = translate_error(MemoryError())
+    assert isinstance(host, ProviderError) and host.reason == "OUT_OF_MEMORY"
+    # A dataset row that failed in a DataLoader worker: torch wraps it with the traceback.
+    wrapped = DatasetError(
+        "Caught DatasetError in DataLoader worker process 0.\nOriginal Traceback (most recent "
+        "call last):\n  ...\ntrainer_service.DatasetError: Dataset line 3 of a.jsonl: bad.\n"
+    )
+    plain = translate_error(wrapped)
+    assert isinstance(plain, DatasetError)
+    assert plain.user_message == "Dataset line 3 of a.jsonl: bad." and "Traceback" in plain.detail
+    own = ProviderError("The model could not be loaded.")
+    assert translate_error(own) is own
+    other = RuntimeError("boom")
+    assert translate_error(other) is other
+
+
+def test_the_last_step_never_waits() -> None:
+    channel = GrantingChannel()
+    gate = StepGate(EpisodeMaker(EpisodeCounter(1)), channel, max_steps=1)
     state, control = TrainerState(), TrainerControl()
     state.global_step = 1
-    callback.on_log(ARGS, state, control, logs=_step_logs(1.0))  # fills the queue
-    state.global_step = 2
-    blocked = threading.Thread(
-        target=callback.on_log, args=(ARGS, state, control), kwargs={"logs": _step_logs(1.0)}
-    )
-    blocked.start()
-    blocked.join(0.2)
-    assert blocked.is_alive()  # a consumer that does not read stalls training (back-pressure)
-    handoff.close()
-    blocked.join(5)
-    assert not blocked.is_alive()
-    assert control.should_training_stop
-    handoff.finish(None)  # never blocks once closed
-
-
-class _FakeTrainer:
-    """Calls the callbacks like Trainer's inner loop does, one fake step at a time."""
-
-    lazy_dataset = None  # no rows for the provider's background check
-
-    def __init__(self, callbacks: list[Any], steps: int, step_seconds: float = 0.0) -> None:
-        self.callbacks = callbacks
-        self.steps = steps
-        self.step_seconds = step_seconds
-        self.steps_done = 0
-        self.thread: threading.Thread | None = None
-
-    def train(self) -> None:
-        self.thread = threading.current_thread()
-        state, control = TrainerState(), TrainerControl()
-        pause = threading.Event()
-        for step in range(1, self.steps + 1):
-            pause.wait(self.step_seconds)
-            state.global_step = step
-            self.steps_done = step
-            for cb in self.callbacks:
-                control = cb.on_step_end(ARGS, state, control)
-            for cb in self.callbacks:
-                control = cb.on_log(ARGS, state, control, logs=_step_logs(step / 10))
-            if control.should_training_stop:
-                return
-        if self.steps == 99:
-            raise RuntimeError("boom")
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    made: dict[str, Any] = {}
-
-    def build(job: Any, callbacks: Any, **kwargs: Any) -> _FakeTrainer:
-        trainer = _FakeTrainer(list(callbacks), made["steps"], made.get("step_seconds", 0.0))
-        made["trainer"] = trainer
-        return trainer
-
-    monkeypatch.setattr(provider, "build_trainer", build)
-    return made
-
-
-def _job(max_episodes: int, stop: threading.Event | None = None) -> Any:
-    return make_job(
-        pathlib.Path("/nonexistent"), tiny_grpo_task(), max_episodes=max_episodes, stop_event=stop
-    )
-
-
-def test_run_streams_every_step_and_joins(fake: dict[str, Any]) -> None:
-    fake["steps"] = 5
-    episodes = list(provider.run(_job(5)))
-    assert [e.episode for e in episodes] == [1, 2, 3, 4, 5] and episodes[-1].done
-    assert not fake["trainer"].thread.is_alive()
-
-
-def test_closing_the_generator_stops_training_and_joins(fake: dict[str, Any]) -> None:
-    fake["steps"] = 1000
-    fake["step_seconds"] = 0.01
-    stream: Iterator[episode_pb2.Episode] = provider.run(_job(1000))
-    assert next(stream).episode == 1
-    stream.close()  # type: ignore[attr-defined]
-    trainer = fake["trainer"]
-    assert not trainer.thread.is_alive()  # joined before close() returned
-    assert trainer.steps_done <= 4  # 1 read + 2 queued + the step in flight
-
-
-def test_stop_event_ends_the_stream_within_a_step(fake: dict[str, Any]) -> None:
-    fake["steps"] = 1000
-    fake["step_seconds"] = 0.01
-    stop = threading.Event()
-    seen = []
-    for episode in provider.run(_job(1000, stop)):
-        seen.append(episode.episode)
-        if episode.episode == 2:
-            stop.set()
-    assert seen[-1] <= 5 and not any(e == 1000 for e in seen)
-    assert not fake["trainer"].thread.is_alive()
-
-
-def test_training_errors_reach_the_consumer(fake: dict[str, Any]) -> None:
-    fake["steps"] = 99
-    with pytest.raises(RuntimeError, match="boom"):
-        list(provider.run(_job(200)))
-    assert not fake["trainer"].thread.is_alive()
+    gate.on_log(ARGS, state, control, logs=_step_logs(1.0))
+    assert channel.waits == [] and [e.done for e in channel.episodes] == [True]

@@ -1,11 +1,13 @@
-"""The parts of process-per-job GRPO that need no training stack: the channel's messages, slots
-that are devices, multi-slot jobs in the runner, how a failed job is described, and a real rank
-process that reports a bad job spec and takes its group down when the trainer goes away."""
+"""The parts of process-per-job GRPO that need no model: the channel's messages, slots that are
+devices, multi-slot jobs in the runner, how a failed job is described, a real rank process that
+reports a bad job spec and takes its group down when the trainer goes away, and whole jobs
+(``process.run``) of real rank processes whose training is scripted (``tests.fakes.grpo_rank``)."""
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -17,21 +19,26 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 
+from tests.fakes.grpo_rank import scripted_ranks
+from tests.grpo_fixtures import make_job, tiny_grpo_task
 from trainer_service.__main__ import parse_args
 from trainer_service.config import TrainerConfig
 from trainer_service.core.errors import InvalidRequest, NoFreeSlot
 from trainer_service.core.jobs import JobRunner, RunnerSettings
-from trainer_service.core.provider import TrainJob
+from trainer_service.core.provider import ProviderError, TrainJob
 from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
 from trainer_service.providers._device import slot_devices
 from trainer_service.providers.grpo import process, wire
 from trainer_service.providers.grpo.ranks import Rank
 from trainer_service.testing import FakeProvider, imitation_request
-from trainwire.contract import check_task
+from trainwire.contract import StreamChecker, check_task
 from trainwire.v1 import episode_pb2
+
+__all__ = ["scripted_ranks"]  # the fixture, re-exported for pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WAIT = 10.0
@@ -257,3 +264,75 @@ def test_a_rank_takes_its_process_group_down_when_the_trainer_goes_away(
     channel.close()  # what the trainer's death looks like from the rank
     assert proc.wait(WAIT) == -signal.SIGKILL  # it killed its whole group, itself included
 
+
+# -- whole jobs of scripted ranks --------------------------------------------------------------
+
+
+def _scripted_job(steps: int, script: str = "", **job: Any) -> Any:
+    task = tiny_grpo_task(model_path=f"scripted{script}", **job.pop("task", {}))
+    return make_job(pathlib.Path("/nonexistent"), task, max_episodes=steps, **job)
+
+
+def _ranks_left(module: str) -> list[psutil.Process]:
+    left = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if module in " ".join(child.cmdline()):
+                left.append(child)
+        except psutil.Error:
+            continue
+    return left
+
+
+def _last_steps(caplog: pytest.LogCaptureFixture) -> str:
+    (line,) = [r.getMessage() for r in caplog.records if "last step of each rank" in r.getMessage()]
+    return line.split("last step of each rank: ", 1)[1]
+
+
+def test_a_two_rank_job_streams_every_step_and_reaps_its_ranks(
+    scripted_ranks: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="trainer_service.providers.grpo.process")
+    phases: list[str] = []
+    job = _scripted_job(4, task={"num_processes": 2}, set_phase=phases.append)
+    checker = StreamChecker.for_task(job.task, job.config, job.run_id)
+    episodes = list(process.run(job))
+    for episode in episodes:
+        checker.check(episode)
+    checker.finish()
+    assert [(e.episode, e.reward) for e in episodes] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert episodes[-1].done
+    assert _last_steps(caplog) == "{0: 4, 1: 4})"  # both ranks ran every step, no more
+    assert "training" in phases  # rank 0's phases reach the job
+    assert _ranks_left(scripted_ranks) == []
+
+
+def test_the_stop_event_ends_the_stream_and_the_rank_within_one_step(
+    scripted_ranks: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="trainer_service.providers.grpo.process")
+    stop = threading.Event()
+    seen = []
+    for episode in process.run(_scripted_job(1000, stop_event=stop)):
+        seen.append(episode.episode)
+        if episode.episode == 2:
+            stop.set()  # what CancelJob and a shutdown do
+    assert seen == [1, 2]
+    # The rank had been granted step 3 when the stop came: it finishes that step, then stops.
+    assert _last_steps(caplog) in ("{0: 2})", "{0: 3})")
+    assert _ranks_left(scripted_ranks) == []
+
+
+def test_a_failing_step_ends_the_stream_with_a_provider_error_and_no_rank_left(
+    scripted_ranks: str,
+) -> None:
+    seen = []
+    with pytest.raises(ProviderError) as info:
+        for episode in process.run(_scripted_job(10, ":fail-at=3")):
+            seen.append(episode.episode)
+    assert seen == [1, 2]
+    assert info.value.user_message == (
+        "The training process failed with RuntimeError; the trainer's log has the details."
+    )
+    assert "boom" in info.value.detail and info.value.reason == "PROVIDER_FAILED"
+    assert _ranks_left(scripted_ranks) == []

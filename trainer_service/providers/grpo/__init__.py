@@ -3,8 +3,7 @@
 The trainer runs every GRPO job in processes of its own (:mod:`.process`: ``num_processes`` of
 them, one per device, under torch.distributed when there are several); :mod:`.build` makes the
 GRPOTrainer each of those processes trains (:mod:`.worker`), with the settings of
-:mod:`.settings`; :mod:`.provider` runs that training in a thread, for the benchmarks and the
-provider's own tests.
+:mod:`.settings`, and :mod:`.callback` turns its steps into episodes.
 
 Importing this package is cheap (no torch, trl or transformers): the registry imports it to list
 providers, and :func:`validate` runs before a slot is taken. Neither does :func:`run` import the

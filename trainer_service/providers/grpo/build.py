@@ -1,8 +1,8 @@
 """Builds TRL's GRPOTrainer for a job: model, processor, lazy dataset, precision and seeds.
 
 :func:`build_trainer` loads everything a job needs (errors surface as :class:`ProviderError`
-with a plain message) and returns a :class:`LazyGRPOTrainer`, ready to train; the in-thread
-provider (:mod:`.provider`) and every rank of a job (:mod:`.worker`) build it the same way.
+with a plain message) and returns a :class:`LazyGRPOTrainer`, ready to train; every rank of a
+job (:mod:`.worker`) builds it the same way.
 
 Data path: ``datasets.Dataset.from_dict({"_i": range(n)}).with_transform(RowTransform(lazy))`` —
 TRL accepts only ``datasets`` datasets, and this one holds nothing but indices, so images are

@@ -1,9 +1,11 @@
-"""Streams GRPOTrainer's optimizer steps out as episodes, and stops training on request.
+"""A rank's ``TrainerCallback``: each optimizer step's log becomes an episode, and each step waits
+for the trainer's go.
 
-``GRPOTrainer.train()`` runs in a worker thread owned by the provider; :class:`StreamingCallback`
-(a ``TrainerCallback``) turns each step's log record into an ``Episode`` and hands it to the
-consuming generator through an :class:`EpisodeHandoff` (a bounded queue, so a consumer that stops
-reading — a paused run — stalls training instead of piling up episodes).
+:class:`StepGate` runs in every rank of a GRPO job (:mod:`.worker`). At each step's ``on_log``
+(after the step's collectives are done) rank 0 turns the step's log record into the next episode
+(:class:`EpisodeMaker`) and sends it; then every rank waits for the trainer's next message: the
+step after (train on) or a stop (training stops after this step). A paused run thus waits with
+no collective pending, and every rank takes the same decision at every step boundary.
 
 Reward on every step: TRL logs ``reward`` only for steps that generated completions. With
 ``steps_per_generation`` > ``gradient_accumulation_steps`` (or ``num_iterations`` > 1) some
@@ -12,19 +14,14 @@ step trained on exactly that generation batch, so its episode carries that batch
 latest logged one) and ``metrics["reward_carried"] = 1.0``; steps that generated carry their own
 reward and ``reward_carried = 0.0``. The sample completions follow the same rule (they come from
 the :class:`~.rewards.CompletionTap`, which holds the latest scored batch).
-
-Stop: ``on_step_end`` sets ``control.should_training_stop`` when the job's stop event is set or
-the consumer went away, so ``train()`` returns after the current step.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
-import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -39,58 +36,6 @@ _LOGGER = logging.getLogger(__name__)
 SAMPLE_COMPLETIONS = 4
 # Keys of Trainer's end-of-training summary log; that record is not a step.
 _SUMMARY_KEYS = frozenset({"train_runtime", "train_loss", "train_samples_per_second"})
-
-
-class _End:
-    """Queue sentinel: training finished (``error`` set when it failed)."""
-
-    def __init__(self, error: BaseException | None = None) -> None:
-        self.error = error
-
-
-class EpisodeHandoff:
-    """A bounded hand-off of episodes from the training thread to the consuming generator.
-
-    Args:
-        capacity: Episodes that may wait unread before the training thread blocks.
-    """
-
-    def __init__(self, capacity: int = 2) -> None:
-        self._queue: queue.Queue[episode_pb2.Episode | _End] = queue.Queue(maxsize=capacity)
-        self.closed = threading.Event()
-
-    def put(self, episode: episode_pb2.Episode) -> bool:
-        """Blocks until the episode is queued; returns False (dropping it) once closed."""
-        while not self.closed.is_set():
-            try:
-                self._queue.put(episode, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def finish(self, error: BaseException | None = None) -> None:
-        """Marks the end of training (never blocks: the end marker always fits)."""
-        while True:
-            try:
-                self._queue.put_nowait(_End(error))
-                return
-            except queue.Full:
-                if self.closed.is_set():
-                    return
-                # Make room: an unread episode matters less than the end marker once closing.
-                try:
-                    self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-
-    def get(self) -> episode_pb2.Episode | _End:
-        """The next episode or the end marker (blocks)."""
-        return self._queue.get()
-
-    def close(self) -> None:
-        """The consumer is gone: pending and future puts are dropped."""
-        self.closed.set()
 
 
 def finite_metrics(logs: Mapping[str, Any]) -> dict[str, float]:
@@ -120,8 +65,6 @@ def is_step_log(logs: Mapping[str, Any] | None, step: int, last_step: int) -> bo
 
 class EpisodeMaker:
     """Turns one step's log record into the next episode (see the module docstring for rewards).
-
-    Shared by the in-thread :class:`StreamingCallback` and the job processes' step gate.
 
     Args:
         counter: Numbers episodes and tracks ``best_reward`` / ``done``.
@@ -163,45 +106,34 @@ class EpisodeMaker:
         return self.counter.make(reward, metrics, grpo=detail)
 
 
-class StreamingCallback(TrainerCallback):
-    """Turns GRPOTrainer step logs into episodes and stops training on request.
+class StepChannel(Protocol):
+    """What :class:`StepGate` needs of a rank's channel to the trainer."""
+
+    last_step: int  #: the last optimizer step this rank finished
+
+    def send_episode(self, episode: episode_pb2.Episode) -> None:
+        """Sends an episode to the trainer."""
+        ...
+
+    def wait_step(self, step: int) -> bool:
+        """Blocks for the trainer's next message: True to run ``step``, False to stop."""
+        ...
+
+
+class StepGate(TrainerCallback):  # type: ignore[misc]
+    """Sends rank 0's episodes and gates every optimizer step (see the module docstring).
 
     Args:
-        counter: Numbers episodes and tracks ``best_reward`` / ``done``.
-        handoff: Where episodes go.
-        stop_event: The job's stop event (cancel or shutdown).
-        tap: Holds the latest scored batch's completions.
-        samples: Sample completions per episode.
+        maker: Builds episodes (rank 0); ``None`` on other ranks.
+        channel: The rank's channel to the trainer.
+        max_steps: The job's optimizer steps.
     """
 
-    def __init__(
-        self,
-        counter: EpisodeCounter,
-        handoff: EpisodeHandoff,
-        stop_event: threading.Event,
-        tap: CompletionTap | None = None,
-        samples: int = SAMPLE_COMPLETIONS,
-    ) -> None:
-        self.counter = counter
-        self.handoff = handoff
-        self.stop_event = stop_event
-        self.tap = tap
-        self.maker = EpisodeMaker(counter, tap, samples)
+    def __init__(self, maker: EpisodeMaker | None, channel: StepChannel, max_steps: int) -> None:
+        self.maker = maker
+        self.channel = channel
+        self.max_steps = max_steps
         self.last_step = 0
-
-    def _should_stop(self) -> bool:
-        return self.stop_event.is_set() or self.handoff.closed.is_set()
-
-    def on_step_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        **kwargs: Any,
-    ) -> TrainerControl:
-        if self._should_stop():
-            control.should_training_stop = True
-        return control
 
     def on_log(
         self,
@@ -211,16 +143,15 @@ class StreamingCallback(TrainerCallback):
         logs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> TrainerControl:
-        if not is_step_log(logs, state.global_step, self.last_step) or logs is None:
+        if logs is None or not is_step_log(logs, state.global_step, self.last_step):
             return control
-        if self.counter.finished:
+        self.last_step = self.channel.last_step = state.global_step
+        if self.maker is not None and not self.maker.counter.finished:
+            self.channel.send_episode(self.maker.make(logs))
+        if state.global_step >= self.max_steps:
             return control
-        self.last_step = state.global_step
-        episode = self.build_episode(logs)
-        if not self.handoff.put(episode):
+        # Every rank reads the same message here, after the step's collectives: all run the
+        # next step or all stop, and none waits inside a collective while a run is paused.
+        if not self.channel.wait_step(state.global_step + 1):
             control.should_training_stop = True
         return control
-
-    def build_episode(self, logs: Mapping[str, Any]) -> episode_pb2.Episode:
-        """The next episode from one step's log record (see the module docstring for rewards)."""
-        return self.maker.make(logs)

@@ -27,7 +27,8 @@ from trainer_service.providers.grpo.library_output import WorkerLogging
 
 #: Seconds between a rank's BEAT messages.
 BEAT_S = 1.0
-_WORKER_MODULE = "trainer_service.providers.grpo.worker"
+#: The module each rank runs (``python -m``).
+WORKER_MODULE = "trainer_service.providers.grpo.worker"
 # Launcher variables a trainer may itself have been started with; a job sets its own.
 _DISTRIBUTED_ENV = (
     "RANK",
@@ -136,7 +137,7 @@ def spawn_rank(
     try:
         popen = subprocess.Popen(
             [
-                *(sys.executable, "-m", _WORKER_MODULE),
+                *(sys.executable, "-m", WORKER_MODULE),
                 *("--fd", str(child.fileno()), "--parent-pid", str(os.getpid())),
             ],
             pass_fds=(child.fileno(),),

@@ -12,12 +12,12 @@ itself dies (``kill -9`` included) nobody is left to do that, so each rank does 
   own thread (:func:`kill_own_group`). A rank never kills a group that holds its parent.
 - :class:`WorkerWatchdog`: a ``worker_init_fn`` wrapper for DataLoader workers. A worker is a
   child of the fork server, not of the rank, and holds the fork server's "alive" pipe open, so
-  neither notices the rank's death by itself (that is how they used to outlive a killed
-  trainer for minutes). The watchdog waits on the rank's pid (a pidfd) and exits the worker
-  when the rank is gone; the fork server then sees its pipe close and exits too.
+  neither notices the rank's death by itself: without the watchdog they would outlive a
+  killed trainer for minutes. The watchdog waits on the rank's pid (a pidfd) and exits the
+  worker when the rank is gone; the fork server then sees its pipe close and exits too.
 
-Outside a job's process group (a trainer running GRPO in a thread, the tests of the provider)
-every function here is a no-op: ``TRAINWIRE_GRPO_GROUP`` names the group a process may kill.
+Outside a job's process group (a test that builds a trainer in its own process) every function
+here is a no-op: ``TRAINWIRE_GRPO_GROUP`` names the group a process may kill.
 
 This module imports neither torch nor grpc.
 """

@@ -1,14 +1,14 @@
 """The ``grpo`` provider as the trainer runs it: every job in a process group of its own.
 
-A GRPO job used to run in a thread of the trainer. A CUDA out-of-memory, a crash in a kernel or a
-leak then hit the whole service, forking DataLoader workers next to gRPC's threads crashed them,
-and a job could use one device only. Here a job is ``num_processes`` processes
+A job in processes of its own keeps a CUDA out-of-memory, a crash in a kernel or a leak from
+hitting the whole service, keeps the forking of DataLoader workers away from gRPC's threads, and
+lets a job use several devices. A job is ``num_processes`` processes
 (``python -m trainer_service.providers.grpo.worker``, one per device, rank 0 first), started by
 the job's producer thread in a new process group led by rank 0. :func:`run` looks like any other
 provider to the service's ``RunningJob``: a generator of episodes, pulled one credited episode at
 a time. Each pull sends ``STEP n`` to every rank (:mod:`.wire`) and returns the episode rank 0
 sends back, so a job computes exactly the steps it has credit for; grants, detach/re-attach and
-the contract check stay where they were (``trainer_service.core.job``).
+the contract check are the service's (``trainer_service.core.job``).
 
 Stopping (cancel, shutdown, a closed generator): ``STOP`` to every rank (each finishes the step
 in flight, so the stop reaches every rank within one optimizer step), up to
@@ -30,8 +30,8 @@ Starting a rank (command line, environment, job spec) is :mod:`.launch`; the per
 the reading of a failure are :mod:`.ranks`; this module drives the job: steps, watching,
 stopping, killing and reaping.
 
-This module imports neither torch nor grpc: the trainer process no longer loads the training
-stack for GRPO.
+This module imports neither torch nor grpc: the trainer process never loads the training stack
+for GRPO.
 """
 
 from __future__ import annotations

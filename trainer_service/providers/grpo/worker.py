@@ -7,17 +7,20 @@ group, each with its own end of the job's channel (``--fd``, see :mod:`.wire`). 
    reads its ``JOB`` spec and sets its logging up like the trainer's (before torch and friends
    are imported, so nothing they print at import escapes it);
 2. joins torch.distributed when the job has several processes (gloo on CPU, NCCL on CUDA,
-   rendezvous through a file in the job's scratch directory) and builds the same
-   ``LazyGRPOTrainer`` as the in-thread provider: TRL's own sampler and gathering do the rest.
-   Every rank decodes its own rows in its own DataLoader workers; the index stream comes from
-   each rank's ``RepeatSampler`` (one seed for all ranks), never from a worker;
-3. trains one optimizer step per ``STEP`` message. :class:`StepGate` waits for the next message
-   at each step's ``on_log``, after the step's collectives are done, so a paused job waits with
-   no collective pending (none can time out), and every rank reads the same messages, so all
-   ranks run the same steps and stop at the same boundary (a ``STOP`` reaches every rank within
-   one optimizer step). Rank 0 sends each step's episode before it waits;
+   rendezvous through a file in the job's scratch directory) and builds the job's
+   ``LazyGRPOTrainer`` (:mod:`.build`), the same on every rank: TRL's own sampler and gathering
+   do the rest. Every rank decodes its own rows in its own DataLoader workers; the index stream
+   comes from each rank's ``RepeatSampler`` (one seed for all ranks), never from a worker;
+3. trains one optimizer step per ``STEP`` message. Its callback (:class:`.callback.StepGate`)
+   waits for the next message at each step's ``on_log``, after the step's collectives are done,
+   so a paused job waits with no collective pending (none can time out), and every rank reads
+   the same messages, so all ranks run the same steps and stop at the same boundary (a
+   ``STOP`` reaches every rank within one optimizer step). Rank 0 sends each step's episode
+   before it waits;
 4. reports ``END`` (with the last step it finished) when training returned, or ``ERROR`` (a
-   ``ProviderError`` as it is, anything else as a crash with its traceback), and exits at once.
+   ``ProviderError`` as it is, a failure with a known cause as the ``ProviderError`` that
+   :func:`translate_error` makes of it, anything else as a crash with its traceback), and exits
+   at once.
 
 Phases go to the trainer as ``PHASE`` messages and a ``BEAT`` goes out every second from a thread
 of its own, so the trainer sees a slow load or step, and a rank that went silent.
@@ -37,20 +40,22 @@ import queue
 import sys
 import threading
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from trainer_service.providers.grpo import lifeline, wire
 
 if TYPE_CHECKING:
-    from transformers import TrainerControl, TrainerState, TrainingArguments
-
-    from trainer_service.providers.grpo.callback import EpisodeMaker
+    from trainwire.v1 import episode_pb2
 
 _LOGGER = logging.getLogger("trainer_service.providers.grpo.worker")
 
 #: How long a rank waits for its job spec before giving up.
 JOB_TIMEOUT_S = 60.0
+#: What a user reads when a GPU ran out of memory.
+OUT_OF_MEMORY_ADVICE = (
+    "The GPU ran out of memory; try a smaller batch_size or max_completion_length."
+)
 
 
 class RankChannel:
@@ -124,6 +129,10 @@ class RankChannel:
         """Reports what the rank does."""
         self.end.send(wire.PHASE, phase.encode())
 
+    def send_episode(self, episode: episode_pb2.Episode) -> None:
+        """Sends one step's episode (rank 0)."""
+        self.end.send(wire.EPISODE, episode.SerializeToString())
+
 
 def _apply_logging(spec: Mapping[str, Any]) -> None:
     """Sets this process's logging up like the trainer's (format, level, library output)."""
@@ -134,47 +143,6 @@ def _apply_logging(spec: Mapping[str, Any]) -> None:
     if log.get("formatter"):
         formatter = pickle.loads(base64.b64decode(log["formatter"]))  # the trainer's own formatter
     WorkerLogging(None, formatter, int(log.get("level", logging.INFO)))(0)
-
-
-def make_step_gate(maker: EpisodeMaker | None, channel: RankChannel, max_steps: int) -> Any:
-    """The rank's ``TrainerCallback``: sends rank 0's episodes and gates every step.
-
-    Args:
-        maker: Builds episodes (rank 0); ``None`` on other ranks.
-        channel: The rank's channel.
-        max_steps: The job's optimizer steps.
-    """
-    from transformers import TrainerCallback
-
-    from trainer_service.providers.grpo.callback import is_step_log
-
-    class StepGate(TrainerCallback):  # type: ignore[misc]
-        def __init__(self) -> None:
-            self.last_step = 0
-
-        def on_log(
-            self,
-            args: TrainingArguments,
-            state: TrainerState,
-            control: TrainerControl,
-            logs: Mapping[str, Any] | None = None,
-            **kwargs: Any,
-        ) -> TrainerControl:
-            if logs is None or not is_step_log(logs, state.global_step, self.last_step):
-                return control
-            self.last_step = channel.last_step = state.global_step
-            if maker is not None and not maker.counter.finished:
-                episode = maker.make(logs)
-                channel.end.send(wire.EPISODE, episode.SerializeToString())
-            if state.global_step >= max_steps:
-                return control
-            # Every rank reads the same message here, after the step's collectives: all run the
-            # next step or all stop, and none waits inside a collective while a run is paused.
-            if not channel.wait_step(state.global_step + 1):
-                control.should_training_stop = True
-            return control
-
-    return StepGate()
 
 
 def _set_up_distributed(spec: Mapping[str, Any]) -> None:
@@ -190,7 +158,7 @@ def _set_up_distributed(spec: Mapping[str, Any]) -> None:
     )
 
 
-def _train(spec: Mapping[str, Any], channel: RankChannel) -> None:
+def _train(spec: Mapping[str, Any], channel: RankChannel, build: Callable[..., Any] | None) -> None:
     """Builds the trainer and trains one step per ``STEP`` message (see the module docstring)."""
     from trainer_service.core.provider import EpisodeCounter, TrainJob
     from trainwire.v1 import episode_pb2
@@ -201,8 +169,11 @@ def _train(spec: Mapping[str, Any], channel: RankChannel) -> None:
     config = episode_pb2.TrainConfig.FromString(base64.b64decode(spec["config"]))
     cache = spec.get("image_cache_dir")
     channel.send_phase("loading libraries")
-    from trainer_service.providers.grpo import provider
-    from trainer_service.providers.grpo.callback import EpisodeMaker
+    if build is None:
+        from trainer_service.providers.grpo.build import build_trainer
+
+        build = build_trainer
+    from trainer_service.providers.grpo.callback import EpisodeMaker, StepGate
     from trainer_service.providers.grpo.rewards import CompletionTap
 
     if world > 1:
@@ -220,10 +191,10 @@ def _train(spec: Mapping[str, Any], channel: RankChannel) -> None:
     )
     tap = CompletionTap()
     maker = EpisodeMaker(EpisodeCounter(config.max_episodes), tap) if rank == 0 else None
-    gate = make_step_gate(maker, channel, config.max_episodes)
+    gate = StepGate(maker, channel, config.max_episodes)
     scan_stop = threading.Event()
     try:
-        trainer = provider.build_trainer(job, [gate], output_dir=spec["output_dir"], tap=tap)
+        trainer = build(job, [gate], output_dir=spec["output_dir"], tap=tap)
         if rank == 0 and trainer.lazy_dataset is not None:
             lazy = trainer.lazy_dataset
 
@@ -254,11 +225,7 @@ def _train(spec: Mapping[str, Any], channel: RankChannel) -> None:
 
 def _describe(exc: BaseException) -> dict[str, Any]:
     """The ``ERROR`` payload for a failure of this rank."""
-    # Only once the training stack is loaded can the failure be one of its own (a dataset row
-    # in a worker, running out of memory); importing it here would cost seconds.
-    provider = sys.modules.get("trainer_service.providers.grpo.provider")
-    if provider is not None:
-        exc = provider.translate_error(exc)
+    exc = translate_error(exc)
     from trainer_service.core.provider import ProviderError
 
     trace = "".join(traceback.format_exception(exc))
@@ -274,8 +241,46 @@ def _describe(exc: BaseException) -> dict[str, Any]:
     return wire.error_payload("crash", str(exc), detail=trace, exception=type(exc).__name__)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs one rank; returns its exit status."""
+def translate_error(error: BaseException) -> BaseException:
+    """What the user should read of a training failure: a ``ProviderError`` with a plain message
+    where the cause is known (a dataset row, running out of memory), else ``error`` itself."""
+    from trainer_service.core.provider import ProviderError
+    from trainer_service.providers.grpo.rows import DatasetError
+
+    if isinstance(error, DatasetError) and "Original Traceback" in error.user_message:
+        # Raised in a DataLoader worker: torch re-raised it with the worker's traceback as the
+        # message. The user gets the original message (its last line); the log gets the rest.
+        last = error.user_message.strip().splitlines()[-1]
+        message = last.split("DatasetError: ", 1)[-1]
+        return DatasetError(message, detail=error.user_message)
+    if isinstance(error, ProviderError):
+        return error
+    torch = sys.modules.get("torch")  # a CUDA out-of-memory comes from a torch that is loaded
+    if torch is not None and isinstance(error, torch.cuda.OutOfMemoryError):
+        return ProviderError(
+            OUT_OF_MEMORY_ADVICE,
+            detail=str(error),
+            code="RESOURCE_EXHAUSTED",
+            reason="OUT_OF_MEMORY",
+        )
+    if isinstance(error, MemoryError):
+        return ProviderError(
+            "The training process ran out of memory; try a smaller batch_size or "
+            "max_completion_length.",
+            detail=f"MemoryError: {error}",
+            code="RESOURCE_EXHAUSTED",
+            reason="OUT_OF_MEMORY",
+        )
+    return error
+
+
+def main(argv: list[str] | None = None, build: Callable[..., Any] | None = None) -> int:
+    """Runs one rank; returns its exit status.
+
+    Args:
+        argv: The command line (default: ``sys.argv[1:]``).
+        build: Makes the trainer as :func:`.build.build_trainer` does (that by default).
+    """
     parser = argparse.ArgumentParser(prog="python -m trainer_service.providers.grpo.worker")
     parser.add_argument("--fd", type=int, required=True, help="this rank's end of the channel")
     parser.add_argument("--parent-pid", type=int, required=True, help="the trainer's pid")
@@ -291,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     _apply_logging(spec)
     channel.beat_s = float(spec.get("beat_s", channel.beat_s))
     try:
-        _train(spec, channel)
+        _train(spec, channel, build)
     except BaseException as exc:  # reported, then the rank exits
         _exit(channel, wire.ERROR, json.dumps(_describe(exc)).encode(), 1)
     _exit(channel, wire.END, wire.step_payload(channel.last_step), 0)

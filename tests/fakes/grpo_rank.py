@@ -1,0 +1,66 @@
+"""A GRPO rank whose training is scripted: the real worker (its channel, step gate, lifeline and
+reports) around a trainer that loads no model.
+
+``python -m tests.fakes.grpo_rank --fd N --parent-pid P`` is what a job's processes run once a
+test points ``launch.WORKER_MODULE`` here (the :func:`scripted_ranks` fixture), so the trainer's
+side of a job (``process.run``) is exercised with real processes in about a second each. The
+job's ``task.grpo.model_path`` is the script:
+
+- ``scripted``: one step per step granted, each logging a reward of step / 10;
+- ``scripted:fail-at=N``: step N raises ``RuntimeError("boom")``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+MODULE = "tests.fakes.grpo_rank"
+
+
+class ScriptedTrainer:
+    """Calls its callbacks' ``on_log`` once per step, as Trainer's loop does after each optimizer
+    step, and stops when one of them asks it to."""
+
+    lazy_dataset = None  # no rows for the rank's background check
+
+    def __init__(self, job: Any, callbacks: Sequence[Any], **kwargs: Any) -> None:
+        del kwargs
+        self.callbacks = list(callbacks)
+        self.steps = job.config.max_episodes
+        script = dict(
+            part.split("=", 1) for part in job.task.grpo.model_path.split(":")[1:] if "=" in part
+        )
+        self.fail_at = int(script.get("fail-at", 0))
+
+    def train(self) -> None:
+        from transformers import TrainerControl, TrainerState
+
+        state, control = TrainerState(), TrainerControl()
+        for step in range(1, self.steps + 1):
+            if step == self.fail_at:
+                raise RuntimeError("boom")
+            state.global_step = step
+            logs = {"loss": 1.0 / step, "reward": step / 10}
+            for callback in self.callbacks:
+                control = callback.on_log(None, state, control, logs=logs) or control
+            if control.should_training_stop:
+                return
+
+
+@pytest.fixture
+def scripted_ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Makes the GRPO jobs of this test run scripted ranks; yields their module name."""
+    from trainer_service.providers.grpo import launch
+
+    monkeypatch.setattr(launch, "WORKER_MODULE", MODULE)
+    yield MODULE
+
+
+if __name__ == "__main__":
+    from trainer_service.providers.grpo import worker
+
+    sys.exit(worker.main(build=ScriptedTrainer))
