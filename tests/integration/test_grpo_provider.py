@@ -1,8 +1,9 @@
 """The grpo provider on the real GRPOTrainer with the offline tiny VLM (CPU, a few tiny steps).
 
-Jobs run as the trainer runs them, in a process of their own (``process.run``); the trainer
-builder (``build.build_trainer``) that every such process uses is also called here directly,
-where a test looks inside the trainer it builds.
+A job's failures are read as the trainer reads them: the job runs in a process of its own
+(``process.run``). Properties of the trainer a rank builds (its determinism across DataLoader
+workers, where it decodes, its plain errors) are checked at that seam, in this process, with
+the builder and the step gate every rank runs (``build.build_trainer``, ``callback.StepGate``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import os
 import pathlib
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from tests.grpo_fixtures import (
     DATASET_FILE,
@@ -25,30 +27,61 @@ from tests.grpo_fixtures import (
     make_job,
     tiny_grpo_task,
 )
-from trainer_service.core.provider import ProviderError
+from trainer_service.core.provider import EpisodeCounter, ProviderError, TrainJob
 from trainer_service.providers.grpo import process
 from trainer_service.providers.grpo.build import build_trainer
+from trainer_service.providers.grpo.callback import EpisodeMaker, StepGate
+from trainer_service.providers.grpo.rewards import CompletionTap
 from trainer_service.providers.grpo.settings import Settings
 from trainwire.contract import StreamChecker
+from trainwire.v1 import episode_pb2
 
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
 
-def _stream(job: Any) -> list[tuple[float, tuple[str, ...]]]:
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Trainers built in this process use one CPU thread, as a job's process does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _Granted:
+    """A rank's channel whose trainer grants every step; keeps the episodes rank 0 sends."""
+
+    def __init__(self) -> None:
+        self.last_step = 0
+        self.episodes: list[episode_pb2.Episode] = []
+
+    def send_episode(self, episode: episode_pb2.Episode) -> None:
+        self.episodes.append(episode)
+
+    def wait_step(self, step: int) -> bool:
+        return True
+
+
+def _rank_episodes(job: TrainJob, scratch: pathlib.Path) -> list[episode_pb2.Episode]:
+    """The episodes rank 0 of ``job`` sends: its trainer and step gate, run in this process."""
+    tap, channel = CompletionTap(), _Granted()
+    steps = job.config.max_episodes
+    gate = StepGate(EpisodeMaker(EpisodeCounter(steps), tap), channel, steps)
+    build_trainer(job, [gate], output_dir=str(scratch), tap=tap).train()
     checker = StreamChecker.for_task(job.task, job.config, job.run_id)
-    out = []
-    for episode in process.run(job):
+    for episode in channel.episodes:
         checker.check(episode)
-        out.append((episode.reward, tuple(episode.grpo.sample_completions)))
     checker.finish()
-    return out
+    return channel.episodes
 
 
-def test_0_and_2_workers_give_the_same_stream_over_3_epochs(grpo_data_root: pathlib.Path) -> None:
+def test_0_and_2_workers_give_the_same_stream_over_3_epochs(
+    grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
     # 4 rows and one prompt per step: an epoch is 4 steps, so 14 steps cross 3 epoch boundaries
     # (persistent workers keep one DataLoader iterator; inline loading makes one per epoch).
-    def task(workers: int) -> Any:
-        return tiny_grpo_task(
+    def stream(workers: int) -> list[tuple[float, tuple[str, ...]]]:
+        task = tiny_grpo_task(
             dataset_path=FOUR_ROWS_FILE,
             workers=workers,
             num_generations=2,
@@ -56,16 +89,11 @@ def test_0_and_2_workers_give_the_same_stream_over_3_epochs(grpo_data_root: path
             max_completion_length=4,
             reward_functions=("exact_match", "length"),
         )
+        job = make_job(grpo_data_root, task, max_episodes=14, seed=11)
+        episodes = _rank_episodes(job, tmp_path / f"workers-{workers}")
+        return [(e.reward, tuple(e.grpo.sample_completions)) for e in episodes]
 
-    # Two independent jobs, each in its own process: run side by side.
-    with ThreadPoolExecutor(2) as pool:
-        inline_job, workers_job = (
-            make_job(grpo_data_root, task(n), max_episodes=14, seed=11, run_id=f"run-w{n}")
-            for n in (0, 2)
-        )
-        inline_run = pool.submit(_stream, inline_job)
-        workers_run = pool.submit(_stream, workers_job)
-        inline, workers = inline_run.result(), workers_run.result()
+    inline, workers = stream(0), stream(2)
     assert len(inline) == 14
     assert all(len(completions) == 2 for _, completions in inline)
     # Sampling is random over many words, so equal completions at every step mean equal index
@@ -151,10 +179,10 @@ def test_the_default_batch_fits_a_small_dataset_and_a_set_one_must(
         Settings.from_task(tiny_grpo_task(batch_size=16).grpo, rows=8, processes=2)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_unreadable_image_fails_the_run_naming_the_row(
-    grpo_data_root: pathlib.Path, workers: int
-) -> None:
+def test_unreadable_image_fails_the_run_naming_the_row(grpo_data_root: pathlib.Path) -> None:
+    # Decoded in a DataLoader worker (the default): torch re-raises the worker's error with its
+    # traceback as the message; the rank reports the row's own message. (Inline decoding names
+    # the row the same way: see test_lazy_images.)
     demo = grpo_data_root / "datasets" / "demo"
     broken = demo / "broken"
     broken.mkdir(exist_ok=True)
@@ -163,7 +191,7 @@ def test_unreadable_image_fails_the_run_naming_the_row(
     for row in rows:
         row["image_paths"] = ["broken/bad.png"]
     (demo / "broken.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    task = tiny_grpo_task(dataset_path="datasets/demo/broken.jsonl", workers=workers)
+    task = tiny_grpo_task(dataset_path="datasets/demo/broken.jsonl", workers=2)
     with pytest.raises(ProviderError) as info:
         list(process.run(make_job(grpo_data_root, task, max_episodes=2)))
     message = info.value.user_message
