@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         RunnerSettings(
             device=device,
             device_description=description,
-            data_root=config.data_root,
+            data_roots=config.data_roots,
             image_cache_dir=config.image_cache_dir,
             heartbeat_s=config.heartbeat_s,
             detach_grace_s=config.detach_grace_s,
@@ -132,11 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     if server.metrics_endpoint is not None:
         print(f"trainer metrics on {server.metrics_endpoint.url}", flush=True)
     _LOGGER.info(
-        "trainer %s: %d slot(s) on %s, data root %s, image cache %s",
+        "trainer %s: %d slot(s) on %s, data roots %s, image cache %s",
         __version__,
         len(devices),
         description,
-        config.data_root,
+        ", ".join(str(root) for root in config.data_roots),
         config.image_cache_dir or "off",
     )
     # Polled, not one blocking wait: a signal is delivered to whichever thread does not block

@@ -52,10 +52,14 @@ class TrainerConfig:
     device: str = option(
         "auto", "torch device: auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
     )
-    data_root: pathlib.Path = option(
-        pathlib.Path("var/data"),
-        "directory that task model/dataset paths are relative to",
+    data_roots: tuple[pathlib.Path, ...] = option(
+        (pathlib.Path("var/data"),),
+        "a directory training data may come from; repeat the flag for more (datasets on shared "
+        "filesystems): a task's relative model/dataset paths resolve against the first, and an "
+        "absolute path must lie inside one of them",
+        flag="--data-root",
         metavar="DIR",
+        repeat=True,
     )
     heartbeat_s: float = option(
         5.0, "seconds without an episode (or while a job waits) after which a heartbeat is sent"
@@ -118,6 +122,8 @@ class TrainerConfig:
             problems.append(f"slots {self.slots!r} must be auto or in 1..64")
         if not _DEVICE.match(self.device):
             problems.append(f"device {self.device!r} must be auto, cpu, cuda or cuda:N")
+        if not self.data_roots:
+            problems.append("--data-root must name at least one directory")
         if not (math.isfinite(self.heartbeat_s) and 0 < self.heartbeat_s <= 3600):
             problems.append(f"heartbeat {self.heartbeat_s} must be in (0, 3600] seconds")
         if not (math.isfinite(self.detach_grace_s) and 0 <= self.detach_grace_s <= 86400):

@@ -84,10 +84,10 @@ class FakeProvider:
         self._lock = threading.Lock()
 
     def validate(
-        self, task: episode_pb2.TrainTask, data_root: pathlib.Path
+        self, task: episode_pb2.TrainTask, data_roots: Sequence[pathlib.Path]
     ) -> list[FieldViolation]:
         """Returns the configured violations."""
-        del task, data_root
+        del task, data_roots
         return list(self.violations)
 
     def run(self, job: TrainJob) -> Iterator[episode_pb2.Episode]:

@@ -8,7 +8,9 @@ and :func:`config_from_args` builds the config back from the parsed flags, so a 
 help text is written once. Every flag can also come from an environment variable,
 ``PREFIX`` + the flag's name in upper case (``--heartbeat-timeout`` of the gateway is
 ``TRAINWIRE_GATEWAY_HEARTBEAT_TIMEOUT``); a flag on the command line wins over the environment,
-and ``--help`` shows both the default and the variable.
+and ``--help`` shows both the default and the variable. A field declared ``repeat=True`` (a
+``tuple[X, ...]``) takes its flag several times, one value each; its variable holds the values
+separated by ``os.pathsep`` (``:``), as ``PATH`` does.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def option(
     group: str | None = None,
     parse: Callable[[str], Any] | None = None,
     cli_default: Any = dataclasses.MISSING,
+    repeat: bool = False,
 ) -> Any:
     """A config field with its command line.
 
@@ -52,6 +55,9 @@ def option(
         parse: Turns the flag's text into the field's value (default: by the field's type).
         cli_default: The default of the command line when it differs from code's (a server
             port that tests leave off).
+        repeat: The flag may be given several times, one value each (the field is a
+            ``tuple[X, ...]``; ``parse`` then reads one value). The first use on the command
+            line replaces the default rather than adding to it.
     """
     metadata = {
         "help": help,
@@ -61,6 +67,7 @@ def option(
         "group": group,
         "parse": parse,
         "cli_default": cli_default,
+        "repeat": repeat,
     }
     if isinstance(default, list | dict | set):
         raise TypeError("mutable defaults are not allowed in a frozen config")
@@ -118,6 +125,43 @@ def _parser_for(field: dataclasses.Field[Any], annotation: Any) -> Callable[[str
     if optional:
         return lambda text: None if text == "" else convert(text)
     return convert
+
+
+def _item_parser(field: dataclasses.Field[Any], annotation: Any) -> Callable[[str], Any]:
+    """The parser of one value of a repeatable field (``tuple[X, ...]``)."""
+    declared = field.metadata.get("parse")
+    if declared is not None:
+        return declared  # type: ignore[no-any-return]
+    args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+    kind = args[0] if args else str
+    if kind in (int, float, str, pathlib.Path):
+        return kind  # type: ignore[no-any-return]
+    raise TypeError(f"config field {field.name}: no parser for {annotation!r}")
+
+
+def _path_list(item: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
+    """A parser of values separated by ``os.pathsep``, each read by ``item``."""
+
+    def parse(text: str) -> tuple[Any, ...]:
+        return tuple(item(part) for part in text.split(os.pathsep) if part)
+
+    return parse
+
+
+class _Repeated(argparse.Action):
+    """Collects every use of a repeatable flag into a tuple; the first use replaces the default
+    (from code or the environment) instead of adding to it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        earlier = () if current is self.default or current is None else tuple(current)
+        setattr(namespace, self.dest, (*earlier, values))
 
 
 def _parse_bool(text: str) -> bool:
@@ -185,7 +229,13 @@ def build_parser(
             continue
         flag = flag_of(field)
         env = env_of(field, env_prefix)
-        parse = _parser_for(field, hints[field.name])
+        repeat = bool(field.metadata.get("repeat"))
+        # ``item`` reads one flag's value; ``parse`` the whole variable.
+        if repeat:
+            item = _item_parser(field, hints[field.name])
+            parse = _path_list(item)
+        else:
+            item = parse = _parser_for(field, hints[field.name])
         default = field.metadata["cli_default"]
         if default is dataclasses.MISSING:
             default = field.default
@@ -199,7 +249,8 @@ def build_parser(
         if group_name not in groups:
             groups[group_name] = parser.add_argument_group(group_name)
         target = groups[group_name]
-        help_text = f"{field.metadata['help']} (default: {_shown(shown_default)}; env {env})"
+        shown_env = f"env {env}, values separated by {os.pathsep!r}" if repeat else f"env {env}"
+        help_text = f"{field.metadata['help']} (default: {_shown(shown_default)}; {shown_env})"
         kind, _ = _kind(hints[field.name])
         if kind is bool and field.metadata["parse"] is None:
             target.add_argument(
@@ -209,11 +260,12 @@ def build_parser(
         target.add_argument(
             flag,
             dest=field.name,
-            type=_typed(parse, flag),
+            type=_typed(item, flag),
             default=default,
             metavar=_metavar(field, flag),
             choices=field.metadata["choices"],
             help=help_text.replace("%", "%%"),
+            action=_Repeated if repeat else "store",
         )
     return parser
 

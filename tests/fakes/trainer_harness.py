@@ -90,15 +90,17 @@ def running_trainer(
         stop_wait: Seconds to wait for the server to stop and the jobs to end.
         config: More ``TrainerConfig`` fields (``metrics_port``, ...).
         **settings: ``RunnerSettings`` fields (``heartbeat_s``, ``detach_grace_s``, ``device``,
-            ``data_root``, ...).
+            ``data_roots``, ...); ``data_root=DIR`` is short for ``data_roots=(DIR,)``.
     """
+    if "data_root" in settings:
+        settings["data_roots"] = (settings.pop("data_root"),)
     metrics = TrainerMetrics()
     registry = (
         providers if isinstance(providers, ProviderRegistry) else ProviderRegistry(dict(providers))
     )
     runner = JobRunner(registry, SlotPool(slots), RunnerSettings(**settings), observer=metrics.jobs)
     fields: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "slots": slots, **(config or {})}
-    for name in ("heartbeat_s", "detach_grace_s", "device", "data_root"):
+    for name in ("heartbeat_s", "detach_grace_s", "device", "data_roots"):
         if name in settings and name in {f.name for f in dataclasses.fields(TrainerConfig)}:
             fields.setdefault(name, settings[name])
     server, port = build_server(TrainerConfig(**fields), runner, metrics, tls=tls)

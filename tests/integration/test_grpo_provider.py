@@ -157,7 +157,7 @@ def test_a_bad_row_fails_the_run_naming_its_line_and_image(grpo_data_root: pathl
         list(process.run(make_job(grpo_data_root, task, max_episodes=50)))
     assert info.value.user_message == (
         f"Dataset line {len(rows)} of escaping.jsonl: image '../../../etc/passwd' must be "
-        "relative to the dataset file and stay inside the data root."
+        "relative to the dataset file, or absolute inside a data root, and contain no '..'."
     )
     assert info.value.reason == "BAD_DATASET"
 

@@ -4,6 +4,7 @@ surface is aio so that idle streams hold no thread.)"""
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,9 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from tests.fakes.trainer_harness import running_trainer
+from tests.grpo_fixtures import tiny_grpo_task
 from trainer_service.core.provider import ProviderError
+from trainer_service.providers import grpo
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire import contract
 from trainwire.v1 import episode_pb2, trainer_service_pb2
@@ -369,3 +372,72 @@ def test_an_invalid_task_carries_a_message_for_users() -> None:
     assert localized.message == (
         "The trainer refused this task: task.imitation.clip: the rig lies flat in frame 0"
     )
+
+
+class _GrpoPaths(FakeProvider):
+    """A grpo provider that checks its tasks as the real one does and then trains nothing."""
+
+    validate = staticmethod(grpo.validate)  # type: ignore[assignment]
+
+
+def _grpo_request(dataset: str) -> trainer_service_pb2.TrainRequest:
+    return trainer_service_pb2.TrainRequest(
+        run_id="run-roots",
+        task=tiny_grpo_task("models/m", dataset),
+        config=episode_pb2.TrainConfig(max_episodes=3),
+    )
+
+
+@pytest.fixture
+def two_roots(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A first data root and a shared one; the first links into the shared one and elsewhere."""
+    first, shared = tmp_path / "data", tmp_path / "lustre"
+    (first / "models" / "m").mkdir(parents=True)
+    (shared / "sets").mkdir(parents=True)
+    (shared / "sets" / "big.jsonl").write_text("{}\n")
+    (tmp_path / "elsewhere.jsonl").write_text("{}\n")
+    (first / "big.jsonl").symlink_to(shared / "sets" / "big.jsonl")
+    (first / "elsewhere.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    return first, shared
+
+
+def _admits(roots: tuple[pathlib.Path, ...], dataset: str) -> grpc.StatusCode | list[str]:
+    """Whether a trainer with ``roots`` admits a GRPO task reading ``dataset``: the fields a
+    refusal names, or the code of an admitted job's stream once cancelled."""
+    provider = _GrpoPaths(hold_after=0)
+    with running_trainer(
+        {"grpo": provider}, warm_up=False, data_roots=roots, heartbeat_s=0.05
+    ) as trainer:
+        call = trainer.stub.Train(_grpo_request(dataset), timeout=WAIT)
+        try:
+            assert next(call).WhichOneof("event") == "heartbeat"  # admitted: the job runs
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
+            (bad,) = unpack(rich_status(exc.trailing_metadata()), error_details_pb2.BadRequest)
+            assert provider.runs == 0
+            return [v.field for v in bad.field_violations]
+        assert provider.jobs[0].data_roots == roots
+        call.cancel()
+        assert trainer.runner.wait_idle(WAIT)
+        return call.code()
+
+
+def test_grpo_paths_are_checked_against_every_data_root(
+    two_roots: tuple[pathlib.Path, pathlib.Path],
+) -> None:
+    # A path in the first root that leads into the shared root trains only when that root is
+    # the trainer's too; one that leads outside every root never does.
+    assert _admits(two_roots, "big.jsonl") is grpc.StatusCode.CANCELLED
+    assert _admits(two_roots[:1], "big.jsonl") == ["task.grpo.dataset_path"]
+    assert _admits(two_roots, "elsewhere.jsonl") == ["task.grpo.dataset_path"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="trainwire.contract (clients/) still refuses every absolute model/dataset path",
+)
+def test_an_absolute_dataset_path_inside_a_data_root_is_admitted(
+    two_roots: tuple[pathlib.Path, pathlib.Path],
+) -> None:
+    dataset = str(two_roots[1] / "sets" / "big.jsonl")
+    assert _admits(two_roots, dataset) is grpc.StatusCode.CANCELLED

@@ -111,12 +111,12 @@ def test_greedy_reward_is_one_for_the_clip_itself_and_follows_the_formula() -> N
 
 def test_validate_accepts_builtins_and_custom_rigs() -> None:
     task = episode_pb2.TrainTask(imitation=wave_task())
-    assert imitation.validate(task, DATA_ROOT) == []
+    assert imitation.validate(task, [DATA_ROOT]) == []
     custom = episode_pb2.TrainTask(
         imitation=episode_pb2.ImitationTask(rig=arm_rig(), clip=arm_clip())
     )
     assert contract.check_task(custom, episode_pb2.TrainConfig(max_episodes=1)) == []
-    assert imitation.validate(custom, DATA_ROOT) == []
+    assert imitation.validate(custom, [DATA_ROOT]) == []
 
 
 def test_validate_rejects_a_rig_that_is_flat_in_the_first_frame() -> None:
@@ -124,7 +124,7 @@ def test_validate_rejects_a_rig_that_is_flat_in_the_first_frame() -> None:
         imitation=episode_pb2.ImitationTask(rig=arm_rig(), clip=arm_clip())
     )
     flat.imitation.clip.angles[0:3] = [0.0, 0.0, 0.0]  # frame 0: every bone along +x
-    (violation,) = imitation.validate(flat, DATA_ROOT)
+    (violation,) = imitation.validate(flat, [DATA_ROOT])
     assert violation.field == "task.imitation.clip.angles"
     assert "flat" in violation.description
 

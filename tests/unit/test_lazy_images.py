@@ -214,6 +214,24 @@ def test_image_paths_escaping_root_name_the_row(
     assert LazyImageDataset(rows, data)[1]["image"].size == (9, 7)
 
 
+def test_absolute_image_paths_inside_any_data_root_are_read(
+    data: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    shared = tmp_path_factory.mktemp("shared")
+    _write_image(shared / "far.png")
+    rows = _rows(3)
+    rows[1]["image_paths"] = [str(data / "img" / "1_0.png")]  # absolute, in the first root
+    rows[2]["image_paths"] = [str(shared / "far.png")]  # absolute, in the second root
+    dataset = LazyImageDataset(rows, data, data_root=[data, shared])
+    assert [dataset[i]["image"].size for i in (1, 2)] == [(9, 7), (9, 7)]
+    assert dataset.check_rows() == 3
+    only_first = LazyImageDataset(rows, data, data_root=data)
+    with pytest.raises(DatasetError, match="row 3: image") as info:
+        only_first[2]
+    assert info.value.user_message.endswith("leads outside the data root.")
+    assert str(data) in info.value.detail  # the log names the roots; the user, the row's path
+
+
 def test_unreadable_image_names_the_line_and_the_image(data: pathlib.Path) -> None:
     (data / "img" / "3_0.png").write_bytes(b"not a png")
     dataset = LazyImageDataset.from_jsonl(data / "rows.jsonl", data_root=data)

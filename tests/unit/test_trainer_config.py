@@ -48,8 +48,21 @@ def test_parse_args(monkeypatch: pytest.MonkeyPatch) -> None:
         ]
     )
     assert (config.port, config.slots, config.device, config.heartbeat_s) == (0, 3, "cuda:1", 0.05)
-    assert config.data_root == pathlib.Path("/tmp/data")
+    assert config.data_roots == (pathlib.Path("/tmp/data"),)
     assert config.image_cache_dir is None
+    assert TrainerConfig().data_roots == (pathlib.Path("var/data"),)
+
+
+def test_data_root_may_be_given_several_times_and_the_first_use_replaces_the_default() -> None:
+    many = ["--data-root", "/srv/data", "--data-root", "/lustre/sets", "--data-root", "/gpfs/x"]
+    expected = tuple(pathlib.Path(p) for p in ("/srv/data", "/lustre/sets", "/gpfs/x"))
+    assert parse_args(many, {}).data_roots == expected
+    # The variable holds several roots as PATH does; the command line replaces them all.
+    environ = {"TRAINWIRE_TRAINER_DATA_ROOT": "/srv/data:/lustre/sets"}
+    assert parse_args([], environ).data_roots == expected[:2]
+    assert parse_args(["--data-root", "/gpfs/x"], environ).data_roots == expected[2:]
+    with pytest.raises(ValueError, match="data-root"):
+        TrainerConfig(data_roots=())
 
 
 def test_image_cache_dir_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,7 +82,7 @@ def test_every_flag_also_comes_from_the_environment_and_the_command_line_wins() 
     }
     config = parse_args([], environ)
     assert (config.slots, config.heartbeat_s, config.metrics_port) == ("auto", 2.5, 0)
-    assert config.data_root == pathlib.Path("/srv/data") and config.insecure
+    assert config.data_roots == (pathlib.Path("/srv/data"),) and config.insecure
     assert parse_args(["--slots", "2", "--metrics-port", "-1"], environ).slots == 2
     assert parse_args(["--metrics-port", "-1"], environ).metrics_port is None
     # The older variable of the image cache still works; the new one wins over it.
@@ -91,6 +104,8 @@ def test_help_shows_each_default_and_variable(capsys: pytest.CaptureFixture[str]
         ("--tls-client-ca", "none", "TRAINWIRE_TRAINER_TLS_CLIENT_CA"),
     ):
         assert flag in text and f"(default: {default}; env {env})" in text
+    assert "resolve against the first" in text
+    assert "(default: var/data; env TRAINWIRE_TRAINER_DATA_ROOT, values separated by ':')" in text
 
 
 def test_a_bad_variable_exits_with_one_line_naming_it(capsys: pytest.CaptureFixture[str]) -> None:

@@ -177,7 +177,7 @@ async def test_job_gets_the_runner_settings() -> None:
         SlotPool(1),
         RunnerSettings(
             device="cuda:0",
-            data_root=pathlib.Path("/data"),
+            data_roots=(pathlib.Path("/data"), pathlib.Path("/shared")),
             image_cache_dir=pathlib.Path("/cache"),
         ),
     )
@@ -188,6 +188,7 @@ async def test_job_gets_the_runner_settings() -> None:
         pathlib.Path("/data"),
         pathlib.Path("/cache"),
     )
+    assert job.data_roots == (pathlib.Path("/data"), pathlib.Path("/shared"))
 
 
 async def test_slot_is_free_as_soon_as_a_successful_stream_ends() -> None:

@@ -14,6 +14,7 @@ names the device of each slot it holds.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,7 +73,7 @@ def admit(
     request: trainer_service_pb2.TrainRequest,
     registry: ProviderLookup,
     slots: SlotPool,
-    data_root: pathlib.Path,
+    data_roots: Sequence[pathlib.Path],
 ) -> Admission:
     """Checks that ``request`` may start a job on this trainer (takes no slot).
 
@@ -96,7 +97,7 @@ def admit(
         )
     validate = getattr(provider, "validate", None)
     if validate is not None:
-        violations = validate(request.task, data_root)
+        violations = validate(request.task, data_roots)
         if violations:
             raise InvalidRequest(run_id, violations)
     return Admission(kind, provider, _slots_needed(run_id, provider, kind, request, slots))

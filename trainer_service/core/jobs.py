@@ -119,7 +119,7 @@ class JobRunner:
         run_id = request.run_id
         if self._shutting_down:
             raise ShuttingDown(run_id)
-        admitted = admit(request, self._registry, self.slots, self.settings.data_root)
+        admitted = admit(request, self._registry, self.slots, self.settings.data_roots)
         kind = admitted.kind
         with self._cond:
             existing = self._live.get(run_id)
@@ -210,7 +210,8 @@ class JobRunner:
             task=request.task,
             config=request.config,
             device=devices[0],
-            data_root=self.settings.data_root,
+            data_root=self.settings.data_roots[0],
+            more_data_roots=self.settings.data_roots[1:],
             image_cache_dir=self.settings.image_cache_dir,
             stop_event=threading.Event(),
             set_phase=lambda phase: holder[0].set_phase(phase),

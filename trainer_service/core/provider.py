@@ -2,7 +2,7 @@
 
 A provider is a module exposing ``run(job: TrainJob) -> Iterator[Episode]`` (fully filled
 episodes: ``episode``, ``reward``, ``best_reward``, ``done``, ``metrics``, ``produce_time`` and
-``detail``), optionally ``validate(task, data_root) -> list[FieldViolation]`` (called before a
+``detail``), optionally ``validate(task, data_roots) -> list[FieldViolation]`` (called before a
 slot is taken; any violation answers ``INVALID_ARGUMENT``) and optionally
 ``slots_needed(task) -> int`` (slots, i.e. devices, the job takes: one per process it runs; 1
 without it). The service pulls ``run``'s generator from a thread it owns, one credited episode at
@@ -71,7 +71,8 @@ class TrainJob:
         task: The validated task (its kind matches the provider).
         config: The validated config (``max_episodes`` in 1..5000, ``seed``).
         device: The torch device string, ``"cpu"`` or ``"cuda:0"``.
-        data_root: Root directory that task-relative paths (models, datasets) resolve against.
+        data_root: The first data root: relative task paths (models, datasets) resolve against
+            it.
         image_cache_dir: Where decoded images may be cached; ``None`` disables the cache.
         stop_event: Set on cancel or shutdown; providers check it at least once per
             episode/step and return promptly once it is set.
@@ -79,6 +80,8 @@ class TrainJob:
             heartbeats.
         devices: The device of each slot the job holds, one per process (``device`` is the
             first); empty when the job was not started by a runner.
+        more_data_roots: The trainer's other data roots: an absolute task or image path must
+            lie inside ``data_root`` or one of these.
     """
 
     run_id: str
@@ -90,6 +93,12 @@ class TrainJob:
     stop_event: threading.Event
     set_phase: Callable[[str], None] = field(default=lambda phase: None)
     devices: tuple[str, ...] = ()
+    more_data_roots: tuple[pathlib.Path, ...] = ()
+
+    @property
+    def data_roots(self) -> tuple[pathlib.Path, ...]:
+        """Every data root, ``data_root`` first."""
+        return (self.data_root, *self.more_data_roots)
 
 
 class Provider(Protocol):

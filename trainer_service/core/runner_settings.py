@@ -38,7 +38,8 @@ class RunnerSettings:
         device: The torch device jobs run on (``cpu``, ``cuda:0``) when the slot pool names
             no device of its own.
         device_description: The device for humans (``cuda:0 NVIDIA H200``).
-        data_root: Root of task-relative paths.
+        data_roots: The directories training data may come from: relative task paths resolve
+            against the first; an absolute one must lie inside one of them.
         image_cache_dir: Image cache for providers that decode images; ``None`` = off.
         heartbeat_s: Seconds without an episode after which a heartbeat goes out.
         queue_size: Episodes a job without a grant may run ahead of its stream.
@@ -49,9 +50,13 @@ class RunnerSettings:
 
     device: str = "cpu"
     device_description: str = "cpu"
-    data_root: pathlib.Path = pathlib.Path("var/data")
+    data_roots: tuple[pathlib.Path, ...] = (pathlib.Path("var/data"),)
     image_cache_dir: pathlib.Path | None = None
     heartbeat_s: float = 5.0
     queue_size: int = DEFAULT_QUEUE_SIZE
     retain: int = DEFAULT_RETAIN
     detach_grace_s: float = DEFAULT_DETACH_GRACE_S
+
+    def __post_init__(self) -> None:
+        if not self.data_roots:
+            raise ValueError("data_roots must name at least one directory")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,13 +58,15 @@ _MIN_RELATIVE_HEIGHT = 1e-6
 _ADVANTAGE_EPS = 1e-6
 
 
-def validate(task: episode_pb2.TrainTask, data_root: pathlib.Path) -> list[FieldViolation]:
+def validate(
+    task: episode_pb2.TrainTask, data_roots: Sequence[pathlib.Path]
+) -> list[FieldViolation]:
     """Checks what the contract cannot: the rig must have a height in the clip's first frame.
 
     The reward divides by that height, so a pose lying flat on the x axis cannot be scored.
     Called after the contract's structural checks passed.
     """
-    del data_root
+    del data_roots
     imitation = task.imitation
     rig = motion.rig_from_task(imitation)
     clip = motion.clip_from_task(imitation)

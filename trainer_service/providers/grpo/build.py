@@ -43,14 +43,14 @@ from trainer_service.providers.grpo.library_output import WorkerLogging, route_l
 from trainer_service.providers.grpo.lifeline import WorkerWatchdog
 from trainer_service.providers.grpo.rewards import CompletionTap, build_reward_functions
 from trainer_service.providers.grpo.settings import Settings, training_args
-from trainer_service.providers.grpo.validation import resolve_under_root
+from trainer_service.providers.grpo.validation import resolve_in_roots
 
 
-def _resolve(job: TrainJob, relative: str, what: str) -> pathlib.Path:
-    path = resolve_under_root(job.data_root, relative)
+def _resolve(job: TrainJob, requested: str, what: str) -> pathlib.Path:
+    path = resolve_in_roots(job.data_roots, requested)
     if path is None:  # validate() rejects these first; re-checked in case the tree changed
         raise ProviderError(
-            f"The {what} path {relative!r} leads outside the trainer's data root.",
+            f"The {what} path {requested!r} leads outside the trainer's data roots.",
             code="INVALID_ARGUMENT",
             reason="PATH_OUTSIDE_ROOT",
         )
@@ -74,7 +74,7 @@ def load_dataset(job: TrainJob, provenance_key: str | None = None) -> LazyImageD
         )
     return LazyImageDataset.from_jsonl(
         path,
-        data_root=job.data_root,
+        data_root=job.data_roots,
         cache_dir=resolve_cache_dir(job.image_cache_dir),
         provenance_key=provenance_key,
     )

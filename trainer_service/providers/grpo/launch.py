@@ -113,7 +113,7 @@ def job_spec(
         "rendezvous": (scratch / "rendezvous").as_uri(),
         "task": base64.b64encode(job.task.SerializeToString()).decode(),
         "config": base64.b64encode(job.config.SerializeToString()).decode(),
-        "data_root": str(job.data_root),
+        "data_roots": [str(root) for root in job.data_roots],
         "image_cache_dir": str(job.image_cache_dir) if job.image_cache_dir else None,
         "output_dir": str(output),
         "log": {"formatter": formatter, "level": logging_like.level},

@@ -14,7 +14,7 @@ What it guarantees (each point is tested):
    ``assistant_response`` dropped. Stored rows are never mutated.
 3. Opening a JSONL file does not parse or check its rows (see :mod:`.rows`): time to the first
    batch does not grow with the row count. A row is parsed and checked when it is read; a bad
-   row (not a JSON object, missing or empty ``image_paths``, a path escaping the data root, an
+   row (not a JSON object, missing or empty ``image_paths``, a path outside every data root, an
    unreadable image) raises :class:`DatasetError` naming its 1-based line number and the image
    path as the row wrote it. :meth:`LazyImageDataset.check_rows` checks every row without
    decoding images (the provider runs it in the background when a job starts).
@@ -78,8 +78,8 @@ class LazyImageDataset:
             ``base_dir``). Rows are deep-copied once here and never mutated. They are checked
             when read (or by :meth:`check_rows`), like rows of a JSONL file.
         base_dir: Directory image paths are relative to (the dataset file's directory).
-        data_root: Image paths must resolve inside it (symlinks followed); defaults to
-            ``base_dir``.
+        data_root: The data root, or every data root: image paths must resolve inside one of
+            them (symlinks followed); defaults to ``base_dir``.
         cache_dir: Disk cache directory, or ``None`` for no cache.
         memo_rows: How many recently decoded rows each process keeps (0 disables the memo).
         provenance_key: When set, every returned row carries this key with
@@ -92,7 +92,7 @@ class LazyImageDataset:
         rows: Iterable[Mapping[str, Any]] | RowSource,
         base_dir: pathlib.Path,
         *,
-        data_root: pathlib.Path | None = None,
+        data_root: pathlib.Path | Sequence[pathlib.Path] | None = None,
         cache_dir: pathlib.Path | None = None,
         memo_rows: int = 0,
         provenance_key: str | None = None,
@@ -100,7 +100,8 @@ class LazyImageDataset:
         if memo_rows < 0:
             raise ValueError(f"memo_rows must be >= 0, got {memo_rows}")
         source = rows if isinstance(rows, JsonlRows | ListRows) else ListRows(rows)  # type: ignore[arg-type]
-        self._checker = RowChecker(source, base_dir, data_root or base_dir)
+        roots = [data_root] if isinstance(data_root, pathlib.Path) else list(data_root or [])
+        self._checker = RowChecker(source, base_dir, roots or [base_dir])
         self._cache = ImageCache(cache_dir) if cache_dir is not None else None
         self._memo_rows = memo_rows
         self._provenance_key = provenance_key
@@ -114,7 +115,7 @@ class LazyImageDataset:
         cls,
         path: pathlib.Path,
         *,
-        data_root: pathlib.Path,
+        data_root: pathlib.Path | Sequence[pathlib.Path],
         cache_dir: pathlib.Path | None = None,
         memo_rows: int = 0,
         provenance_key: str | None = None,

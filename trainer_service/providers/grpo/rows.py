@@ -2,15 +2,15 @@
 
 Opening a JSONL dataset costs one read of the file and one vectorised scan for its line
 boundaries (:class:`JsonlRows`), a few milliseconds even at 46,000 rows: no row is parsed and
-no image path is resolved until that row is read. Reading a row parses its
-line and checks it (:class:`RowChecker`): a JSON object, a ``prompt`` (if any) of chat messages,
-a non-empty ``image_paths`` list of relative paths that stay inside the data root once symlinks
-are followed. Every problem raises a :class:`DatasetError` naming the row by its 1-based line
-number in the file and, where an image is at fault, the image path as the row wrote it (relative
-to the dataset file), never a server path.
+no image path is resolved until that row is read. Reading a row parses its line and checks it
+(:class:`RowChecker`): a JSON object, a ``prompt`` (if any) of chat messages, a non-empty
+``image_paths`` list of paths, each relative to the dataset file or absolute, without ``..``,
+that lie inside one of the trainer's data roots once symlinks are followed. Every problem raises
+a :class:`DatasetError` naming the row by its 1-based line number in the file and, where an
+image is at fault, the image path as the row wrote it, never a server path of its own.
 
-Checking at access time means a bad row is reported when training first reads it. The provider
-also runs :meth:`RowChecker.check_all` over every row in a background thread when a job starts,
+Checking at access time means a bad row is reported when training first reads it. Rank 0 of a
+job also runs :meth:`RowChecker.check_all` over every row in a background thread when it starts,
 so a bad row anywhere in the file fails the job within seconds, without delaying the first
 batch.
 
@@ -24,7 +24,7 @@ import json
 import os
 import pathlib
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -179,15 +179,17 @@ class RowChecker:
 
     Args:
         source: The rows.
-        base_dir: Directory image paths are relative to (the dataset file's directory).
-        data_root: Image paths must resolve inside it (symlinks followed).
+        base_dir: Directory relative image paths are relative to (the dataset file's directory).
+        data_roots: Image paths must resolve inside one of them (symlinks followed).
     """
 
-    def __init__(self, source: RowSource, base_dir: pathlib.Path, data_root: pathlib.Path) -> None:
+    def __init__(
+        self, source: RowSource, base_dir: pathlib.Path, data_roots: Sequence[pathlib.Path]
+    ) -> None:
         self.source = source
         self.base = base_dir.resolve()
-        self.root = data_root.resolve()
-        self._base, self._root = str(self.base), str(self.root)
+        self.roots = tuple(root.resolve() for root in data_roots)
+        self._base, self._roots = str(self.base), tuple(str(root) for root in self.roots)
         self._parents: dict[str, tuple[str, bool]] = {}
         self._pid = os.getpid()
 
@@ -248,29 +250,36 @@ class RowChecker:
         if not isinstance(raw, str) or not raw or "\x00" in raw:
             raise self._error(index, " has an image path that is not a file name.")
         if (
-            raw.startswith(("/", "\\"))
+            raw.startswith("\\")
             or pathlib.PureWindowsPath(raw).is_absolute()
             or ".." in raw.replace("\\", "/").split("/")
         ):
             raise self.image_error(
-                index, raw, "must be relative to the dataset file and stay inside the data root."
+                index,
+                raw,
+                "must be relative to the dataset file, or absolute inside a data root, and "
+                "contain no '..'.",
             )
         head, name = os.path.split(raw)
         parent, parent_inside = self._parent(head)
         target = os.path.join(parent, name)
         if os.path.islink(target):
             target = os.path.realpath(target)
-            inside = _inside(target, self._root)
+            inside = _inside(target, self._roots)
         else:
             inside = parent_inside
         if not inside:
             raise self.image_error(
-                index, raw, "leads outside the data root.", f"{raw} -> {target} (root {self.root})"
+                index,
+                raw,
+                "leads outside the data root.",
+                f"{raw} -> {target} (roots {', '.join(self._roots)})",
             )
         return target
 
     def _parent(self, head: str) -> tuple[str, bool]:
-        """The dataset-relative directory ``head`` resolved, and whether it is inside the root.
+        """The directory ``head`` (relative to the dataset's, or absolute) resolved, and whether it
+        is inside a data root.
 
         Remembered per process (directories are few; the memo is reset when full).
         """
@@ -281,9 +290,9 @@ class RowChecker:
             if len(self._parents) >= _MAX_PARENTS:
                 self._parents.clear()
             resolved = os.path.realpath(os.path.join(self._base, head))
-            known = self._parents[head] = (resolved, _inside(resolved, self._root))
+            known = self._parents[head] = (resolved, _inside(resolved, self._roots))
         return known
 
 
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+def _inside(path: str, roots: Sequence[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
