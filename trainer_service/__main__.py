@@ -42,7 +42,7 @@ ENV_PREFIX = "TRAINWIRE_TRAINER_"
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The command line: one flag per field of ``TrainerConfig``, each also read from
     ``TRAINWIRE_TRAINER_<FLAG>`` (``environ``, default ``os.environ``); the image cache also from
-    ``TRAINWIRE_IMAGE_CACHE_DIR``, its older name."""
+    ``TRAINWIRE_IMAGE_CACHE_DIR``, an alias that deployments set."""
     env = dict(os.environ if environ is None else environ)
     if IMAGE_CACHE_ENV in env:
         env.setdefault(f"{ENV_PREFIX}IMAGE_CACHE_DIR", env[IMAGE_CACHE_ENV])

@@ -3,7 +3,8 @@
 Each field carries its command-line help (``trainwire_ops.settings.option``):
 ``python -m trainer_service`` builds its flags from this class, so a default or a help text is
 written once, and every flag can also come from the environment (``TRAINWIRE_TRAINER_`` + the
-flag in upper case; the image cache also from ``TRAINWIRE_IMAGE_CACHE_DIR``, as before).
+flag in upper case; the image cache also from ``TRAINWIRE_IMAGE_CACHE_DIR``, an alias that
+deployments set).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ from trainwire_ops.rich_status import apply, error_status, rich_status
 _LOGGER = logging.getLogger(__name__)
 
 UNEXPECTED_MESSAGE = "Training stopped unexpectedly."
-#: The reason that alone means "busy, try again" (design.md, "Status codes").
+#: The reason that alone means "busy, try again": ``RESOURCE_EXHAUSTED`` without it may also
+#: mean a message too large or a device out of memory.
 SLOTS_BUSY = ErrorReason.SLOTS_BUSY
 
 

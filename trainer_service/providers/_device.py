@@ -40,8 +40,7 @@ def slot_devices(
 
     ``slots="auto"`` on CUDA chosen by ``auto`` or ``cuda`` gives one slot per visible GPU
     (``cuda:0``, ``cuda:1``, ...: a job of N processes takes N of them); otherwise ``auto`` is
-    one slot, and a count puts every slot on ``device`` (as before there were devices per
-    slot).
+    one slot, and a count puts every slot on ``device``.
 
     Args:
         spec: The ``--device`` flag (``auto``, ``cpu``, ``cuda``, ``cuda:N``).

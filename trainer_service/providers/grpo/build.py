@@ -126,9 +126,10 @@ class LazyGRPOTrainer(GRPOTrainer):
     Reproducible: a ``DataLoader`` draws a base seed for its workers each time it makes an
     iterator, from the process-wide torch RNG unless it has a ``generator``. Loading inline,
     it makes a new iterator every epoch; with persistent workers it makes one and resets it.
-    Those extra draws moved the global RNG, which also drives completion sampling, so 0 and 2
-    workers sampled different completions from the first step of epoch 2 on. With a generator
-    of its own (seeded from ``seed``) the loader leaves the global RNG alone in both modes.
+    Those extra draws would move the global RNG, which also drives completion sampling, so 0
+    and 2 workers would sample different completions from the first step of epoch 2 on. With a
+    generator of its own (seeded from ``seed``) the loader leaves the global RNG alone in both
+    modes.
 
     Quiet: workers set their logging up like the trainer's (:class:`WorkerLogging`).
 

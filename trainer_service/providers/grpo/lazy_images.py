@@ -17,7 +17,7 @@ What it guarantees (each point is tested):
    row (not a JSON object, missing or empty ``image_paths``, a path outside every data root, an
    unreadable image) raises :class:`DatasetError` naming its 1-based line number and the image
    path as the row wrote it. :meth:`LazyImageDataset.check_rows` checks every row without
-   decoding images (the provider runs it in the background when a job starts).
+   decoding images (rank 0 of a job runs it in the background as it starts).
 4. Without a cache an image is ``Image.open(path).convert("RGB")``.
 5. An optional disk cache (:mod:`.image_cache`) keyed by the sha256 of the source bytes; a hit
    has the pixels of a miss.
