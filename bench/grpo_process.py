@@ -130,7 +130,11 @@ def main() -> None:
                 stop_event=threading.Event(),
             )
 
+        import torch
+
         from trainer_service.providers.grpo import build  # noqa: F401  the stack, once
+
+        torch.set_num_threads(1)  # as in a job's process
 
         cases = [
             ("this process", _this_process, job(1, batch)),
