@@ -49,12 +49,24 @@ def _bad_ratio(value: float) -> bool:
     return value != 0 and not (math.isfinite(value) and 0 < value <= 1)
 
 
-def _check_relative_path(path: str, field: str, out: list[FieldViolation]) -> None:
+def _check_data_path(path: str, field: str, out: list[FieldViolation]) -> None:
+    """A path the trainer resolves: relative to its first data root, or absolute (POSIX) inside
+    any of its roots; which root holds it is the trainer's to decide."""
     if not path:
-        out.append(FieldViolation(field, "required: a path relative to the trainer's data root"))
+        out.append(
+            FieldViolation(
+                field,
+                "required: a path relative to the trainer's data root, or an absolute path "
+                "inside one of its data roots",
+            )
+        )
         return
-    if path.startswith(("/", "\\")) or (len(path) > 1 and path[1] == ":"):
-        out.append(FieldViolation(field, f"{path!r} is absolute; give a path under the data root"))
+    if path.startswith("\\") or (len(path) > 1 and path[1] == ":"):
+        out.append(
+            FieldViolation(
+                field, f"{path!r} is a Windows path; give a POSIX path under a data root"
+            )
+        )
         return
     if ".." in path.replace("\\", "/").split("/"):
         out.append(FieldViolation(field, f"{path!r} contains '..'; it must stay under the root"))
@@ -240,8 +252,8 @@ def _check_range(
 
 
 def _check_grpo(task: episode_pb2.GrpoTask, p: str, out: list[FieldViolation]) -> None:
-    _check_relative_path(task.model_path, f"{p}.model_path", out)
-    _check_relative_path(task.dataset_path, f"{p}.dataset_path", out)
+    _check_data_path(task.model_path, f"{p}.model_path", out)
+    _check_data_path(task.dataset_path, f"{p}.dataset_path", out)
     seen: set[str] = set()
     for i, name in enumerate(task.reward_functions):
         if name not in REWARD_FUNCTIONS:

@@ -432,12 +432,11 @@ def test_grpo_paths_are_checked_against_every_data_root(
     assert _admits(two_roots, "elsewhere.jsonl") == ["task.grpo.dataset_path"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainwire.contract (clients/) still refuses every absolute model/dataset path",
-)
-def test_an_absolute_dataset_path_inside_a_data_root_is_admitted(
+def test_an_absolute_dataset_path_inside_any_data_root_is_admitted_and_outside_refused(
     two_roots: tuple[pathlib.Path, pathlib.Path],
 ) -> None:
     dataset = str(two_roots[1] / "sets" / "big.jsonl")
     assert _admits(two_roots, dataset) is grpc.StatusCode.CANCELLED
+    assert _admits(two_roots[:1], dataset) == ["task.grpo.dataset_path"]
+    outside = str(two_roots[1].parent / "elsewhere.jsonl")
+    assert _admits(two_roots, outside) == ["task.grpo.dataset_path"]

@@ -141,17 +141,27 @@ def test_custom_clip_checks():
     ("path", "words"),
     [
         ("", "required"),
-        ("/etc/passwd", "absolute"),
-        ("C:/models", "absolute"),
+        ("C:/models", "Windows path"),
+        ("\\\\server\\share", "Windows path"),
         ("models/../../etc", "'..'"),
+        ("/data/../etc/passwd", "'..'"),
         ("..", "'..'"),
         ("a\\..\\b", "'..'"),
     ],
 )
-def test_grpo_paths_must_stay_relative(path, words):
+def test_grpo_paths_stay_under_a_root(path, words):
     task = episode_pb2.TrainTask(grpo=episode_pb2.GrpoTask(model_path=path, dataset_path="d.jsonl"))
     got = check_task(task, config())
     assert fields(got) == ["task.grpo.model_path"] and words in got[0].description
+
+
+def test_an_absolute_grpo_path_is_for_the_trainer_to_place_in_a_root():
+    # The trainer admits an absolute path inside any of its --data-root directories (a shared
+    # filesystem) and refuses one outside all of them; the request itself is well formed.
+    task = episode_pb2.TrainTask(
+        grpo=episode_pb2.GrpoTask(model_path="/lustre/models/m", dataset_path="/lustre/d.jsonl")
+    )
+    assert check_task(task, config()) == []
 
 
 def test_grpo_numeric_and_name_violations():

@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="fine-tune a vision-language model with GRPO",
         description="Create a GRPO run on a local model and a prepared JSONL dataset "
-        "(paths relative to the trainer's --data-root).",
+        "(paths relative to the trainer's first --data-root, or absolute paths inside any "
+        "of its --data-root directories).",
     )
     grpo.add_argument("--model", required=True, metavar="DIR", help="model directory")
     grpo.add_argument("--dataset", required=True, metavar="FILE", help="JSONL dataset file")
