@@ -5,7 +5,7 @@
 collide. ``--metrics-port`` exposes it over HTTP through ``MetricsEndpoint``.
 
 Metric names. The RPC metrics (``trainwire_ops.rpc_metrics``) are the trainer's, recorded by the
-aio twin of its interceptor; the gateway's own carry a ``trainwire_gateway_`` prefix:
+grpc.aio interceptor; the gateway's own carry a ``trainwire_gateway_`` prefix:
 
 | metric | type | labels |
 | --- | --- | --- |
