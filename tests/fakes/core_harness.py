@@ -29,7 +29,7 @@ from gateway.core.settings import CoreSettings
 from gateway.core.store import open_store
 from tests.fakes.memory_trainer import MemoryConnector, MemoryTrainer
 from tests.fakes.virtual_time import InFlightStore
-from tests.fakes.waiting import until
+from tests.fakes.waiting import TIMEOUT, until
 from trainwire.v1 import episode_pb2
 
 #: What core tests run on unless they say otherwise: round numbers to compute with. A paced run
@@ -105,9 +105,15 @@ class Watch:
         ends = self.of(Finished)
         return ends[-1][1].run if ends else None
 
-    async def ended(self) -> None:
-        """Waits for the watch to end (``until`` its task is done)."""
-        await until(lambda: self.task is not None and self.task.done(), f"watch of {self.run_id}")
+    async def ended(self, timeout: float = TIMEOUT) -> None:
+        """Waits (at most ``timeout`` seconds) for the watch to end."""
+        await until(
+            lambda: self.task is not None and self.task.done(), f"watch of {self.run_id}", timeout
+        )
+
+    def at(self, episode: int) -> float:
+        """When episode ``episode`` reached it."""
+        return self.times()[self.numbers().index(episode)]
 
 
 class Core:
@@ -155,15 +161,18 @@ class Core:
         """The run now."""
         return await self.registry.get(run_id)
 
-    async def wait_state(self, run_id: str, *states: RunState) -> TrainingRun:
-        """Waits until the run is in one of ``states``; returns it."""
+    async def wait_state(
+        self, run_id: str, *states: RunState, timeout: float = TIMEOUT
+    ) -> TrainingRun:
+        """Waits (at most ``timeout`` seconds) until the run is in one of ``states``; returns
+        it."""
 
         async def reached() -> TrainingRun | None:
             run = await self.registry.get(run_id)
             return run if run.state in states else None
 
         names = "/".join(s.name for s in states)
-        return await until(reached, f"run {run_id} {names}")
+        return await until(reached, f"run {run_id} {names}", timeout)
 
     async def wait_episode(self, run_id: str, episode: int) -> TrainingRun:
         """Waits until the run published ``episode``; returns it."""

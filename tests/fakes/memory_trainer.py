@@ -49,6 +49,8 @@ from trainwire.v1 import episode_pb2
 
 #: Seconds between two heartbeats of a stream whose job waits (the real trainer's default).
 HEARTBEAT_S = 5.0
+#: Seconds a unary call takes (a round trip on a local network).
+CALL_S = 0.001
 
 
 # -- what the connector records ---------------------------------------------------------------
@@ -242,6 +244,12 @@ class MemoryJob:
         if self._stream is stream:
             self._stream = None
 
+    def blip(self) -> None:
+        """Breaks the attached stream (``TrainerLost``); the job lives on."""
+        if self._stream is not None:
+            self._stream.broken = True
+        self.changed()
+
     @property
     def attached(self) -> bool:
         """Whether a stream reads the job now."""
@@ -265,7 +273,7 @@ class MemoryStream:
         self._error = error
         self.cancelled = False
         self.superseded = False
-        self._sent_violation = False
+        self.broken = False
         self._pending: deque[episode_pb2.Episode] = deque()
         if job is not None:
             job.attach(self)
@@ -298,6 +306,8 @@ class MemoryStream:
                 raise self._fail(TrainerLost(f"trainer {trainer.address}: CANCELLED"))
             if self.superseded:
                 raise TrainerCrashed(f"trainer {trainer.address}: ABORTED: re-attached")
+            if self.broken:
+                raise self._fail(TrainerLost(f"trainer {trainer.address}: UNAVAILABLE: blip"))
             if self._pending:
                 return self._pending.popleft()
             script = job.script
@@ -353,7 +363,9 @@ class MemoryTrainer:
         providers: Task kinds it offers.
         slots_total: Jobs it runs at once.
         heartbeat_s: Seconds between heartbeats of a waiting job's stream.
-        grant_delay_s: Seconds a ``grant`` call takes to answer.
+        call_s: Seconds every unary call (probe, grant, cancel) takes to answer or fail: a
+            round trip, even to a dead trainer (a refused connection).
+        grant_delay_s: Seconds a ``grant`` call takes on top of that.
         answer_busy: New jobs it refuses as busy (``TrainerBusy``) although it reports free
             slots (a probe that raced another gateway's run); counts down.
         killed: It is gone: streams and calls raise ``TrainerLost``.
@@ -365,6 +377,7 @@ class MemoryTrainer:
     providers: tuple[str, ...] = ("imitation",)
     slots_total: int = 4
     heartbeat_s: float = HEARTBEAT_S
+    call_s: float = CALL_S
     grant_delay_s: float = 0.0
     answer_busy: int = 0
     killed: bool = False
@@ -390,6 +403,11 @@ class MemoryTrainer:
         self.jobs.clear()
         for job in jobs:
             job.stop()
+
+    def blip(self) -> None:
+        """The network drops every stream of the trainer; its jobs live on, detached."""
+        for job in self.jobs.values():
+            job.blip()
 
     def revive(self) -> None:
         """The trainer is back, without the jobs it had."""
@@ -468,7 +486,7 @@ class MemoryConnector:
     def _trainer(self, address: str) -> MemoryTrainer:
         trainer = self.trainers.get(address)
         if trainer is None:
-            raise TrainerLost(f"trainer {address}: UNAVAILABLE: connection refused")
+            raise TrainerLost(f"trainer {address}: UNAVAILABLE: no such trainer")
         return trainer
 
     def job(self, run_id: str) -> MemoryJob:
@@ -501,8 +519,13 @@ class MemoryConnector:
 
     # -- TrainerConnector --------------------------------------------------------------------
 
+    async def _round_trip(self, address: str) -> MemoryTrainer:
+        trainer = self._trainer(address)
+        await asyncio.sleep(trainer.call_s)
+        return trainer
+
     async def capabilities(self, address: str, timeout: float) -> Capabilities:
-        return self._trainer(address).capabilities()
+        return (await self._round_trip(address)).capabilities()
 
     def train(
         self,
@@ -527,7 +550,7 @@ class MemoryConnector:
         self._grants_in_flight[run_id] = in_flight
         self.max_grants_in_flight = max(self.max_grants_in_flight, in_flight)
         try:
-            trainer = self._trainer(address)
+            trainer = await self._round_trip(address)
             if trainer.grant_delay_s:
                 await asyncio.sleep(trainer.grant_delay_s)
             trainer._check_alive()
@@ -541,7 +564,7 @@ class MemoryConnector:
 
     async def cancel_job(self, address: str, run_id: str, timeout: float) -> None:
         self._record(CancelCall(address, run_id, self._now()))
-        trainer = self._trainer(address)
+        trainer = await self._round_trip(address)
         trainer._check_alive()
         job = trainer.jobs.pop(run_id, None)
         if job is not None:

@@ -13,15 +13,26 @@ With that future pending, looptime moves the clock only in step with real time, 
 when the result arrives within 80 % of the time to the next timer (the commit's I/O wakes the
 loop first): a commit then takes no virtual time, as a commit of a fast disk would.
 
-Both ``VIRTUAL_TIME`` (the marker of core tests) and ``virtual_loop`` (a coroutine on a fresh
-looptime loop, for tests that start many loops: hypothesis examples) set ``noop_cycles=0``:
-looptime advances its clock only after that many idle passes of the loop in a row, and a pass
-with ready callbacks starts the count again. A wait shorter than asyncio's clock resolution (the
-pacer's ``last + interval - now`` can be a float error like 5e-17) fires at once without the
-clock moving, the waiter computes the same tiny delay again, and the count never reaches 42: the
-loop spins at one instant for ever. With 0 the clock moves by one tick at the second such pass.
-Nothing here needs the idle passes: they only give outside work a chance to arrive, and the one
-outside worker, the store's thread, is made visible by ``InFlightStore``.
+A clock that moves only when the loop is idle turns float rounding into endless loops: a core
+wait of ``deadline - now`` that rounds to a hair above zero fires at once without the clock
+moving, and the waiter computes the same hair again. Two settings keep virtual time moving, in
+``VIRTUAL_TIME`` (the marker of core tests) and ``virtual_loop`` (a coroutine on a fresh looptime
+loop, for tests that start many loops: hypothesis examples):
+
+- ``resolution=2**-20``: the clock reads whole multiples of 2**-20 s, which float64 adds and
+  subtracts exactly, so ``keepalive_s - (now - last_sent)`` (the replay's keepalive wait) is 0
+  or a whole tick, never 1e-15 (with looptime's default 1e-6 it was, and ``asyncio.timeout``
+  then fires at once, at the same instant, for ever);
+- ``noop_cycles=0``: looptime advances only after that many idle passes in a row, and a pass
+  with ready callbacks starts the count again; a wait shorter than asyncio's clock resolution
+  (the pacer's ``last + interval - now``, whose ``last`` sums inexact intervals) fires without
+  the clock moving and resets the count before it reaches the default 42. With 0 the clock
+  moves a tick at the second such pass. Nothing here needs the idle passes: they give outside
+  work a chance to arrive, and the one outside worker, the store's thread, is made visible by
+  ``InFlightStore``.
+
+In production these waits come out at most a few nanoseconds early and the real clock moves on;
+only a clock that stands still makes them spin.
 """
 
 from __future__ import annotations
@@ -44,8 +55,11 @@ T = TypeVar("T")
 #: for something that never comes fails there instead of spinning its clock forever.
 END_OF_TIME_S = 3600.0
 
+#: The tick of virtual time: a power of two, so float arithmetic on clock readings is exact.
+RESOLUTION_S = 2.0**-20
+
 #: The marker of tests in virtual time (see the module docstring).
-VIRTUAL_TIME = pytest.mark.looptime(end=END_OF_TIME_S, noop_cycles=0)
+VIRTUAL_TIME = pytest.mark.looptime(end=END_OF_TIME_S, noop_cycles=0, resolution=RESOLUTION_S)
 
 
 class InFlightStore:
@@ -153,7 +167,7 @@ class InFlightStore:
 
 def virtual_loop(main: Callable[[], Coroutine[Any, Any, T]], end: float = END_OF_TIME_S) -> T:
     """Runs ``main()`` on a new event loop in virtual time (from 0) and closes the loop."""
-    loop = looptime.new_event_loop(start=0.0, end=end, noop_cycles=0)
+    loop = looptime.new_event_loop(start=0.0, end=end, noop_cycles=0, resolution=RESOLUTION_S)
     try:
         return loop.run_until_complete(main())
     finally:
