@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,12 +199,13 @@ class Core:
         self._watches.append(watch)
         return watch
 
-    async def restart(self) -> None:
-        """Shuts the core down (its trainers keep their jobs) and starts a new one on the same
-        store file and trainers."""
+    async def restart(self, meanwhile: Callable[[], object] = lambda: None) -> None:
+        """Shuts the core down (its trainers keep their jobs), calls ``meanwhile`` and starts a
+        new core on the same store file and trainers."""
         if self.db == ":memory:":
             raise ValueError("a restart needs a store file (db=tmp_path / ...)")
         await self.stop()
+        meanwhile()
         self.registry, self.store = build_core(self.settings, self.connector, self.db)
         await self.registry.start()
 
