@@ -5,6 +5,7 @@ limit, and health."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
 import pytest
 
@@ -18,7 +19,7 @@ from tests.fakes.waiting import until
 pytestmark = VIRTUAL_TIME
 
 
-def new_jobs(calls: list[object], address: str) -> list[str]:
+def new_jobs(calls: Iterable[object], address: str) -> list[str]:
     """The run ids of the new jobs asked of a trainer, in order."""
     return [
         c.run_id

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
-T = TypeVar("T")
+from collections.abc import Callable
+from typing import Any
 
 #: Seconds any test waits for anything before it fails.
 TIMEOUT = 20.0
@@ -20,9 +18,7 @@ TIMEOUT = 20.0
 POLL_S = 0.01
 
 
-async def until(
-    condition: Callable[[], T | Awaitable[T]], what: str, timeout: float = TIMEOUT
-) -> T:
+async def until(condition: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
     """Waits until ``condition()`` (sync or async) returns something truthy; returns it.
 
     Raises:
@@ -36,7 +32,7 @@ async def until(
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return value  # type: ignore[return-value]
+            return value
         if loop.time() >= deadline:
             raise AssertionError(
                 f"timed out after {timeout:g} s waiting for {what}; last: {value!r}"
