@@ -73,14 +73,18 @@ class Watch:
     task: asyncio.Task[None] | None = None
     error: BaseException | None = None
 
-    def episodes(self) -> list[episode_pb2.Episode]:
-        """Every episode it got, in order."""
+    def payloads(self) -> list[bytes]:
+        """The serialized episodes it got, in order, as they came."""
         return [
-            episode_pb2.Episode.FromString(frame_payload(frame))
+            frame_payload(frame)
             for _, event in self.events
             if isinstance(event, EpisodeFrames)
             for frame in event.frames
         ]
+
+    def episodes(self) -> list[episode_pb2.Episode]:
+        """Every episode it got, in order."""
+        return [episode_pb2.Episode.FromString(data) for data in self.payloads()]
 
     def numbers(self) -> list[int]:
         """The numbers of the episodes it got, in order."""
@@ -125,13 +129,15 @@ class Core:
         settings: Its settings.
         db: Where its store is (``:memory:`` or a file).
         store: Its store (the real one, wrapped for virtual time).
+        health: Every health change the core reported (``on_health``), in order.
     """
 
     def __init__(self, settings: CoreSettings, connector: MemoryConnector, db: str) -> None:
         self.settings = settings
         self.connector = connector
         self.db = db
-        self.registry, self.store = build_core(settings, connector, db)
+        self.health: list[bool] = []
+        self.registry, self.store = build_core(settings, connector, db, self.health.append)
         self._watches: list[Watch] = []
 
     @property
@@ -206,7 +212,9 @@ class Core:
             raise ValueError("a restart needs a store file (db=tmp_path / ...)")
         await self.stop()
         meanwhile()
-        self.registry, self.store = build_core(self.settings, self.connector, self.db)
+        self.registry, self.store = build_core(
+            self.settings, self.connector, self.db, self.health.append
+        )
         await self.registry.start()
 
     async def stop(self) -> None:
@@ -225,12 +233,21 @@ def core_settings(trainers: tuple[str, ...], **overrides: Any) -> CoreSettings:
 
 
 def build_core(
-    settings: CoreSettings, connector: MemoryConnector, db: str
+    settings: CoreSettings,
+    connector: MemoryConnector,
+    db: str,
+    on_health: Callable[[bool], None] = lambda healthy: None,
 ) -> tuple[RunRegistry, InFlightStore]:
     """The one place a test core is constructed: the real store of ``db`` (wrapped for virtual
     time), the connector, and the loop's clock for pacing, keepalives and probes."""
     store = InFlightStore(open_store(db))
-    registry = RunRegistry(settings, store, connector, clock=asyncio.get_running_loop().time)
+    registry = RunRegistry(
+        settings,
+        store,
+        connector,
+        clock=asyncio.get_running_loop().time,
+        on_health=on_health,
+    )
     return registry, store
 
 

@@ -101,8 +101,11 @@ class JobScript:
             were sent, with ``user_message`` for users.
         user_message: The provider's message (a ``google.rpc.LocalizedMessage``).
         crash_after: Fail without a message (``TrainerCrashed``) once this many were sent.
+        error_after: Fail with ``error`` once this many were sent.
+        error: The failure of ``error_after`` (any ``TrainerError``).
         violate: A rule of ``tests.fakes.scripts.VIOLATIONS`` that episode ``violate_at``
-            breaks (``tests.fakes.episodes.broken`` builds it).
+            breaks (``tests.fakes.episodes.broken`` builds it); ``done_missing``: the last
+            episode comes without done (``end_without_done`` is ``end_after``).
         violate_at: The episode that breaks it.
         silent_after: Send nothing more, not even heartbeats, once this many were sent.
         end_after: End the stream without a done episode once this many were sent.
@@ -114,6 +117,8 @@ class JobScript:
     fail_after: int | None = None
     user_message: str = "The provider failed."
     crash_after: int | None = None
+    error_after: int | None = None
+    error: TrainerError | None = None
     violate: str | None = None
     violate_at: int = 3
     silent_after: int | None = None
@@ -320,6 +325,9 @@ class MemoryStream:
                 raise self._fail(
                     TrainerFailed(f"trainer {trainer.address}: INTERNAL", script.user_message)
                 )
+            if script.error_after == sent and script.error is not None:
+                job.stop()
+                raise self._fail(script.error)
             if script.crash_after == sent:
                 job.stop()
                 raise self._fail(TrainerCrashed(f"trainer {trainer.address}: INTERNAL: crash"))
@@ -335,7 +343,15 @@ class MemoryStream:
                 job.sent = max(job.sent, self._cursor)
                 trainer.episodes_sent += 1
                 episode = job.produced[sent]
-                if script.violate is not None and self._cursor == script.violate_at:
+                if script.violate == "done_missing" and episode.done:
+                    bad = episode_pb2.Episode()
+                    bad.CopyFrom(episode)
+                    bad.done = False
+                    return bad
+                if (
+                    script.violate not in (None, "done_missing")
+                    and self._cursor == script.violate_at
+                ):
                     bad = episode_pb2.Episode()
                     bad.CopyFrom(episode)
                     self._pending.extend(broken(bad, script.violate))
