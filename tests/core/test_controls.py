@@ -13,7 +13,7 @@ from gateway.core.errors import IllegalTransition
 from gateway.core.registry import Keepalive
 from gateway.core.runs import RunState
 from tests.fakes.core_harness import running_core
-from tests.fakes.memory_trainer import GrantCall
+from tests.fakes.memory_trainer import GrantCall, MemoryTrainer
 from tests.fakes.virtual_time import VIRTUAL_TIME
 from tests.fakes.waiting import until
 
@@ -154,3 +154,14 @@ async def test_stop_while_paused_cancels_the_job_too() -> None:
         await core.registry.stop(run.id)
         await until(lambda: core.connector.cancels(run.id), "CancelJob of the stopped run")
         assert (await core.run(run.id)).state is RunState.STOPPED
+
+
+async def test_a_pending_run_cannot_be_paused_and_stops_at_once_without_a_trainer() -> None:
+    trainer = MemoryTrainer("t1", slots_total=0)  # every slot taken
+    async with running_core(trainer) as core:
+        run = await core.create(max_episodes=5)
+        with pytest.raises(IllegalTransition, match=r"cannot pause run .*: it is PENDING"):
+            await core.registry.pause(run.id)
+        stopped = await core.registry.stop(run.id)
+        assert (stopped.state, stopped.trainer, stopped.episode) == (RunState.STOPPED, "", 0)
+        assert core.connector.calls == []  # no Train, no CancelJob

@@ -6,11 +6,19 @@ violation read the gateway's messages (and cancel the job)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
 from gateway.core.registry import Finished
 from gateway.core.runs import CONTRACT_MESSAGE, LOST_MESSAGE, UNEXPECTED_MESSAGE, RunState
+from gateway.core.trainers import (
+    TrainerBrokeContract,
+    TrainerBusy,
+    TrainerCrashed,
+    TrainerError,
+    TrainerFailed,
+)
 from tests.fakes.core_harness import running_core
 from tests.fakes.memory_trainer import GrantCall, JobScript, MemoryTrainer
 from tests.fakes.virtual_time import VIRTUAL_TIME
@@ -192,36 +200,65 @@ async def test_a_provider_error_ends_the_run_with_its_message_for_users() -> Non
         assert core.connector.cancels(run.id) == []  # the provider stopped on its own
 
 
-async def test_a_crash_without_a_message_reads_unexpected_and_cancels_the_job() -> None:
-    trainer = MemoryTrainer("t1")
-    trainer.script(JobScript(crash_after=2))
-    async with running_core(trainer) as core:
-        run = await core.create(max_episodes=50)
-        failed = await core.wait_state(run.id, RunState.ERROR)
-        assert (failed.error_message, failed.episode) == (UNEXPECTED_MESSAGE, 2)
-        await until(lambda: core.connector.cancels(run.id), "CancelJob after the crash")
-
-
 @pytest.mark.parametrize(
     "rule",
-    ["sequence", "finite", "metric_finite", "best_reward", "done", "detail_kind", "detail_size"],
+    [
+        "sequence",
+        "finite",
+        "metric_finite",
+        "best_reward",
+        "done",
+        "detail_kind",
+        "detail_size",
+        "done_missing",
+    ],
 )
 async def test_a_contract_violation_fails_the_run_before_the_bad_episode_is_published(
-    rule: str,
+    rule: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     trainer = MemoryTrainer("t1")
     trainer.script(JobScript(violate=rule, violate_at=3))
     async with running_core(trainer) as core:
-        run = await core.create(max_episodes=20)
+        run = await core.create(max_episodes=6)
         watch = core.watch(run.id)
-        await watch.ended()
+        with caplog.at_level(logging.ERROR, logger="gateway"):
+            await watch.ended()
         failed = await core.run(run.id)
 
         assert (failed.state, failed.error_message) == (RunState.ERROR, CONTRACT_MESSAGE)
-        assert watch.numbers() == [1, 2]
-        assert failed.episode == 2
+        good = 5 if rule == "done_missing" else 2  # the last episode, or the third, is bad
+        assert watch.numbers() == list(range(1, good + 1))
+        assert failed.episode == good
+        # One log line names the run and the rule.
+        [line] = [r.getMessage() for r in caplog.records if "CONTRACT VIOLATION" in r.getMessage()]
+        checked = {"metric_finite": "finite", "done_missing": "done"}.get(rule, rule)
+        assert line.startswith(f"CONTRACT VIOLATION run={run.id} rule={checked} ")
         # The failure is the gateway's call: the trainer's job would compute for nobody.
         await until(lambda: core.connector.cancels(run.id), "CancelJob after the violation")
+
+
+@pytest.mark.parametrize(
+    ("error", "message", "cancelled"),
+    [
+        (TrainerBrokeContract("t1: INTERNAL: CONTRACT_VIOLATION"), CONTRACT_MESSAGE, True),
+        (TrainerCrashed("t1: UNKNOWN"), UNEXPECTED_MESSAGE, True),
+        (TrainerBusy("t1: SLOTS_BUSY"), UNEXPECTED_MESSAGE, True),  # busy once it started
+        (TrainerFailed("t1: FAILED_PRECONDITION", "The dataset file is missing."), None, False),
+    ],
+    ids=["trainer-contract", "crashed", "busy-mid-run", "provider"],
+)
+async def test_each_trainer_failure_mid_run_reads_its_message_and_cancels_as_it_should(
+    error: TrainerError, message: str | None, cancelled: bool
+) -> None:
+    trainer = MemoryTrainer("t1")
+    trainer.script(JobScript(error_after=3, error=error))
+    async with running_core(trainer) as core:
+        run = await core.create(max_episodes=20)
+        failed = await core.wait_state(run.id, RunState.ERROR)
+        expected = message if message is not None else getattr(error, "user_message", "")
+        assert (failed.error_message, failed.episode) == (expected, 3)
+        await asyncio.sleep(1.0)  # a CancelJob would have gone out by now
+        assert bool(core.connector.cancels(run.id)) is cancelled
 
 
 async def test_a_stream_that_ends_without_done_is_a_contract_violation() -> None:

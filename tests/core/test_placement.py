@@ -1,6 +1,6 @@
 """Placement of PENDING runs on trainers, in virtual time: FIFO per task kind, a busy trainer
 sends the run back to its place in the queue, a waiting run says why it waits, the pending
-limit, and health."""
+limit, dead and hung trainers, and health."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import Iterable
 import pytest
 
 from gateway.core.errors import TooManyPending
-from gateway.core.runs import RunState
+from gateway.core.runs import LOST_MESSAGE, RunState
 from tests.fakes.core_harness import running_core
-from tests.fakes.memory_trainer import MemoryTrainer, TrainCall
+from tests.fakes.memory_trainer import JobScript, MemoryTrainer, TrainCall
 from tests.fakes.virtual_time import VIRTUAL_TIME
 from tests.fakes.waiting import until
 
@@ -187,11 +187,55 @@ async def test_a_dead_trainer_is_skipped_and_runs_go_to_the_one_that_answers() -
         assert new_jobs(core.connector.calls, "t-dead") == []
 
 
-async def test_health_follows_whether_a_trainer_answers() -> None:
+async def test_a_hung_trainer_does_not_delay_placement_on_a_healthy_one() -> None:
+    hung = MemoryTrainer("t-hung", call_s=30.0)  # its probes answer after 30 s
+    healthy = MemoryTrainer("t-healthy")
+    async with running_core(hung, healthy, trainer_call_timeout_s=30.0) as core:
+        created = asyncio.get_running_loop().time()
+        run = await core.create(max_episodes=3)
+        done = await core.wait_state(run.id, RunState.DONE)
+        assert done.trainer == "t-healthy"
+        # Placed at once, while the hung trainer's probe waits for its answer.
+        assert core.connector.trains(run.id)[0].at - created < 0.1
+        assert hung.jobs == {}
+
+
+async def test_two_trainers_share_runs_and_a_dead_one_leaves_its_run_lost_and_the_rest_go_on() -> (
+    None
+):
+    one = MemoryTrainer("t-one", slots_total=1)
+    two = MemoryTrainer("t-two", slots_total=1)
+    async with running_core(one, two, heartbeat_timeout_s=2.0) as core:
+        a = await core.create(max_episodes=LONG)
+        b = await core.create(max_episodes=LONG)
+        await core.wait_state(a.id, RunState.RUNNING)
+        await core.wait_state(b.id, RunState.RUNNING)
+        assert {(await core.run(r.id)).trainer for r in (a, b)} == {"t-one", "t-two"}
+
+        one.kill()
+        lost, kept = (a, b) if (await core.run(a.id)).trainer == "t-one" else (b, a)
+        assert (await core.wait_state(lost.id, RunState.ERROR)).error_message == LOST_MESSAGE
+        assert (await core.wait_state(kept.id, RunState.DONE)).episode == LONG
+        later = await core.create(max_episodes=3)
+        assert (await core.wait_state(later.id, RunState.DONE)).trainer == "t-two"
+
+
+async def test_a_provider_error_before_the_first_episode_fails_the_run_without_a_retry() -> None:
+    trainer = MemoryTrainer("t1")
+    trainer.script(JobScript(fail_after=0, user_message="The dataset file is missing."))
+    async with running_core(trainer) as core:
+        run = await core.create(max_episodes=5)
+        failed = await core.wait_state(run.id, RunState.ERROR)
+        assert (failed.error_message, failed.episode) == ("The dataset file is missing.", 0)
+        assert len(core.connector.trains(run.id)) == 1  # never re-queued: only busy is
+
+
+async def test_health_changes_are_reported_as_trainers_come_and_go() -> None:
     trainer = MemoryTrainer("t1")
     async with running_core(trainer) as core:
-        assert core.registry.healthy
+        assert core.health == [True]
         trainer.kill()
-        await until(lambda: not core.registry.healthy, "unhealthy once the trainer is gone")
+        await until(lambda: core.health[-1] is False, "unhealthy reported")
         trainer.revive()
-        await until(lambda: core.registry.healthy, "healthy once the trainer answers again")
+        await until(lambda: core.health[-1] is True, "healthy reported")
+        assert core.health == [True, False, True]

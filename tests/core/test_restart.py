@@ -13,6 +13,7 @@ from gateway.core.runs import INTERRUPTED_MESSAGE, RunState
 from tests.fakes.core_harness import running_core
 from tests.fakes.memory_trainer import MemoryTrainer, TrainCall
 from tests.fakes.virtual_time import VIRTUAL_TIME
+from tests.fakes.waiting import until
 
 pytestmark = VIRTUAL_TIME
 
@@ -108,3 +109,32 @@ async def test_a_run_whose_job_is_gone_after_a_restart_ends_interrupted_with_its
         await replay.ended()
         assert replay.numbers() == list(range(1, failed.episode + 1))
         assert failed.episode >= 10
+
+
+async def test_a_restart_while_the_last_episodes_wait_for_their_time_loses_none(
+    tmp_path: Path,
+) -> None:
+    # At 2 episodes/s with a lead of 4, the trainer finishes (its end delivered, its slot
+    # free) while the gateway still holds the last episodes for their time. A restarted
+    # gateway re-attaches to the finished job and gets them again.
+    async with running_core(db=str(tmp_path / "gateway.db")) as core:
+        run = await core.create(max_episodes=10, episodes_per_second=2.0)
+        watch = core.watch(run.id)
+
+        def sent_all() -> bool:
+            job = core.trainer.jobs.get(run.id)
+            return job is not None and job.sent == 10
+
+        await until(sent_all, "the trainer sent its last episode")
+        held = await core.registry.pause(run.id)
+        assert held.episode < held.trainer_episode == 10
+        assert core.connector.job(run.id).stopped  # the trainer is done with it
+
+        await core.restart()
+        await core.registry.resume(run.id)
+        rest = core.watch(run.id, after_episode=watch.numbers()[-1])
+        await rest.ended()
+
+        assert watch.numbers() + rest.numbers() == list(range(1, 11))
+        assert rest.finished is not None and rest.finished.state is RunState.DONE
+        assert core.connector.trains(run.id)[-1].attach_after == held.episode

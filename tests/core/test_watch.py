@@ -48,9 +48,15 @@ async def test_watchers_joining_at_any_time_get_every_episode_once() -> None:
         for _, watch in watches:
             await watch.ended()
 
+        replay = core.watch(run.id)
+        await replay.ended()
+        history = replay.payloads()  # from the store
+        assert len(history) == 60
         for after, watch in watches:
             assert_well_formed(watch, after, 60)
             assert watch.finished is not None and watch.finished.state is RunState.DONE
+            # Byte for byte what the store holds: live or replayed, every watcher agrees.
+            assert watch.payloads() == history[after:]
 
 
 async def test_a_late_joiner_gets_the_history_in_batches_then_the_live_episodes() -> None:
@@ -86,16 +92,18 @@ async def test_caught_up_names_the_real_last_episode_when_the_cursor_is_beyond_i
         assert caught_up.last_episode == 30
 
 
-async def test_a_finished_run_is_replayed_from_the_store() -> None:
+async def test_a_finished_run_is_replayed_from_the_store_in_batches() -> None:
     async with running_core() as core:
-        run = await core.create(max_episodes=300, episodes_per_second=-1.0)
-        await core.wait_state(run.id, RunState.DONE)
+        run = await core.create(max_episodes=700, episodes_per_second=-1.0)
+        await core.wait_state(run.id, RunState.DONE, timeout=60.0)
         watch = core.watch(run.id, after_episode=17)
         await watch.ended()
 
-        assert_well_formed(watch, 17, 300)
+        assert_well_formed(watch, 17, 700)
+        batches = [len(e.frames) for _, e in watch.of(EpisodeFrames)]
         assert all(e.batch for _, e in watch.of(EpisodeFrames))
-        assert watch.finished is not None and watch.finished.episode == 300
+        assert len(batches) >= 3 and max(batches) <= 256
+        assert watch.finished is not None and watch.finished.episode == 700
 
 
 async def test_keepalives_every_keepalive_s_while_a_run_waits_for_a_trainer() -> None:
