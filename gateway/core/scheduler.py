@@ -71,8 +71,11 @@ class TrainerState:
         caps: Its last answer; ``None`` while it does not answer.
         error: Why it does not answer (for people).
         starting: Runs dispatched to it that it has not answered yet.
+        started: Runs that started on it after it was last asked (its answer lacks them).
         stale: Something changed on it since its last answer.
-        wake: Set to probe it at once.
+        probe_now: Probe it at once (with ``wake`` set).
+        wake: Set to end its probe loop's wait: a probe now, or a new due time (runs began
+            to wait, so it is due after the poll interval instead of the idle one).
         asked_at: When it was last asked (monotonic seconds).
     """
 
@@ -80,7 +83,9 @@ class TrainerState:
     caps: Capabilities | None = None
     error: str = "not asked yet"
     starting: int = 0
+    started: int = 0
     stale: bool = False
+    probe_now: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     asked_at: float = -math.inf
 
@@ -160,12 +165,14 @@ class Scheduler:
         bisect.insort(self._queue, (run.seq, self._tiebreak, run), key=lambda q: q[:2])
         self.place()
         if self._queue:
-            # Runs wait: trainers asked longer ago than the poll interval are asked now (their
-            # loops were on the idle interval).
+            # Runs wait: trainers asked longer ago than the poll interval are asked now, the
+            # others once the poll interval since their last probe is over (their loops were
+            # waiting for the idle interval).
             due = self._clock() - self._config.schedule_poll_s
             for state in self.trainers.values():
                 if state.asked_at < due:
-                    state.wake.set()
+                    state.probe_now = True
+                state.wake.set()
 
     requeue = enqueue
 
@@ -185,6 +192,7 @@ class Scheduler:
         state = self.trainers.get(trainer)
         if state is not None and state.starting > 0:
             state.starting -= 1
+            state.started += 1
             self._refresh(state)
 
     def run_ended(self, trainer: str) -> None:
@@ -195,6 +203,7 @@ class Scheduler:
 
     def _refresh(self, state: TrainerState) -> None:
         state.stale = True
+        state.probe_now = True
         state.wake.set()
 
     # -- probing -----------------------------------------------------------------------------
@@ -204,16 +213,28 @@ class Scheduler:
             await self._probe(state)
             if all(s.error != "not asked yet" for s in self.trainers.values()):
                 self._answered.set()
+            await self._until_due(state)
+
+    async def _until_due(self, state: TrainerState) -> None:
+        """Waits until the trainer is due for a probe: the poll interval after its last one
+        while runs wait, the idle interval otherwise, or at once when asked to."""
+        while not state.probe_now:
             interval = self._config.schedule_poll_s if self._queue else IDLE_PROBE_S
+            left = state.asked_at + interval - self._clock()
+            if left <= 0:
+                return
+            state.wake.clear()
             try:
-                async with asyncio.timeout(interval):
+                async with asyncio.timeout(left):
                     await state.wake.wait()
             except TimeoutError:
-                pass
+                return
 
     async def _probe(self, state: TrainerState) -> None:
         state.wake.clear()
+        state.probe_now = False
         state.asked_at = self._clock()
+        started = state.started
         was_stale = state.stale
         address = state.address
         try:
@@ -234,7 +255,8 @@ class Scheduler:
                 _LOGGER.info("trainer %s reachable again", address)
             state.caps = caps
             state.error = ""
-            if was_stale and not state.wake.is_set():
+            state.started -= started  # those are in its answer
+            if was_stale and not state.probe_now:
                 state.stale = False  # nothing changed on it while it was asked
         self._health_changed()
         self.place()
@@ -296,7 +318,7 @@ class Scheduler:
         for s in offering:
             caps = s.caps
             assert caps is not None
-            busy = caps.slots_total - caps.slots_free + s.starting
+            busy = caps.slots_total - caps.slots_free + s.starting + s.started
             parts.append(f"{s.address} has {min(busy, caps.slots_total)}/{caps.slots_total} busy")
         return "waiting for a free slot: " + ", ".join(parts)
 
