@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.core.errors import IllegalTransition
 from gateway.core.runs import RunState
 from tests.fakes.core_harness import TEST_SETTINGS, Core, running_core
 from tests.fakes.memory_trainer import GrantCall, JobScript, MemoryTrainer, TrainCall
@@ -123,24 +124,32 @@ async def scenario(
                 break
             if action == "advance":
                 await checker.wait(value)
-            elif action == "pause":
-                await core.registry.pause(run.id)
-                checker.pause_began()
-            elif action == "resume" and state is RunState.PAUSED:
-                await core.registry.resume(run.id)
-                checker.pause_ended()
-            elif action == "speed":
-                await core.registry.set_speed(run.id, value)
-                checker.speed_changed(value)
+            else:
+                # A control takes effect during its call, and the call may take (virtual) time
+                # while its state is written: a pause counts from when the call returned, a
+                # resume and a speed from when it was made, so neither window is too wide.
+                try:
+                    if action == "pause":
+                        await core.registry.pause(run.id)
+                        checker.pause_began()
+                    elif action == "resume" and state is RunState.PAUSED:
+                        checker.pause_ended()
+                        await core.registry.resume(run.id)
+                    elif action == "speed":
+                        checker.speed_changed(value)
+                        await core.registry.set_speed(run.id, value)
+                except IllegalTransition:  # it finished meanwhile
+                    assert (await core.run(run.id)).state is RunState.DONE
+                    break
             await checker.look()
 
         # To the end, fast.
         if (await core.run(run.id)).state is RunState.PAUSED:
-            await core.registry.resume(run.id)
             checker.pause_ended()
+            await core.registry.resume(run.id)
         if (await core.run(run.id)).state.active:
-            await core.registry.set_speed(run.id, 20.0)
             checker.speed_changed(20.0)
+            await core.registry.set_speed(run.id, 20.0)
 
         async def finished() -> bool:
             await checker.look()
