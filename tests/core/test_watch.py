@@ -140,12 +140,30 @@ async def test_a_deleted_run_is_not_found_for_watchers_and_an_active_one_cannot_
 ):
     async with running_core() as core:
         run = await core.create(max_episodes=5)
+        watch = core.watch(run.id)
         with pytest.raises(IllegalTransition, match="stop it first"):
             await core.registry.delete(run.id)
-        await core.wait_state(run.id, RunState.DONE)
+        await watch.ended()  # Finished: the run has left the active runs
         deleted = await core.registry.delete(run.id)
-        assert deleted.episode == 5
+        assert (deleted.state, deleted.episode) == (RunState.DONE, 5)
 
         with pytest.raises(RunNotFound):
             async for _ in core.registry.watch(run.id, 0):
                 pass
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="RunCatalog.delete refuses a run that get() already reports DONE while its driver "
+    "stores the final state ('cannot delete run ...: it is DONE; stop it first'): the driver "
+    "leaves the active runs only after update_run returns",
+)
+async def test_a_run_reported_done_can_be_deleted() -> None:
+    async with running_core() as core:
+        run = await core.create(max_episodes=5)
+        await core.wait_episode(run.id, 4)
+        core.store.update_delay_s = 1.0  # the final state takes a while to the store
+        done = await core.wait_state(run.id, RunState.DONE)
+        assert done.state is RunState.DONE
+        deleted = await core.registry.delete(run.id)
+        assert deleted.id == run.id

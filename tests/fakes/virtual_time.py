@@ -79,6 +79,9 @@ class InFlightStore:
         self._marker: asyncio.Future[Any] | None = None  # held: looptime keeps only weak refs
         #: The last episode of each run whose commit came back (for tests of "after commits").
         self.committed: dict[str, int] = {}
+        #: Seconds (virtual) each ``update_run`` waits before it is written: a slow disk, to
+        #: hold open what happens while a run's state is on its way to the store.
+        self.update_delay_s = 0.0
 
     def _begin(self) -> None:
         self._in_flight += 1
@@ -120,6 +123,8 @@ class InFlightStore:
         return await self._call(lambda: self.inner.insert_run(run))
 
     async def update_run(self, run: TrainingRun) -> None:
+        if self.update_delay_s:
+            await asyncio.sleep(self.update_delay_s)
         await self._call(lambda: self.inner.update_run(run))
 
     def append_episode(
