@@ -63,15 +63,18 @@ async def test_a_speed_change_takes_effect_at_the_next_episode() -> None:
 
         assert watch.numbers() == list(range(1, 61))
         times = watch.times()
-        assert times[9] < at < times[10]
+        assert times[9] <= at < times[10]
         assert_paced(times[:10], 0.1)
         # Episode 11 is due one new interval after episode 10 (at once if that has passed),
         # and the ones after it come every new interval.
         assert times[10] - times[9] <= 0.1
         assert_paced(times[10:], 0.025)
-        # The lead grows with the speed: 2 s at 40 episodes/s is 80 episodes (up to the end).
-        [grant] = [c for c in core.connector.calls if isinstance(c, GrantCall) and c.at >= at]
-        assert grant.through_episode == 60
+        # The lead grows with the speed: 2 s at 40 episodes/s is 80 episodes, so the grant that
+        # goes out with the change reaches the end; at 20 episodes before, none did.
+        grants = [c for c in core.connector.calls if isinstance(c, GrantCall)]
+        assert max(c.through_episode for c in grants if c.at < at) <= 10 + 20
+        [to_the_end] = [c.at for c in grants if c.through_episode == 60]
+        assert at <= to_the_end <= at + 0.01  # (after a grant in flight, if one was)
 
 
 async def test_pause_holds_publication_and_the_trainer_at_its_grant_and_resume_goes_on() -> None:
@@ -165,3 +168,26 @@ async def test_a_pending_run_cannot_be_paused_and_stops_at_once_without_a_traine
         stopped = await core.registry.stop(run.id)
         assert (stopped.state, stopped.trainer, stopped.episode) == (RunState.STOPPED, "", 0)
         assert core.connector.calls == []  # no Train, no CancelJob
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="A control that comes while the done episode is on its way to the store is refused "
+    "with 'cannot change the speed of run ...: it is RUNNING' (or pause, stop): the driver is "
+    "finalizing, so the registry refuses it as for a finished run, whose state it is not yet",
+)
+async def test_a_control_while_the_last_episode_is_committed_is_not_refused_as_running() -> None:
+    async with running_core() as core:
+        core.store.commit_delay_s = 2.0  # each episode takes 2 s to the store
+        run = await core.create(max_episodes=5)
+        # By 1 s every episode, the done one included, was handed to the store; none is
+        # committed yet.
+        await asyncio.sleep(1.0)
+        running = await core.run(run.id)
+        assert (running.state, running.episode, running.trainer_episode) == (
+            RunState.RUNNING,
+            0,
+            5,
+        )
+        changed = await core.registry.set_speed(run.id, 2.0)
+        assert changed.speed == 2.0

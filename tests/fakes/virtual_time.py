@@ -79,9 +79,12 @@ class InFlightStore:
         self._marker: asyncio.Future[Any] | None = None  # held: looptime keeps only weak refs
         #: The last episode of each run whose commit came back (for tests of "after commits").
         self.committed: dict[str, int] = {}
-        #: Seconds (virtual) each ``update_run`` waits before it is written: a slow disk, to
-        #: hold open what happens while a run's state is on its way to the store.
+        #: Seconds (virtual) each ``update_run`` waits before it is written, and each episode
+        #: commit before it is reported (in order): a slow disk, to hold open what happens
+        #: while a run's state or its episodes are on their way to the store.
         self.update_delay_s = 0.0
+        self.commit_delay_s = 0.0
+        self._reported: asyncio.Future[None] | None = None  # the last late commit report
 
     def _begin(self) -> None:
         self._in_flight += 1
@@ -133,18 +136,45 @@ class InFlightStore:
         self._begin()
 
         def committed(error: BaseException | None) -> None:
-            if error is None:
-                self.committed[record.run_id] = record.episode
+            if self.commit_delay_s:
+                self._end()  # the thread is done: the delay is virtual time
+                self._report_late(record, callback, error)
+                return
             try:
-                callback(error)
+                report(error)
             finally:
                 self._end()
+
+        def report(error: BaseException | None) -> None:
+            if error is None:
+                self.committed[record.run_id] = record.episode
+            callback(error)
 
         try:
             self.inner.append_episode(record, committed)
         except BaseException:
             self._end()
             raise
+
+    def _report_late(
+        self,
+        record: EpisodeRecord,
+        callback: Callable[[BaseException | None], None],
+        error: BaseException | None,
+    ) -> None:
+        """Reports a commit ``commit_delay_s`` later, after the ones before it."""
+        previous = self._reported
+        delay = self.commit_delay_s
+
+        async def report() -> None:
+            await asyncio.sleep(delay)
+            if previous is not None:
+                await previous
+            if error is None:
+                self.committed[record.run_id] = record.episode
+            callback(error)
+
+        self._reported = asyncio.ensure_future(report())
 
     async def get_run(self, run_id: str) -> TrainingRun | None:
         return await self._call(lambda: self.inner.get_run(run_id))
