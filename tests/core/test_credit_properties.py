@@ -138,18 +138,23 @@ async def scenario(
                     elif action == "speed":
                         checker.speed_changed(value)
                         await core.registry.set_speed(run.id, value)
-                except IllegalTransition:  # it finished meanwhile
-                    assert (await core.run(run.id)).state is RunState.DONE
+                except IllegalTransition:
+                    # It is finishing: its done episode is on its way to the store (refused as
+                    # RUNNING meanwhile: test_controls pins that as a known bug).
+                    await core.wait_state(run.id, RunState.DONE)
                     break
             await checker.look()
 
         # To the end, fast.
-        if (await core.run(run.id)).state is RunState.PAUSED:
-            checker.pause_ended()
-            await core.registry.resume(run.id)
-        if (await core.run(run.id)).state.active:
-            checker.speed_changed(20.0)
-            await core.registry.set_speed(run.id, 20.0)
+        try:
+            if (await core.run(run.id)).state is RunState.PAUSED:
+                checker.pause_ended()
+                await core.registry.resume(run.id)
+            if (await core.run(run.id)).state.active:
+                checker.speed_changed(20.0)
+                await core.registry.set_speed(run.id, 20.0)
+        except IllegalTransition:  # finishing (see above)
+            pass
 
         async def finished() -> bool:
             await checker.look()
