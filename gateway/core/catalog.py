@@ -254,6 +254,9 @@ class RunCatalog:
         """
         require_run_id(run_id)
         driver = self._table.get(run_id)
+        if driver is not None and driver.owned and driver.finalizing:
+            await driver.ended()  # its final state is being stored
+            driver = self._table.get(run_id)
         if driver is not None:
             raise IllegalTransition(
                 f"cannot delete run {run_id!r}: it is {driver.run.state.name}; stop it first",

@@ -47,6 +47,9 @@ from trainwire.contract import ContractViolation, task_kind
 
 _LOGGER = logging.getLogger(__name__)
 
+#: Seconds before a grant the trainer did not take is tried again without a commit.
+GRANT_RETRY_S = 1.0
+
 
 class SchedulerHooks(Protocol):
     """What a driver tells the scheduler."""
@@ -127,6 +130,7 @@ class RunDriver:
         self.owned = owned
         self._trainer = run.trainer
         self._reserved = False  # counted by the scheduler as starting on self._trainer
+        self._ended = asyncio.Event()  # finalized (or handed to another replica)
 
     @property
     def seq(self) -> int:
@@ -142,6 +146,11 @@ class RunDriver:
     def trainer(self) -> str:
         """The trainer it was placed on ("" before)."""
         return self._trainer
+
+    async def ended(self) -> None:
+        """Returns once the driver let its run go: its end stored (or refused by a full
+        disk), or the run handed to another replica."""
+        await self._ended.wait()
 
     def snapshot(self) -> TrainingRun:
         """A copy of the run with its ``state_detail`` filled in."""
@@ -271,6 +280,7 @@ class RunDriver:
             )
         await self.persist()
         self.log.close()
+        self._ended.set()
 
     async def abandon(self) -> None:
         """Another replica owns the run now: stops driving it, leaving the trainer's job and
@@ -282,6 +292,7 @@ class RunDriver:
         self._ctx.scheduler.dequeue(self)
         await self._cancel_task()
         self._ctx.ownership.lost(self)
+        self._ended.set()
 
     async def _cancel_task(self) -> None:
         task, self.task = self.task, None
@@ -348,7 +359,13 @@ class RunDriver:
             )
         finally:
             self.credit.sent(target, delivered)
-        self._maybe_grant()
+        if delivered:
+            self._maybe_grant()  # commits that came meanwhile may make another one due
+        else:
+            # Not at once (a trainer that refuses at once would get grants back to back): at
+            # the next commit, or after a pause for a trainer that waits at its grant.
+            loop = asyncio.get_running_loop()
+            loop.call_later(GRANT_RETRY_S, self._maybe_grant)
 
     # -- driving -----------------------------------------------------------------------------
 
@@ -532,6 +549,7 @@ class RunDriver:
                 "run %s: could not store its final state", run.id, extra={"run_id": run.id}
             )
         self._ctx.on_end(self)
+        self._ended.set()
         self.log.close()
         if run.trainer or self._trainer:
             self._ctx.scheduler.run_ended(run.trainer or self._trainer)

@@ -70,7 +70,9 @@ class Publisher:
 
     async def run(self, inbox: Inbox, reader: asyncio.Task[None]) -> None:
         """Publishes from ``inbox`` until the done episode is handed to the store; raises what
-        ``reader`` (the producer) raised."""
+        ``reader`` (the producer) raised: at once while the run is paused (its trainer is
+        re-attached while it holds), otherwise once the inbox is published."""
+        reader.add_done_callback(lambda _: self._control.set())
         while True:
             while not len(inbox):
                 if reader.done():
@@ -79,18 +81,20 @@ class Publisher:
                         break
                     return  # ended without done: the reader's checker already raised
                 await inbox.changed()
-            await self._until_publishable()
+            await self._until_publishable(reader)
             episode = inbox.take()
             self._publish(episode)
             if episode.done:
                 return
 
-    async def _until_publishable(self) -> None:
+    async def _until_publishable(self, reader: asyncio.Task[None]) -> None:
         """Waits while the run is paused, then for its pace."""
         while True:
             if self._error is not None:
                 raise self._error
             if self._run.state is RunState.PAUSED:
+                if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                    reader.result()  # its stream broke: re-attached (or failed) now
                 self._control.clear()
                 await self._control.wait()
                 continue

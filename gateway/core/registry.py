@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.core.catalog import RunCatalog, RunSpec, require_run_id
-from gateway.core.controls import Action, apply
+from gateway.core.controls import Action, apply, refuse
 from gateway.core.driver import DriverContext, RunDriver
 from gateway.core.history import PageCache
 from gateway.core.observer import Observer
@@ -188,6 +188,12 @@ class RunRegistry:
     async def _control(self, run_id: str, action: Action, speed: float = 0.0) -> TrainingRun:
         require_run_id(run_id)
         driver = self.table.get(run_id)
+        if driver is not None and driver.owned and driver.finalizing:
+            # Its end is on the way to the store: answered as for the run it is about to be.
+            await driver.ended()
+            if driver.owned:
+                refuse(driver.run, action, speed)
+            driver = self.table.get(run_id)
         if driver is not None and driver.owned and not driver.finalizing:
             target: RunDriver | None = driver
         else:
