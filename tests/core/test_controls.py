@@ -170,13 +170,7 @@ async def test_a_pending_run_cannot_be_paused_and_stops_at_once_without_a_traine
         assert core.connector.calls == []  # no Train, no CancelJob
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A control that comes while the done episode is on its way to the store is refused "
-    "with 'cannot change the speed of run ...: it is RUNNING' (or pause, stop): the driver is "
-    "finalizing, so the registry refuses it as for a finished run, whose state it is not yet",
-)
-async def test_a_control_while_the_last_episode_is_committed_is_not_refused_as_running() -> None:
+async def test_a_control_while_the_last_episode_is_committed_is_answered_for_the_end() -> None:
     async with running_core() as core:
         core.store.commit_delay_s = 2.0  # each episode takes 2 s to the store
         run = await core.create(max_episodes=5)
@@ -189,5 +183,7 @@ async def test_a_control_while_the_last_episode_is_committed_is_not_refused_as_r
             0,
             5,
         )
-        changed = await core.registry.set_speed(run.id, 2.0)
-        assert changed.speed == 2.0
+        # Not "it is RUNNING": the control waits for the end and is refused as for it.
+        with pytest.raises(IllegalTransition, match=r"cannot change the speed of .*: it is DONE"):
+            await core.registry.set_speed(run.id, 2.0)
+        assert (await core.run(run.id)).state is RunState.DONE

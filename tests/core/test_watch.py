@@ -152,12 +152,6 @@ async def test_a_deleted_run_is_not_found_for_watchers_and_an_active_one_cannot_
                 pass
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RunCatalog.delete refuses a run that get() already reports DONE while its driver "
-    "stores the final state ('cannot delete run ...: it is DONE; stop it first'): the driver "
-    "leaves the active runs only after update_run returns",
-)
 async def test_a_run_reported_done_can_be_deleted() -> None:
     async with running_core() as core:
         run = await core.create(max_episodes=5)
