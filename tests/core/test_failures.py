@@ -10,6 +10,7 @@ import logging
 
 import pytest
 
+from gateway.core.feed import REATTACH_BACKOFF_S
 from gateway.core.registry import Finished
 from gateway.core.runs import CONTRACT_MESSAGE, LOST_MESSAGE, UNEXPECTED_MESSAGE, RunState
 from gateway.core.trainers import (
@@ -26,8 +27,8 @@ from tests.fakes.waiting import until
 
 pytestmark = VIRTUAL_TIME
 
-#: ``gateway.core.feed.REATTACH_BACKOFF_S``: the pause between two re-attach attempts.
-BACKOFF_S = 0.25
+#: The pause between two re-attach attempts.
+BACKOFF_S = REATTACH_BACKOFF_S
 
 
 async def test_heartbeats_keep_a_trainer_alive_that_takes_longer_than_the_timeout() -> None:
