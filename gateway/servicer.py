@@ -156,7 +156,7 @@ def _guard_unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
 
 
 #: The unary methods and their message types: the one hand-kept copy of the service
-#: (``tests/unit/test_gateway_servicer_table.py`` checks it against the proto).
+#: (``tests/unit/test_proto_copies.py`` checks it against the proto).
 UNARY_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "CreateRun": (pb.CreateRunRequest, pb.CreateRunResponse),
     "GetRun": (pb.GetRunRequest, pb.GetRunResponse),
