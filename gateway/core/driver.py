@@ -13,7 +13,10 @@ Invariants:
   can be lost by a crash.
 - ``trainer_episode`` is the last episode received; ``episode <= trainer_episode <= granted``.
 - A stream that breaks is re-attached after ``trainer_episode`` for up to
-  ``heartbeat_timeout_s``; only then does the run fail.
+  ``heartbeat_timeout_s``; only then does the run fail. The break is acted on once the
+  episodes received before it are published (at most one lead later), at once while the run
+  is paused; they stay queued across the re-attach (a failure that ends a running run ends it
+  after them; a paused one ends without them).
 - Stop cancels the stream and the trainer's job (``CancelJob``); gateway shutdown cancels the
   stream only, so the trainer keeps the job for the next gateway to re-attach.
 - With gateway replicas a driver drives its run only while its replica owns it: a *candidate*
