@@ -5,6 +5,7 @@ limit, dead and hung trainers, and health."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterable
 
 import pytest
@@ -64,6 +65,12 @@ async def test_waiting_runs_say_which_trainer_is_busy_and_how_many_are_ahead() -
 
         busy = "waiting for a free slot: t1 has 1/1 busy"
         assert (await core.run(second.id)).state_detail == busy
+        running = await core.run(first.id)  # and the running one says where it trains
+        assert re.fullmatch(
+            rf"training on t1: episode {running.trainer_episode} of {LONG} trained, "
+            r"granted through \d+",
+            running.state_detail,
+        ), running.state_detail
         assert (await core.run(third.id)).state_detail == (
             "waiting for a free slot: t1 has 1/1 busy; 1 run(s) ahead in the queue"
         )
