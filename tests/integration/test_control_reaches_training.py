@@ -1,11 +1,13 @@
 """Control reaches the training, and runs survive gateway restarts: the real trainer process,
 the gateway in-process or as processes (kill -9, SIGTERM), the imitation provider.
 
-What must hold (issue: "Pause, pace and stop the training itself"): a paced run's trainer never
-trains more than the lead ahead of publication; a paused run's trainer trains nothing; stop frees
-the trainer slot within a second; a slow run stopped early has trained little; a gateway killed
-mid-run and restarted continues the run to DONE with every episode exactly once; PENDING runs
-survive SIGTERM; a second gateway on the same database refuses to start.
+What only a real trainer and real processes show (issue: "Pause, pace and stop the training
+itself"): a paced run's trainer never trains more than the lead ahead of publication; a paused
+run's trainer trains nothing; stop frees the trainer slot within a second; a slow run stopped
+early has trained little; a gateway killed mid-run loses nothing a watcher saw, and restarted it
+continues the run to DONE with every episode exactly once; a running run survives SIGTERM; a
+second gateway on the same database refuses to start. The logic behind them (credit, pause,
+restart of pending and paused runs) is tested in virtual time in ``tests/core``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.fakes.gateway_harness import (
     ROOT,
@@ -33,10 +34,12 @@ from tests.fakes.gateway_harness import (
     collect,
     create_request,
     gateway_process,
+    published,
     running_gateway,
     trainer_process,
 )
 from trainwire.v1 import (
+    episode_pb2,
     gateway_service_pb2,
     gateway_service_pb2_grpc,
     trainer_service_pb2,
@@ -126,8 +129,8 @@ async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
         (trainer,), heartbeat_timeout_s=10.0, keepalive_s=1.0, schedule_poll_s=0.2
     ) as client:
         stub = client.stub
-        slow = await client.create(max_episodes=2000, episodes_per_second=5)
-        paused = await client.create(max_episodes=2000, episodes_per_second=20)
+        slow = await client.create(max_episodes=200, episodes_per_second=5)
+        paused = await client.create(max_episodes=200, episodes_per_second=20)
         await wait_state(stub, slow.id, State.STATE_RUNNING)
         await wait_state(stub, paused.id, State.STATE_RUNNING)
 
@@ -135,7 +138,7 @@ async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
             lead = lead_of(5)
             began = time.monotonic()
             widest = 0
-            while time.monotonic() - began < 10:
+            while time.monotonic() - began < 3:
                 trained = await probe.trained(slow.id)  # first: the grant bounds it by then
                 run = await get(stub, slow.id)
                 assert run.trainer_episode - run.episode <= lead, run
@@ -143,7 +146,7 @@ async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
                 widest = max(widest, trained - run.episode)
                 await asyncio.sleep(0.25)
             trained = await probe.trained(slow.id)
-            assert trained < 100, f"trained {trained} episodes in 10 s at 5 episodes/s"
+            assert trained < 40, f"trained {trained} episodes in 3 s at 5 episodes/s"
             free = await probe.free_slots()
             stopped_at = time.monotonic()
             await stub.StopRun(pb.StopRunRequest(run_id=slow.id), timeout=TIMEOUT)
@@ -157,12 +160,12 @@ async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
             return {"trained": trained, "lead": lead, "widest": widest, "slot_s": slot_free_s}
 
         async def paused_run() -> dict[str, float]:
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(1.0)
             await stub.PauseRun(pb.PauseRunRequest(run_id=paused.id), timeout=TIMEOUT)
             # The trainer finishes the credit it already had (a loaded machine may leave a
             # whole lead of it), then holds: wait for that, not for a fixed time.
             before, run_before = await held_at_grant(stub, probe, paused.id)
-            await asyncio.sleep(5.0)
+            await asyncio.sleep(2.0)  # 40 episodes' time at 20 episodes/s
             after = await probe.trained(paused.id)
             run_after = await get(stub, paused.id)
             assert after == before, f"trained {after - before} episodes while paused"
@@ -183,24 +186,15 @@ async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
     print(f"\ncontrol: {slow_figures} {paused_figures}")
 
 
-async def _watch_until(
-    stub: gateway_service_pb2_grpc.GatewayServiceStub,
-    run_id: str,
-    result: WatchResult,
-    count: int,
-) -> None:
-    call = stub.WatchRun(pb.WatchRunRequest(run_id=run_id), timeout=TIMEOUT)
-    async for message in call:
-        absorb(result, message)
-        if len(result.episodes) >= count:
-            call.cancel()
-            return
+def canonical(episodes: list[episode_pb2.Episode]) -> list[bytes]:
+    return [e.SerializeToString(deterministic=True) for e in episodes]
 
 
-async def test_kill_9_of_the_gateway_mid_run_and_a_restart_finish_the_run(
+async def test_kill_9_of_the_gateway_mid_run_loses_nothing_and_a_restart_finishes_the_run(
     trainer: str, tmp_path: Path
 ) -> None:
     db, log = tmp_path / "gw.sqlite3", tmp_path / "gateway.log"
+    total = 200  # at 50 episodes/s the lead is 100: the job is still training at the kill
     seen = WatchResult()
     async with (
         gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (proc, address),
@@ -208,48 +202,60 @@ async def test_kill_9_of_the_gateway_mid_run_and_a_restart_finish_the_run(
     ):
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
         reply = await stub.CreateRun(
-            create_request(max_episodes=600, episodes_per_second=60), timeout=TIMEOUT
+            create_request(max_episodes=total, episodes_per_second=50), timeout=TIMEOUT
         )
         run_id = reply.run.id
-        await _watch_until(stub, run_id, seen, 100)
-        proc.kill()  # SIGKILL
+        call = stub.WatchRun(pb.WatchRunRequest(run_id=run_id), timeout=TIMEOUT)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for message in call:
+                absorb(seen, message)
+                if len(seen.episodes) >= 40 and proc.returncode is None:
+                    proc.send_signal(signal.SIGKILL)  # no chance to flush anything
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         await proc.wait()
+    # (The exit status is not asserted: asyncio's child watcher may report 255 for a SIGKILLed
+    # child; the broken stream above is the proof that the process died.)
+    assert seen.numbers == list(range(1, len(seen.numbers) + 1))
     killed_at = time.monotonic()
     async with gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (_, address):
         assert time.monotonic() - killed_at < 10
         async with grpc.aio.insecure_channel(address) as channel:
             stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
             rest = await collect(stub, run_id, after_episode=seen.numbers[-1], timeout=60)
-    numbers = seen.numbers + rest.numbers
-    assert numbers == list(range(1, 601)), "every episode exactly once"
-    assert rest.finished is not None and rest.finished.state == State.STATE_DONE
-    assert rest.finished.episode == 600
+            replay = await collect(stub, run_id)
+            final = await get(stub, run_id)
+    assert seen.numbers + rest.numbers == list(range(1, total + 1)), "every episode exactly once"
+    assert final.state == State.STATE_DONE and final.episode == total
+    assert rest.finished == replay.finished == final
+    # What a watcher saw was durable: the store holds it byte for byte, and the restarted
+    # gateway re-attached to the job after it, not before.
+    assert replay.numbers == list(range(1, total + 1))
+    assert canonical(replay.episodes) == canonical(seen.episodes) + canonical(rest.episodes)
     text = log.read_text()
-    assert f"run {run_id}: re-attaching to its job on {trainer} after episode" in text
+    after = re.search(
+        rf"run {run_id}: re-attaching to its job on {re.escape(trainer)} after episode (\d+)", text
+    )
+    assert after is not None and int(after[1]) >= len(seen.episodes), after
     assert "Traceback" not in text
 
 
-async def test_a_restart_while_the_last_episodes_wait_for_their_time_loses_none(
+async def test_sigterm_keeps_a_running_run_for_the_next_gateway(
     trainer: str, tmp_path: Path
 ) -> None:
-    # Paced at 2/s with a 4-episode lead, the trainer finishes (its end delivered) while the
-    # gateway still holds the last episodes in memory for their time. A gateway restarted then
-    # re-attaches to the finished job and gets them again (it did not: the run failed).
+    # A real SIGTERM to a real process: the next gateway on the same database finds the run as
+    # it was and finishes it. (Pending and paused runs across a restart: tests/core/test_restart.)
     db, log = tmp_path / "gw.sqlite3", tmp_path / "gateway.log"
+    total = 120  # at 50 episodes/s the lead is 100: the job is still training at SIGTERM
     async with gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (proc, address):
         async with grpc.aio.insecure_channel(address) as channel:
             stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
             run_id = (
                 await stub.CreateRun(
-                    create_request(max_episodes=10, episodes_per_second=2), timeout=TIMEOUT
+                    create_request(max_episodes=total, episodes_per_second=50), timeout=TIMEOUT
                 )
             ).run.id
-            deadline = time.monotonic() + 60
-            while (await get(stub, run_id)).trainer_episode < 10:  # the trainer has finished
-                assert time.monotonic() < deadline, await get(stub, run_id)
-                await asyncio.sleep(0.05)
-            held = (await stub.PauseRun(pb.PauseRunRequest(run_id=run_id), timeout=TIMEOUT)).run
-            assert held.state == State.STATE_PAUSED and held.episode < 10, held
+            await published(stub, run_id, 10)
+            before = await get(stub, run_id)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
     async with (
@@ -257,70 +263,11 @@ async def test_a_restart_while_the_last_episodes_wait_for_their_time_loses_none(
         grpc.aio.insecure_channel(address) as channel,
     ):
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-        await stub.ResumeRun(pb.ResumeRunRequest(run_id=run_id), timeout=TIMEOUT)
+        found = await get(stub, run_id)
+        assert found.state == State.STATE_RUNNING and found.episode >= before.episode
         done = await collect(stub, run_id, timeout=60)
-    assert done.numbers == list(range(1, 11)), "every episode exactly once"
+    assert done.numbers == list(range(1, total + 1)), "every episode exactly once"
     assert done.finished is not None and done.finished.state == State.STATE_DONE
-    assert "Traceback" not in log.read_text()
-
-
-async def test_sigterm_and_restart_keep_pending_running_and_paused_runs(
-    trainer: str, tmp_path: Path
-) -> None:
-    db, log = tmp_path / "gw.sqlite3", tmp_path / "gateway.log"
-    nowhere = "127.0.0.1:9"  # discard: nothing listens
-    async with gateway_process(nowhere, log, "--db", str(db), *GATEWAY_FLAGS) as (proc, address):
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-            pending = [
-                (await stub.CreateRun(create_request(max_episodes=30), timeout=TIMEOUT)).run.id
-                for _ in range(3)
-            ]
-            waiting = await get(stub, pending[0])
-            assert waiting.state == State.STATE_PENDING
-            assert waiting.state_detail.startswith(f"no trainer reachable: {nowhere}")
-            health = health_pb2_grpc.HealthStub(channel)
-            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
-            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 10) == 0
-    async with gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (proc, address):
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-            finals = [await collect(stub, run_id, timeout=60) for run_id in pending]
-            assert [f.finished.state for f in finals if f.finished] == [State.STATE_DONE] * 3
-            assert all(f.numbers == list(range(1, 31)) for f in finals)
-            running = (
-                await stub.CreateRun(
-                    create_request(max_episodes=300, episodes_per_second=30), timeout=TIMEOUT
-                )
-            ).run.id
-            paused = (
-                await stub.CreateRun(
-                    create_request(max_episodes=300, episodes_per_second=30), timeout=TIMEOUT
-                )
-            ).run.id
-            await wait_state(stub, running, State.STATE_RUNNING)
-            await wait_state(stub, paused, State.STATE_RUNNING)
-            await asyncio.sleep(1.0)
-            held = (await stub.PauseRun(pb.PauseRunRequest(run_id=paused), timeout=TIMEOUT)).run
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 10) == 0
-    async with (
-        gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (_, address),
-        grpc.aio.insecure_channel(address) as channel,
-    ):
-        stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-        still = await get(stub, paused)
-        assert still.state == State.STATE_PAUSED and still.episode >= held.episode
-        done = await collect(stub, running, timeout=60)
-        assert done.numbers == list(range(1, 301))
-        assert done.finished is not None and done.finished.state == State.STATE_DONE
-        await stub.ResumeRun(pb.ResumeRunRequest(run_id=paused), timeout=TIMEOUT)
-        resumed = await collect(stub, paused, timeout=60)
-        assert resumed.numbers == list(range(1, 301))
-        assert resumed.finished is not None
-        assert resumed.finished.state == State.STATE_DONE
     assert "Traceback" not in log.read_text()
 
 
