@@ -15,7 +15,6 @@ from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import (
     TIMEOUT,
     Client,
-    collect,
     create_request,
     running_gateway,
 )
@@ -205,11 +204,3 @@ async def test_listing_leaves_out_rig_and_clip_payloads_unless_asked(client: Cli
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await client.stub.ListRuns(pb.ListRunsRequest(view=7), timeout=TIMEOUT)  # type: ignore[arg-type]
     assert bad_fields(info.value) == ["view"]
-
-
-async def test_caught_up_is_the_real_last_episode_beyond_the_end(client: Client) -> None:
-    run = await client.create(max_episodes=5)
-    await client.finished(run.id)
-    result = await collect(client.stub, run.id, after_episode=99)
-    assert result.caught_up == 5 and result.episodes == []
-    assert result.finished is not None and result.finished.state == State.STATE_DONE

@@ -18,10 +18,9 @@ from grpc_status import rpc_status
 from gateway.core.runs import (
     CONTRACT_MESSAGE,
     INTERRUPTED_MESSAGE,
-    LOST_MESSAGE,
     UNEXPECTED_MESSAGE,
 )
-from tests.fakes.fake_trainer import VIOLATIONS, FakeTrainer, Script
+from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import (
     TIMEOUT,
     Client,
@@ -220,44 +219,6 @@ async def test_controls_follow_the_state_machine(client: Client, fake: FakeTrain
     assert status_of(info) == grpc.StatusCode.NOT_FOUND
 
 
-async def test_pending_run_cannot_pause_and_stops_at_once(fake: FakeTrainer) -> None:
-    fake.slots = 0  # every trainer slot is taken
-    async with running_gateway((fake.address,)) as c:
-        run = await c.create(max_episodes=5)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await c.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)
-        assert status_of(info) == grpc.StatusCode.FAILED_PRECONDITION
-        stopped = await c.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
-        assert stopped.run.state == State.STATE_STOPPED and stopped.run.trainer == ""
-        result = await collect(c.stub, run.id)
-        assert result.episodes == [] and result.finished is not None
-    assert fake.requests == []
-
-
-async def test_fifo_scheduling_when_slots_are_full(fake: FakeTrainer) -> None:
-    fake.slots = 1
-    first = Script(hold_at=2)
-    fake.push(first)
-    async with running_gateway((fake.address,)) as c:
-        a = await c.create(max_episodes=3)
-        await to_thread(fake.wait_calls, 1)
-        b = await c.create(max_episodes=3)
-        d = await c.create(max_episodes=3)
-        assert (await c.get(b.id)).state == State.STATE_PENDING
-        first.release.set()
-        for run in (a, b, d):
-            assert (await c.finished(run.id)).state == State.STATE_DONE
-    assert [r.run_id for r in fake.requests] == [a.id, b.id, d.id]
-
-
-async def test_resource_exhausted_requeues_the_run(client: Client, fake: FakeTrainer) -> None:
-    fake.push(Script(busy=True), Script(busy=True))
-    run = await client.create(max_episodes=4)
-    final = await client.finished(run.id)
-    assert final.state == State.STATE_DONE and final.episode == 4
-    assert [r.run_id for r in fake.requests] == [run.id] * 3
-
-
 # -- trainer failures -------------------------------------------------------------------------
 
 
@@ -276,65 +237,27 @@ async def test_resource_exhausted_requeues_the_run(client: Client, fake: FakeTra
         # The trainer's own contract check stopped its stream: read as one the gateway caught.
         (Script(abort_after=3, abort_reason=ErrorReason.CONTRACT_VIOLATION), CONTRACT_MESSAGE),
         (Script(abort_after=0, abort_code=grpc.StatusCode.UNKNOWN), UNEXPECTED_MESSAGE),
-        (Script(silent=True), LOST_MESSAGE),
-        (Script(hold_at=4, heartbeat_interval=5.0), LOST_MESSAGE),  # goes silent mid-run
     ],
-    ids=["localized", "plain", "trainer-contract", "plain-at-start", "silent", "silent-mid-run"],
+    ids=["localized", "plain", "trainer-contract", "plain-at-start"],
 )
 async def test_trainer_failures_become_user_messages(
-    fake: FakeTrainer, script: Script, message: str
+    client: Client, fake: FakeTrainer, script: Script, message: str
 ) -> None:
+    # The status a trainer ends its stream with, read from the wire. (Silent and killed
+    # trainers, heartbeats and re-attaches: tests/core/test_failures.py.)
     fake.push(script)
-    # A short heartbeat timeout: the silent scripts are detected by it (an early timeout on a
-    # loaded machine reads the same).
-    async with running_gateway((fake.address,), heartbeat_timeout_s=1.0) as client:
-        run = await client.create(max_episodes=10)
-        final = await client.finished(run.id)
+    run = await client.create(max_episodes=10)
+    final = await client.finished(run.id)
     assert final.state == State.STATE_ERROR
     assert final.error_message == message
-    script.release.set()
 
 
-async def test_heartbeats_keep_a_slow_trainer_alive(fake: FakeTrainer) -> None:
-    # Heartbeats every 0.1 s for 2.5 x the heartbeat timeout: the run must stay RUNNING.
-    script = Script(heartbeats_only=True, heartbeat_interval=0.1)
-    fake.push(script)
-    async with running_gateway((fake.address,), heartbeat_timeout_s=2.0, keepalive_s=0.25) as c:
-        await _heartbeats_keep_alive(c, fake)
-
-
-async def _heartbeats_keep_alive(client: Client, fake: FakeTrainer) -> None:
-    run = await client.create(max_episodes=10)
-    await to_thread(fake.wait_calls, 1)
-    watch = client.stub.WatchRun(pb.WatchRunRequest(run_id=run.id), timeout=TIMEOUT)
-    keepalives = 0
-    async for message in watch:
-        if message.WhichOneof("event") == "keepalive":
-            keepalives += 1
-            if keepalives == 20:  # 20 x 0.25 s = 5 s = 2.5 x the heartbeat timeout
-                break
-    watch.cancel()
-    assert (await client.get(run.id)).state == State.STATE_RUNNING
-    await client.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
-
-
-async def test_trainer_killed_mid_stream(fake: FakeTrainer) -> None:
-    fake.push(Script(hold_at=6))
-    # The broken stream is re-attached for up to the heartbeat timeout before the run fails.
-    async with running_gateway((fake.address,), heartbeat_timeout_s=2.0) as client:
-        run = await client.create(max_episodes=10)
-        await published(client.stub, run.id, 5)
-        await to_thread(fake.kill)
-        final = await client.finished(run.id)
-    assert final.state == State.STATE_ERROR and final.error_message == LOST_MESSAGE
-    assert final.episode == 5
-
-
-@pytest.mark.parametrize("rule", VIOLATIONS)
-async def test_contract_violations_fail_the_run_and_log_it(
-    client: Client, fake: FakeTrainer, rule: str, caplog: pytest.LogCaptureFixture
+async def test_a_stream_that_ends_ok_without_done_fails_the_run_and_logs_it(
+    client: Client, fake: FakeTrainer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake.push(Script(violate=rule, violate_at=3))
+    # The end of a gRPC stream with status OK before a done episode. (Every rule the gateway
+    # checks on the episodes themselves: tests/core/test_failures.py.)
+    fake.push(Script(violate="end_without_done", violate_at=3))
     run = await client.create(max_episodes=6)
     with caplog.at_level(logging.ERROR, logger="gateway"):
         final = await client.finished(run.id)
@@ -342,13 +265,10 @@ async def test_contract_violations_fail_the_run_and_log_it(
     assert final.error_message == CONTRACT_MESSAGE
     lines = [r.getMessage() for r in caplog.records if "CONTRACT VIOLATION" in r.getMessage()]
     assert len(lines) == 1
-    assert lines[0].startswith(f"CONTRACT VIOLATION run={run.id} rule=")
-    expected_rule = {"metric_finite": "finite", "done_missing": "done", "end_without_done": "done"}
-    assert f"rule={expected_rule.get(rule, rule)} " in lines[0]
-    # Nothing after the bad episode is published; what was published stays.
+    assert lines[0].startswith(f"CONTRACT VIOLATION run={run.id} rule=done ")
+    # What was published stays: every episode before the end, in order.
     result = await collect(client.stub, run.id)
-    assert result.numbers == list(range(1, len(result.numbers) + 1))
-    assert len(result.numbers) <= 6
+    assert result.numbers == list(range(1, 6))
 
 
 async def test_gateway_survives_and_serves_after_failures(
