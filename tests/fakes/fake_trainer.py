@@ -1,9 +1,9 @@
 """A scripted fake ``TrainerService`` on a real in-process gRPC server (port 0).
 
 Each ``Train`` call follows the next queued ``Script`` (or the default one): stream normally,
-slowly, only heartbeats, go silent, abort with a ``google.rpc.LocalizedMessage`` or plainly,
-break one contract rule, answer ``RESOURCE_EXHAUSTED`` (busy, or another kind), or hold at an
-episode until the test releases it or kills the server mid-stream. Like the real trainer it
+slowly, go silent, abort with a ``google.rpc.LocalizedMessage`` or plainly, break one contract
+rule, or hold at an episode until the test releases it or kills the server mid-stream; a call
+beyond its slots is answered ``RESOURCE_EXHAUSTED`` (``SLOTS_BUSY``). Like the real trainer it
 honours grants (``grant_through_episode``, ``Grant``; ``Script.ignore_grants`` turns that off),
 answers ``CancelJob``, and takes re-attaches as the real trainer does while the job's stream is
 still open (that stream ends ``ABORTED``, the new one goes on after ``attach_after_episode``);
@@ -76,13 +76,11 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
     ) -> None:
         self.slots = slots
         self.providers = providers
-        self.probes = 0  # GetCapabilities calls
         self.hang_capabilities = threading.Event()  # set: GetCapabilities hangs
         self.default = default or Script()
         self.scripts: deque[Script] = deque()
         self.requests: list[trainer_service_pb2.TrainRequest] = []
         self.grants: dict[str, int] = {}  # run id -> grant of its live call (0: none)
-        self.granted: list[tuple[str, int]] = []  # every Grant call
         # Every CancelJob call's run, found or not: a stop cancels the stream and then the job,
         # and where the real trainer keeps the job detached in between, this fake ends it with
         # its stream, so which of the two arrives first is only a matter of timing here.
@@ -132,12 +130,6 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
             if not self._cond.wait_for(lambda: self.sent >= count, timeout):
                 raise TimeoutError(f"only {self.sent} of {count} episodes sent")
 
-    def wait_calls(self, count: int, timeout: float = 10.0) -> None:
-        """Blocks until ``count`` Train calls have arrived."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: len(self.requests) >= count, timeout):
-                raise TimeoutError(f"only {len(self.requests)} of {count} Train calls")
-
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Blocks until no Train call is running."""
         with self._cond:
@@ -150,7 +142,6 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
         self, request: trainer_service_pb2.GrantRequest, context: grpc.ServicerContext
     ) -> trainer_service_pb2.GrantResponse:
         with self._cond:
-            self.granted.append((request.run_id, request.through_episode))
             if request.run_id not in self.grants:
                 abort_with(
                     context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND
@@ -175,7 +166,6 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
         self, request: trainer_service_pb2.GetCapabilitiesRequest, context: grpc.ServicerContext
     ) -> trainer_service_pb2.GetCapabilitiesResponse:
         with self._cond:
-            self.probes += 1
             free = max(0, self.slots - self.active)
         if self.hang_capabilities.is_set():
             # A hung trainer (SIGSTOP, a stuck process): answers only after the caller gave up.
@@ -199,19 +189,10 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
             script = self.scripts.popleft() if self.scripts else self.default
             self.requests.append(request)
             full = self.active >= self.slots
-            refused = script.busy or full or script.exhausted is not None
-            if not refused:
+            if not full:
                 self.active += 1
             self._cond.notify_all()
-        if script.exhausted is not None:
-            abort_with(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "request too large",
-                "MESSAGE_TOO_LARGE",  # not a Trainwire reason: a transport's own
-                script.exhausted or None,
-            )
-        if script.busy or full:
+        if full:
             abort_with(
                 context, grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot", ErrorReason.SLOTS_BUSY
             )

@@ -1,7 +1,7 @@
 """How one ``Train`` call of the fake trainer plays its ``Script``: the mixin ``ScriptPlayer``.
 
 It streams the script's episodes (``valid_episodes``, or ``scripted_episodes`` with
-``Script.motion``) after a "loading" heartbeat: normally, slowly, only heartbeats, or not at all;
+``Script.motion``) after a "loading" heartbeat: normally, slowly, or not at all;
 it holds an episode until the grant covers it (with "waiting" heartbeats) or until
 ``Script.release``, breaks one contract rule, or aborts with a ``google.rpc.LocalizedMessage`` or
 plainly. ``tests.fakes.fake_trainer.FakeTrainer`` mixes it in and owns the state it reads.
@@ -90,10 +90,6 @@ class ScriptPlayer:
                 pass
             return
         yield _heartbeat(after, "loading")
-        if script.heartbeats_only:
-            while not ended.wait(script.heartbeat_interval):
-                yield _heartbeat(0, "loading")
-            return
         count = script.episodes or request.config.max_episodes
         source = (
             scripted_episodes(request.task, request.config)[:count]

@@ -34,11 +34,7 @@ class Script:
         episodes: Episodes to send (default: the request's max_episodes).
         interval: Seconds between episodes (heartbeats are sent meanwhile).
         heartbeat_interval: Seconds between heartbeats while no episode goes out.
-        heartbeats_only: Send heartbeats forever, never an episode.
         silent: Send nothing at all (until cancelled).
-        busy: Answer RESOURCE_EXHAUSTED (reason SLOTS_BUSY) at once.
-        exhausted: Answer RESOURCE_EXHAUSTED without the SLOTS_BUSY reason (a message too
-            large, out of memory), with this LocalizedMessage text ("" for none).
         ignore_grants: Stream without waiting for grants.
         abort_after: Abort after this many episodes (``abort_code``; with ``localized`` the
             details carry a LocalizedMessage).
@@ -59,10 +55,7 @@ class Script:
     episodes: int | None = None
     interval: float = 0.0
     heartbeat_interval: float = 0.05
-    heartbeats_only: bool = False
     silent: bool = False
-    busy: bool = False
-    exhausted: str | None = None
     ignore_grants: bool = False
     abort_after: int | None = None
     abort_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
