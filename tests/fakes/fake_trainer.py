@@ -31,6 +31,7 @@ import grpc
 from tests.fakes.episodes import scripted_episodes, valid_episodes
 from tests.fakes.playback import ScriptPlayer, abort_with
 from tests.fakes.scripts import VIOLATIONS, Script
+from tests.fakes.waiting import TIMEOUT
 from trainwire.reasons import ErrorReason
 from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 
@@ -124,13 +125,13 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
 
     stop = kill
 
-    def wait_sent(self, count: int, timeout: float = 10.0) -> None:
+    def wait_sent(self, count: int, timeout: float = TIMEOUT) -> None:
         """Blocks until ``count`` episodes have been sent in total."""
         with self._cond:
             if not self._cond.wait_for(lambda: self.sent >= count, timeout):
                 raise TimeoutError(f"only {self.sent} of {count} episodes sent")
 
-    def wait_idle(self, timeout: float = 10.0) -> None:
+    def wait_idle(self, timeout: float = TIMEOUT) -> None:
         """Blocks until no Train call is running."""
         with self._cond:
             if not self._cond.wait_for(lambda: self.active == 0, timeout):

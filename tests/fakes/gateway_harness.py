@@ -1,5 +1,6 @@
-"""Helpers for gateway tests: an in-process gateway on port 0, watch-stream collectors, and the
-real services as processes (``gateway_process``, ``trainer_process``)."""
+"""Helpers for gateway tests: an in-process gateway on port 0, watch-stream collectors, a wait
+for a run's state, and the real services as processes (``gateway_process``,
+``trainer_process``)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
+from tests.fakes.waiting import TIMEOUT, until
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
-TIMEOUT = 20.0  # every gRPC call of a test has a deadline
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -58,17 +59,38 @@ class Client:
         return reply.run
 
     async def get(self, run_id: str) -> gateway_service_pb2.Run:
-        return (
-            await self.stub.GetRun(
-                gateway_service_pb2.GetRunRequest(run_id=run_id), timeout=TIMEOUT
-            )
-        ).run
+        return await get_run(self.stub, run_id)
 
     async def finished(self, run_id: str) -> gateway_service_pb2.Run:
         """Waits for the run to finish (a watch from its end) and returns the final run."""
         result = await collect(self.stub, run_id, after_episode=5000)
         assert result.finished is not None
         return result.finished
+
+
+async def get_run(
+    stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str
+) -> gateway_service_pb2.Run:
+    """The run now (``GetRun``)."""
+    return (
+        await stub.GetRun(gateway_service_pb2.GetRunRequest(run_id=run_id), timeout=TIMEOUT)
+    ).run
+
+
+async def wait_state(
+    stub: gateway_service_pb2_grpc.GatewayServiceStub,
+    run_id: str,
+    *states: int,
+    timeout: float = TIMEOUT,
+) -> gateway_service_pb2.Run:
+    """Waits (``until``) until the run is in one of ``states``; returns it."""
+
+    async def reached() -> gateway_service_pb2.Run | None:
+        run = await get_run(stub, run_id)
+        return run if run.state in states else None
+
+    names = "/".join(gateway_service_pb2.Run.State.Name(s) for s in states)
+    return await until(reached, f"run {run_id} {names}", timeout)
 
 
 @contextlib.asynccontextmanager

@@ -28,16 +28,18 @@ import pytest
 
 from tests.fakes.gateway_harness import (
     ROOT,
-    TIMEOUT,
     WatchResult,
     absorb,
     collect,
     create_request,
     gateway_process,
+    get_run,
     published,
     running_gateway,
     trainer_process,
+    wait_state,
 )
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from trainwire.v1 import (
     episode_pb2,
     gateway_service_pb2,
@@ -87,36 +89,21 @@ class TrainerProbe:
         await self.channel.close()
 
 
-async def get(stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str) -> pb.Run:
-    return (await stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=TIMEOUT)).run
-
-
-async def wait_state(
-    stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str, state: int
-) -> pb.Run:
-    deadline = time.monotonic() + 60
-    while True:
-        run = await get(stub, run_id)
-        if run.state == state:
-            return run
-        assert time.monotonic() < deadline, f"run {run_id} still {run.state}"
-        await asyncio.sleep(0.05)
-
-
 async def held_at_grant(
     stub: gateway_service_pb2_grpc.GatewayServiceStub, probe: TrainerProbe, run_id: str
 ) -> tuple[int, pb.Run]:
     """Waits until a paused run's job has trained all it was granted and the gateway has
     received it; returns the job's last episode and the run then."""
-    deadline = time.monotonic() + 30
-    while True:
-        run = await get(stub, run_id)
+
+    async def held() -> tuple[int, pb.Run] | None:
+        run = await get_run(stub, run_id)
         granted = re.search(r"granted through (\d+)", run.state_detail)
         trained = await probe.trained(run_id)
         if granted and trained == int(granted[1]) == run.trainer_episode:
             return trained, run
-        assert time.monotonic() < deadline, (trained, run.state_detail)
-        await asyncio.sleep(0.05)
+        return None
+
+    return await until(held, f"run {run_id} held at its grant")
 
 
 def lead_of(rate: float, lead_s: float = 2.0) -> int:
@@ -134,13 +121,19 @@ async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
         await wait_state(stub, slow.id, State.STATE_RUNNING)
         await wait_state(stub, paused.id, State.STATE_RUNNING)
 
+        async def freed(free: int) -> bool:
+            return await probe.free_slots() > free
+
+        async def trained_beyond(run_id: str, episode: int) -> bool:
+            return await probe.trained(run_id) > episode
+
         async def slow_run() -> dict[str, float]:
             lead = lead_of(5)
             began = time.monotonic()
             widest = 0
             while time.monotonic() - began < 3:
                 trained = await probe.trained(slow.id)  # first: the grant bounds it by then
-                run = await get(stub, slow.id)
+                run = await get_run(stub, slow.id)
                 assert run.trainer_episode - run.episode <= lead, run
                 assert trained - run.episode <= lead, (trained, run.episode)
                 widest = max(widest, trained - run.episode)
@@ -150,12 +143,10 @@ async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
             free = await probe.free_slots()
             stopped_at = time.monotonic()
             await stub.StopRun(pb.StopRunRequest(run_id=slow.id), timeout=TIMEOUT)
-            while await probe.free_slots() <= free:
-                assert time.monotonic() - stopped_at < 5, "the slot was never freed"
-                await asyncio.sleep(0.01)
+            await until(lambda: freed(free), "the stopped run's slot freed")
             slot_free_s = time.monotonic() - stopped_at
             assert slot_free_s < 1.0
-            final = await get(stub, slow.id)
+            final = await get_run(stub, slow.id)
             assert final.state == State.STATE_STOPPED
             return {"trained": trained, "lead": lead, "widest": widest, "slot_s": slot_free_s}
 
@@ -167,17 +158,14 @@ async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
             before, run_before = await held_at_grant(stub, probe, paused.id)
             await asyncio.sleep(2.0)  # 40 episodes' time at 20 episodes/s
             after = await probe.trained(paused.id)
-            run_after = await get(stub, paused.id)
+            run_after = await get_run(stub, paused.id)
             assert after == before, f"trained {after - before} episodes while paused"
             assert run_after.trainer_episode == run_before.trainer_episode
             assert run_after.episode == run_before.episode
             assert run_after.state == State.STATE_PAUSED
             assert before - run_after.episode <= lead_of(20)
             await stub.ResumeRun(pb.ResumeRunRequest(run_id=paused.id), timeout=TIMEOUT)
-            deadline = time.monotonic() + 30
-            while await probe.trained(paused.id) <= after:
-                assert time.monotonic() < deadline, "training did not resume"
-                await asyncio.sleep(0.05)
+            await until(lambda: trained_beyond(paused.id, after), "training resumed")
             await stub.StopRun(pb.StopRunRequest(run_id=paused.id), timeout=TIMEOUT)
             return {"paused_trained": after - before}
 
@@ -221,9 +209,9 @@ async def test_kill_9_of_the_gateway_mid_run_loses_nothing_and_a_restart_finishe
         assert time.monotonic() - killed_at < 10
         async with grpc.aio.insecure_channel(address) as channel:
             stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-            rest = await collect(stub, run_id, after_episode=seen.numbers[-1], timeout=60)
+            rest = await collect(stub, run_id, after_episode=seen.numbers[-1], timeout=JOB_TIMEOUT)
             replay = await collect(stub, run_id)
-            final = await get(stub, run_id)
+            final = await get_run(stub, run_id)
     assert seen.numbers + rest.numbers == list(range(1, total + 1)), "every episode exactly once"
     assert final.state == State.STATE_DONE and final.episode == total
     assert rest.finished == replay.finished == final
@@ -255,17 +243,17 @@ async def test_sigterm_keeps_a_running_run_for_the_next_gateway(
                 )
             ).run.id
             await published(stub, run_id, 10)
-            before = await get(stub, run_id)
+            before = await get_run(stub, run_id)
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert await asyncio.wait_for(proc.wait(), TIMEOUT) == 0
     async with (
         gateway_process(trainer, log, "--db", str(db), *GATEWAY_FLAGS) as (_, address),
         grpc.aio.insecure_channel(address) as channel,
     ):
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-        found = await get(stub, run_id)
+        found = await get_run(stub, run_id)
         assert found.state == State.STATE_RUNNING and found.episode >= before.episode
-        done = await collect(stub, run_id, timeout=60)
+        done = await collect(stub, run_id, timeout=JOB_TIMEOUT)
     assert done.numbers == list(range(1, total + 1)), "every episode exactly once"
     assert done.finished is not None and done.finished.state == State.STATE_DONE
     assert "Traceback" not in log.read_text()
@@ -290,7 +278,7 @@ def test_a_second_gateway_on_the_same_database_refuses_to_start(tmp_path: Path) 
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=TIMEOUT,
             check=False,
         )
         assert second.returncode == 2
@@ -301,6 +289,6 @@ def test_a_second_gateway_on_the_same_database_refuses_to_start(tmp_path: Path) 
         assert hashlib.sha256(db.read_bytes()).hexdigest() == before
     finally:
         first.send_signal(signal.SIGTERM)
-        first.wait(timeout=30)
+        first.wait(timeout=TIMEOUT)
         if first.stdout is not None:
             first.stdout.close()

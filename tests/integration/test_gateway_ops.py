@@ -11,10 +11,9 @@ import json
 import pathlib
 import re
 import signal
-import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -23,7 +22,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.metrics import GatewayMetrics
 from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import (
-    TIMEOUT,
     Client,
     WatchResult,
     absorb,
@@ -32,6 +30,7 @@ from tests.fakes.gateway_harness import (
     published,
     running_gateway,
 )
+from tests.fakes.waiting import TIMEOUT, until
 from trainwire.v1 import gateway_service_pb2 as pb
 from trainwire.v1 import gateway_service_pb2_grpc
 
@@ -65,14 +64,6 @@ async def scrape(url: str) -> Samples:
 
 def sample(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, frozenset(labels.items())))
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    """Waits for a condition the server reaches on its own (a cancellation's cleanup)."""
-    deadline = time.monotonic() + TIMEOUT
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

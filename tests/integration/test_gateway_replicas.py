@@ -24,16 +24,17 @@ import pytest
 
 from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import (
-    TIMEOUT,
-    Client,
     WatchResult,
     absorb,
     collect,
     create_request,
     gateway_process,
+    get_run,
     running_gateway,
     trainer_process,
+    wait_state,
 )
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc, trainer_service_pb2
 
 pb = gateway_service_pb2
@@ -72,25 +73,15 @@ async def _give_to_a_ghost(replica: Any, run_id: str) -> None:
         )
 
 
-async def wait_state(client: Client, run_id: str, state: int, timeout: float = 30) -> pb.Run:
-    deadline = time.monotonic() + timeout
-    while True:
-        run = await client.get(run_id)
-        if run.state == state:
-            return run
-        assert time.monotonic() < deadline, f"run {run_id} still {State.Name(run.state)}"
-        await asyncio.sleep(0.02)
-
-
 async def test_a_run_created_on_one_replica_is_watched_and_paused_on_another(
     fake: FakeTrainer, postgres_url: str
 ) -> None:
     trainers = (fake.address,)
     async with running_gateway(trainers, db=postgres_url, **REPLICA) as a:
         run = await a.create(max_episodes=200, episodes_per_second=50)
-        await wait_state(a, run.id, State.STATE_RUNNING)  # A drives it: B is not up yet
+        await wait_state(a.stub, run.id, State.STATE_RUNNING)  # A drives it: B is not up yet
         async with running_gateway(trainers, db=postgres_url, **REPLICA) as b:
-            watch = asyncio.create_task(collect(b.stub, run.id, timeout=60))
+            watch = asyncio.create_task(collect(b.stub, run.id, timeout=JOB_TIMEOUT))
             await asyncio.sleep(1.0)
             on_b = await b.get(run.id)
             assert on_b.state == State.STATE_RUNNING
@@ -134,10 +125,11 @@ async def test_controls_of_pending_and_running_runs_work_from_either_replica(
         running_gateway(nowhere, db=postgres_url, **REPLICA) as b,
     ):
         run = await a.create(max_episodes=50)
-        deadline = time.monotonic() + 10
-        while not (await b.get(run.id)).state_detail.startswith("no trainer reachable"):
-            assert time.monotonic() < deadline, "B never queued the run"  # it heard of it
-            await asyncio.sleep(0.02)
+
+        async def queued_on_b() -> bool:  # B heard of the run
+            return (await b.get(run.id)).state_detail.startswith("no trainer reachable")
+
+        await until(queued_on_b, "B queueing the run")
         faster = await b.stub.SetRunSpeed(
             pb.SetRunSpeedRequest(run_id=run.id, speed=3), timeout=TIMEOUT
         )
@@ -163,15 +155,13 @@ async def test_controls_of_pending_and_running_runs_work_from_either_replica(
     trainers = (fake.address,)
     async with running_gateway(trainers, db=postgres_url, **REPLICA) as a:
         run = await a.create(max_episodes=2000, episodes_per_second=20)
-        await wait_state(a, run.id, State.STATE_RUNNING)
+        await wait_state(a.stub, run.id, State.STATE_RUNNING)
         async with running_gateway(trainers, db=postgres_url, **REPLICA) as b:
             stopped = await b.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
             assert stopped.run.state == State.STATE_STOPPED
             assert (await a.get(run.id)).state == State.STATE_STOPPED
-            deadline = time.monotonic() + 10
-            while run.id not in fake.jobs_cancelled:  # the owner cancelled the training
-                assert time.monotonic() < deadline, "the job was not cancelled"
-                await asyncio.sleep(0.02)
+            # The owner cancelled the training.
+            await until(lambda: run.id in fake.jobs_cancelled, "the job cancelled")
 
 
 async def test_100_concurrent_creates_over_two_replicas_start_each_run_once(
@@ -203,15 +193,14 @@ async def test_100_concurrent_creates_over_two_replicas_start_each_run_once(
                 create_request(max_episodes=3, request_id="load-0"), timeout=TIMEOUT
             )
             assert again.run.id == replies[0].run.id
-            deadline = time.monotonic() + 120
-            while True:
+
+            async def all_done() -> pb.ListRunsResponse | None:
                 done = await a.stub.ListRuns(
                     pb.ListRunsRequest(page_size=1000, state=State.STATE_DONE), timeout=TIMEOUT
                 )
-                if len(done.runs) == 100:
-                    break
-                assert time.monotonic() < deadline, f"{len(done.runs)} of 100 runs DONE"
-                await asyncio.sleep(0.2)
+                return done if len(done.runs) == 100 else None
+
+            done = await until(all_done, "100 runs DONE")
             assert {r.id for r in done.runs} == ids
             assert all(r.episode == 3 for r in done.runs)
         assert dict(fake.started) == dict.fromkeys(ids, 1), "each run started exactly once"
@@ -237,8 +226,8 @@ async def test_a_replica_that_lost_its_lease_stops_driving_and_its_watchers_go_o
     trainers = (trainer,)
     async with running_gateway(trainers, db=postgres_url, **REPLICA) as a:
         run = await a.create(max_episodes=300, episodes_per_second=30)
-        await wait_state(a, run.id, State.STATE_RUNNING)
-        watch = asyncio.create_task(collect(a.stub, run.id, timeout=90))
+        await wait_state(a.stub, run.id, State.STATE_RUNNING)
+        watch = asyncio.create_task(collect(a.stub, run.id, timeout=JOB_TIMEOUT))
         async with running_gateway(trainers, db=postgres_url, **REPLICA) as b:
             await asyncio.sleep(1.0)
             # A stalled past its lease and a replica that is gone now took the run: A finds it
@@ -276,16 +265,16 @@ async def test_a_lease_lost_before_the_first_episode_hands_the_run_and_its_watch
 
             a.gateway.core.ownership._replicas._leases.renew = still_held  # type: ignore[attr-defined]
         run = await a.create(max_episodes=50, episodes_per_second=30)
-        await wait_state(a, run.id, State.STATE_RUNNING)
-        watch = asyncio.create_task(collect(a.stub, run.id, timeout=60))
+        await wait_state(a.stub, run.id, State.STATE_RUNNING)
+        watch = asyncio.create_task(collect(a.stub, run.id, timeout=JOB_TIMEOUT))
         await asyncio.sleep(0.5)  # the watcher is attached to A's live log
         await _give_to_a_ghost(a, run.id)
         async with running_gateway(trainers, db=postgres_url, **REPLICA) as b:
             lost = f"run {run.id}: another gateway replica drives it now"
-            deadline = time.monotonic() + 60
-            while lost not in caplog.text or f"run {run.id}: taking it over" not in caplog.text:
-                assert time.monotonic() < deadline, caplog.text
-                await asyncio.sleep(0.05)
+            taken = f"run {run.id}: taking it over"
+            await until(
+                lambda: lost in caplog.text and taken in caplog.text, "A lost it, B took it"
+            )
             script.release.set()
             result = await watch
             assert result.numbers == list(range(1, 51)), "every episode exactly once"
@@ -310,23 +299,22 @@ async def test_a_stop_that_meets_a_lost_lease_is_applied_by_the_new_owner(
 
         a.gateway.core.ownership._replicas._leases.renew = still_held  # type: ignore[attr-defined]
         run = await a.create(max_episodes=300, episodes_per_second=30)
-        await wait_state(a, run.id, State.STATE_RUNNING)
+        await wait_state(a.stub, run.id, State.STATE_RUNNING)
         await a.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)
         # Paused, the trainer stops at its grant: once everything granted has arrived, A has
         # nothing more to commit, so no fenced write tells it of the lost lease.
-        deadline = time.monotonic() + 30
-        while True:
+
+        async def held_at_grant() -> bool:
             held = await a.get(run.id)
             granted = re.search(r"granted through (\d+)", held.state_detail)
-            if granted and held.trainer_episode == int(granted.group(1)):
-                break
-            assert time.monotonic() < deadline, held
-            await asyncio.sleep(0.05)
+            return bool(granted and held.trainer_episode == int(granted.group(1)))
+
+        await until(held_at_grant, "A holding the run at its grant")
         await asyncio.sleep(0.5)  # the last arrivals committed
         await _give_to_a_ghost(a, run.id)
         reply = await a.stub.StopRun(pb.StopRunRequest(run_id=run.id), timeout=TIMEOUT)
         assert reply.run.state == State.STATE_STOPPED
-        final = await collect(a.stub, run.id, timeout=60)
+        final = await collect(a.stub, run.id, timeout=JOB_TIMEOUT)
         assert final.finished is not None
         assert final.finished.state == State.STATE_STOPPED, final.finished.error_message
         stored = await a.get(run.id)
@@ -335,15 +323,11 @@ async def test_a_stop_that_meets_a_lost_lease_is_applied_by_the_new_owner(
     assert "Traceback" not in caplog.text
 
 
-async def _get(stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str) -> pb.Run:
-    return (await stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=TIMEOUT)).run
-
-
 async def _watch_until(
     stub: gateway_service_pb2_grpc.GatewayServiceStub, run_id: str, count: int
 ) -> WatchResult:
     seen = WatchResult()
-    call = stub.WatchRun(pb.WatchRunRequest(run_id=run_id), timeout=60)
+    call = stub.WatchRun(pb.WatchRunRequest(run_id=run_id), timeout=JOB_TIMEOUT)
     async for message in call:
         absorb(seen, message)
         if len(seen.episodes) >= count:
@@ -373,12 +357,12 @@ async def test_sigterm_hands_a_run_over_and_kill_9_of_its_new_replica_moves_it_a
             stub_b = gateway_service_pb2_grpc.GatewayServiceStub(channel_b)
             # SIGTERM: A releases the run and B takes it over at once (no lease to wait for).
             proc_a.terminate()
-            assert await asyncio.wait_for(proc_a.wait(), 20) == 0
+            assert await asyncio.wait_for(proc_a.wait(), TIMEOUT) == 0
             stopped_at = time.monotonic()
-            episode = (await _get(stub_b, run_id)).episode
+            episode = (await get_run(stub_b, run_id)).episode
             await _watch_until(stub_b, run_id, episode + 5)
             handover_s = time.monotonic() - stopped_at
-            assert "training on" in (await _get(stub_b, run_id)).state_detail
+            assert "training on" in (await get_run(stub_b, run_id)).state_detail
             async with (
                 gateway_process(trainer, logs[2], *flags) as (_, address_c),
                 grpc.aio.insecure_channel(address_c) as channel_c,
@@ -387,7 +371,7 @@ async def test_sigterm_hands_a_run_over_and_kill_9_of_its_new_replica_moves_it_a
                 seen = WatchResult()
                 arrivals: list[tuple[float, int]] = []
                 killed_at, before_kill = 0.0, 0
-                call = stub_c.WatchRun(pb.WatchRunRequest(run_id=run_id), timeout=90)
+                call = stub_c.WatchRun(pb.WatchRunRequest(run_id=run_id), timeout=JOB_TIMEOUT)
                 async for message in call:
                     absorb(seen, message)
                     arrivals.append((time.monotonic(), len(seen.episodes)))

@@ -17,14 +17,9 @@ import pytest
 
 from gateway.core.runs import INTERRUPTED_MESSAGE
 from tests.fakes.fake_trainer import FakeTrainer, Script
-from tests.fakes.gateway_harness import (
-    TIMEOUT,
-    WatchResult,
-    absorb,
-    collect,
-    create_request,
-)
+from tests.fakes.gateway_harness import WatchResult, absorb, collect, create_request
 from tests.fakes.gateway_harness import gateway_process as spawn_gateway
+from tests.fakes.waiting import TIMEOUT
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 
 State = gateway_service_pb2.Run.State

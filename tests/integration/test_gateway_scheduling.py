@@ -10,8 +10,8 @@ from collections.abc import Callable
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.fakes.fake_trainer import FakeTrainer
-from tests.fakes.gateway_harness import TIMEOUT, running_gateway
-from tests.fakes.waiting import until
+from tests.fakes.gateway_harness import running_gateway
+from tests.fakes.waiting import TIMEOUT, until
 from trainwire.v1 import gateway_service_pb2
 
 State = gateway_service_pb2.Run.State

@@ -12,14 +12,8 @@ import grpc
 import pytest
 
 from tests.fakes.fake_trainer import FakeTrainer, Script
-from tests.fakes.gateway_harness import (
-    TIMEOUT,
-    Client,
-    WatchResult,
-    absorb,
-    running_gateway,
-    to_thread,
-)
+from tests.fakes.gateway_harness import Client, WatchResult, absorb, running_gateway, to_thread
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
 State = gateway_service_pb2.Run.State
@@ -51,7 +45,7 @@ async def test_200_watchers_each_get_every_episode_exactly_once(
     async def watch(i: int) -> WatchResult:
         nonlocal attached
         result = WatchResult()
-        call = stubs[i % 4].WatchRun(pb.WatchRunRequest(run_id=run.id), timeout=60)
+        call = stubs[i % 4].WatchRun(pb.WatchRunRequest(run_id=run.id), timeout=JOB_TIMEOUT)
         async for message in call:
             absorb(result, message)
             if message.WhichOneof("event") == "caught_up":
@@ -63,7 +57,7 @@ async def test_200_watchers_each_get_every_episode_exactly_once(
     tasks = [asyncio.create_task(watch(i)) for i in range(200)]
     await asyncio.wait_for(all_attached.wait(), TIMEOUT)
     script.release.set()
-    results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), JOB_TIMEOUT)
     reference = canonical(results[0].episodes)
     for result in results:
         assert result.numbers == list(range(1, total + 1))
@@ -98,10 +92,7 @@ async def test_disconnected_watchers_leave_nothing_behind(
     assert log.watchers == 20
     for call in calls:
         call.cancel()
-    for _ in range(200):  # the server sees the cancellations asynchronously
-        if log.watchers == 0 and log.waiter_count == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert log.watchers == 0 and log.waiter_count == 0
+    # The server sees the cancellations asynchronously.
+    await until(lambda: log.watchers == 0 and log.waiter_count == 0, "every watcher gone")
     script.release.set()
     assert (await client.finished(run.id)).state == State.STATE_DONE

@@ -18,7 +18,8 @@ import grpc
 import pytest
 
 from tests.fakes.fake_trainer import FakeTrainer, Script
-from tests.fakes.gateway_harness import ROOT, TIMEOUT, collect, create_request, running_gateway
+from tests.fakes.gateway_harness import ROOT, collect, create_request, running_gateway
+from tests.fakes.waiting import TIMEOUT
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 
 State = gateway_service_pb2.Run.State

@@ -22,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.core.store import STORE_MESSAGE
 from tests.fakes.fake_trainer import FakeTrainer, Script
-from tests.fakes.gateway_harness import ROOT, TIMEOUT, WatchResult, absorb, collect, create_request
+from tests.fakes.gateway_harness import ROOT, WatchResult, absorb, collect, create_request
+from tests.fakes.waiting import TIMEOUT
 from tests.unit.test_store_schema import make_read_only, undo_read_only, v1_database
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 

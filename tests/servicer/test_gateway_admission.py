@@ -12,12 +12,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from tests.fakes.fake_trainer import FakeTrainer, Script
-from tests.fakes.gateway_harness import (
-    TIMEOUT,
-    Client,
-    create_request,
-    running_gateway,
-)
+from tests.fakes.gateway_harness import Client, create_request, running_gateway
+from tests.fakes.waiting import TIMEOUT
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 pb = gateway_service_pb2

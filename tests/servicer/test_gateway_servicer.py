@@ -22,7 +22,6 @@ from gateway.core.runs import (
 )
 from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import (
-    TIMEOUT,
     Client,
     collect,
     create_request,
@@ -30,6 +29,7 @@ from tests.fakes.gateway_harness import (
     running_gateway,
     to_thread,
 )
+from tests.fakes.waiting import TIMEOUT
 from trainwire.reasons import ErrorReason
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
@@ -330,7 +330,7 @@ async def test_shutdown_ends_watches_unavailable_and_a_restart_without_the_job_i
                 pass
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert run.id in (info.value.details() or "")
-        await asyncio.wait_for(stopping, 5)
+        await asyncio.wait_for(stopping, TIMEOUT)
         with pytest.raises(grpc.aio.AioRpcError):
             await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
     await to_thread(fake.wait_idle)
