@@ -14,7 +14,8 @@ import pytest
 
 from tests.fakes.fake_trainer import FakeTrainer
 from tests.fakes.gateway_harness import Client, running_gateway
-from tests.http.harness import TIMEOUT, create_body
+from tests.fakes.waiting import TIMEOUT, until
+from tests.http.harness import create_body
 
 
 @dataclass
@@ -49,6 +50,16 @@ class Http:
     async def create(self, **kwargs: Any) -> dict[str, Any]:
         """Creates an imitation run (``create_body``); returns the Run."""
         return (await self.ok("POST", "/v1/runs", create_body(**kwargs)))["run"]
+
+    async def wait_state(self, run_id: str, *states: str) -> dict[str, Any]:
+        """Waits (``until``) until the run (read over the JSON API) is in one of ``states``;
+        returns it."""
+
+        async def reached() -> dict[str, Any] | None:
+            run: dict[str, Any] = (await self.ok("GET", f"/v1/runs/{run_id}"))["run"]
+            return run if run["state"] in states else None
+
+        return await until(reached, f"run {run_id} {'/'.join(states)}")
 
 
 @contextlib.asynccontextmanager

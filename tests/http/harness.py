@@ -17,10 +17,9 @@ from google.protobuf import json_format
 
 from gateway.server import Gateway
 from tests.fakes.gateway_harness import running_gateway
+from tests.fakes.waiting import TIMEOUT
 from tests.fakes.watch_faults import ThreadedServer
 from trainwire.v1 import episode_pb2
-
-TIMEOUT = 20.0  # every HTTP call of a test has a deadline
 
 
 class ApiError(Exception):

@@ -3,7 +3,6 @@ the HTTP status of every gRPC code."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Any
 
@@ -15,23 +14,13 @@ from gateway.core.errors import RunNotFound
 from gateway.http.errors import HTTP_STATUS
 from gateway.status import STATUS_CODES
 from tests.fakes.fake_trainer import FakeTrainer
+from tests.fakes.waiting import TIMEOUT
 from tests.http.conftest import Http
 from tests.http.harness import create_body
 from trainwire import motion
 from trainwire.v1 import gateway_service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
-
-
-async def wait_for(http: Http, run_id: str, *states: str, timeout: float = 30.0) -> dict[str, Any]:
-    """Polls the run until it is in one of ``states``."""
-    run: dict[str, Any] = {}
-    async with asyncio.timeout(timeout):
-        while True:
-            run = (await http.ok("GET", f"/v1/runs/{run_id}"))["run"]
-            if run["state"] in states:
-                return run
-            await asyncio.sleep(0.05)
 
 
 def error_of(reply: dict[str, Any]) -> dict[str, Any]:
@@ -52,9 +41,9 @@ def detail(error: dict[str, Any], kind: str) -> dict[str, Any]:
 async def test_create_get_and_list_answer_the_json_grpcurl_shows(http: Http) -> None:
     run = await http.create(max_episodes=20, display_name="first")
     assert run["state"] in ("STATE_PENDING", "STATE_RUNNING") and run["displayName"] == "first"
-    done = await wait_for(http, run["id"], "STATE_DONE")
+    done = await http.wait_state(run["id"], "STATE_DONE")
     assert done["episode"] == "20"  # int64 is a string in the JSON mapping
-    reply = await http.grpc.stub.GetRun(pb.GetRunRequest(run_id=run["id"]), timeout=10)
+    reply = await http.grpc.stub.GetRun(pb.GetRunRequest(run_id=run["id"]), timeout=TIMEOUT)
     assert await http.ok("GET", f"/v1/runs/{run['id']}") == json_format.MessageToDict(reply)
     listed = await http.ok("GET", "/v1/runs")
     assert [r["id"] for r in listed["runs"]] == [run["id"]] and "nextPageToken" not in listed
@@ -69,7 +58,7 @@ async def test_create_is_idempotent_per_request_id(http: Http) -> None:
 async def test_list_pages_filters_and_rejects_bad_parameters(http: Http) -> None:
     ids = [(await http.create(max_episodes=5))["id"] for _ in range(3)]
     for run_id in ids:
-        await wait_for(http, run_id, "STATE_DONE")
+        await http.wait_state(run_id, "STATE_DONE")
     first = await http.ok("GET", "/v1/runs?pageSize=2")
     assert [r["id"] for r in first["runs"]] == ids[:0:-1]  # newest first
     token = first["nextPageToken"]
@@ -96,7 +85,7 @@ async def test_list_pages_filters_and_rejects_bad_parameters(http: Http) -> None
 async def test_controls_pause_resume_speed_stop_and_delete(http: Http) -> None:
     run = await http.create(max_episodes=2000, episodes_per_second=20)
     run_id = run["id"]
-    await wait_for(http, run_id, "STATE_RUNNING")
+    await http.wait_state(run_id, "STATE_RUNNING")
     base = f"/v1/runs/{run_id}"
     assert (await http.ok("POST", f"{base}:pause"))["run"]["state"] == "STATE_PAUSED"
     assert (await http.ok("POST", f"{base}:pause", {}))["run"]["state"] == "STATE_PAUSED"

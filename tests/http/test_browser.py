@@ -26,13 +26,13 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from tests.fakes.fake_trainer import Script, running_fake
 from tests.fakes.gateway_harness import ROOT
+from tests.fakes.waiting import TIMEOUT, wait_for
 from tests.http.harness import ApiError, LiveGateway, create_body, threaded_gateway
 from trainwire import motion
 
 pytestmark = pytest.mark.timeout(180)
 
 SCREENSHOTS = ROOT / "var" / "screenshots"
-WAIT = 30.0  # generous: two shared cores run the browser, the gateway and the fake trainer
 CHROMIUM_FLAGS = (
     "--headless",
     "--no-sandbox",
@@ -76,8 +76,8 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     log = tmp_path_factory.getbasetemp() / "chromedriver.log"
     chrome = webdriver.Chrome(service=Service(driver, log_output=str(log)), options=options)
-    chrome.set_page_load_timeout(WAIT)
-    chrome.set_script_timeout(WAIT)
+    chrome.set_page_load_timeout(TIMEOUT)
+    chrome.set_script_timeout(TIMEOUT)
     try:
         yield chrome
     finally:
@@ -116,20 +116,21 @@ def active_run(gw: LiveGateway, **kwargs: Any) -> Iterator[dict[str, Any]]:
 
 
 def wait_until(driver: WebDriver, condition: Callable[[], Any], what: str) -> Any:
-    """Waits for ``condition()`` to be truthy; returns it."""
-    return WebDriverWait(driver, WAIT, poll_frequency=0.05).until(
+    """Waits for ``condition()`` to be truthy; returns it. (Selenium's own wait, which retries
+    through the driver's transient errors, with the suite's ``TIMEOUT``.)"""
+    return WebDriverWait(driver, TIMEOUT, poll_frequency=0.05).until(
         lambda _: condition(), message=f"timed out waiting for {what}"
     )
 
 
 def wait_api(gw: LiveGateway, run_id: str, check: Callable[[dict[str, Any]], bool]) -> dict:
-    deadline = time.monotonic() + WAIT
-    while True:
+    """Waits (``wait_for``) until the run, read over the JSON API, passes ``check``."""
+
+    def there() -> dict[str, Any] | None:
         run = gw.run(run_id)
-        if check(run):
-            return run
-        assert time.monotonic() < deadline, f"run {run_id} never got there: {run}"
-        time.sleep(0.05)
+        return run if check(run) else None
+
+    return wait_for(there, f"run {run_id} to get there")
 
 
 def attr(driver: WebDriver, element_id: str, name: str) -> str:

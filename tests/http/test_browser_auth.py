@@ -15,8 +15,9 @@ from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.fakes.fake_trainer import running_fake
+from tests.fakes.waiting import TIMEOUT
 from tests.http.harness import LiveGateway, threaded_gateway
-from tests.http.test_browser import WAIT, browser, curve, wait_until  # noqa: F401 (fixture)
+from tests.http.test_browser import browser, curve, wait_until  # noqa: F401 (fixture)
 from tests.security_fixtures import Tokens
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,7 +42,7 @@ def _create(url: str, token: str) -> str:
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
         method="POST",
     )
-    with urllib.request.urlopen(request, timeout=WAIT) as response:
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
         return str(json.load(response)["run"]["id"])
 
 
@@ -53,7 +54,7 @@ def test_the_page_asks_for_a_token_once_and_streams_with_it(
     run_id = _create(gw.url, tokens.by_role["operator"])
     browser.get(f"{gw.url}/#/runs/{run_id}")
     try:
-        WebDriverWait(browser, WAIT).until(expected_conditions.alert_is_present())
+        WebDriverWait(browser, TIMEOUT).until(expected_conditions.alert_is_present())
         prompt = browser.switch_to.alert
         assert "needs a token" in prompt.text
         prompt.send_keys(tokens.by_role["viewer"])

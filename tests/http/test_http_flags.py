@@ -17,7 +17,7 @@ import pytest
 from gateway.__main__ import config_from_args, parse_args
 from gateway.config import DEFAULT_HTTP_PORT, GatewayConfig
 from tests.fakes.gateway_harness import ROOT
-from tests.http.harness import TIMEOUT
+from tests.fakes.waiting import TIMEOUT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,7 +91,7 @@ def test_off_prints_no_http_line_and_a_busy_port_exits_1() -> None:
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=TIMEOUT,
             check=False,
         )
     assert result.returncode == 1 and result.stdout == ""

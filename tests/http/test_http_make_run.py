@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.gateway_harness import ROOT
-from tests.http.harness import TIMEOUT
+from tests.fakes.waiting import TIMEOUT
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 

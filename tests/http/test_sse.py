@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 from aiohttp import web
@@ -13,9 +12,10 @@ from gateway.core.history import encode_frame
 from gateway.http import sse
 from tests.fakes.fake_trainer import FakeTrainer, Script, valid_episodes
 from tests.fakes.gateway_harness import collect
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from tests.http.conftest import Http, http_gateway
 from tests.http.harness import Stream, read_stream
-from tests.http.test_api import error_of, wait_for
+from tests.http.test_api import error_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,7 +26,7 @@ def events_url(http: Http, run_id: str, query: str = "") -> str:
 
 async def finished_run(http: Http, episodes: int) -> str:
     run = await http.create(max_episodes=episodes)
-    await wait_for(http, run["id"], "STATE_DONE")
+    await http.wait_state(run["id"], "STATE_DONE")
     return str(run["id"])
 
 
@@ -85,27 +85,21 @@ async def test_an_unknown_run_is_404_before_any_event(http: Http) -> None:
     assert (status, error_of(reply)["status"]) == (404, "NOT_FOUND")
 
 
-async def eventually(condition: Any, timeout: float = 30.0) -> None:
-    """Waits (generously: the machine is shared) until ``condition()`` holds."""
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.02)
-
-
 async def test_live_episodes_keepalives_while_paused_and_the_end(http: Http) -> None:
     run_id = (await http.create(max_episodes=3000, episodes_per_second=40))["id"]
     base = f"/v1/runs/{run_id}"
     stream = Stream()
     reader = asyncio.create_task(
-        read_stream(http.session, events_url(http, run_id), stream=stream, timeout=60)
+        read_stream(http.session, events_url(http, run_id), stream=stream, timeout=JOB_TIMEOUT)
     )
-    await eventually(lambda: len(stream.numbers) >= 10)
+    await until(lambda: len(stream.numbers) >= 10, "10 episodes")
     assert "caught_up" in stream.kinds
     await http.ok("POST", f"{base}:pause")
-    await eventually(lambda: stream.parser.comments.count("keepalive") >= 3)  # every 0.2 s here
+    # Keepalives every 0.2 s here.
+    await until(lambda: stream.parser.comments.count("keepalive") >= 3, "3 keepalives")
     await http.ok("POST", f"{base}:resume")
     count = len(stream.numbers)
-    await eventually(lambda: len(stream.numbers) >= count + 10)
+    await until(lambda: len(stream.numbers) >= count + 10, "10 episodes after the resume")
     await http.ok("POST", f"{base}:stop")
     result = await reader
     assert result.ended and result.kinds.count("caught_up") == 1
@@ -124,7 +118,9 @@ async def test_a_reconnect_with_last_event_id_continues_without_gap_or_duplicate
         headers = {"Last-Event-ID": str(seen[-1])} if seen else None
         part = await read_stream(http.session, url, headers, until=lambda s: len(s.numbers) >= 15)
         seen += part.numbers
-    rest = await read_stream(http.session, url, {"Last-Event-ID": str(seen[-1])}, timeout=60)
+    rest = await read_stream(
+        http.session, url, {"Last-Event-ID": str(seen[-1])}, timeout=JOB_TIMEOUT
+    )
     seen += rest.numbers
     assert seen == list(range(1, 151))
     assert rest.finished is not None and rest.finished["state"] == "STATE_DONE"
@@ -135,7 +131,7 @@ async def test_restarting_the_http_side_cuts_streams_and_they_resume(http: Http)
     url = events_url(http, run_id)
     stream = Stream()
     reader = asyncio.create_task(read_stream(http.session, url, stream=stream))
-    await eventually(lambda: len(stream.numbers) >= 20)
+    await until(lambda: len(stream.numbers) >= 20, "20 episodes")
     face = http.grpc.gateway.http
     assert face is not None and face.open_streams == 1
     host, port = face.host, face.port
@@ -143,21 +139,23 @@ async def test_restarting_the_http_side_cuts_streams_and_they_resume(http: Http)
     cut = await reader
     assert cut.ended and cut.finished is None and face.open_streams == 0
     await face.start(host, port)
-    rest = await read_stream(http.session, url, {"Last-Event-ID": str(cut.numbers[-1])}, timeout=60)
+    rest = await read_stream(
+        http.session, url, {"Last-Event-ID": str(cut.numbers[-1])}, timeout=JOB_TIMEOUT
+    )
     assert cut.numbers + rest.numbers == list(range(1, 201))
     assert rest.finished is not None
 
 
 async def test_a_client_that_goes_away_frees_its_stream_at_once(http: Http) -> None:
     run_id = (await http.create(max_episodes=3000, episodes_per_second=10))["id"]
-    await wait_for(http, run_id, "STATE_RUNNING")
+    await http.wait_state(run_id, "STATE_RUNNING")
     await http.ok("POST", f"/v1/runs/{run_id}:pause")  # nothing to write: only keepalives
     face = http.grpc.gateway.http
     assert face is not None
     await read_stream(
         http.session, events_url(http, run_id), until=lambda s: "caught_up" in s.kinds
     )
-    await eventually(lambda: face.open_streams == 0, timeout=10)
+    await until(lambda: face.open_streams == 0, "the stream freed")
     await http.ok("POST", f"/v1/runs/{run_id}:stop")
 
 
@@ -168,9 +166,9 @@ async def test_a_gateway_that_stops_ends_its_streams(fake: FakeTrainer) -> None:
         reader = asyncio.create_task(
             read_stream(http.session, events_url(http, run_id), stream=stream)
         )
-        await eventually(lambda: "caught_up" in stream.kinds)
+        await until(lambda: "caught_up" in stream.kinds, "caught_up")
         await http.grpc.gateway.stop()
-        cut = await asyncio.wait_for(reader, 10)
+        cut = await asyncio.wait_for(reader, TIMEOUT)
         assert cut.ended and cut.finished is None
 
 
