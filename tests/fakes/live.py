@@ -14,13 +14,13 @@ import contextlib
 import os
 import re
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.fakes.watch_faults import TIMEOUT, FaultProxy, ThreadedServer, WatchFault
+from tests.fakes.waiting import TIMEOUT
+from tests.fakes.watch_faults import FaultProxy, ThreadedServer, WatchFault
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK_PYTHON = "TRAINWIRE_TEST_STACK_PYTHON"
@@ -56,15 +56,6 @@ class LiveStack:
         self._start_proxy(proxy)
         self.proxies.append(proxy)
         return proxy
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = TIMEOUT, what: str = "") -> None:
-    """Polls ``predicate`` (from the test thread) until it holds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.01)
 
 
 @contextlib.contextmanager

@@ -24,11 +24,11 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tests.fakes.waiting import TIMEOUT
 from trainwire.v1 import gateway_service_pb2
 
 T = TypeVar("T")
 SERVICE = "/trainwire.v1.GatewayService/"
-TIMEOUT = 20.0
 
 
 @dataclass

@@ -24,7 +24,8 @@ from google.protobuf import json_format
 from PIL import Image
 
 from tests.fakes.fake_trainer import Script
-from tests.fakes.live import LiveStack, live_stack, wait_until
+from tests.fakes.live import LiveStack, live_stack
+from tests.fakes.waiting import wait_for
 from tests.fakes.watch_faults import WatchFault
 from trainwire import client as tc
 from trainwire import motion
@@ -54,9 +55,7 @@ class Gateway:
         return main(["--gateway", target or self.target, *argv])
 
     def running(self, run_id: str) -> None:
-        wait_until(
-            lambda: self.client.get_run(run_id).state != Run.State.STATE_PENDING, what="a slot"
-        )
+        wait_for(lambda: self.client.get_run(run_id).state != Run.State.STATE_PENDING, "a slot")
 
     def finished(self, run_id: str) -> Run:
         final = list(self.client.watch(run_id, after_episode=5000))[-1]
@@ -64,7 +63,7 @@ class Gateway:
         return final
 
     def published(self, run_id: str, count: int) -> None:
-        wait_until(lambda: self.client.get_run(run_id).episode >= count, what=f"{count} episodes")
+        wait_for(lambda: self.client.get_run(run_id).episode >= count, f"{count} episodes")
 
 
 @pytest.fixture
@@ -310,7 +309,7 @@ def test_watch_exits_3_when_the_run_is_stopped(
     proxy = gateway.stack.proxy()
     with ThreadPoolExecutor(1) as pool:
         exit_code = pool.submit(gateway.cli, "watch", run_id, target=proxy.target)
-        wait_until(lambda: proxy.active_watchers == 1, what="the watcher")
+        wait_for(lambda: proxy.active_watchers == 1, "the watcher")
         gateway.client.stop_run(run_id)
         assert exit_code.result(timeout=20) == 3
     captured = capsys.readouterr()
@@ -472,7 +471,7 @@ def test_ctrl_c_detaches_without_stopping_the_run(gateway: Gateway) -> None:
         text=True,
     )
     try:
-        wait_until(lambda: proxy.active_watchers == 1, what="the watcher")
+        wait_for(lambda: proxy.active_watchers == 1, "the watcher")
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=20)
     finally:
@@ -488,7 +487,7 @@ def test_ctrl_c_detaches_without_stopping_the_run(gateway: Gateway) -> None:
     assert detached is not None, err
     assert "Traceback" not in err
     assert f"{detached.group(1)}/40" in out
-    wait_until(lambda: proxy.active_watchers == 0, what="the stream's end")
+    wait_for(lambda: proxy.active_watchers == 0, "the stream's end")
     assert gateway.client.get_run(run_id).state == Run.State.STATE_RUNNING
     assert proxy.calls == ["GetRun", "WatchRun"]  # no StopRun: the run keeps going
 

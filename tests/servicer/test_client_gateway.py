@@ -19,7 +19,8 @@ from typing import Any, TypeAlias
 import grpc
 import pytest
 
-from tests.fakes.live import LiveStack, live_stack, wait_until
+from tests.fakes.live import LiveStack, live_stack
+from tests.fakes.waiting import wait_for
 from tests.fakes.watch_faults import WatchFault
 from trainwire import aio
 from trainwire import client as tc
@@ -66,7 +67,7 @@ def _create(client: tc.GatewayClient, episodes: int, rate: float = -1.0, clip: s
 
 def _running(client: tc.GatewayClient, run_id: str) -> None:
     """Waits until the run left PENDING (a trainer slot took it)."""
-    wait_until(lambda: client.get_run(run_id).state != Run.State.STATE_PENDING, what="a slot")
+    wait_for(lambda: client.get_run(run_id).state != Run.State.STATE_PENDING, "a slot")
 
 
 def _finished(client: tc.GatewayClient, run_id: str) -> Run:
@@ -233,7 +234,7 @@ def test_a_stopped_run_ends_the_watch_and_a_deleted_one_is_not_found(
     run = _create(client, 500, rate=2.0)
     proxy = stack.proxy()
     future = pool.submit(watch, proxy.target, run.id)
-    wait_until(lambda: proxy.active_watchers == 1, what="the watcher")
+    wait_for(lambda: proxy.active_watchers == 1, "the watcher")
     client.stop_run(run.id)
     final = future.result(timeout=20)[-1]
     assert isinstance(final, Run) and final.state == Run.State.STATE_STOPPED
@@ -251,7 +252,7 @@ def test_leaving_the_iterator_cancels_the_server_stream(
         for event in gw.watch(run.id):
             if isinstance(event, gateway_service_pb2.CaughtUp):
                 break
-        wait_until(lambda: proxy.active_watchers == 0, what="the stream's end")
+        wait_for(lambda: proxy.active_watchers == 0, "the stream's end")
     assert client.get_run(run.id).state == Run.State.STATE_RUNNING
 
     async def leave_early() -> None:
@@ -263,7 +264,7 @@ def test_leaving_the_iterator_cancels_the_server_stream(
             assert stream.cancelled
 
     asyncio.run(leave_early())
-    wait_until(lambda: proxy.active_watchers == 0, what="the aio stream's end")
+    wait_for(lambda: proxy.active_watchers == 0, "the aio stream's end")
     assert client.get_run(run.id).state == Run.State.STATE_RUNNING
     assert len(proxy.watch_requests) == 2
 
@@ -302,7 +303,7 @@ def test_unary_calls_and_their_errors_over_the_real_gateway(client: tc.GatewayCl
     assert [i for i in listed if i in mine] == mine[::-1]  # newest first, across pages
     assert len(client.list_runs(page_size=2, limit=3)) == 3
 
-    wait_until(lambda: client.get_run(first.id).state == Run.State.STATE_RUNNING, what="RUNNING")
+    wait_for(lambda: client.get_run(first.id).state == Run.State.STATE_RUNNING, "RUNNING")
     assert client.pause_run(first.id).state == Run.State.STATE_PAUSED
     paused = client.list_runs(state=Run.State.STATE_PAUSED)
     assert first.id in [r.id for r in paused]
