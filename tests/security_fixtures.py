@@ -18,12 +18,12 @@ import trustme
 from gateway.auth import Role
 from gateway.tools.add_token import add_token
 from tests.fakes.trainer_harness import running_trainer
+from tests.fakes.waiting import TIMEOUT
 from trainer_service.server import TrainerServer
 from trainer_service.testing import FakeProvider
 from trainwire_ops.tls import ServerTls
 
 SERVER_NAMES = ("localhost", "127.0.0.1")
-TIMEOUT = 20.0
 
 
 @dataclass

@@ -26,11 +26,11 @@ from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from tests.fakes.fake_trainer import FakeTrainer
 from tests.fakes.gateway_harness import create_request
+from tests.fakes.waiting import TIMEOUT
 from tests.security_fixtures import Pki, Tokens
 from trainwire.v1 import gateway_service_pb2 as pb
 from trainwire.v1 import gateway_service_pb2_grpc
 
-TIMEOUT = 20.0
 ROLES = (None, "viewer", "operator", "admin")
 REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 #: What each RPC needs (the issue's table), and a request it can answer without a real run.
@@ -196,7 +196,7 @@ async def test_health_is_open_and_plaintext_is_refused(secured: Secured) -> None
     async with grpc.aio.insecure_channel(secured.address) as plain:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await health_pb2_grpc.HealthStub(plain).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
+                health_pb2.HealthCheckRequest(), timeout=TIMEOUT
             )
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 

@@ -18,12 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.fakes.fake_trainer import FakeTrainer
 from tests.fakes.gateway_harness import ROOT, create_request, gateway_process
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from tests.security_fixtures import CertFiles, Pki, Tokens
 from trainwire.v1 import gateway_service_pb2 as pb
 from trainwire.v1 import gateway_service_pb2_grpc
 from trainwire_ops.tls import ServerTls
 
-TIMEOUT = 20.0
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
 
 
@@ -33,7 +33,7 @@ def test_a_plaintext_bind_other_machines_reach_is_refused_in_one_line(service: s
         [sys.executable, "-m", service, "--host", "0.0.0.0", "--port", "0"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=TIMEOUT,
         cwd=ROOT,
         env=ENV,
     )
@@ -80,11 +80,16 @@ async def _health(address: str, ca: bytes) -> grpc.StatusCode:
     async with grpc.aio.secure_channel(address, credentials, options=options) as channel:
         try:
             await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
+                health_pb2.HealthCheckRequest(), timeout=TIMEOUT
             )
         except grpc.aio.AioRpcError as exc:
             return exc.code()
     return grpc.StatusCode.OK
+
+
+async def _serves(address: str, ca: bytes) -> bool:
+    """Whether a new connection that trusts ``ca`` gets an answer."""
+    return await _health(address, ca) == grpc.StatusCode.OK
 
 
 async def test_sighup_rotates_the_certificate_and_an_open_watch_keeps_streaming(
@@ -109,7 +114,9 @@ async def test_sighup_rotates_the_certificate_and_an_open_watch_keeps_streaming(
                     metadata=metadata,
                 )
             ).run
-            watch = stub.WatchRun(pb.WatchRunRequest(run_id=run.id), timeout=60, metadata=metadata)
+            watch = stub.WatchRun(
+                pb.WatchRunRequest(run_id=run.id), timeout=JOB_TIMEOUT, metadata=metadata
+            )
             seen = 0
 
             async def read_until(count: int) -> None:
@@ -123,12 +130,8 @@ async def test_sighup_rotates_the_certificate_and_an_open_watch_keeps_streaming(
             await read_until(5)
             _install(new.server, live)
             proc.send_signal(signal.SIGHUP)
-            for _ in range(100):  # new connections see the new certificate
-                if await _health(address, new.ca_pem()) == grpc.StatusCode.OK:
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                pytest.fail(f"the new certificate never served; log: {log.read_text()[-2000:]}")
+            # New connections see the new certificate.
+            await until(lambda: _serves(address, new.ca_pem()), f"the new certificate ({log})")
             assert await _health(address, old.ca_pem()) == grpc.StatusCode.UNAVAILABLE
             before = seen
             await read_until(before + 20)  # the watch opened before the rotation goes on
@@ -263,12 +266,7 @@ async def test_sighup_rotates_the_trainers_certificate_too(tmp_path: Path) -> No
         assert await _health(address, old.ca_pem()) == grpc.StatusCode.OK
         _install(new.server, live)
         proc.send_signal(signal.SIGHUP)
-        for _ in range(100):
-            if await _health(address, new.ca_pem()) == grpc.StatusCode.OK:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail(f"the new certificate never served; log: {log.read_text()[-2000:]}")
+        await until(lambda: _serves(address, new.ca_pem()), f"the new certificate ({log})")
         assert proc.poll() is None  # SIGHUP reloads; it does not end the trainer
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, TIMEOUT) == 0

@@ -4,8 +4,6 @@ callers holding a certificate that CA signed, and a gateway that has one trains 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -16,11 +14,10 @@ from gateway.core.trainers import TrainerError, TrainerLost
 from gateway.server import Gateway
 from gateway.trainer_client import GrpcTrainerConnector
 from tests.fakes.gateway_harness import create_request
+from tests.fakes.waiting import TIMEOUT, until
 from tests.security_fixtures import Pki, Tokens, mtls_trainer
 from trainwire.v1 import gateway_service_pb2 as pb
 from trainwire.v1 import gateway_service_pb2_grpc, trainer_service_pb2, trainer_service_pb2_grpc
-
-TIMEOUT = 20.0
 
 
 def _gateway_credentials(pki: Pki) -> grpc.ChannelCredentials:
@@ -32,7 +29,7 @@ def _capabilities(address: str, credentials: grpc.ChannelCredentials) -> grpc.St
     with grpc.secure_channel(address, credentials) as channel:
         try:
             trainer_service_pb2_grpc.TrainerServiceStub(channel).GetCapabilities(
-                trainer_service_pb2.GetCapabilitiesRequest(), timeout=5
+                trainer_service_pb2.GetCapabilitiesRequest(), timeout=TIMEOUT
             )
         except grpc.RpcError as exc:
             return exc.code()  # type: ignore[no-any-return, attr-defined]
@@ -53,7 +50,7 @@ def test_a_caller_without_a_client_certificate_is_refused(tmp_path: Path) -> Non
         assert _capabilities(address, foreign) == grpc.StatusCode.UNAVAILABLE
         with grpc.insecure_channel(address) as plain, pytest.raises(grpc.RpcError):
             trainer_service_pb2_grpc.TrainerServiceStub(plain).GetCapabilities(
-                trainer_service_pb2.GetCapabilitiesRequest(), timeout=5
+                trainer_service_pb2.GetCapabilitiesRequest(), timeout=TIMEOUT
             )
         good = _gateway_credentials(pki)
         assert _capabilities(address, good) == grpc.StatusCode.OK
@@ -109,13 +106,6 @@ async def test_a_run_goes_through_the_gateway_to_an_mtls_trainer_to_done(
             await gateway.stop()
 
 
-async def _until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not condition():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)
-
-
 async def test_a_certificate_reload_closes_each_old_trainer_channel_after_its_last_call(
     tmp_path: Path,
 ) -> None:
@@ -145,9 +135,9 @@ async def test_a_certificate_reload_closes_each_old_trainer_channel_after_its_la
             with pytest.raises(TrainerError):
                 async for _ in stream:
                     pass
-            await _until(lambda: connector.open_channels == 1, "the retired channel was closed")
+            await until(lambda: connector.open_channels == 1, "the retired channel closed")
             connector.set_credentials(credentials)  # nothing open: closed at once
-            await _until(lambda: connector.open_channels == 0, "the idle channel was closed")
+            await until(lambda: connector.open_channels == 0, "the idle channel closed")
             assert (await connector.capabilities(address, TIMEOUT)).slots_total == 2
         finally:
             await connector.close()

@@ -4,9 +4,7 @@ wrong) instead of only gRPC's text."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from pathlib import Path
 
 import grpc
@@ -16,7 +14,8 @@ from gateway.config import GatewayConfig
 from gateway.core.trainers import TrainerLost
 from gateway.server import Gateway
 from gateway.trainer_client import GrpcTrainerConnector
-from tests.security_fixtures import TIMEOUT, Pki, mtls_trainer
+from tests.fakes.waiting import until
+from tests.security_fixtures import Pki, mtls_trainer
 
 
 def _credentials(pki: Pki) -> grpc.ChannelCredentials:
@@ -70,10 +69,10 @@ async def test_the_gateway_warns_with_the_flag_to_set(
         caplog.set_level(logging.WARNING)
         await gateway.start()
         try:
-            deadline = time.monotonic() + TIMEOUT
-            while not [r for r in caplog.records if "unreachable" in r.getMessage()]:
-                assert time.monotonic() < deadline, "no unreachable-trainer warning"
-                await asyncio.sleep(0.05)
+            await until(
+                lambda: [r for r in caplog.records if "unreachable" in r.getMessage()],
+                "an unreachable-trainer warning",
+            )
         finally:
             await gateway.stop()
     (warning,) = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
