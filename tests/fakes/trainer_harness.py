@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grpc
 
+from tests.fakes.waiting import TIMEOUT, wait_for
 from trainer_service.config import TrainerConfig
 from trainer_service.core.jobs import JobRunner, RunnerSettings
 from trainer_service.core.registry import ProviderRegistry
@@ -25,9 +25,6 @@ from trainer_service.metrics import TrainerMetrics
 from trainer_service.server import TrainerServer, build_server
 from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 from trainwire_ops.tls import ServerTls
-
-WAIT = 10.0
-RPC_TIMEOUT = 30.0
 
 
 @dataclasses.dataclass
@@ -47,7 +44,7 @@ class RunningTrainer:
 
     def capabilities(self) -> trainer_service_pb2.GetCapabilitiesResponse:
         return self.stub.GetCapabilities(
-            trainer_service_pb2.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT
+            trainer_service_pb2.GetCapabilitiesRequest(), timeout=TIMEOUT
         )
 
     def value(self, name: str, **labels: str) -> float:
@@ -60,10 +57,7 @@ class RunningTrainer:
         The server records an RPC's end after the client may already have seen it (a cancel
         returns on the client at once), and no event marks that moment, so this polls.
         """
-        deadline = time.monotonic() + WAIT
-        while self.value(name, **labels) != expected:
-            assert time.monotonic() < deadline, f"{name}{labels} = {self.value(name, **labels)}"
-            time.sleep(0.005)
+        wait_for(lambda: self.value(name, **labels) == expected, f"{name}{labels} == {expected}")
 
 
 @contextlib.contextmanager
@@ -74,7 +68,7 @@ def running_trainer(
     tls: ServerTls | None = None,
     warm_up: bool = True,
     wait_idle: bool = True,
-    stop_wait: float = WAIT,
+    stop_wait: float = TIMEOUT,
     config: Mapping[str, Any] | None = None,
     **settings: Any,
 ) -> Iterator[RunningTrainer]:
@@ -106,7 +100,7 @@ def running_trainer(
     server, port = build_server(TrainerConfig(**fields), runner, metrics, tls=tls)
     server.start(warm_up=warm_up)
     if warm_up:
-        assert server.ready.wait(60), "the trainer never became ready"
+        assert server.ready.wait(TIMEOUT), "the trainer never became ready"
     channel = grpc.insecure_channel(f"127.0.0.1:{port}") if tls is None else _no_channel()
     running = RunningTrainer(
         server, runner, metrics, port, channel, trainer_service_pb2_grpc.TrainerServiceStub(channel)

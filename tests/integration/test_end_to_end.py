@@ -20,6 +20,7 @@ from PIL import Image
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from tests.fakes.trainer_harness import running_trainer
+from tests.fakes.waiting import TIMEOUT
 from tests.fakes.watch_faults import ThreadedServer
 from tests.grpcurl_helpers import run_grpcurl
 from tests.grpo_fixtures import grpo_data_root, tiny_grpo_task
@@ -31,7 +32,6 @@ from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
-TIMEOUT = 30.0
 Run = gateway_service_pb2.Run
 
 

@@ -14,7 +14,6 @@ from tests.fakes.trainer_harness import running_trainer
 from tests.grpcurl_helpers import run_grpcurl
 from trainer_service.metrics import TrainerMetrics
 
-WAIT = 10.0
 SERVICE = "trainwire.v1.TrainerService"
 
 

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakes.trainer_harness import running_trainer
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from trainer_service.__main__ import parse_args
 from trainer_service.core.provider import ProviderError
 from trainer_service.metrics import (
@@ -38,8 +38,6 @@ from trainer_service.metrics import (
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 
-RPC_TIMEOUT = 30.0
-WAIT = 10.0
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SERVICE = "trainwire.v1.TrainerService"
 TRAIN = {"grpc_type": "server_stream", "grpc_service": SERVICE, "grpc_method": "Train"}
@@ -84,12 +82,12 @@ def test_metrics_endpoint_counts_an_imitation_job() -> None:
         assert sample(before, "trainwire_trainer_slots_busy") == 0
 
         responses = list(
-            running.stub.Train(imitation_request("run-m", max_episodes=6), timeout=RPC_TIMEOUT)
+            running.stub.Train(imitation_request("run-m", max_episodes=6), timeout=JOB_TIMEOUT)
         )
         episodes = episodes_of(responses)
         assert len(episodes) == 6 and episodes[-1].done
         caps = running.stub.GetCapabilities(
-            trainer_service_pb2.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT
+            trainer_service_pb2.GetCapabilitiesRequest(), timeout=TIMEOUT
         )
         assert caps.slots_free == 2
 
@@ -118,11 +116,11 @@ def test_metrics_endpoint_counts_an_imitation_job() -> None:
 def test_refused_cancelled_and_expired_streams_have_their_codes() -> None:
     fake = FakeProvider(hold_after=1)
     with running_trainer({"imitation": fake}, slots=1) as running:
-        call = running.stub.Train(imitation_request("run-held"), timeout=RPC_TIMEOUT)
+        call = running.stub.Train(imitation_request("run-held"), timeout=JOB_TIMEOUT)
         assert next(call).episode.episode == 1
         assert running.value("trainwire_trainer_slots_busy") == 1
 
-        refused = running.stub.Train(imitation_request("run-refused"), timeout=RPC_TIMEOUT)
+        refused = running.stub.Train(imitation_request("run-refused"), timeout=JOB_TIMEOUT)
         with pytest.raises(grpc.RpcError) as info:
             list(refused)
         assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -138,7 +136,7 @@ def test_refused_cancelled_and_expired_streams_have_their_codes() -> None:
         running.wait_value(
             "trainwire_trainer_jobs_ended_total", 1, kind="imitation", outcome="cancelled"
         )
-        assert running.runner.wait_idle(WAIT)
+        assert running.runner.wait_idle(TIMEOUT)
         assert running.value("trainwire_trainer_slots_busy") == 0
 
         expiring = running.stub.Train(imitation_request("run-deadline"), timeout=0.5)
@@ -160,7 +158,7 @@ def _skip_episode_two(episode: episode_pb2.Episode) -> episode_pb2.Episode:
 
 def test_contract_violation_is_counted() -> None:
     with running_trainer({"imitation": FakeProvider(tamper=_skip_episode_two)}) as running:
-        call = running.stub.Train(imitation_request("run-bad"), timeout=RPC_TIMEOUT)
+        call = running.stub.Train(imitation_request("run-bad"), timeout=JOB_TIMEOUT)
         with pytest.raises(grpc.RpcError) as info:
             list(call)
         assert info.value.code() is grpc.StatusCode.INTERNAL
@@ -183,24 +181,24 @@ def test_failures_and_heartbeats_are_counted() -> None:
         providers["imitation"] = provider
         with running_trainer(providers) as running:
             with pytest.raises(grpc.RpcError) as info:
-                list(running.stub.Train(imitation_request("run-fail"), timeout=RPC_TIMEOUT))
+                list(running.stub.Train(imitation_request("run-fail"), timeout=JOB_TIMEOUT))
             assert info.value.code() is code
             ended = {"kind": "imitation", "outcome": outcome}
             assert running.value("trainwire_trainer_jobs_ended_total", **ended) == 1
             assert running.value("grpc_server_handled_total", **TRAIN, grpc_code=code.name) == 1
     with running_trainer({"imitation": FakeProvider(hold_after=1)}) as running:
-        call = running.stub.Train(imitation_request("run-down"), timeout=RPC_TIMEOUT)
+        call = running.stub.Train(imitation_request("run-down"), timeout=JOB_TIMEOUT)
         assert next(call).episode.episode == 1
-        stopped = running.server.stop(WAIT)  # the grace lets the job end as "shutdown"
+        stopped = running.server.stop(TIMEOUT)  # the grace lets the job end as "shutdown"
         with pytest.raises(grpc.RpcError) as info:
             list(call)
         assert info.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert stopped.wait(WAIT)
+        assert stopped.wait(TIMEOUT)
         ended = {"kind": "imitation", "outcome": "shutdown"}
         assert running.value("trainwire_trainer_jobs_ended_total", **ended) == 1
         assert running.value("grpc_server_handled_total", **TRAIN, grpc_code="UNAVAILABLE") == 1
     with running_trainer({"imitation": FakeProvider(hold_after=0)}, heartbeat_s=0.02) as running:
-        call = running.stub.Train(imitation_request("run-beat"), timeout=RPC_TIMEOUT)
+        call = running.stub.Train(imitation_request("run-beat"), timeout=JOB_TIMEOUT)
         beats = [next(call) for _ in range(3)]
         assert all(b.WhichOneof("event") == "heartbeat" for b in beats)
         # The server counts a heartbeat once it is written and the next one is asked for.
@@ -273,10 +271,7 @@ async def test_interceptor_codes_on_a_toy_service() -> None:
 
     async def counted(method: str, code: str) -> None:
         """Waits for a stream's count: the server records it after the client saw its end."""
-        deadline = time.monotonic() + WAIT
-        while handled(method, code, "server_stream") != 1:
-            assert time.monotonic() < deadline, (method, code)
-            await asyncio.sleep(0.005)
+        await until(lambda: handled(method, code, "server_stream") == 1, f"{method} {code}")
 
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -288,10 +283,10 @@ async def test_interceptor_codes_on_a_toy_service() -> None:
             for method, code in expected.items():
                 call = channel.unary_unary(f"/toy.v1.ToyService/{method}")
                 if code is grpc.StatusCode.OK:
-                    assert await call(b"x", timeout=RPC_TIMEOUT) == b"x"
+                    assert await call(b"x", timeout=TIMEOUT) == b"x"
                 else:
                     with pytest.raises(grpc.RpcError) as info:
-                        await call(b"x", timeout=RPC_TIMEOUT)
+                        await call(b"x", timeout=TIMEOUT)
                     assert info.value.code() is code
                 assert handled(method, code.name, "unary") == 1
             streams = {
@@ -300,16 +295,14 @@ async def test_interceptor_codes_on_a_toy_service() -> None:
                 "StreamSetCode": grpc.StatusCode.ABORTED,
             }
             for method, code in streams.items():
-                stream = channel.unary_stream(f"/toy.v1.ToyService/{method}")(
-                    b"x", timeout=RPC_TIMEOUT
-                )
+                stream = channel.unary_stream(f"/toy.v1.ToyService/{method}")(b"x", timeout=TIMEOUT)
                 assert await stream.read() == b"one"
                 with pytest.raises(grpc.RpcError) as info:
                     await stream.read()
                 assert info.value.code() is code
                 await counted(method, code.name)
             forever = channel.unary_stream("/toy.v1.ToyService/StreamForever")
-            cancelled = forever(b"x", timeout=RPC_TIMEOUT)
+            cancelled = forever(b"x", timeout=TIMEOUT)
             assert await cancelled.read() == b"tick"
             cancelled.cancel()
             await counted("StreamForever", "CANCELLED")
@@ -383,13 +376,15 @@ def test_cli_json_logs_and_metrics(tmp_path: pathlib.Path) -> None:
         stdout = _lines(proc.stdout)
         listening = stdout.get(timeout=60).strip()
         assert listening.startswith("trainer listening on 127.0.0.1:"), listening
-        metrics_line = stdout.get(timeout=WAIT).strip()
+        metrics_line = stdout.get(timeout=TIMEOUT).strip()
         match = re.fullmatch(r"trainer metrics on (http://127\.0\.0\.1:\d+/metrics)", metrics_line)
         assert match, metrics_line
         port = int(listening.rsplit(":", 1)[1])
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
-            responses = list(stub.Train(imitation_request("run-json", max_episodes=20), timeout=60))
+            responses = list(
+                stub.Train(imitation_request("run-json", max_episodes=20), timeout=JOB_TIMEOUT)
+            )
         assert len(episodes_of(responses)) == 20
         samples = scrape(match.group(1))
         assert sample(samples, "trainwire_trainer_episodes_sent_total", kind="imitation") == 20
@@ -400,7 +395,7 @@ def test_cli_json_logs_and_metrics(tmp_path: pathlib.Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(timeout=WAIT)
+            proc.wait(timeout=TIMEOUT)
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from tests.fakes.trainer_harness import RunningTrainer, running_trainer
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT
 from trainer_service.config import TrainerConfig
 from trainer_service.core.jobs import JobRunner
 from trainer_service.core.registry import ProviderRegistry
@@ -27,8 +28,6 @@ from trainer_service.testing import FakeProvider, imitation_request
 from trainwire import contract
 from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 
-RPC_TIMEOUT = 30.0
-WAIT = 10.0
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -48,7 +47,7 @@ def test_full_imitation_run_is_streamed_and_contract_clean(
     request = imitation_request("run-full", max_episodes=60, seed=3)
     checker = contract.StreamChecker.for_task(request.task, request.config, request.run_id)
     episodes = []
-    for response in imitation_server.stub.Train(request, timeout=RPC_TIMEOUT):
+    for response in imitation_server.stub.Train(request, timeout=JOB_TIMEOUT):
         if response.WhichOneof("event") == "episode":
             checker.check(response.episode)
             episodes.append(response.episode)
@@ -67,7 +66,7 @@ def test_full_imitation_run_is_streamed_and_contract_clean(
 
 def test_cancel_mid_run_frees_the_slot(imitation_server: RunningTrainer) -> None:
     call = imitation_server.stub.Train(
-        imitation_request("run-cancel", max_episodes=5000), timeout=RPC_TIMEOUT
+        imitation_request("run-cancel", max_episodes=5000), timeout=JOB_TIMEOUT
     )
     received = [next(call) for _ in range(5)]
     assert received[-1].episode.episode == 5
@@ -75,22 +74,24 @@ def test_cancel_mid_run_frees_the_slot(imitation_server: RunningTrainer) -> None
     with pytest.raises(grpc.RpcError) as info:
         next(call)
     assert info.value.code() is grpc.StatusCode.CANCELLED
-    assert imitation_server.runner.wait_idle(WAIT)
+    assert imitation_server.runner.wait_idle(TIMEOUT)
     caps = imitation_server.capabilities()
     assert (caps.slots_total, caps.slots_free) == (1, 1)
     # The freed slot takes the next job.
     done = list(
-        imitation_server.stub.Train(imitation_request("run-next", max_episodes=3), timeout=30)
+        imitation_server.stub.Train(
+            imitation_request("run-next", max_episodes=3), timeout=JOB_TIMEOUT
+        )
     )
     assert done[-1].episode.done
 
 
 def test_two_concurrent_jobs_with_one_slot(imitation_server: RunningTrainer) -> None:
     first = imitation_server.stub.Train(
-        imitation_request("run-a", max_episodes=5000), timeout=RPC_TIMEOUT
+        imitation_request("run-a", max_episodes=5000), timeout=JOB_TIMEOUT
     )
     assert next(first).episode.episode == 1
-    second = imitation_server.stub.Train(imitation_request("run-b"), timeout=RPC_TIMEOUT)
+    second = imitation_server.stub.Train(imitation_request("run-b"), timeout=JOB_TIMEOUT)
     with pytest.raises(grpc.RpcError) as info:
         next(second)
     assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -98,7 +99,7 @@ def test_two_concurrent_jobs_with_one_slot(imitation_server: RunningTrainer) -> 
     assert rpc_status.from_call(info.value) is not None
     assert imitation_server.capabilities().slots_free == 0
     first.cancel()
-    assert imitation_server.runner.wait_idle(WAIT)
+    assert imitation_server.runner.wait_idle(TIMEOUT)
 
 
 def test_provider_error_details_reach_the_client() -> None:
@@ -106,7 +107,7 @@ def test_provider_error_details_reach_the_client() -> None:
 
     error = ProviderError("Model not found.", detail="x", code="NOT_FOUND", reason="NO_MODEL")
     with running_trainer({"imitation": FakeProvider(fail_at=1, error=error)}) as running:
-        call = running.stub.Train(imitation_request("run-e"), timeout=RPC_TIMEOUT)
+        call = running.stub.Train(imitation_request("run-e"), timeout=JOB_TIMEOUT)
         with pytest.raises(grpc.RpcError) as info:
             list(call)
         assert info.value.code() is grpc.StatusCode.NOT_FOUND
@@ -119,12 +120,12 @@ def test_200_start_cancel_cycles_leave_no_slot_or_thread_behind() -> None:
     fake = FakeProvider(hold_after=1)
     with running_trainer({"imitation": fake}, slots=2) as running:
         for i in range(200):
-            call = running.stub.Train(imitation_request(f"run-{i}"), timeout=RPC_TIMEOUT)
+            call = running.stub.Train(imitation_request(f"run-{i}"), timeout=JOB_TIMEOUT)
             assert next(call).episode.episode == 1
             call.cancel()
             # Wait for the job thread to stop before the next cycle: the client's cancel
             # returns before the server has seen it.
-            assert running.runner.wait_idle(WAIT)
+            assert running.runner.wait_idle(TIMEOUT)
         assert fake.runs == 200
         caps = running.capabilities()
         assert (caps.slots_total, caps.slots_free) == (2, 2)
@@ -144,7 +145,7 @@ def test_health_and_reflection() -> None:
         )
         names = {s.name for r in replies for s in r.list_services_response.service}
         assert SERVICE_NAME in names and "grpc.health.v1.Health" in names
-        running.server.stop(None).wait(WAIT)
+        running.server.stop(None).wait(TIMEOUT)
         # After stop the port is closed; health is NOT_SERVING in the servicer.
         assert running.server.health_status("") == health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -181,11 +182,11 @@ def test_cli_prints_its_address_serves_and_exits_on_sigterm(tmp_path: pathlib.Pa
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
             caps = stub.GetCapabilities(
-                trainer_service_pb2.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT
+                trainer_service_pb2.GetCapabilitiesRequest(), timeout=TIMEOUT
             )
             assert "imitation" in caps.providers
             assert (caps.device, caps.slots_total) == ("cpu", 2)
-            call = stub.Train(imitation_request("run-cli", max_episodes=5000), timeout=30)
+            call = stub.Train(imitation_request("run-cli", max_episodes=5000), timeout=JOB_TIMEOUT)
             first = next(r for r in call if r.WhichOneof("event") == "episode")
             assert first.episode.episode == 1
             started = time.monotonic()
@@ -215,10 +216,10 @@ def test_health_is_not_serving_until_the_providers_are_ready() -> None:
     assert server.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
     server.start()
     try:
-        assert server.ready.wait(WAIT)
+        assert server.ready.wait(TIMEOUT)
         assert server.health_status() == health_pb2.HealthCheckResponse.SERVING
     finally:
-        server.stop(None).wait(WAIT)
+        server.stop(None).wait(TIMEOUT)
 
 
 def test_a_hundred_idle_streams_do_not_starve_the_trainer() -> None:
@@ -246,7 +247,9 @@ def test_a_hundred_idle_streams_do_not_starve_the_trainer() -> None:
             started = time.monotonic()
             caps = running.capabilities()
             assert caps.slots_free == 1
-            call = running.stub.Train(imitation_request("run-busy", max_episodes=20), timeout=30)
+            call = running.stub.Train(
+                imitation_request("run-busy", max_episodes=20), timeout=JOB_TIMEOUT
+            )
             episodes = [r.episode for r in call if r.WhichOneof("event") == "episode"]
             assert [e.episode for e in episodes] == list(range(1, 21))
             # Generous: what matters is that the calls were served at all (the old fixed pool of

@@ -13,6 +13,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from tests.fakes.trainer_harness import running_trainer
+from tests.fakes.waiting import TIMEOUT
 from tests.grpo_fixtures import tiny_grpo_task
 from trainer_service.core.provider import ProviderError
 from trainer_service.providers import grpo
@@ -20,7 +21,6 @@ from trainer_service.testing import FakeProvider, imitation_request
 from trainwire import contract
 from trainwire.v1 import episode_pb2, trainer_service_pb2
 
-WAIT = 10.0
 GRANT = "Grant"
 CANCEL = "CancelJob"
 _HARNESSES: list[Harness] = []
@@ -73,7 +73,7 @@ class Harness:
         _HARNESSES.append(self)
 
     def train(self, request: trainer_service_pb2.TrainRequest) -> Call:
-        return Call(self.stub.Train(request, timeout=WAIT))
+        return Call(self.stub.Train(request, timeout=TIMEOUT))
 
     def close(self) -> None:
         self._context.__exit__(None, None, None)
@@ -152,7 +152,7 @@ def test_second_job_with_one_slot_is_resource_exhausted() -> None:
     (info,) = unpack(rich_status(metadata), error_details_pb2.ErrorInfo)
     assert (info.domain, info.reason) == ("trainwire", "SLOTS_BUSY")
     first.cancel()
-    assert harness.runner.wait_idle(WAIT)
+    assert harness.runner.wait_idle(TIMEOUT)
     assert harness.runner.slots.free == 1
 
 
@@ -167,7 +167,7 @@ def test_heartbeats_carry_last_episode_and_phase() -> None:
         assert beat.heartbeat.phase == "training"
         assert beat.heartbeat.time.seconds > 0
     rpc.cancel()
-    assert harness.runner.wait_idle(WAIT)
+    assert harness.runner.wait_idle(TIMEOUT)
 
 
 def test_heartbeat_before_the_first_episode() -> None:
@@ -176,7 +176,7 @@ def test_heartbeat_before_the_first_episode() -> None:
     beat = rpc.take_response().heartbeat
     assert (beat.last_episode, beat.phase) == (0, "loading")
     rpc.cancel()
-    assert harness.runner.wait_idle(WAIT)
+    assert harness.runner.wait_idle(TIMEOUT)
 
 
 @pytest.mark.parametrize("code_name", ["FAILED_PRECONDITION", "NOT_FOUND"])
@@ -241,8 +241,8 @@ def test_cancellation_stops_the_provider_and_frees_the_slot() -> None:
     rpc = harness.train(imitation_request(max_episodes=5000))
     assert rpc.take_response().episode.episode == 1
     rpc.cancel()
-    assert fake.finished.wait(WAIT)
-    assert harness.runner.wait_idle(WAIT)
+    assert fake.finished.wait(TIMEOUT)
+    assert harness.runner.wait_idle(TIMEOUT)
     assert harness.runner.slots.free == 1
     assert fake.jobs[0].stop_event.is_set()
 
@@ -250,7 +250,7 @@ def test_cancellation_stops_the_provider_and_frees_the_slot() -> None:
 def unary(harness: Harness, method: str, request: Any) -> tuple[Any, Any, grpc.StatusCode, str]:
     """(response, trailing metadata, code, details) of a unary call."""
     try:
-        response, call = getattr(harness.stub, method).with_call(request, timeout=WAIT)
+        response, call = getattr(harness.stub, method).with_call(request, timeout=TIMEOUT)
     except grpc.RpcError as exc:
         return None, exc.trailing_metadata(), exc.code(), exc.details()  # type: ignore[attr-defined]
     return response, call.trailing_metadata(), call.code(), call.details()
@@ -281,7 +281,7 @@ def test_a_broken_stream_keeps_its_job_for_a_reattach_and_cancel_job_ends_it() -
     assert code is grpc.StatusCode.CANCELLED
     (info,) = unpack(rich_status(metadata), error_details_pb2.ErrorInfo)
     assert info.reason == "JOB_CANCELLED"
-    assert fake.finished.wait(WAIT) and harness.runner.wait_idle(WAIT)
+    assert fake.finished.wait(TIMEOUT) and harness.runner.wait_idle(TIMEOUT)
     assert harness.runner.slots.free == 1
 
 
@@ -324,7 +324,7 @@ def test_attach_statuses() -> None:
     unary(harness, CANCEL, trainer_service_pb2.CancelJobRequest(run_id="run-1"))
     _, (_, code, _) = take_all(attached)
     assert code is grpc.StatusCode.CANCELLED
-    assert harness.runner.wait_idle(WAIT)
+    assert harness.runner.wait_idle(TIMEOUT)
 
 
 def test_get_capabilities() -> None:
@@ -343,12 +343,12 @@ def test_requests_that_do_not_parse_and_bad_run_ids_are_invalid_argument() -> No
     harness = Harness(FakeProvider())
     raw = harness.channel.unary_unary("/trainwire.v1.TrainerService/Grant")
     with pytest.raises(grpc.RpcError) as info:
-        raw(b"\xff\xff garbage", timeout=WAIT)
+        raw(b"\xff\xff garbage", timeout=TIMEOUT)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     assert info.value.details() == "the request is not a valid trainwire.v1.GrantRequest"  # type: ignore[attr-defined]
     stream = harness.channel.unary_stream("/trainwire.v1.TrainerService/Train")
     with pytest.raises(grpc.RpcError) as info:
-        list(stream(b"\x0a\xff", timeout=WAIT))
+        list(stream(b"\x0a\xff", timeout=TIMEOUT))
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     for bad in ("x" * 3000, "run\nERROR forged"):
         _, metadata, code, details = unary(
@@ -408,7 +408,7 @@ def _admits(roots: tuple[pathlib.Path, ...], dataset: str) -> grpc.StatusCode | 
     with running_trainer(
         {"grpo": provider}, warm_up=False, data_roots=roots, heartbeat_s=0.05
     ) as trainer:
-        call = trainer.stub.Train(_grpo_request(dataset), timeout=WAIT)
+        call = trainer.stub.Train(_grpo_request(dataset), timeout=TIMEOUT)
         try:
             assert next(call).WhichOneof("event") == "heartbeat"  # admitted: the job runs
         except grpc.RpcError as exc:
@@ -418,7 +418,7 @@ def _admits(roots: tuple[pathlib.Path, ...], dataset: str) -> grpc.StatusCode | 
             return [v.field for v in bad.field_violations]
         assert provider.jobs[0].data_roots == roots
         call.cancel()
-        assert trainer.runner.wait_idle(WAIT)
+        assert trainer.runner.wait_idle(TIMEOUT)
         return call.code()
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import TrainerControl, TrainerState
 
+from tests.fakes.waiting import TIMEOUT
 from trainer_service.core.provider import EpisodeCounter, ProviderError
 from trainer_service.providers.grpo import wire
 from trainer_service.providers.grpo.callback import (
@@ -29,7 +30,6 @@ from trainwire.contract import MAX_COMPLETION_BYTES, StreamChecker
 from trainwire.v1 import episode_pb2
 
 ARGS: Any = None  # the gate never reads TrainingArguments
-WAIT = 10.0
 
 
 def _step_logs(reward: float | None) -> dict[str, float]:
@@ -146,12 +146,12 @@ def test_a_step_waits_on_the_rank_channel_for_the_trainer() -> None:
         first.join(0.2)
         assert first.is_alive()  # no grant: training waits, with nothing pending
         assert trainer.send_step(2)
-        first.join(WAIT)
+        first.join(TIMEOUT)
         assert not first.is_alive() and controls == [False]
         second = step(2)
         assert trainer.recv() is not None  # episode 2
         assert trainer.send(wire.STOP)
-        second.join(WAIT)
+        second.join(TIMEOUT)
         assert controls == [False, True] and channel.stopped.is_set()
         assert channel.last_step == 2
     finally:

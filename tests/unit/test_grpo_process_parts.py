@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,7 @@ import psutil
 import pytest
 
 from tests.fakes.grpo_rank import scripted_ranks
+from tests.fakes.waiting import TIMEOUT, wait_for
 from tests.grpo_fixtures import make_job, tiny_grpo_task
 from trainer_service.__main__ import parse_args
 from trainer_service.config import TrainerConfig
@@ -41,7 +41,6 @@ from trainwire.v1 import episode_pb2
 __all__ = ["scripted_ranks"]  # the fixture, re-exported for pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-WAIT = 10.0
 
 # -- the channel -------------------------------------------------------------------------------
 
@@ -63,7 +62,7 @@ def test_messages_keep_their_kind_and_payload_and_oversized_ones_break_the_chann
     oversized.start()
     assert trainer.recv() is None and trainer.failure
     trainer.close()
-    oversized.join(WAIT)
+    oversized.join(TIMEOUT)
     assert not rank.send(wire.BEAT)  # the peer is gone: False, nothing raised
     rank.close()
     ours, theirs = wire.ChannelEnd.pair()
@@ -125,14 +124,14 @@ def test_the_runner_gives_a_job_its_slots_and_devices_and_takes_them_back() -> N
     pool = SlotPool(3, ["cuda:0", "cuda:1", "cuda:2"])
     runner = JobRunner(ProviderRegistry({"imitation": provider}), pool, RunnerSettings())
     runner.start(imitation_request("run-two"))
-    assert provider.started.wait(WAIT)
+    assert provider.started.wait(TIMEOUT)
     assert pool.free == 1
     assert provider.jobs[0].devices == ("cuda:0", "cuda:1")
     assert provider.jobs[0].device == "cuda:0"
     with pytest.raises(NoFreeSlot):
         runner.start(imitation_request("run-other"))
     runner.cancel_job("run-two")
-    assert runner.wait_idle(WAIT) and pool.free == 3
+    assert runner.wait_idle(TIMEOUT) and pool.free == 3
     # A job that needs more than this trainer can ever give is a bad request, not "busy".
     lone = JobRunner(ProviderRegistry({"imitation": provider}), SlotPool(2, ["cuda:0"] * 2))
     with pytest.raises(InvalidRequest, match="needs 2 slots"):
@@ -228,7 +227,7 @@ def rank_process() -> Iterator[tuple[subprocess.Popen[bytes], wire.ChannelEnd]]:
         ours.close()
         if proc.poll() is None:
             proc.kill()
-        proc.wait(WAIT)
+        proc.wait(TIMEOUT)
 
 
 def _messages_until_end(channel: wire.ChannelEnd) -> list[tuple[bytes, bytes]]:
@@ -251,18 +250,21 @@ def test_a_rank_reports_a_bad_job_spec_as_a_crash_and_exits(
     errors = [json.loads(payload) for kind, payload in received if kind == wire.ERROR]
     assert len(errors) == 1 and errors[0]["kind"] == "crash"
     assert errors[0]["exception"] == "DecodeError" and "Traceback" in errors[0]["detail"]
-    assert proc.wait(WAIT) == 1
+    assert proc.wait(TIMEOUT) == 1
 
 
 def test_a_rank_takes_its_process_group_down_when_the_trainer_goes_away(
     rank_process: tuple[subprocess.Popen[bytes], wire.ChannelEnd],
 ) -> None:
     proc, channel = rank_process
-    deadline = time.monotonic() + WAIT
-    while (message := channel.recv()) is not None and message[0] != wire.BEAT:
-        assert time.monotonic() < deadline
+
+    def beat_or_end() -> bool:
+        message = channel.recv()
+        return message is None or message[0] == wire.BEAT
+
+    wait_for(beat_or_end, "a heartbeat from the rank")
     channel.close()  # what the trainer's death looks like from the rank
-    assert proc.wait(WAIT) == -signal.SIGKILL  # it killed its whole group, itself included
+    assert proc.wait(TIMEOUT) == -signal.SIGKILL  # it killed its whole group, itself included
 
 
 # -- whole jobs of scripted ranks --------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import TypeAlias
 
 import pytest
 
+from tests.fakes.waiting import TIMEOUT
 from trainer_service.core import errors as contract_errors
 from trainer_service.core.errors import InvalidRequest, NoFreeSlot, ShuttingDown
 from trainer_service.core.jobs import Heartbeat, JobRunner, JobStream, RunnerSettings, RunningJob
@@ -27,8 +28,6 @@ from trainer_service.providers import PROVIDER_MODULES
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire import contract
 from trainwire.v1 import episode_pb2
-
-WAIT = 10.0
 
 
 def make_runner(
@@ -163,8 +162,8 @@ async def test_job_streams_checked_episodes_and_frees_the_slot() -> None:
     episodes = episodes_of(events)
     assert [e.episode for e in episodes] == [1, 2, 3, 4, 5]
     assert episodes[-1].done
-    assert runner.slots.wait_all_free(WAIT)
-    assert runner.wait_idle(WAIT)
+    assert runner.slots.wait_all_free(TIMEOUT)
+    assert runner.wait_idle(TIMEOUT)
     assert fake.jobs[0].run_id == "run-1"
     assert fake.jobs[0].data_root == pathlib.Path("var/data")
     assert fake.jobs[0].image_cache_dir is None
@@ -240,7 +239,7 @@ async def test_no_free_slot() -> None:
     runner.cancel_job("run-1")
     with pytest.raises(contract_errors.JobCancelled):
         await read_all(job)
-    assert runner.wait_idle(WAIT)
+    assert runner.wait_idle(TIMEOUT)
     assert runner.slots.free == 1
 
 
@@ -258,8 +257,8 @@ async def test_heartbeats_while_the_provider_is_busy() -> None:
     # The handler stops reading and the RPC ends: no grace, so the job is cancelled.
     await events.aclose()
     runner.detach(job)
-    assert fake.stopped.wait(WAIT)
-    assert runner.wait_idle(WAIT)
+    assert fake.stopped.wait(TIMEOUT)
+    assert runner.wait_idle(TIMEOUT)
     assert runner.slots.free == 1
 
 
@@ -281,7 +280,7 @@ async def test_crash_in_the_provider_is_raised_and_frees_the_slot() -> None:
     with pytest.raises(ZeroDivisionError):
         await read_all(runner.start(imitation_request()))
     assert runner.slots.free == 1
-    assert runner.wait_idle(WAIT)
+    assert runner.wait_idle(TIMEOUT)
 
 
 def _skip_episode_two(episode: episode_pb2.Episode) -> episode_pb2.Episode:
@@ -298,7 +297,7 @@ async def test_contract_violation_is_logged_and_raised(caplog: pytest.LogCapture
     assert info.value.rule == "sequence"
     lines = [r.getMessage() for r in caplog.records if "CONTRACT VIOLATION" in r.getMessage()]
     assert lines and lines[0].startswith("CONTRACT VIOLATION run run-bad rule sequence")
-    assert runner.wait_idle(WAIT)
+    assert runner.wait_idle(TIMEOUT)
     assert runner.slots.free == 1
 
 
@@ -328,7 +327,7 @@ async def test_full_channel_blocks_the_provider_until_read() -> None:
 
     runner = make_runner(Counting(), queue_size=2)
     job = runner.start(imitation_request(max_episodes=50))
-    assert blocked.wait(WAIT)
+    assert blocked.wait(TIMEOUT)
     # Without a grant, a job runs at most queue_size episodes ahead of its stream: the third
     # is made only once the handler has read.
     time.sleep(0.2)
@@ -345,8 +344,8 @@ async def test_cancel_stops_the_provider_within_one_episode() -> None:
     events = job.aevents()
     await anext(events)
     assert runner.cancel_job("run-1") <= 2
-    assert fake.finished.wait(WAIT)
-    assert runner.wait_idle(WAIT)
+    assert fake.finished.wait(TIMEOUT)
+    assert runner.wait_idle(TIMEOUT)
     assert fake.jobs[0].stop_event.is_set()
     # What is left is at most the one episode made ahead; the stream then ends cancelled.
     left: list[object] = []
@@ -369,7 +368,7 @@ async def test_shutdown_ends_streams_with_shutting_down_and_refuses_new_jobs() -
         await rest(events)
     with pytest.raises(ShuttingDown):
         runner.start(imitation_request("run-2"))
-    assert runner.wait_idle(WAIT)
+    assert runner.wait_idle(TIMEOUT)
     assert runner.slots.free == 2
 
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from tests.fakes.waiting import TIMEOUT, wait_for
 from trainer_service.core.errors import (
     EpisodesNotHeld,
     InvalidRequest,
@@ -24,8 +25,6 @@ from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire.v1 import episode_pb2, trainer_service_pb2
-
-WAIT = 10.0
 
 
 class Recording(FakeProvider):
@@ -45,7 +44,7 @@ class Recording(FakeProvider):
 
     def wait_made(self, count: int) -> None:
         with self.cond:
-            assert self.cond.wait_for(lambda: len(self.made) >= count, WAIT), self.made
+            assert self.cond.wait_for(lambda: len(self.made) >= count, TIMEOUT), self.made
 
 
 def runner_for(provider: object, **settings: object) -> JobRunner:
@@ -105,7 +104,7 @@ async def test_the_provider_is_not_pulled_beyond_the_grant() -> None:
     provider.wait_made(6)
     assert provider.made == [1, 2, 3, 4, 5, 6]
     runner.cancel_job("run-1")
-    assert runner.wait_idle(WAIT)
+    assert runner.wait_idle(TIMEOUT)
 
 
 def test_grant_errors() -> None:
@@ -142,7 +141,7 @@ async def test_a_broken_stream_leaves_the_job_blocked_and_a_reattach_continues_e
     assert [e.episode for e in rest] == list(range(3, 31))
     assert rest[-1].done
     runner.detach(again)
-    assert runner.wait_idle(WAIT) and runner.slots.free == 1
+    assert runner.wait_idle(TIMEOUT) and runner.slots.free == 1
     assert runner.live_jobs == 1  # its end delivered, kept for a replay (next test)
 
 
@@ -194,7 +193,7 @@ async def test_cancel_job_ends_the_attached_stream_and_frees_the_slot() -> None:
     assert runner.cancel_job("run-1") == 3
     with pytest.raises(JobCancelled):
         await take_episodes(events, 1)
-    assert runner.wait_idle(WAIT) and runner.slots.free == 1
+    assert runner.wait_idle(TIMEOUT) and runner.slots.free == 1
 
 
 async def test_a_detached_job_is_cancelled_after_the_grace() -> None:
@@ -203,8 +202,8 @@ async def test_a_detached_job_is_cancelled_after_the_grace() -> None:
     stream = runner.start(granted(grant=3, max_episodes=30))
     await take_episodes(stream.aevents(), 1)
     runner.detach(stream)
-    assert provider.finished.wait(WAIT)
-    assert runner.wait_idle(WAIT)
+    assert provider.finished.wait(TIMEOUT)
+    assert runner.wait_idle(TIMEOUT)
     assert runner.live_jobs == 0 and runner.slots.free == 1
 
 
@@ -213,7 +212,7 @@ async def test_a_job_that_finished_while_detached_delivers_its_tail_on_reattach(
     stream = runner.start(granted(grant=10, max_episodes=5))
     await take_episodes(stream.aevents(), 1)
     runner.detach(stream)
-    assert runner.wait_idle(WAIT)  # finished: its slot is free, its episodes still held
+    assert runner.wait_idle(TIMEOUT)  # finished: its slot is free, its episodes still held
     assert runner.slots.free == 1
     again = runner.attach(attach_request(after=1, max_episodes=5))
     assert [e.episode for e in await all_episodes(again)] == [2, 3, 4, 5]
@@ -230,16 +229,13 @@ async def test_a_delivered_end_can_be_replayed_within_the_grace_then_the_job_lea
     delivered = [e.episode for e in await all_episodes(stream)]
     assert delivered == [1, 2, 3, 4, 5]
     runner.detach(stream)
-    assert runner.wait_idle(WAIT) and runner.slots.free == 1 and runner.live_jobs == 1
+    assert runner.wait_idle(TIMEOUT) and runner.slots.free == 1 and runner.live_jobs == 1
     again = runner.attach(attach_request(after=3, max_episodes=5))
     replayed = await all_episodes(again)
     assert [e.episode for e in replayed] == [4, 5] and replayed[-1].done
     assert provider.made == [1, 2, 3, 4, 5], "a replay computes nothing"
     runner.detach(again)
-    deadline = time.monotonic() + WAIT
-    while runner.live_jobs:  # gone after the grace
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for(lambda: runner.live_jobs == 0, "the job gone after the grace")
     with pytest.raises(JobNotFound):
         runner.attach(attach_request(after=3, max_episodes=5))
 
@@ -249,7 +245,7 @@ async def test_a_new_train_replaces_a_finished_job_kept_for_a_replay() -> None:
     stream = runner.start(granted(grant=10, max_episodes=3))
     assert len(await all_episodes(stream)) == 3
     runner.detach(stream)
-    assert runner.wait_idle(WAIT) and runner.live_jobs == 1
+    assert runner.wait_idle(TIMEOUT) and runner.live_jobs == 1
     again = runner.start(granted(grant=10, max_episodes=3))
     assert [e.episode for e in await all_episodes(again)] == [1, 2, 3]
     runner.detach(again)
@@ -273,6 +269,6 @@ async def test_a_job_without_a_grant_is_cancelled_when_its_stream_ends() -> None
     stream = runner.start(granted(grant=0, max_episodes=5000))
     await take_episodes(stream.aevents(), 2)
     runner.detach(stream)
-    assert provider.finished.wait(WAIT)
-    assert runner.wait_idle(WAIT)
+    assert provider.finished.wait(TIMEOUT)
+    assert runner.wait_idle(TIMEOUT)
     assert runner.live_jobs == 0 and runner.slots.free == 1
