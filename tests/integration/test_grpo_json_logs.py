@@ -22,13 +22,13 @@ from typing import IO
 import grpc
 from PIL import Image
 
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT
 from tests.grpo_fixtures import DATASET_FILE, grpo_data_root, tiny_grpo_task
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-WAIT_S = 120.0
 
 
 def _pump(stream: IO[str], sink: list[str], first: queue.Queue[str] | None = None) -> None:
@@ -82,7 +82,7 @@ def test_grpo_job_writes_only_json_lines(grpo_data_root: pathlib.Path) -> None:
     for pump in pumps:
         pump.start()
     try:
-        listening = first.get(timeout=WAIT_S).strip()
+        listening = first.get(timeout=TIMEOUT).strip()
         assert listening.startswith("trainer listening on 127.0.0.1:"), listening
         port = int(listening.rsplit(":", 1)[1])
         # Two DataLoader workers: their output goes to the same stderr.
@@ -93,17 +93,17 @@ def test_grpo_job_writes_only_json_lines(grpo_data_root: pathlib.Path) -> None:
         )
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
-            responses = list(stub.Train(request, timeout=WAIT_S))
+            responses = list(stub.Train(request, timeout=JOB_TIMEOUT))
         episodes = [r.episode for r in responses if r.WhichOneof("event") == "episode"]
         assert [e.episode for e in episodes] == [1, 2, 3]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=TIMEOUT) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(timeout=30)
+            proc.wait(timeout=TIMEOUT)
         for pump in pumps:
-            pump.join(timeout=30)
+            pump.join(timeout=TIMEOUT)
         proc.stdout.close()
         proc.stderr.close()
     assert stdout == [listening + "\n"], stdout

@@ -24,6 +24,7 @@ import pytest
 
 from tests.fakes.gateway_harness import trainer_process
 from tests.fakes.trainer_harness import RunningTrainer, running_trainer
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, wait_for
 from tests.grpo_fixtures import grpo_data_root, tiny_grpo_task
 from trainer_service.testing import imitation_request
 from trainwire.contract import StreamChecker
@@ -33,7 +34,6 @@ from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_g
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
 WORKER = "trainer_service.providers.grpo.worker"
-RPC_TIMEOUT_S = 180.0
 #: The promise: a job's processes are gone this soon after a cancel, a crash or a killed trainer.
 GONE_S = 10.0
 
@@ -112,26 +112,24 @@ def _alive(process: psutil.Process) -> bool:
 
 
 def _assert_gone(processes: list[psutil.Process], within: float = GONE_S) -> float:
-    """Waits until none of ``processes`` is alive; returns how long that took."""
+    """Waits (``wait_for``) until none of ``processes`` is alive; returns how long that took."""
     start = time.monotonic()
-    while True:
+    try:
+        wait_for(lambda: not any(_alive(p) for p in processes), "the job's processes gone", within)
+    except AssertionError:
         left = [p for p in processes if _alive(p)]
-        if not left:
-            return time.monotonic() - start
-        if time.monotonic() - start > within:
-            described = [(p.pid, p.name()) for p in left if _alive(p)]
-            for process in left:  # never leave them behind, whatever the outcome
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    process.kill()
-            pytest.fail(f"still alive {within:g} s later: {described}")
-        time.sleep(0.05)
+        described = [(p.pid, p.name()) for p in left if _alive(p)]
+        for process in left:  # never leave them behind, whatever the outcome
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        pytest.fail(f"still alive {within:g} s later: {described}")
+    return time.monotonic() - start
 
 
-def _wait_free(trainer: RunningTrainer, slots: int, within: float = 30.0) -> float:
+def _wait_free(trainer: RunningTrainer, slots: int) -> float:
+    """Waits (``wait_for``) until ``slots`` slots are free; returns how long that took."""
     start = time.monotonic()
-    while trainer.capabilities().slots_free != slots:
-        assert time.monotonic() - start < within, trainer.capabilities()
-        time.sleep(0.02)
+    wait_for(lambda: trainer.capabilities().slots_free == slots, f"{slots} free slots")
     return time.monotonic() - start
 
 
@@ -149,7 +147,7 @@ def test_a_two_process_job_streams_to_the_end_and_repeats_itself(trainer: Runnin
         checker = StreamChecker.for_task(request.task, request.config, request.run_id)
         episodes = []
         ranks: list[psutil.Process] = []
-        for response in trainer.stub.Train(request, timeout=RPC_TIMEOUT_S):
+        for response in trainer.stub.Train(request, timeout=JOB_TIMEOUT):
             if response.WhichOneof("event") == "episode":
                 checker.check(response.episode)
                 episodes.append(response.episode)
@@ -175,10 +173,10 @@ def test_a_killed_rank_ends_its_run_clearly_and_frees_both_slots_while_another_j
     side = imitation_request("run-side", max_episodes=30)
     side.grant_through_episode = 5
     side_events: list[trainer_service_pb2.TrainResponse] = []
-    side_call = trainer.stub.Train(side, timeout=RPC_TIMEOUT_S)
+    side_call = trainer.stub.Train(side, timeout=JOB_TIMEOUT)
     reader = threading.Thread(target=lambda: side_events.extend(side_call), daemon=True)
     reader.start()
-    call = trainer.stub.Train(_grpo_request("run-crash", steps=500), timeout=RPC_TIMEOUT_S)
+    call = trainer.stub.Train(_grpo_request("run-crash", steps=500), timeout=JOB_TIMEOUT)
     _first_episode(call)
     ranks = _ranks(os.getpid())
     doomed = [r for r in ranks if r.environ().get("RANK") == "1"]
@@ -198,9 +196,9 @@ def test_a_killed_rank_ends_its_run_clearly_and_frees_both_slots_while_another_j
     # The other job never noticed: it goes on from its grant to its end.
     trainer.stub.Grant(
         trainer_service_pb2.GrantRequest(run_id="run-side", through_episode=30),
-        timeout=RPC_TIMEOUT_S,
+        timeout=TIMEOUT,
     )
-    reader.join(RPC_TIMEOUT_S)
+    reader.join(JOB_TIMEOUT)
     episodes = [e.episode for e in side_events if e.WhichOneof("event") == "episode"]
     assert [e.episode for e in episodes] == list(range(1, 31)) and episodes[-1].done
     _wait_free(trainer, 3)
@@ -210,14 +208,14 @@ def test_cancel_stops_every_rank_within_one_step_and_frees_the_slots(
     trainer: RunningTrainer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="trainer_service.providers.grpo.process")
-    call = trainer.stub.Train(_grpo_request("run-cancel", steps=500), timeout=RPC_TIMEOUT_S)
+    call = trainer.stub.Train(_grpo_request("run-cancel", steps=500), timeout=JOB_TIMEOUT)
     _first_episode(call)
     job = trainer.runner.job("run-cancel")
     assert job is not None
     processes = _job_processes(os.getpid())
     start = time.monotonic()
     trainer.stub.CancelJob(
-        trainer_service_pb2.CancelJobRequest(run_id="run-cancel"), timeout=RPC_TIMEOUT_S
+        trainer_service_pb2.CancelJobRequest(run_id="run-cancel"), timeout=TIMEOUT
     )
     freed = _wait_free(trainer, 3)
     gone = _assert_gone(processes)
@@ -247,7 +245,7 @@ def test_kill_9_of_the_trainer_leaves_no_process_of_the_job(
         ):
             # One DataLoader worker per rank: each rank has a fork server and a worker below it.
             stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
-            call = stub.Train(_grpo_request("run-kill", steps=500, workers=1), timeout=300)
+            call = stub.Train(_grpo_request("run-kill", steps=500, workers=1), timeout=JOB_TIMEOUT)
             _first_episode(call)
             _first_episode(call)
             processes = _job_processes(proc.pid)

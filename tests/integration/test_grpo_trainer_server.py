@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from tests.fakes.trainer_harness import RunningTrainer, running_trainer
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT
 from tests.grpo_fixtures import grpo_data_root, tiny_grpo_task
 from trainwire.contract import StreamChecker
 from trainwire.errors import error_from_rpc
@@ -23,8 +24,6 @@ from trainwire.v1 import (
 
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
-RPC_TIMEOUT_S = 120.0
-
 
 @pytest.fixture
 def trainer(grpo_data_root: pathlib.Path) -> Iterator[RunningTrainer]:
@@ -32,13 +31,13 @@ def trainer(grpo_data_root: pathlib.Path) -> Iterator[RunningTrainer]:
         {"grpo": "trainer_service.providers.grpo"},
         warm_up=False,
         wait_idle=False,
-        stop_wait=30,
+        stop_wait=TIMEOUT,
         device="cpu",
         data_root=grpo_data_root,
         heartbeat_s=1.0,
     ) as running:
         yield running
-        running.runner.wait_idle(30)
+        running.runner.wait_idle(TIMEOUT)
 
 
 def _request(run_id: str, max_episodes: int, workers: int = 2) -> trainer_service_pb2.TrainRequest:
@@ -53,7 +52,7 @@ def test_grpo_run_streams_checked_episodes_to_done(trainer: RunningTrainer) -> N
     request = _request("run-grpo-stream", max_episodes=3)
     checker = StreamChecker.for_task(request.task, request.config, request.run_id)
     episodes = []
-    for response in trainer.stub.Train(request, timeout=RPC_TIMEOUT_S):
+    for response in trainer.stub.Train(request, timeout=JOB_TIMEOUT):
         if response.WhichOneof("event") == "episode":
             checker.check(response.episode)
             episodes.append(response.episode)
@@ -64,7 +63,7 @@ def test_grpo_run_streams_checked_episodes_to_done(trainer: RunningTrainer) -> N
         assert {"loss", "reward", "reward_std", "reward_carried"} <= set(episode.metrics)
         assert 1 <= len(episode.grpo.sample_completions) <= 4
         assert episode.produce_time.seconds > 0
-    assert trainer.runner.wait_idle(30)
+    assert trainer.runner.wait_idle(TIMEOUT)
     assert trainer.capabilities().slots_free == 1
 
 
@@ -74,7 +73,7 @@ def test_a_broken_stream_stops_the_job_process_within_one_step_and_frees_the_slo
     # The job trains in a process of its own; its rank reports the last step it finished.
     caplog.set_level(logging.INFO, logger="trainer_service.providers.grpo.process")
     call = trainer.stub.Train(
-        _request("run-grpo-cancel", max_episodes=500, workers=0), timeout=RPC_TIMEOUT_S
+        _request("run-grpo-cancel", max_episodes=500, workers=0), timeout=JOB_TIMEOUT
     )
     first_episode = threading.Event()
     for response in call:
@@ -85,7 +84,7 @@ def test_a_broken_stream_stops_the_job_process_within_one_step_and_frees_the_slo
     job = trainer.runner.job("run-grpo-cancel")
     assert job is not None
     call.cancel()  # a job without a grant (direct use) is cancelled when its stream ends
-    assert trainer.runner.wait_idle(60)
+    assert trainer.runner.wait_idle(TIMEOUT)
     assert trainer.capabilities().slots_free == 1
     ended = [r.getMessage() for r in caplog.records if "last step of each rank" in r.getMessage()]
     line = ended[0]
@@ -103,12 +102,12 @@ def test_a_provider_error_in_the_job_process_reaches_the_client_as_it_is(
     request = _request("run-grpo-no-model", max_episodes=3)
     request.task.grpo.model_path = "models/absent"
     with pytest.raises(grpc.RpcError) as info:
-        list(trainer.stub.Train(request, timeout=RPC_TIMEOUT_S))
+        list(trainer.stub.Train(request, timeout=JOB_TIMEOUT))
     error = error_from_rpc(info.value)
     assert (
         error.localized_message
         == "The model directory 'models/absent' was not found on the trainer."
     )
     assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "MODEL_NOT_FOUND")
-    assert trainer.runner.wait_idle(30)
+    assert trainer.runner.wait_idle(TIMEOUT)
     assert trainer.capabilities().slots_free == 1
