@@ -13,7 +13,6 @@ import resource
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -23,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.core.store import STORE_MESSAGE
 from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import ROOT, WatchResult, absorb, collect, create_request
-from tests.fakes.waiting import TIMEOUT
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from tests.unit.test_store_schema import make_read_only, undo_read_only, v1_database
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 
@@ -41,7 +40,7 @@ def run_gateway(*args: str) -> subprocess.CompletedProcess[str]:
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=TIMEOUT,
         check=False,
     )
 
@@ -88,7 +87,7 @@ def test_an_older_database_is_migrated_only_when_asked(tmp_path: Path) -> None:
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=TIMEOUT,
         check=False,
     )
     assert migrated.returncode == 0, migrated.stderr
@@ -99,7 +98,7 @@ def test_an_older_database_is_migrated_only_when_asked(tmp_path: Path) -> None:
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=TIMEOUT,
         check=False,
     )
     assert again.stdout == f"{path} is at schema version 2 already\n"
@@ -154,7 +153,9 @@ async def test_a_full_disk_fails_runs_it_cannot_save_and_heals(
             run = (await stub.CreateRun(create_request(max_episodes=500), timeout=TIMEOUT)).run
             seen = WatchResult()
             full = False
-            async for message in stub.WatchRun(pb.WatchRunRequest(run_id=run.id), timeout=120):
+            async for message in stub.WatchRun(
+                pb.WatchRunRequest(run_id=run.id), timeout=JOB_TIMEOUT
+            ):
                 absorb(seen, message)
                 if not full and len(seen.episodes) >= 5:
                     # The disk fills up: no file of the gateway may grow past 64 KiB any more
@@ -173,16 +174,17 @@ async def test_a_full_disk_fails_runs_it_cannot_save_and_heals(
             assert STORE_MESSAGE in (info.value.details() or "")
             # Room again: the store's write probe notices within seconds.
             resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (-1, -1))
-            deadline = time.monotonic() + 60
-            while await _health(health) != health_pb2.HealthCheckResponse.SERVING:
-                assert time.monotonic() < deadline, "health never came back"
-                await asyncio.sleep(0.2)
+
+            async def serving() -> bool:
+                return await _health(health) == health_pb2.HealthCheckResponse.SERVING
+
+            await until(serving, "health back to SERVING")
             fake.default = Script()
             later = (await stub.CreateRun(create_request(max_episodes=5), timeout=TIMEOUT)).run
-            done = await collect(stub, later.id, timeout=60)
+            done = await collect(stub, later.id, timeout=JOB_TIMEOUT)
             assert done.finished is not None and done.finished.state == State.STATE_DONE
             # Nothing a watcher saw is lost, and the failed run's end is saved after all.
-            replay = await collect(stub, run.id, timeout=60)
+            replay = await collect(stub, run.id, timeout=JOB_TIMEOUT)
             assert replay.numbers == seen.numbers
             assert replay.finished is not None
             assert replay.finished.state == State.STATE_ERROR

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from tests.fakes.live import LiveStack, live_stack
-from tests.fakes.waiting import wait_for
+from tests.fakes.waiting import until, wait_for
 from tests.fakes.watch_faults import WatchFault
 from trainwire import aio
 from trainwire import client as tc
@@ -342,8 +342,11 @@ def test_the_aio_client_has_the_same_unary_surface(stack: LiveStack) -> None:
             )
             assert (await gw.get_run(run.id)).id == run.id
             assert run.id in [r.id for r in await gw.list_runs(page_size=1, limit=5)]
-            while (await gw.get_run(run.id)).state == Run.State.STATE_PENDING:
-                await asyncio.sleep(0.02)
+
+            async def placed() -> bool:
+                return (await gw.get_run(run.id)).state != Run.State.STATE_PENDING
+
+            await until(placed, "the run placed")
             assert (await gw.pause_run(run.id)).state == Run.State.STATE_PAUSED
             assert (await gw.resume_run(run.id)).state == Run.State.STATE_RUNNING
             assert (await gw.set_run_speed(run.id, 0.01)).speed == 0.1

@@ -17,6 +17,7 @@ from gateway.core.store import DatabaseProblem, NotOwner, PostgresStore, SchemaO
 from gateway.core.store.postgres_leases import Leases, notifications
 from gateway.core.store.postgres_schema import SCHEMA_VERSION, upgrade
 from tests.fakes.gateway_harness import ROOT
+from tests.fakes.waiting import TIMEOUT, until
 from tests.store.test_store_contract import append, make_run, records
 
 
@@ -209,15 +210,13 @@ async def test_commits_and_changes_are_announced(postgres_url: str) -> None:
 
     listener = asyncio.create_task(listen())
     try:
-        await asyncio.wait_for(listening.wait(), 10)
+        await asyncio.wait_for(listening.wait(), TIMEOUT)
         run = make_run("n")
         await store.insert_run(run)
         await append(store, records("n", 3))
         run.start("t", 1)
         await store.update_run(run)
-        async with asyncio.timeout(10):
-            while len(heard) < 3:
-                await asyncio.sleep(0.01)
+        await until(lambda: len(heard) >= 3, "3 notifications")
         assert heard == [("c", "n"), ("e", "n"), ("r", "n")]
     finally:
         listener.cancel()
