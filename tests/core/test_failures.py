@@ -1,6 +1,7 @@
 """How trainer failures end a run, in virtual time: heartbeats keep a slow trainer alive, a
 silent or broken stream is re-attached after ``trainer_episode`` within the heartbeat timeout
-and only then fails the run, a provider error is the user's message, a crash and a contract
+and only then fails the run (one silent from its start, never started, is not re-attached),
+a provider error is the user's message, a crash and a contract
 violation read the gateway's messages (and cancel the job)."""
 
 from __future__ import annotations
@@ -73,6 +74,26 @@ async def test_a_silent_stream_is_re_attached_after_the_timeout_then_the_run_fai
         assert ended_at == pytest.approx(first.at + 2 * timeout + BACKOFF_S, abs=1e-3)
         # A lost trainer's job is not cancelled: the trainer ends it after its detach grace.
         assert core.connector.cancels(run.id) == []
+
+
+async def test_a_stream_silent_from_its_start_fails_the_run_after_the_timeout_unstarted() -> None:
+    trainer = MemoryTrainer("t1")
+    trainer.script(JobScript(silent_after=0))  # no episode, not even a heartbeat
+    async with running_core(trainer) as core:
+        timeout = core.settings.heartbeat_timeout_s
+        run = await core.create(max_episodes=50)
+        watch = core.watch(run.id)
+        await asyncio.sleep(timeout / 2)
+        assert (await core.run(run.id)).state is RunState.PENDING  # a run starts on an answer
+        await watch.ended(timeout=60.0)
+        failed = await core.run(run.id)
+
+        assert (failed.state, failed.error_message) == (RunState.ERROR, LOST_MESSAGE)
+        assert (failed.episode, failed.trainer_episode, watch.numbers()) == (0, 0, [])
+        # Never started, so nothing to re-attach to: the one Train call is lost a timeout later.
+        [train] = core.connector.trains(run.id)
+        [(ended_at, _)] = watch.of(Finished)
+        assert ended_at == pytest.approx(train.at + timeout, abs=1e-3)
 
 
 async def test_a_killed_trainer_is_re_attached_for_the_heartbeat_timeout_then_lost() -> None:
