@@ -25,7 +25,7 @@ from PIL import Image
 
 from tests.fakes.fake_trainer import Script
 from tests.fakes.live import LiveStack, live_stack
-from tests.fakes.waiting import wait_for
+from tests.fakes.waiting import TIMEOUT, wait_for
 from tests.fakes.watch_faults import WatchFault
 from trainwire import client as tc
 from trainwire import motion
@@ -311,7 +311,7 @@ def test_watch_exits_3_when_the_run_is_stopped(
         exit_code = pool.submit(gateway.cli, "watch", run_id, target=proxy.target)
         wait_for(lambda: proxy.active_watchers == 1, "the watcher")
         gateway.client.stop_run(run_id)
-        assert exit_code.result(timeout=20) == 3
+        assert exit_code.result(timeout=TIMEOUT) == 3
     captured = capsys.readouterr()
     assert "STOPPED" in captured.out and "5/40" in captured.out
 
@@ -473,7 +473,7 @@ def test_ctrl_c_detaches_without_stopping_the_run(gateway: Gateway) -> None:
     try:
         wait_for(lambda: proxy.active_watchers == 1, "the watcher")
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=20)
+        out, err = process.communicate(timeout=TIMEOUT)
     finally:
         if process.poll() is None:
             process.kill()

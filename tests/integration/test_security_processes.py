@@ -158,7 +158,7 @@ async def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         cwd=ROOT, env={**ENV, **(env or {})},
     )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 

@@ -374,7 +374,7 @@ def test_cli_json_logs_and_metrics(tmp_path: pathlib.Path) -> None:
     try:
         assert proc.stdout is not None and proc.stderr is not None
         stdout = _lines(proc.stdout)
-        listening = stdout.get(timeout=60).strip()
+        listening = stdout.get(timeout=TIMEOUT).strip()
         assert listening.startswith("trainer listening on 127.0.0.1:"), listening
         metrics_line = stdout.get(timeout=TIMEOUT).strip()
         match = re.fullmatch(r"trainer metrics on (http://127\.0\.0\.1:\d+/metrics)", metrics_line)

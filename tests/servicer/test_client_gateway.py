@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from tests.fakes.live import LiveStack, live_stack
-from tests.fakes.waiting import until, wait_for
+from tests.fakes.waiting import TIMEOUT, until, wait_for
 from tests.fakes.watch_faults import WatchFault
 from trainwire import aio
 from trainwire import client as tc
@@ -219,10 +219,10 @@ def test_keepalives_keep_a_quiet_stream_alive(
     )
     keepalives = 0
     while keepalives < 15:  # 3 s of nothing but keepalives: longer than idle_timeout
-        if isinstance(arrived.get(timeout=10), gateway_service_pb2.Keepalive):
+        if isinstance(arrived.get(timeout=TIMEOUT), gateway_service_pb2.Keepalive):
             keepalives += 1
     client.resume_run(run.id)
-    events = future.result(timeout=30)
+    events = future.result(timeout=TIMEOUT)
     assert _episodes(events) == list(range(1, 31))
     assert reconnects == []
     assert len(proxy.watch_requests) == 1
@@ -236,7 +236,7 @@ def test_a_stopped_run_ends_the_watch_and_a_deleted_one_is_not_found(
     future = pool.submit(watch, proxy.target, run.id)
     wait_for(lambda: proxy.active_watchers == 1, "the watcher")
     client.stop_run(run.id)
-    final = future.result(timeout=20)[-1]
+    final = future.result(timeout=TIMEOUT)[-1]
     assert isinstance(final, Run) and final.state == Run.State.STATE_STOPPED
     client.delete_run(run.id)
     with pytest.raises(tc.NotFound, match=run.id):

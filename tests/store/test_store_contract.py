@@ -17,6 +17,7 @@ import pytest
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import DuplicateRequest, EpisodeRecord, Store, open_store
 from tests.fakes.fake_trainer import valid_episodes
+from tests.fakes.waiting import TIMEOUT
 from trainwire.v1 import episode_pb2
 
 Opener = Callable[[], Store]
@@ -85,7 +86,7 @@ async def append(store: Store, recs: list[EpisodeRecord]) -> list[BaseException 
 
     for rec in recs:
         store.append_episode(rec, callback(rec.episode))
-    await asyncio.wait_for(done, 30)
+    await asyncio.wait_for(done, TIMEOUT)
     assert [n for n, _ in outcomes] == [r.episode for r in recs], "callbacks in order"
     return [e for _, e in outcomes]
 

@@ -14,6 +14,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from tests.fakes.recording_channel import RecordingChannel
+from tests.fakes.waiting import TIMEOUT
 from trainwire import client as tc
 from trainwire import contract, motion
 from trainwire.v1 import episode_pb2, gateway_service_pb2
@@ -104,7 +105,7 @@ def test_every_unary_call_carries_the_client_deadline(
     else:
         message.run.CopyFrom(_run())
     request = _serve_one(channel, method, message)
-    result = future.result(timeout=5)
+    result = future.result(timeout=TIMEOUT)
     assert recorder.calls == [(f"/trainwire.v1.GatewayService/{method}", 4.0)]
     if run_id is not None:
         assert request.run_id == run_id
@@ -119,7 +120,7 @@ def test_a_per_call_timeout_overrides_the_default(
 ) -> None:
     future = pool.submit(lambda: client.get_run("r-1", timeout=0.5))
     _serve_one(channel, "GetRun", gateway_service_pb2.GetRunResponse(run=_run()))
-    future.result(timeout=5)
+    future.result(timeout=TIMEOUT)
     assert recorder.calls[0][1] == 0.5
 
 
@@ -147,7 +148,7 @@ def test_status_codes_map_to_typed_errors_raised_from_the_rpc_error(
     future = pool.submit(client.pause_run, "r-7")
     _serve_one(channel, "PauseRun", code=code, details=f"run r-7: {code.name.lower()}")
     with pytest.raises(cls) as caught:
-        future.result(timeout=5)
+        future.result(timeout=TIMEOUT)
     err = caught.value
     assert isinstance(err, tc.TrainwireError)
     assert err.code == code
@@ -175,7 +176,7 @@ def test_bad_request_details_become_field_violations(
     future = pool.submit(client.create_run, tc.imitation_task(), tc.train_config(0))
     _serve_one(channel, "CreateRun", None, grpc.StatusCode.INVALID_ARGUMENT, message, trailing)
     with pytest.raises(tc.InvalidArgument) as caught:
-        future.result(timeout=5)
+        future.result(timeout=TIMEOUT)
     err = caught.value
     assert err.field_violations == tuple(violations)
     assert err.reason == "BAD_TASK"
@@ -194,7 +195,7 @@ def test_details_that_contradict_the_call_are_ignored(
     future = pool.submit(client.get_run, "r-1")
     _serve_one(channel, "GetRun", None, grpc.StatusCode.NOT_FOUND, "run r-1 not found", trailing)
     with pytest.raises(tc.NotFound) as caught:
-        future.result(timeout=5)
+        future.result(timeout=TIMEOUT)
     assert caught.value.field_violations == ()
     assert caught.value.message == "run r-1 not found"
 
@@ -217,7 +218,7 @@ def test_list_runs_follows_page_tokens_until_the_limit(
         "ListRuns",
         gateway_service_pb2.ListRunsResponse(runs=[_run("r-7"), _run("r-6")], next_page_token="t3"),
     )
-    assert [r.id for r in future.result(timeout=5)] == ["r-9", "r-8", "r-7"]
+    assert [r.id for r in future.result(timeout=TIMEOUT)] == ["r-9", "r-8", "r-7"]
     assert (first.page_token, first.state, first.page_size) == ("", done, 2)
     assert second.page_token == "t2"
     assert len(recorder.calls) == 2 and all(t == 4.0 for _, t in recorder.calls)

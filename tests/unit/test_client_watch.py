@@ -14,6 +14,7 @@ import grpc_testing
 import pytest
 
 from tests.fakes.recording_channel import RecordingChannel
+from tests.fakes.waiting import TIMEOUT
 from trainwire import client as tc
 from trainwire import contract
 from trainwire.v1 import episode_pb2, gateway_service_pb2
@@ -119,12 +120,12 @@ class Watcher:
 
     def wait_for_episode(self, number: int) -> None:
         while True:
-            event = self.events.get(timeout=5)
+            event = self.events.get(timeout=TIMEOUT)
             if isinstance(event, episode_pb2.Episode) and event.episode == number:
                 return
 
     def result(self) -> list[tc.WatchEvent]:
-        return self.future.result(timeout=5)
+        return self.future.result(timeout=TIMEOUT)
 
 
 def _numbers(events: list[tc.WatchEvent]) -> list[int]:
@@ -307,7 +308,7 @@ def test_closing_the_iterator_cancels_the_stream(
     events = _client(recorder).watch("r-1")
     first: Future[tc.WatchEvent] = pool.submit(next, events)
     _, rpc = server.next_stream(_ep(1))
-    assert first.result(timeout=5).episode == 1  # type: ignore[union-attr]
+    assert first.result(timeout=TIMEOUT).episode == 1  # type: ignore[union-attr]
     events.close()
     rpc.cancelled()  # blocks until the client cancels
 
@@ -333,9 +334,9 @@ def test_cancel_from_another_thread_ends_the_iteration_quietly(
     future = pool.submit(follow)
     _, rpc = server.next_stream(_ep(1), _ep(2))
     while stream.last_episode < 2:
-        arrived.get(timeout=5)
+        arrived.get(timeout=TIMEOUT)
     stream.cancel()
     rpc.cancelled()  # blocks until the call is cancelled
-    assert _numbers(future.result(timeout=5)) == [1, 2]
+    assert _numbers(future.result(timeout=TIMEOUT)) == [1, 2]
     assert stream.cancelled
     assert len(recorder.calls) == 1  # no reconnection after a cancel

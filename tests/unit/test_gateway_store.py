@@ -15,6 +15,7 @@ import pytest
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import EpisodeRecord, SqliteStore, StoreThread
 from tests.fakes.fake_trainer import valid_episodes
+from tests.fakes.waiting import TIMEOUT
 from trainwire.v1 import episode_pb2
 
 
@@ -198,7 +199,7 @@ async def hold(thread: StoreThread) -> threading.Event:
 
     def wait(_store: SqliteStore) -> None:
         entered.set()
-        release.wait(60)
+        release.wait(TIMEOUT)
 
     thread.submit(wait)
     assert await asyncio.to_thread(entered.wait, 60)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fakes.waiting import TIMEOUT
 from tests.security_fixtures import CertFiles, Pki
 from trainwire.tls import describe_connection_failure
 from trainwire_ops.tls import (
@@ -116,7 +117,7 @@ async def _handshake(port: int, pki: Pki, client: CertFiles) -> str:
             asyncio.open_connection("127.0.0.1", port, ssl=context), 10
         )
         # TLS 1.3 reports a refused client certificate on the first read, not the handshake.
-        answer = await asyncio.wait_for(reader.read(2), 10)
+        answer = await asyncio.wait_for(reader.read(2), TIMEOUT)
         writer.close()
         return answer.decode() or "closed"
     except (ssl.SSLError, ConnectionError) as exc:
