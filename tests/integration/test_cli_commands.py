@@ -68,7 +68,10 @@ class Gateway:
 
 @pytest.fixture
 def gateway() -> Iterator[Gateway]:
-    with live_stack(http_port=0) as stack, tc.GatewayClient(stack.target, timeout=10) as client:
+    with (
+        live_stack(http_port=0) as stack,
+        tc.GatewayClient(stack.target, timeout=TIMEOUT) as client,
+    ):
         yield Gateway(stack, client)
 
 
@@ -167,7 +170,7 @@ def test_cli_grpcurl_and_the_http_api_print_the_same_json(
     gateway.finished(run_id)  # nothing changes any more
     assert gateway.cli("runs", "get", run_id, "--json") == 0
     from_cli = json.loads(capsys.readouterr().out)
-    with urllib.request.urlopen(f"{gateway.stack.http}/v1/runs/{run_id}", timeout=20) as reply:
+    with urllib.request.urlopen(f"{gateway.stack.http}/v1/runs/{run_id}", timeout=TIMEOUT) as reply:
         from_http = json.loads(reply.read())
     done = subprocess.run(
         [
@@ -182,7 +185,7 @@ def test_cli_grpcurl_and_the_http_api_print_the_same_json(
         ],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=TIMEOUT,
         check=False,
     )
     assert done.returncode == 0, done.stderr
@@ -441,7 +444,7 @@ def test_console_script_reads_the_gateway_from_the_environment(gateway: Gateway)
         env=_env(gateway.target),
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=TIMEOUT,
         check=False,
     )
     assert done.returncode == 0, done.stderr
@@ -451,7 +454,7 @@ def test_console_script_reads_the_gateway_from_the_environment(gateway: Gateway)
         env=_env(gateway.target),
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=TIMEOUT,
         check=False,
     )
     assert missing.returncode == 1
@@ -505,7 +508,7 @@ def test_the_cli_imports_without_rich_pillow_or_torch(gateway: Gateway) -> None:
         env=_env(gateway.target),
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=TIMEOUT,
         check=False,
     )
     assert done.returncode == 0, done.stderr

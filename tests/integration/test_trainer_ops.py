@@ -47,7 +47,7 @@ RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """GETs ``/metrics`` and parses it: (sample name, labels) -> value."""
-    with urllib.request.urlopen(url, timeout=5) as response:
+    with urllib.request.urlopen(url, timeout=TIMEOUT) as response:
         assert response.status == 200
         text = response.read().decode()
     return {
@@ -107,7 +107,7 @@ def test_metrics_endpoint_counts_an_imitation_job() -> None:
         url = endpoint.url
     # Stopping the trainer stops its metrics endpoint.
     with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(url, timeout=5)
+        urllib.request.urlopen(url, timeout=TIMEOUT)
 
 
 # -- codes, outcomes and counters, read from the registry --------------------------------------
@@ -390,7 +390,7 @@ def test_cli_json_logs_and_metrics(tmp_path: pathlib.Path) -> None:
         assert sample(samples, "trainwire_trainer_episodes_sent_total", kind="imitation") == 20
         assert sample(samples, "grpc_server_handled_total", **TRAIN, grpc_code="OK") == 1
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
+        assert proc.wait(timeout=TIMEOUT) == 0
         records = [json.loads(line) for line in proc.stderr.read().splitlines() if line.strip()]
     finally:
         if proc.poll() is None:

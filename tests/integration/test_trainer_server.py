@@ -137,11 +137,11 @@ def test_health_and_reflection() -> None:
     with running_trainer({"imitation": FakeProvider()}) as running:
         health = health_pb2_grpc.HealthStub(running.channel)
         for service in ("", SERVICE_NAME):
-            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         reflect = reflection_pb2_grpc.ServerReflectionStub(running.channel)
         replies = reflect.ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT
         )
         names = {s.name for r in replies for s in r.list_services_response.service}
         assert SERVICE_NAME in names and "grpc.health.v1.Health" in names
