@@ -13,7 +13,7 @@ from gateway.core.registry import Keepalive
 from gateway.core.runs import RunState
 from tests.fakes.core_harness import running_core
 from tests.fakes.memory_trainer import GrantCall, MemoryTrainer
-from tests.fakes.virtual_time import VIRTUAL_TIME
+from tests.fakes.virtual_time import TICK, VIRTUAL_TIME
 from tests.fakes.waiting import until
 
 pytestmark = VIRTUAL_TIME
@@ -22,7 +22,7 @@ pytestmark = VIRTUAL_TIME
 #: How far a publication may land from its due time: virtual time moves with real time while a
 #: commit is in flight (``tests.fakes.virtual_time``), so a commit slower than the time left to
 #: the next timer delays what that timer starts by about as long (the pacer keeps the cadence).
-JITTER = 1e-3
+JITTER = TICK
 
 
 def assert_paced(times: list[float], interval: float) -> None:

@@ -23,7 +23,7 @@ from gateway.core.trainers import (
 )
 from tests.fakes.core_harness import running_core
 from tests.fakes.memory_trainer import GrantCall, JobScript, MemoryTrainer
-from tests.fakes.virtual_time import VIRTUAL_TIME
+from tests.fakes.virtual_time import TICK, VIRTUAL_TIME
 from tests.fakes.waiting import until
 
 pytestmark = VIRTUAL_TIME
@@ -68,10 +68,10 @@ async def test_a_silent_stream_is_re_attached_after_the_timeout_then_the_run_fai
         # The third episode came at once; a heartbeat timeout later the stream counts as lost
         # and is re-attached after the last episode received ...
         assert [c.attach_after for c in reattaches] == [3]
-        assert reattaches[0].at == pytest.approx(first.at + timeout + BACKOFF_S, abs=1e-3)
+        assert reattaches[0].at == pytest.approx(first.at + timeout + BACKOFF_S, abs=TICK)
         # ... and stays silent: the run fails a timeout after the stream was lost.
         [(ended_at, _)] = watch.of(Finished)
-        assert ended_at == pytest.approx(first.at + 2 * timeout + BACKOFF_S, abs=1e-3)
+        assert ended_at == pytest.approx(first.at + 2 * timeout + BACKOFF_S, abs=TICK)
         # A lost trainer's job is not cancelled: the trainer ends it after its detach grace.
         assert core.connector.cancels(run.id) == []
 
@@ -93,7 +93,7 @@ async def test_a_stream_silent_from_its_start_fails_the_run_after_the_timeout_un
         # Never started, so nothing to re-attach to: the one Train call is lost a timeout later.
         [train] = core.connector.trains(run.id)
         [(ended_at, _)] = watch.of(Finished)
-        assert ended_at == pytest.approx(train.at + timeout, abs=1e-3)
+        assert ended_at == pytest.approx(train.at + timeout, abs=TICK)
 
 
 async def test_a_killed_trainer_is_re_attached_for_the_heartbeat_timeout_then_lost() -> None:
@@ -115,7 +115,7 @@ async def test_a_killed_trainer_is_re_attached_for_the_heartbeat_timeout_then_lo
         reattaches = core.connector.trains(run.id)[1:]
         assert {c.attach_after for c in reattaches} == {received}
         # One attempt per backoff for the whole timeout, then the end.
-        assert reattaches[0].at == pytest.approx(noticed + BACKOFF_S, abs=1e-3)
+        assert reattaches[0].at == pytest.approx(noticed + BACKOFF_S, abs=TICK)
         assert reattaches[-1].at <= noticed + timeout + BACKOFF_S
         assert len(reattaches) == pytest.approx(timeout / BACKOFF_S, abs=1)
         [(ended_at, _)] = watch.of(Finished)
@@ -156,7 +156,7 @@ async def test_a_stream_that_breaks_once_is_re_attached_and_nothing_is_lost_or_r
         assert watch.numbers() == list(range(1, 41))
         new, reattach = core.connector.trains(run.id)
         assert (new.attach_after, reattach.attach_after) == (None, 7)
-        assert reattach.at == pytest.approx(watch.at(7) + BACKOFF_S, abs=1e-3)
+        assert reattach.at == pytest.approx(watch.at(7) + BACKOFF_S, abs=TICK)
         assert core.connector.job(run.id).streams == 2
 
 

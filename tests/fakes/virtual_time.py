@@ -58,6 +58,11 @@ END_OF_TIME_S = 3600.0
 #: The tick of virtual time: a power of two, so float arithmetic on clock readings is exact.
 RESOLUTION_S = 2.0**-20
 
+#: How far a virtual time may be off what the core schedules: a store commit in flight moves the
+#: clock in step with real time (see the module docstring), a fraction of a millisecond on a
+#: quiet machine and a few on one whose cores are busy with other work.
+TICK = 0.01
+
 #: The marker of tests in virtual time (see the module docstring).
 VIRTUAL_TIME = pytest.mark.looptime(end=END_OF_TIME_S, noop_cycles=0, resolution=RESOLUTION_S)
 
