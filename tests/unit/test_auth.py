@@ -30,6 +30,8 @@ def test_every_gateway_rpc_has_a_role_and_the_table_is_the_issues() -> None:
         "GetRun",
         "ListRuns",
         "WatchRun",
+        "ListCheckpoints",
+        "DownloadCheckpoint",
     }
     assert {r for r, role in RPC_ROLES.items() if role is Role.ADMIN} == {"DeleteRun"}
     assert required_role(f"/{GATEWAY}/NewRpcNobodyListed") is Role.ADMIN  # fails safe

@@ -5,7 +5,8 @@ episodes: ``episode``, ``reward``, ``best_reward``, ``done``, ``metrics``, ``pro
 ``detail``), optionally ``validate(task, data_roots) -> list[FieldViolation]`` (called before a
 slot is taken; any violation answers ``INVALID_ARGUMENT``) and optionally
 ``slots_needed(task) -> int`` (slots, i.e. devices, the job takes: one per process it runs; 1
-without it). The service pulls ``run``'s generator from a thread it owns, one credited episode at
+without it), and ``DEFAULT_CHECKPOINT_EVERY`` (its checkpoint interval when the config leaves
+``checkpoint_every`` at 0). The service pulls ``run``'s generator from a thread it owns, one credited episode at
 a time, and checks every episode against the stream contract before sending it; a provider may
 train in that thread (imitation) or in processes it starts and drives from there (grpo).
 
@@ -24,9 +25,13 @@ from typing import Protocol
 from trainwire.v1 import episode_pb2
 
 __all__ = [
+    "CheckpointUnusable",
+    "Checkpoints",
     "EpisodeCounter",
+    "NoCheckpoints",
     "Provider",
     "ProviderError",
+    "RestoredCheckpoint",
     "TrainJob",
 ]
 
@@ -62,6 +67,76 @@ class ProviderError(Exception):
         return f"{self.user_message} ({self.detail})" if self.detail else self.user_message
 
 
+class CheckpointUnusable(Exception):
+    """Raised by a provider's ``run`` before its first episode when ``job.resume`` does not load
+    (a file missing or unreadable, shapes that do not fit the task). The job then tries the next
+    resume candidate, or starts from scratch; ``str()`` says why, for the run's detail."""
+
+
+@dataclass(frozen=True)
+class RestoredCheckpoint:
+    """The checkpoint a job starts from, fetched to local disk and its digest verified.
+
+    Attributes:
+        directory: A local directory holding the checkpoint's files, as the provider wrote them.
+        episode: The episode it was taken after: the job's first episode is ``episode + 1``.
+        best_reward: The running maximum of the reward through ``episode``.
+    """
+
+    directory: pathlib.Path
+    episode: int
+    best_reward: float
+
+
+class Checkpoints(Protocol):
+    """How a provider writes checkpoints (``TrainJob.checkpoints``).
+
+    A provider asks :meth:`due` after each episode it yielded; when it says so, it writes the
+    whole state it needs to continue (and the model, loadable without trainwire) into a fresh
+    :meth:`scratch` directory and hands it to :meth:`commit`. Before its generator returns or is
+    closed (stop, cancel, park) it asks :meth:`final_wanted` and, if so, commits a checkpoint
+    of its last episode unless it just did.
+    """
+
+    every: int
+
+    def due(self, episode: int) -> bool:
+        """Whether to checkpoint after ``episode``: every ``every`` episodes and at the last."""
+        ...
+
+    def final_wanted(self) -> bool:
+        """Whether the job was asked to end with a checkpoint (stop and park)."""
+        ...
+
+    def scratch(self, episode: int) -> pathlib.Path:
+        """A new empty local directory to write the checkpoint of ``episode`` into."""
+        ...
+
+    def commit(self, episode: int, best_reward: float, directory: pathlib.Path) -> None:
+        """Puts ``directory`` into the checkpoint store as the checkpoint after ``episode`` and
+        removes it locally. Never raises: a failed write is logged and reported to the stream
+        (``CheckpointFailure``), and training goes on."""
+        ...
+
+
+class NoCheckpoints:
+    """``Checkpoints`` that never asks for one (direct use, tests of other things)."""
+
+    every = 0
+
+    def due(self, episode: int) -> bool:
+        return False
+
+    def final_wanted(self) -> bool:
+        return False
+
+    def scratch(self, episode: int) -> pathlib.Path:
+        raise RuntimeError("this job writes no checkpoints")
+
+    def commit(self, episode: int, best_reward: float, directory: pathlib.Path) -> None:
+        raise RuntimeError("this job writes no checkpoints")
+
+
 @dataclass(frozen=True)
 class TrainJob:
     """Everything a provider needs to run one training job.
@@ -82,6 +157,10 @@ class TrainJob:
             first); empty when the job was not started by a runner.
         more_data_roots: The trainer's other data roots: an absolute task or image path must
             lie inside ``data_root`` or one of these.
+        checkpoints: Where the provider writes checkpoints.
+        resume: The checkpoint to continue from (None: from scratch). The provider restores
+            the whole training state from it, or raises ``CheckpointUnusable`` before its
+            first episode; its first episode is then ``resume.episode + 1``.
     """
 
     run_id: str
@@ -94,6 +173,8 @@ class TrainJob:
     set_phase: Callable[[str], None] = field(default=lambda phase: None)
     devices: tuple[str, ...] = ()
     more_data_roots: tuple[pathlib.Path, ...] = ()
+    checkpoints: Checkpoints = field(default_factory=NoCheckpoints)
+    resume: RestoredCheckpoint | None = None
 
     @property
     def data_roots(self) -> tuple[pathlib.Path, ...]:
@@ -122,12 +203,18 @@ class EpisodeCounter:
             yield counter.make(reward, {"loss": loss})
     """
 
-    def __init__(self, max_episodes: int) -> None:
+    def __init__(
+        self, max_episodes: int, resume: RestoredCheckpoint | None = None
+    ) -> None:
         if max_episodes < 1:
             raise ValueError(f"max_episodes must be >= 1, got {max_episodes}")
         self.max_episodes = max_episodes
         self.episode = 0
         self.best_reward: float | None = None
+        if resume is not None:
+            # Continues the numbering and the running maximum of the checkpointed run.
+            self.episode = resume.episode
+            self.best_reward = resume.best_reward
 
     @property
     def finished(self) -> bool:

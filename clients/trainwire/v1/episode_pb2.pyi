@@ -176,25 +176,78 @@ class TrainConfig(_message.Message):
 
     MAX_EPISODES_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_EVERY_FIELD_NUMBER: _builtins.int
+    KEEP_CHECKPOINTS_FIELD_NUMBER: _builtins.int
     max_episodes: _builtins.int
     """Number of episodes (imitation) or optimizer steps (grpo), 1..5000."""
     seed: _builtins.int
     """Seed for every random number generator the run uses; same seed, same
     task and same device give the same episode stream.
     """
+    checkpoint_every: _builtins.int
+    """Write a checkpoint every this many episodes (grpo: optimizer steps), and
+    always at the end (DONE or STOPPED) and when the run is parked. 0 means
+    the provider's default (imitation 500, grpo 50); at most max_episodes.
+    """
+    keep_checkpoints: _builtins.int
+    """Keep the latest this many checkpoints of the run (the final one among
+    them); older ones are deleted. 0 means the default, 3; at most 100.
+    """
     def __init__(
         self,
         *,
         max_episodes: _builtins.int = ...,
         seed: _builtins.int = ...,
+        checkpoint_every: _builtins.int = ...,
+        keep_checkpoints: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_episodes", b"max_episodes", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_every", b"checkpoint_every", "keep_checkpoints", b"keep_checkpoints", "max_episodes", b"max_episodes", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrainConfig: _TypeAlias = TrainConfig  # noqa: Y015
+
+@_typing.final
+class Checkpoint(_message.Message):
+    """A complete checkpoint of a run: the model and the full training state at
+    the end of one episode, written atomically to the checkpoint store.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPISODE_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    episode: _builtins.int
+    """The episode (grpo: optimizer step) the checkpoint was taken after."""
+    size_bytes: _builtins.int
+    """Size of its uncompressed POSIX tar (what DownloadCheckpoint streams)."""
+    sha256: _builtins.str
+    """Hex SHA-256 of that tar: members sorted by path, mode 0644/0755, owner
+    0:0, mtime 0, no other metadata, so the same files give the same digest.
+    """
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When the checkpoint was complete."""
+
+    def __init__(
+        self,
+        *,
+        episode: _builtins.int = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        size_bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "episode", b"episode", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Checkpoint: _TypeAlias = Checkpoint  # noqa: Y015
 
 @_typing.final
 class TrainTask(_message.Message):

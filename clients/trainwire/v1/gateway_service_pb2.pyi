@@ -129,6 +129,9 @@ class Run(_message.Message):
     TRAINER_EPISODE_FIELD_NUMBER: _builtins.int
     STATE_DETAIL_FIELD_NUMBER: _builtins.int
     CREATOR_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_EPISODE_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    PARKED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The run id, assigned by the gateway."""
     state: Global___Run.State.ValueType
@@ -165,6 +168,16 @@ class Run(_message.Message):
     creator: _builtins.str
     """The name of the token that created the run (gateway --auth-tokens); empty
     when the gateway authenticates no one.
+    """
+    checkpoint_episode: _builtins.int
+    """The episode of the run's latest checkpoint, 0 before the first."""
+    restarts: _builtins.int
+    """How many times the gateway restarted the run's training from its latest
+    checkpoint after its trainer or job died (at most --max-restarts).
+    """
+    parked: _builtins.bool
+    """The run is paused and parked: its training state is in a checkpoint and
+    its trainer slot is free. ResumeRun places it again.
     """
     @_builtins.property
     def task(self) -> _episode_pb2.TrainTask:
@@ -208,10 +221,13 @@ class Run(_message.Message):
         trainer_episode: _builtins.int = ...,
         state_detail: _builtins.str = ...,
         creator: _builtins.str = ...,
+        checkpoint_episode: _builtins.int = ...,
+        restarts: _builtins.int = ...,
+        parked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "create_time", b"create_time", "end_time", b"end_time", "start_time", b"start_time", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_reward", b"best_reward", "config", b"config", "create_time", b"create_time", "creator", b"creator", "display_name", b"display_name", "end_time", b"end_time", "episode", b"episode", "episodes_per_second", b"episodes_per_second", "error_message", b"error_message", "id", b"id", "request_id", b"request_id", "reward", b"reward", "speed", b"speed", "start_time", b"start_time", "state", b"state", "state_detail", b"state_detail", "task", b"task", "trainer", b"trainer", "trainer_episode", b"trainer_episode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_reward", b"best_reward", "checkpoint_episode", b"checkpoint_episode", "config", b"config", "create_time", b"create_time", "creator", b"creator", "display_name", b"display_name", "end_time", b"end_time", "episode", b"episode", "episodes_per_second", b"episodes_per_second", "error_message", b"error_message", "id", b"id", "parked", b"parked", "request_id", b"request_id", "restarts", b"restarts", "reward", b"reward", "speed", b"speed", "start_time", b"start_time", "state", b"state", "state_detail", b"state_detail", "task", b"task", "trainer", b"trainer", "trainer_episode", b"trainer_episode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -792,3 +808,105 @@ class EpisodeBatch(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EpisodeBatch: _TypeAlias = EpisodeBatch  # noqa: Y015
+
+@_typing.final
+class ListCheckpointsRequest(_message.Message):
+    """Lists a run's checkpoints."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCheckpointsRequest: _TypeAlias = ListCheckpointsRequest  # noqa: Y015
+
+@_typing.final
+class ListCheckpointsResponse(_message.Message):
+    """A run's checkpoints."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[_episode_pb2.Checkpoint]:
+        """Oldest first."""
+
+    def __init__(
+        self,
+        *,
+        checkpoints: _abc.Iterable[_episode_pb2.Checkpoint] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCheckpointsResponse: _TypeAlias = ListCheckpointsResponse  # noqa: Y015
+
+@_typing.final
+class DownloadCheckpointRequest(_message.Message):
+    """Downloads one checkpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    EPISODE_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run."""
+    episode: _builtins.int
+    """The checkpoint's episode; 0 means the latest."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        episode: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DownloadCheckpointRequest: _TypeAlias = DownloadCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class DownloadCheckpointResponse(_message.Message):
+    """One message of a checkpoint download."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    chunk: _builtins.bytes
+    """The next bytes of the tar."""
+    @_builtins.property
+    def checkpoint(self) -> _episode_pb2.Checkpoint:
+        """The checkpoint being sent (first message)."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint: _episode_pb2.Checkpoint | None = ...,
+        chunk: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "chunk", b"chunk", "content", b"content"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "chunk", b"chunk", "content", b"content"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_content: _TypeAlias = _typing.Literal["checkpoint", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_content: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_content) -> _WhichOneofReturnType_content | None: ...
+
+Global___DownloadCheckpointResponse: _TypeAlias = DownloadCheckpointResponse  # noqa: Y015

@@ -33,7 +33,8 @@ class GatewayServiceStub(object):
     every call, and every RPC may also answer:
     UNAUTHENTICATED    no token, or one the gateway does not know.
     PERMISSION_DENIED  the token's role is too low; the message names the
-    role needed (viewer: GetRun, ListRuns, WatchRun;
+    role needed (viewer: GetRun, ListRuns, WatchRun,
+    ListCheckpoints, DownloadCheckpoint;
     operator: also CreateRun, PauseRun, ResumeRun,
     StopRun, SetRunSpeed; admin: also DeleteRun).
     """
@@ -89,6 +90,16 @@ class GatewayServiceStub(object):
                 request_serializer=trainwire_dot_v1_dot_gateway__service__pb2.WatchRunRequest.SerializeToString,
                 response_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.WatchRunResponse.FromString,
                 _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/trainwire.v1.GatewayService/ListCheckpoints',
+                request_serializer=trainwire_dot_v1_dot_gateway__service__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.DownloadCheckpoint = channel.unary_stream(
+                '/trainwire.v1.GatewayService/DownloadCheckpoint',
+                request_serializer=trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer(object):
@@ -99,7 +110,8 @@ class GatewayServiceServicer(object):
     every call, and every RPC may also answer:
     UNAUTHENTICATED    no token, or one the gateway does not know.
     PERMISSION_DENIED  the token's role is too low; the message names the
-    role needed (viewer: GetRun, ListRuns, WatchRun;
+    role needed (viewer: GetRun, ListRuns, WatchRun,
+    ListCheckpoints, DownloadCheckpoint;
     operator: also CreateRun, PauseRun, ResumeRun,
     StopRun, SetRunSpeed; admin: also DeleteRun).
     """
@@ -232,6 +244,37 @@ class GatewayServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCheckpoints(self, request, context):
+        """Lists a run's checkpoints, oldest first (the latest --keep_checkpoints of
+        them; the last one of a finished run is its trained model).
+
+        Status codes:
+        OK                the checkpoints (none before the first).
+        INVALID_ARGUMENT  bad run_id.
+        NOT_FOUND         no such run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadCheckpoint(self, request, context):
+        """Streams one checkpoint: its record first, then the bytes of an
+        uncompressed POSIX tar of its directory in chunks of at most 1 MiB. The
+        SHA-256 of the concatenated chunks equals checkpoint.sha256. A GRPO
+        checkpoint's model/ directory loads with transformers' from_pretrained.
+
+        Status codes:
+        OK                the whole tar was sent.
+        INVALID_ARGUMENT  bad run_id or a negative episode.
+        NOT_FOUND         no such run, or no checkpoint at that episode (the
+        message lists the ones there are).
+        DATA_LOSS         the stored checkpoint no longer matches its digest.
+        UNAVAILABLE       the checkpoint store cannot be read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -280,6 +323,16 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     request_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.WatchRunRequest.FromString,
                     response_serializer=trainwire_dot_v1_dot_gateway__service__pb2.WatchRunResponse.SerializeToString,
             ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_gateway__service__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'DownloadCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadCheckpoint,
+                    request_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'trainwire.v1.GatewayService', rpc_method_handlers)
@@ -296,7 +349,8 @@ class GatewayService(object):
     every call, and every RPC may also answer:
     UNAUTHENTICATED    no token, or one the gateway does not know.
     PERMISSION_DENIED  the token's role is too low; the message names the
-    role needed (viewer: GetRun, ListRuns, WatchRun;
+    role needed (viewer: GetRun, ListRuns, WatchRun,
+    ListCheckpoints, DownloadCheckpoint;
     operator: also CreateRun, PauseRun, ResumeRun,
     StopRun, SetRunSpeed; admin: also DeleteRun).
     """
@@ -534,6 +588,60 @@ class GatewayService(object):
             '/trainwire.v1.GatewayService/WatchRun',
             trainwire_dot_v1_dot_gateway__service__pb2.WatchRunRequest.SerializeToString,
             trainwire_dot_v1_dot_gateway__service__pb2.WatchRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.GatewayService/ListCheckpoints',
+            trainwire_dot_v1_dot_gateway__service__pb2.ListCheckpointsRequest.SerializeToString,
+            trainwire_dot_v1_dot_gateway__service__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/trainwire.v1.GatewayService/DownloadCheckpoint',
+            trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointRequest.SerializeToString,
+            trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,7 +36,8 @@ class GatewayServiceStub:
     every call, and every RPC may also answer:
       UNAUTHENTICATED    no token, or one the gateway does not know.
       PERMISSION_DENIED  the token's role is too low; the message names the
-                         role needed (viewer: GetRun, ListRuns, WatchRun;
+                         role needed (viewer: GetRun, ListRuns, WatchRun,
+                         ListCheckpoints, DownloadCheckpoint;
                          operator: also CreateRun, PauseRun, ResumeRun,
                          StopRun, SetRunSpeed; admin: also DeleteRun).
     """
@@ -137,6 +138,29 @@ class GatewayServiceStub:
       UNAVAILABLE       the gateway is shutting down; resume with
                         after_episode = the last episode received.
     """
+    ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.ListCheckpointsRequest, _gateway_service_pb2.ListCheckpointsResponse]
+    """Lists a run's checkpoints, oldest first (the latest --keep_checkpoints of
+    them; the last one of a finished run is its trained model).
+
+    Status codes:
+      OK                the checkpoints (none before the first).
+      INVALID_ARGUMENT  bad run_id.
+      NOT_FOUND         no such run.
+    """
+    DownloadCheckpoint: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.DownloadCheckpointRequest, _gateway_service_pb2.DownloadCheckpointResponse]
+    """Streams one checkpoint: its record first, then the bytes of an
+    uncompressed POSIX tar of its directory in chunks of at most 1 MiB. The
+    SHA-256 of the concatenated chunks equals checkpoint.sha256. A GRPO
+    checkpoint's model/ directory loads with transformers' from_pretrained.
+
+    Status codes:
+      OK                the whole tar was sent.
+      INVALID_ARGUMENT  bad run_id or a negative episode.
+      NOT_FOUND         no such run, or no checkpoint at that episode (the
+                        message lists the ones there are).
+      DATA_LOSS         the stored checkpoint no longer matches its digest.
+      UNAVAILABLE       the checkpoint store cannot be read.
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -147,7 +171,8 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     every call, and every RPC may also answer:
       UNAUTHENTICATED    no token, or one the gateway does not know.
       PERMISSION_DENIED  the token's role is too low; the message names the
-                         role needed (viewer: GetRun, ListRuns, WatchRun;
+                         role needed (viewer: GetRun, ListRuns, WatchRun,
+                         ListCheckpoints, DownloadCheckpoint;
                          operator: also CreateRun, PauseRun, ResumeRun,
                          StopRun, SetRunSpeed; admin: also DeleteRun).
     """
@@ -245,6 +270,29 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
       UNAVAILABLE       the gateway is shutting down; resume with
                         after_episode = the last episode received.
     """
+    ListCheckpoints: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.ListCheckpointsRequest, _gateway_service_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
+    """Lists a run's checkpoints, oldest first (the latest --keep_checkpoints of
+    them; the last one of a finished run is its trained model).
+
+    Status codes:
+      OK                the checkpoints (none before the first).
+      INVALID_ARGUMENT  bad run_id.
+      NOT_FOUND         no such run.
+    """
+    DownloadCheckpoint: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.DownloadCheckpointRequest, _gateway_service_pb2.DownloadCheckpointResponse]  # type: ignore[assignment]
+    """Streams one checkpoint: its record first, then the bytes of an
+    uncompressed POSIX tar of its directory in chunks of at most 1 MiB. The
+    SHA-256 of the concatenated chunks equals checkpoint.sha256. A GRPO
+    checkpoint's model/ directory loads with transformers' from_pretrained.
+
+    Status codes:
+      OK                the whole tar was sent.
+      INVALID_ARGUMENT  bad run_id or a negative episode.
+      NOT_FOUND         no such run, or no checkpoint at that episode (the
+                        message lists the ones there are).
+      DATA_LOSS         the stored checkpoint no longer matches its digest.
+      UNAVAILABLE       the checkpoint store cannot be read.
+    """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     """Creates, controls and streams training runs. Every error message names the
@@ -254,7 +302,8 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     every call, and every RPC may also answer:
       UNAUTHENTICATED    no token, or one the gateway does not know.
       PERMISSION_DENIED  the token's role is too low; the message names the
-                         role needed (viewer: GetRun, ListRuns, WatchRun;
+                         role needed (viewer: GetRun, ListRuns, WatchRun,
+                         ListCheckpoints, DownloadCheckpoint;
                          operator: also CreateRun, PauseRun, ResumeRun,
                          StopRun, SetRunSpeed; admin: also DeleteRun).
     """
@@ -403,6 +452,41 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
           NOT_FOUND         no such run (or it was deleted while watched).
           UNAVAILABLE       the gateway is shutting down; resume with
                             after_episode = the last episode received.
+        """
+
+    @_abc_1.abstractmethod
+    def ListCheckpoints(
+        self,
+        request: _gateway_service_pb2.ListCheckpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.ListCheckpointsResponse, _abc.Awaitable[_gateway_service_pb2.ListCheckpointsResponse]]:
+        """Lists a run's checkpoints, oldest first (the latest --keep_checkpoints of
+        them; the last one of a finished run is its trained model).
+
+        Status codes:
+          OK                the checkpoints (none before the first).
+          INVALID_ARGUMENT  bad run_id.
+          NOT_FOUND         no such run.
+        """
+
+    @_abc_1.abstractmethod
+    def DownloadCheckpoint(
+        self,
+        request: _gateway_service_pb2.DownloadCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_service_pb2.DownloadCheckpointResponse], _abc.AsyncIterator[_gateway_service_pb2.DownloadCheckpointResponse]]:
+        """Streams one checkpoint: its record first, then the bytes of an
+        uncompressed POSIX tar of its directory in chunks of at most 1 MiB. The
+        SHA-256 of the concatenated chunks equals checkpoint.sha256. A GRPO
+        checkpoint's model/ directory loads with transformers' from_pretrained.
+
+        Status codes:
+          OK                the whole tar was sent.
+          INVALID_ARGUMENT  bad run_id or a negative episode.
+          NOT_FOUND         no such run, or no checkpoint at that episode (the
+                            message lists the ones there are).
+          DATA_LOSS         the stored checkpoint no longer matches its digest.
+          UNAVAILABLE       the checkpoint store cannot be read.
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

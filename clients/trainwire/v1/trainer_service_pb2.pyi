@@ -36,6 +36,7 @@ class TrainRequest(_message.Message):
     CONFIG_FIELD_NUMBER: _builtins.int
     GRANT_THROUGH_EPISODE_FIELD_NUMBER: _builtins.int
     ATTACH_AFTER_EPISODE_FIELD_NUMBER: _builtins.int
+    RESUME_FROM_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The gateway's run id; it names the job in logs and errors."""
     grant_through_episode: _builtins.int
@@ -56,6 +57,16 @@ class TrainRequest(_message.Message):
     def config(self) -> _episode_pb2.TrainConfig:
         """How long to train and the seed."""
 
+    @_builtins.property
+    def resume_from(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointRef]:
+        """Start the new job from a checkpoint instead of from scratch: the
+        candidates newest first. The job restores the first one whose digest
+        matches and that loads, reports it in its first message (resumed), and
+        numbers its episodes from that checkpoint's episode + 1. Candidates that
+        fail are skipped and named in resumed.skipped; when none restores, the
+        job starts from scratch at episode 1. Ignored on a re-attach.
+        """
+
     def __init__(
         self,
         *,
@@ -64,16 +75,139 @@ class TrainRequest(_message.Message):
         config: _episode_pb2.TrainConfig | None = ...,
         grant_through_episode: _builtins.int = ...,
         attach_after_episode: _builtins.int | None = ...,
+        resume_from: _abc.Iterable[Global___CheckpointRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_attach_after_episode", b"_attach_after_episode", "attach_after_episode", b"attach_after_episode", "config", b"config", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attach_after_episode", b"_attach_after_episode", "attach_after_episode", b"attach_after_episode", "config", b"config", "grant_through_episode", b"grant_through_episode", "run_id", b"run_id", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attach_after_episode", b"_attach_after_episode", "attach_after_episode", b"attach_after_episode", "config", b"config", "grant_through_episode", b"grant_through_episode", "resume_from", b"resume_from", "run_id", b"run_id", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__attach_after_episode: _TypeAlias = _typing.Literal["attach_after_episode"]  # noqa: Y015
     _WhichOneofArgType__attach_after_episode: _TypeAlias = _typing.Literal["_attach_after_episode", b"_attach_after_episode"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__attach_after_episode) -> _WhichOneofReturnType__attach_after_episode | None: ...
 
 Global___TrainRequest: _TypeAlias = TrainRequest  # noqa: Y015
+
+@_typing.final
+class CheckpointRef(_message.Message):
+    """A checkpoint in the checkpoint store: the run that wrote it (another run's
+    for a fork) and its record.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run that wrote the checkpoint."""
+    @_builtins.property
+    def checkpoint(self) -> _episode_pb2.Checkpoint:
+        """Its episode and digest (what the gateway recorded)."""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        checkpoint: _episode_pb2.Checkpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointRef: _TypeAlias = CheckpointRef  # noqa: Y015
+
+@_typing.final
+class Resumed(_message.Message):
+    """Where a job started from, sent first on a Train call with resume_from."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    BEST_REWARD_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    best_reward: _builtins.float
+    """The best reward up to the restored checkpoint's episode (the running
+    maximum the next episodes continue); 0 when none was restored.
+    """
+    @_builtins.property
+    def checkpoint(self) -> Global___CheckpointRef:
+        """The checkpoint it restored; unset when none of the candidates did (the
+        job trains from scratch).
+        """
+
+    @_builtins.property
+    def skipped(self) -> _containers.RepeatedCompositeFieldContainer[Global___SkippedCheckpoint]:
+        """The candidates that were skipped, in the order they were tried."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___CheckpointRef | None = ...,
+        best_reward: _builtins.float = ...,
+        skipped: _abc.Iterable[Global___SkippedCheckpoint] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_reward", b"best_reward", "checkpoint", b"checkpoint", "skipped", b"skipped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Resumed: _TypeAlias = Resumed  # noqa: Y015
+
+@_typing.final
+class SkippedCheckpoint(_message.Message):
+    """A resume candidate that could not be restored."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPISODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    episode: _builtins.int
+    """Its episode."""
+    reason: _builtins.str
+    """Why, for people: "digest mismatch", "missing", "does not load: ..."."""
+    def __init__(
+        self,
+        *,
+        episode: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SkippedCheckpoint: _TypeAlias = SkippedCheckpoint  # noqa: Y015
+
+@_typing.final
+class CheckpointFailure(_message.Message):
+    """A checkpoint the job tried to write and could not (disk full, store
+    unreachable). Training goes on.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPISODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    episode: _builtins.int
+    """The episode the checkpoint was for."""
+    message: _builtins.str
+    """What went wrong, for people and the log."""
+    def __init__(
+        self,
+        *,
+        episode: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointFailure: _TypeAlias = CheckpointFailure  # noqa: Y015
 
 @_typing.final
 class GrantRequest(_message.Message):
@@ -130,16 +264,22 @@ class CancelJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run whose job is cancelled."""
+    checkpoint: _builtins.bool
+    """Write a final checkpoint at the job's last episode before it ends (the
+    gateway's stop and park), and answer once it is written.
+    """
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
+        checkpoint: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -152,16 +292,28 @@ class CancelJobResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LAST_EPISODE_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
     last_episode: _builtins.int
     """The last episode the job produced, 0 before the first."""
+    checkpoint_error: _builtins.str
+    """Why the final checkpoint was not written, when one was asked for."""
+    @_builtins.property
+    def checkpoint(self) -> _episode_pb2.Checkpoint:
+        """The final checkpoint, when one was asked for and written (unset before
+        the first episode, or when the write failed).
+        """
+
     def __init__(
         self,
         *,
         last_episode: _builtins.int = ...,
+        checkpoint: _episode_pb2.Checkpoint | None = ...,
+        checkpoint_error: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_episode", b"last_episode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_error", b"checkpoint_error", "last_episode", b"last_episode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -175,6 +327,9 @@ class TrainResponse(_message.Message):
 
     EPISODE_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FAILURE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def episode(self) -> _episode_pb2.Episode:
         """The next episode."""
@@ -183,17 +338,34 @@ class TrainResponse(_message.Message):
     def heartbeat(self) -> Global___Heartbeat:
         """Sent whenever no episode went out for the trainer's heartbeat interval."""
 
+    @_builtins.property
+    def checkpoint(self) -> _episode_pb2.Checkpoint:
+        """A checkpoint is complete in the store; sent after the episode it was
+        taken after (again on a re-attach: recording it is idempotent).
+        """
+
+    @_builtins.property
+    def resumed(self) -> Global___Resumed:
+        """Where a job started with resume_from started from; its first message."""
+
+    @_builtins.property
+    def checkpoint_failure(self) -> Global___CheckpointFailure:
+        """A checkpoint could not be written; training goes on."""
+
     def __init__(
         self,
         *,
         episode: _episode_pb2.Episode | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
+        checkpoint: _episode_pb2.Checkpoint | None = ...,
+        resumed: Global___Resumed | None = ...,
+        checkpoint_failure: Global___CheckpointFailure | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "event", b"event", "heartbeat", b"heartbeat"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_failure", b"checkpoint_failure", "episode", b"episode", "event", b"event", "heartbeat", b"heartbeat", "resumed", b"resumed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "event", b"event", "heartbeat", b"heartbeat"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_failure", b"checkpoint_failure", "episode", b"episode", "event", b"event", "heartbeat", b"heartbeat", "resumed", b"resumed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["episode", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["episode", "heartbeat", "checkpoint", "resumed", "checkpoint_failure"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 

@@ -115,7 +115,9 @@ class TrainerServiceServicer(object):
 
     def CancelJob(self, request, context):
         """Cancels a job at once, attached or not, and frees its slot (the
-        gateway's StopRun). Its open Train stream, if any, ends CANCELLED.
+        gateway's StopRun). Its open Train stream, if any, ends CANCELLED. With
+        checkpoint set the job first writes a final checkpoint at its last
+        episode and the call answers once it is in the store.
 
         Status codes:
         OK                the job is cancelled (its provider stops within one

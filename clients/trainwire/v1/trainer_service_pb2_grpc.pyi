@@ -84,7 +84,9 @@ class TrainerServiceStub:
     """
     CancelJob: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.CancelJobRequest, _trainer_service_pb2.CancelJobResponse]
     """Cancels a job at once, attached or not, and frees its slot (the
-    gateway's StopRun). Its open Train stream, if any, ends CANCELLED.
+    gateway's StopRun). Its open Train stream, if any, ends CANCELLED. With
+    checkpoint set the job first writes a final checkpoint at its last
+    episode and the call answers once it is in the store.
 
     Status codes:
       OK                the job is cancelled (its provider stops within one
@@ -150,7 +152,9 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     """
     CancelJob: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.CancelJobRequest, _trainer_service_pb2.CancelJobResponse]  # type: ignore[assignment]
     """Cancels a job at once, attached or not, and frees its slot (the
-    gateway's StopRun). Its open Train stream, if any, ends CANCELLED.
+    gateway's StopRun). Its open Train stream, if any, ends CANCELLED. With
+    checkpoint set the job first writes a final checkpoint at its last
+    episode and the call answers once it is in the store.
 
     Status codes:
       OK                the job is cancelled (its provider stops within one
@@ -231,7 +235,9 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_service_pb2.CancelJobResponse, _abc.Awaitable[_trainer_service_pb2.CancelJobResponse]]:
         """Cancels a job at once, attached or not, and frees its slot (the
-        gateway's StopRun). Its open Train stream, if any, ends CANCELLED.
+        gateway's StopRun). Its open Train stream, if any, ends CANCELLED. With
+        checkpoint set the job first writes a final checkpoint at its last
+        episode and the call answers once it is in the store.
 
         Status codes:
           OK                the job is cancelled (its provider stops within one
