@@ -37,9 +37,11 @@ _SETTINGS: dict[str, Any] = {
 }
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def stack() -> Iterator[LiveStack]:
-    with live_stack() as live:
+    """One gateway for the module (each test makes its own runs): in the client-version venvs
+    it is a subprocess, and starting one per test was most of those tests' time."""
+    with live_stack(slots=64) as live:
         yield live
 
 
@@ -332,6 +334,8 @@ def test_unary_calls_and_their_errors_over_the_real_gateway(client: tc.GatewayCl
         "task.imitation.group_size",
         "config.max_episodes",
     }
+    for run_id in later:  # the module's other tests share the gateway and its slots
+        client.stop_run(run_id)
 
 
 def test_the_aio_client_has_the_same_unary_surface(stack: LiveStack) -> None:
