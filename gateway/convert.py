@@ -59,6 +59,9 @@ def run_to_proto(
         trainer_episode=run.trainer_episode,
         state_detail=run.state_detail,
         creator=run.creator,
+        checkpoint_episode=run.checkpoint_episode,
+        restarts=run.restarts,
+        parked=run.parked,
     )
     if run.create_time:
         message.create_time.FromNanoseconds(run.create_time)

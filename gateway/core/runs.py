@@ -79,6 +79,11 @@ class TrainingRun:
         request_hash: The fingerprint of the request that created it (tells a retried
             request_id from a reused one; "" for runs stored before fingerprints).
         creator: The name of the token that created it ("" without authentication).
+        checkpoint_episode: The episode of its latest recorded checkpoint (0: none yet);
+            the store's checkpoint records keep it, ``Store.update_run`` never writes it.
+        restarts: How often the gateway re-placed it from a checkpoint after its trainer died.
+        parked: Paused with its job ended and its slot freed; resuming places it again from
+            its checkpoint.
     """
 
     id: str
@@ -102,6 +107,9 @@ class TrainingRun:
     state_detail: str = ""
     request_hash: str = ""
     creator: str = ""
+    checkpoint_episode: int = 0
+    restarts: int = 0
+    parked: bool = False
 
     def snapshot(self) -> TrainingRun:
         """A copy that later transitions do not change (task and config are shared, read-only)."""

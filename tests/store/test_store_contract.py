@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from gateway.core.runs import RunState, TrainingRun
-from gateway.core.store import DuplicateRequest, EpisodeRecord, Store, open_store
+from gateway.core.store import (
+    CheckpointRecord,
+    DuplicateRequest,
+    EpisodeRecord,
+    Store,
+    open_store,
+)
 from tests.fakes.fake_trainer import valid_episodes
 from tests.fakes.waiting import TIMEOUT
 from trainwire.v1 import episode_pb2
@@ -67,6 +73,26 @@ async def store(opener: Opener) -> AsyncIterator[Store]:
         yield s
     finally:
         await s.close()
+
+
+def checkpoint(run_id: str, episode: int, digest: str = "") -> CheckpointRecord:
+    return CheckpointRecord(
+        run_id,
+        episode,
+        create_time=1_700_000_000_000_000_000 + episode,
+        size_bytes=1000 * episode,
+        sha256=digest or f"{episode:064x}",
+    )
+
+
+async def checkpoint_episode(store: Store, run_id: str) -> int:
+    run = await store.get_run(run_id)
+    assert run is not None
+    return run.checkpoint_episode
+
+
+async def listed(store: Store, run_id: str) -> list[int]:
+    return [c.episode for c in await store.list_checkpoints(run_id)]
 
 
 async def append(store: Store, recs: list[EpisodeRecord]) -> list[BaseException | None]:
@@ -241,5 +267,143 @@ async def test_close_commits_what_is_queued_and_a_new_store_reads_it(opener: Ope
         loaded = await again.find_request("r")
         assert loaded is not None and loaded.episode == 25
         assert len(await again.read_episodes("a", 1, 25)) == 25
+    finally:
+        await again.close()
+
+
+async def test_checkpoints_are_listed_oldest_first_and_a_repeat_keeps_the_first(
+    store: Store,
+) -> None:
+    await store.insert_run(make_run("a"))
+    assert await checkpoint_episode(store, "a") == 0
+    assert await store.list_checkpoints("a") == []
+    assert await store.add_checkpoint(checkpoint("a", 6), keep=4) == []
+    assert await store.add_checkpoint(checkpoint("a", 3), keep=4) == []  # an older one too
+    assert await store.list_checkpoints("a") == [checkpoint("a", 3), checkpoint("a", 6)]
+    assert await checkpoint_episode(store, "a") == 6
+    # The same checkpoint again (a retried report), even with another digest: a no-op.
+    assert await store.add_checkpoint(checkpoint("a", 6, digest="f" * 64), keep=4) == []
+    assert await store.list_checkpoints("a") == [checkpoint("a", 3), checkpoint("a", 6)]
+    assert await store.list_checkpoints("other") == []
+    with pytest.raises(ValueError, match="keep"):
+        await store.add_checkpoint(checkpoint("a", 9), keep=0)
+    assert await listed(store, "a") == [3, 6]
+    assert store.writable
+
+
+async def test_retention_keeps_the_latest_and_returns_exactly_what_it_deleted(
+    store: Store,
+) -> None:
+    await store.insert_run(make_run("a"))
+    await store.insert_run(make_run("b"))
+    deleted = [await store.add_checkpoint(checkpoint("a", e), keep=3) for e in range(2, 14, 2)]
+    assert deleted == [[], [], [], [2], [4], [6]]
+    assert await listed(store, "a") == [8, 10, 12]
+    # Older than the latest three (re-trained after a restore): not kept, so its files go.
+    assert await store.add_checkpoint(checkpoint("a", 5), keep=3) == [5]
+    assert await store.add_checkpoint(checkpoint("a", 11), keep=3) == [8]
+    assert await listed(store, "a") == [10, 11, 12]
+    assert await store.add_checkpoint(checkpoint("a", 14), keep=1) == [10, 11, 12]
+    assert await store.list_checkpoints("a") == [checkpoint("a", 14)]
+    assert await checkpoint_episode(store, "a") == 14
+    # Another run's records are its own.
+    assert await store.add_checkpoint(checkpoint("b", 1), keep=1) == []
+    assert await listed(store, "b") == [1]
+    assert await listed(store, "a") == [14]
+
+
+async def test_concurrent_checkpoints_of_a_run_apply_retention_once_each(store: Store) -> None:
+    await store.insert_run(make_run("a"))
+    results = await asyncio.gather(
+        *(store.add_checkpoint(checkpoint("a", e), keep=3) for e in range(1, 11))
+    )
+    deleted = sorted(e for episodes in results for e in episodes)
+    assert deleted == [1, 2, 3, 4, 5, 6, 7]
+    assert await listed(store, "a") == [8, 9, 10]
+    assert await checkpoint_episode(store, "a") == 10
+
+
+async def test_checkpoint_episode_follows_the_records_and_updates_never_rewind_it(
+    store: Store,
+) -> None:
+    run = make_run("a")
+    await store.insert_run(run)
+    snapshot = run.snapshot()  # taken before the checkpoints: checkpoint_episode 0
+    for episode in (3, 6, 9):
+        await store.add_checkpoint(checkpoint("a", episode), keep=4)
+    snapshot.start("t:1", 5)
+    await store.update_run(snapshot)
+    assert await checkpoint_episode(store, "a") == 9
+    # The latest one was corrupt: the gateway drops it and resumes from the one before.
+    await store.delete_checkpoints("a", [9])
+    assert await checkpoint_episode(store, "a") == 6
+    assert await listed(store, "a") == [3, 6]
+    await store.delete_checkpoints("a", [])
+    await store.delete_checkpoints("a", [7, 8])  # never recorded: nothing happens
+    assert await listed(store, "a") == [3, 6]
+    await store.delete_checkpoints("a", [3, 6])
+    assert await checkpoint_episode(store, "a") == 0
+    assert await store.list_checkpoints("a") == []
+
+
+async def test_delete_removes_the_run_s_checkpoint_records(store: Store) -> None:
+    await store.insert_run(make_run("a"))
+    await store.insert_run(make_run("b"))
+    for run_id in ("a", "b"):
+        await store.add_checkpoint(checkpoint(run_id, 4), keep=2)
+    await store.delete_run("a")
+    assert await store.list_checkpoints("a") == []
+    assert await listed(store, "b") == [4]
+    # A checkpoint that arrives after its run was deleted is not kept: its files go too.
+    assert await store.add_checkpoint(checkpoint("a", 8), keep=2) == [8]
+    assert await store.list_checkpoints("a") == []
+    await store.insert_run(make_run("a"))  # the id again: a new run, no old records
+    assert await store.list_checkpoints("a") == []
+    assert await checkpoint_episode(store, "a") == 0
+
+
+async def test_restarts_parked_and_the_checkpoint_are_read_back_everywhere(
+    store: Store,
+) -> None:
+    run = make_run("a")
+    await store.insert_run(run)
+    await store.insert_run(make_run("b"))
+    fresh = await store.get_run("a")
+    assert fresh is not None
+    assert (fresh.checkpoint_episode, fresh.restarts, fresh.parked) == (0, 0, False)
+    await store.add_checkpoint(checkpoint("a", 5), keep=2)
+    run.start("t:1", 1)
+    run.pause()
+    run.restarts = 2
+    run.parked = True
+    await store.update_run(run)
+    run.checkpoint_episode = 0  # stale in memory: never written by update_run
+    loaded = await store.get_run("a")
+    assert loaded is not None
+    assert (loaded.checkpoint_episode, loaded.restarts, loaded.parked) == (5, 2, True)
+    listed_runs = {r.id: r for r in await store.list_runs(None, None, 10)}
+    assert listed_runs["a"] == loaded
+    assert (listed_runs["b"].restarts, listed_runs["b"].parked) == (0, False)
+    active = {r.id: r for r in await store.active_runs()}
+    assert active["a"] == loaded
+    run.resume()
+    run.parked = False
+    await store.update_run(run)
+    loaded = await store.get_run("a")
+    assert loaded is not None
+    assert (loaded.state, loaded.restarts, loaded.parked) == (RunState.RUNNING, 2, False)
+
+
+async def test_checkpoint_records_survive_a_reopen(opener: Opener) -> None:
+    store = opener()
+    await store.start()
+    await store.insert_run(make_run("a"))
+    await store.add_checkpoint(checkpoint("a", 3), keep=2)
+    await store.close()
+    again = opener()
+    await again.start()
+    try:
+        assert await again.list_checkpoints("a") == [checkpoint("a", 3)]
+        assert await checkpoint_episode(again, "a") == 3
     finally:
         await again.close()

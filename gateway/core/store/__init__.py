@@ -1,4 +1,4 @@
-"""The gateway's store: runs and their episode histories, durably.
+"""The gateway's store: runs, their episode histories and checkpoint records, durably.
 
 ``Store`` (``gateway.core.store.base``) is what the core uses; ``open_store`` picks the backend
 from ``--db``: a file path or ``:memory:`` is SQLite (``sqlite_backend``, the embedded default,
@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from gateway.core.store.base import (
     STORE_MESSAGE,
+    CheckpointRecord,
     DatabaseProblem,
     DuplicateRequest,
     EpisodeRecord,
@@ -28,6 +29,7 @@ from gateway.core.store.sqlite_thread import WAL_LIMIT_BYTES, StoreThread
 __all__ = [
     "STORE_MESSAGE",
     "WAL_LIMIT_BYTES",
+    "CheckpointRecord",
     "DatabaseProblem",
     "DuplicateRequest",
     "EpisodeRecord",

@@ -11,10 +11,14 @@ Contract every backend keeps:
   event loop once the episode is durable (``None``) or could not be stored. Episodes that arrive
   together are committed together (group commit). An episode is never visible to a reader
   before its commit.
-- ``update_run`` never rewinds the episode counters (``append_episode`` owns them).
+- ``update_run`` never rewinds the episode counters (``append_episode`` owns them), nor
+  ``checkpoint_episode`` (the checkpoint records own it: it is the largest recorded episode).
+- ``add_checkpoint`` records a complete checkpoint and applies retention in one transaction,
+  and returns the episodes whose records it deleted: their files are the caller's to delete.
 - Writes of a run are fenced by its owner where several gateways share the database
   (PostgreSQL): a replica whose lease on a run was taken over gets ``NotOwner`` (from
-  ``update_run``, or as the error of ``append_episode``'s callback) and nothing is written.
+  ``update_run``, ``add_checkpoint`` and ``delete_checkpoints``, or as the error of
+  ``append_episode``'s callback) and nothing is written.
 - A write that fails because the database cannot be written (disk full, read-only, gone)
   raises ``StoreWriteFailed`` and turns ``writable`` off until a later write succeeds (the
   backend probes by itself); reads go on working.
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +49,35 @@ class EpisodeRecord:
     reward: float
     best_reward: float
     data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    """A complete checkpoint of a run, as the gateway records it.
+
+    Attributes:
+        run_id: The run it belongs to.
+        episode: The episode it was taken after (its key within the run).
+        create_time: When it was written (Unix nanoseconds).
+        size_bytes: Its size in the checkpoint store.
+        sha256: The hex digest that a download or a resume verifies.
+    """
+
+    run_id: str
+    episode: int
+    create_time: int
+    size_bytes: int
+    sha256: str
+
+
+def check_keep(keep: int) -> None:
+    """Refuses a retention that would delete the checkpoint just recorded.
+
+    Raises:
+        ValueError: ``keep`` is below 1.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
 
 
 class DatabaseProblem(Exception):
@@ -168,7 +201,7 @@ class WritableStore:
 
 
 class Store(Protocol):
-    """Durable runs and episode histories (see the module docstring)."""
+    """Durable runs, episode histories and checkpoint records (see the module docstring)."""
 
     @property
     def writable(self) -> bool:
@@ -192,7 +225,8 @@ class Store(Protocol):
         ...
 
     async def update_run(self, run: TrainingRun) -> None:
-        """Writes a run's state, speed, times, trainer and trainer episode.
+        """Writes a run's state, speed, times, trainer, trainer episode, restarts and parked
+        (never its episode counters nor ``checkpoint_episode``).
 
         Raises:
             NotOwner: another gateway replica owns the run (PostgreSQL).
@@ -224,7 +258,40 @@ class Store(Protocol):
         ...
 
     async def delete_run(self, run_id: str) -> None:
-        """Deletes a run and its history."""
+        """Deletes a run, its history and its checkpoint records."""
+        ...
+
+    async def add_checkpoint(self, record: CheckpointRecord, keep: int) -> list[int]:
+        """Records a complete checkpoint and keeps the run's latest ``keep``, in one
+        transaction; the run's ``checkpoint_episode`` becomes its largest recorded episode.
+
+        A record of an episode already recorded is a no-op (the first record stays, whatever
+        its digest). Retention keeps the ``keep`` largest episodes, so a record older than
+        those is deleted at once. A record of a run that does not exist is not kept.
+
+        Returns:
+            The episodes whose records were not kept, in order (their files are the caller's
+            to delete).
+
+        Raises:
+            ValueError: ``keep`` is below 1.
+            NotOwner: another gateway replica owns the run (PostgreSQL); nothing is written.
+            StoreWriteFailed: the database cannot be written.
+        """
+        ...
+
+    async def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        """The run's checkpoint records, oldest (smallest episode) first."""
+        ...
+
+    async def delete_checkpoints(self, run_id: str, episodes: Sequence[int]) -> None:
+        """Deletes checkpoint records (one the gateway found corrupt) and sets the run's
+        ``checkpoint_episode`` to its largest remaining episode (0 when none is left).
+
+        Raises:
+            NotOwner: another gateway replica owns the run (PostgreSQL); nothing is written.
+            StoreWriteFailed: the database cannot be written.
+        """
         ...
 
     async def count_by_state(self) -> dict[RunState, int]:

@@ -1,7 +1,8 @@
 """The PostgreSQL ``Store``: runs and episode histories shared by gateway replicas.
 
 ``--db postgresql://USER@HOST:PORT/DB`` (any libpq URL) selects it. This module holds the
-store's lifecycle and its queries of runs and episodes; the rest is split by responsibility:
+store's lifecycle and its queries of runs, episodes and checkpoint records; the rest is split
+by responsibility:
 
 - ``gateway.core.store.postgres_db``: the connection pool (psycopg 3 on the event loop),
   transactions with retries, and writability (a write that cannot reach the database raises
@@ -13,8 +14,10 @@ store's lifecycle and its queries of runs and episodes; the rest is split by res
   leases, controls, notifications).
 
 Fencing: every write of a run is conditional on this replica owning it (``runs.owner``, or no
-owner at all); a stale owner's ``update_run`` raises ``NotOwner``, and its episodes are not
-inserted (their callbacks get ``NotOwner``).
+owner at all); a stale owner's ``update_run``, ``add_checkpoint`` and ``delete_checkpoints``
+raise ``NotOwner``, and its episodes are not inserted (their callbacks get ``NotOwner``). The
+checkpoint writes lock the run's row first, so they run one at a time per run and a takeover
+either waits for them or makes them write nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ import psycopg
 import psycopg.errors
 
 from gateway.core.runs import RunState, TrainingRun
-from gateway.core.store.base import DuplicateRequest, EpisodeRecord, NotOwner
+from gateway.core.store.base import (
+    CheckpointRecord,
+    DuplicateRequest,
+    EpisodeRecord,
+    NotOwner,
+    check_keep,
+)
 from gateway.core.store.postgres_db import CHANNEL, PostgresDatabase, is_postgres_url, safe_url
 from gateway.core.store.postgres_episodes import GroupCommit
 from gateway.core.store.postgres_schema import SCHEMA_VERSION
@@ -112,8 +121,8 @@ class PostgresStore(PostgresDatabase):
             raise
 
     async def update_run(self, run: TrainingRun) -> None:
-        """Writes a run's state, speed, times, trainer and trainer episode (never its
-        counters), fenced by its owner, and announces it.
+        """Writes a run's state, speed, times, trainer, trainer episode, restarts and parked
+        (never its counters nor ``checkpoint_episode``), fenced by its owner, and announces it.
 
         Raises:
             NotOwner: another replica owns the run.
@@ -122,7 +131,7 @@ class PostgresStore(PostgresDatabase):
         async def go(conn: psycopg.AsyncConnection) -> None:
             cur = await conn.execute(
                 "UPDATE runs SET state=%s, error_message=%s, speed=%s, start_time=%s, "
-                "end_time=%s, trainer=%s, trainer_episode=%s "
+                "end_time=%s, trainer=%s, trainer_episode=%s, restarts=%s, parked=%s "
                 "WHERE id=%s AND (owner=%s OR owner IS NULL) RETURNING id",
                 (
                     int(run.state),
@@ -132,6 +141,8 @@ class PostgresStore(PostgresDatabase):
                     run.end_time,
                     run.trainer,
                     run.trainer_episode,
+                    run.restarts,
+                    run.parked,
                     run.id,
                     self.replica_id,
                 ),
@@ -146,10 +157,11 @@ class PostgresStore(PostgresDatabase):
         await self.write(go)
 
     async def delete_run(self, run_id: str) -> None:
-        """Deletes a run and its history."""
+        """Deletes a run, its history and its checkpoint records."""
 
         async def go(conn: psycopg.AsyncConnection) -> None:
             await conn.execute("DELETE FROM episodes WHERE run_id=%s", (run_id,))
+            await conn.execute("DELETE FROM checkpoints WHERE run_id=%s", (run_id,))
             await conn.execute("DELETE FROM runs WHERE id=%s", (run_id,))
             await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"d:{run_id}"))
 
@@ -199,6 +211,107 @@ class PostgresStore(PostgresDatabase):
         return await self._fetch_runs(
             f"SELECT {_RUN_COLUMNS} FROM runs WHERE state IN (1, 2, 3) ORDER BY seq", ()
         )
+
+    # -- checkpoint records ------------------------------------------------------------------
+
+    async def _lock_owned(self, conn: psycopg.AsyncConnection, run_id: str) -> bool:
+        """Locks the run's row if this replica owns it (or nobody does); False when there is
+        no such run.
+
+        Raises:
+            NotOwner: another replica owns it.
+        """
+        cur = await conn.execute(
+            "SELECT 1 FROM runs WHERE id=%s AND (owner=%s OR owner IS NULL) FOR UPDATE",
+            (run_id, self.replica_id),
+        )
+        if await cur.fetchone() is not None:
+            return True
+        cur = await conn.execute("SELECT 1 FROM runs WHERE id=%s", (run_id,))
+        if await cur.fetchone() is not None:
+            raise NotOwner(run_id)
+        return False
+
+    @staticmethod
+    async def _set_checkpoint_episode(conn: psycopg.AsyncConnection, run_id: str) -> None:
+        await conn.execute(
+            "UPDATE runs SET checkpoint_episode = "
+            "(SELECT coalesce(max(episode), 0) FROM checkpoints WHERE run_id=%s) WHERE id=%s",
+            (run_id, run_id),
+        )
+        await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"r:{run_id}"))
+
+    async def add_checkpoint(self, record: CheckpointRecord, keep: int) -> list[int]:
+        """Records a checkpoint and applies retention in one transaction, fenced by the
+        run's owner; returns the episodes whose records were not kept (see
+        ``Store.add_checkpoint``).
+
+        Raises:
+            ValueError: ``keep`` is below 1.
+            NotOwner: another replica owns the run; nothing is written.
+            StoreWriteFailed: the database cannot be written.
+        """
+        check_keep(keep)
+        run_id = record.run_id
+
+        async def go(conn: psycopg.AsyncConnection) -> list[int]:
+            if not await self._lock_owned(conn, run_id):
+                return [record.episode]
+            cur = await conn.execute(
+                "INSERT INTO checkpoints (run_id, episode, create_time, size_bytes, sha256) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING episode",
+                (run_id, record.episode, record.create_time, record.size_bytes, record.sha256),
+            )
+            if await cur.fetchone() is None:
+                return []  # recorded already: the first record stays
+            cur = await conn.execute(
+                "DELETE FROM checkpoints WHERE run_id=%s AND episode NOT IN "
+                "(SELECT episode FROM checkpoints WHERE run_id=%s "
+                "ORDER BY episode DESC LIMIT %s) RETURNING episode",
+                (run_id, run_id, keep),
+            )
+            deleted = sorted(int(row[0]) for row in await cur.fetchall())
+            await self._set_checkpoint_episode(conn, run_id)
+            return deleted
+
+        return await self.write(go)
+
+    async def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        """The run's checkpoint records, oldest first."""
+
+        async def go(conn: psycopg.AsyncConnection) -> list[CheckpointRecord]:
+            cur = await conn.execute(
+                "SELECT run_id, episode, create_time, size_bytes, sha256 FROM checkpoints "
+                "WHERE run_id=%s ORDER BY episode",
+                (run_id,),
+            )
+            return [
+                CheckpointRecord(row[0], int(row[1]), int(row[2]), int(row[3]), row[4])
+                for row in await cur.fetchall()
+            ]
+
+        return await self.read(go)
+
+    async def delete_checkpoints(self, run_id: str, episodes: Sequence[int]) -> None:
+        """Deletes checkpoint records and moves the run's ``checkpoint_episode``, fenced by
+        the run's owner.
+
+        Raises:
+            NotOwner: another replica owns the run; nothing is written.
+            StoreWriteFailed: the database cannot be written.
+        """
+        wanted = sorted(set(episodes))
+
+        async def go(conn: psycopg.AsyncConnection) -> None:
+            exists = await self._lock_owned(conn, run_id)
+            await conn.execute(
+                "DELETE FROM checkpoints WHERE run_id=%s AND episode = ANY(%s::bigint[])",
+                (run_id, wanted),
+            )
+            if exists:
+                await self._set_checkpoint_episode(conn, run_id)
+
+        await self.write(go)
 
     # -- episodes ----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ made the change, so a listener that wakes finds it committed):
 | ``k`` | a replica claimed a run (to start it, or to take it over) |
 | ``p`` | a PENDING run has no owner again (released after SLOTS_BUSY, or its claim expired) |
 | ``l`` | an active run was released by a replica that stops: take it over now |
-| ``r`` | a run's state, speed or trainer changed |
+| ``r`` | a run's state, speed, trainer or checkpoints changed |
 | ``e`` | episodes of a run were committed |
 | ``x`` | a control was requested for a run (its owner applies it) |
 | ``a`` | the owner applied the controls requested so far |

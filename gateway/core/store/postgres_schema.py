@@ -16,6 +16,9 @@ Versions (``MIGRATIONS[v - 1]`` takes a database from ``v - 1`` to ``v``):
    desired state and speed, ``control_seq`` (bumped by each request) and ``applied_seq`` /
    ``control_error`` (written by the owner once it applied them); a partial index of the active
    runs, which every replica scans.
+3. Checkpoints: a run's ``checkpoint_episode`` (the largest recorded checkpoint), ``restarts``
+   and ``parked``; ``checkpoints`` holds one record per complete checkpoint, keyed on (run,
+   episode).
 
 A migration runs in one transaction under an advisory lock, so replicas started together with
 ``--migrate`` migrate once, and a failed migration leaves the database as it was.
@@ -29,7 +32,7 @@ from psycopg import sql
 from gateway.core.store.base import DatabaseProblem, SchemaOutdated
 
 APPLICATION = "trainwire"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: ``pg_advisory_xact_lock`` key of schema changes ("TWIR").
 MIGRATION_LOCK = 0x54574952
 
@@ -77,7 +80,21 @@ _V2 = (
         ADD COLUMN control_error TEXT NOT NULL DEFAULT ''""",
     "CREATE INDEX runs_active ON runs (seq) WHERE state IN (1, 2, 3)",
 )
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
+_V3 = (
+    """ALTER TABLE runs
+        ADD COLUMN checkpoint_episode BIGINT NOT NULL DEFAULT 0,
+        ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0,
+        ADD COLUMN parked BOOLEAN NOT NULL DEFAULT false""",
+    """CREATE TABLE checkpoints (
+        run_id TEXT NOT NULL,
+        episode BIGINT NOT NULL,
+        create_time BIGINT NOT NULL,
+        size_bytes BIGINT NOT NULL,
+        sha256 TEXT NOT NULL,
+        PRIMARY KEY (run_id, episode)
+    )""",
+)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
 
 
 async def _tables(conn: psycopg.AsyncConnection) -> list[str]:

@@ -1,6 +1,7 @@
-"""SQLite queries of the gateway's store: ``SqliteStore``, the synchronous runs and episodes of
-one database file (the schema and its migrations are ``gateway.core.store.sqlite_schema``; the
-thread that owns the connection and group-commits is ``gateway.core.store.sqlite_thread``).
+"""SQLite queries of the gateway's store: ``SqliteStore``, the synchronous runs, episodes and
+checkpoint records of one database file (the schema and its migrations are
+``gateway.core.store.sqlite_schema``; the thread that owns the connection and group-commits is
+``gateway.core.store.sqlite_thread``).
 
 Durability: WAL with ``synchronous=NORMAL``: a committed transaction survives a crash of the
 process (``kill -9``); a power loss may lose the last commits, never corrupt the database.
@@ -16,7 +17,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.core.runs import RunState, TrainingRun
-from gateway.core.store.base import DatabaseProblem, EpisodeRecord, StoreWriteFailed
+from gateway.core.store.base import (
+    CheckpointRecord,
+    DatabaseProblem,
+    EpisodeRecord,
+    StoreWriteFailed,
+)
 from gateway.core.store.sqlite_schema import check, upgrade
 from trainwire.v1 import episode_pb2
 
@@ -29,7 +35,7 @@ PROBE_BYTES = 256 << 10
 _RUN_COLUMNS = (
     "seq, id, request_id, state, error_message, speed, episodes_per_second, episode, reward, "
     "best_reward, task, config, create_time, start_time, end_time, display_name, trainer, "
-    "trainer_episode, creator, request_hash"
+    "trainer_episode, creator, request_hash, checkpoint_episode, restarts, parked"
 )
 
 
@@ -106,6 +112,9 @@ def _run_values(run: TrainingRun) -> tuple[Any, ...]:
         run.trainer_episode,
         run.creator,
         run.request_hash,
+        run.checkpoint_episode,
+        run.restarts,
+        run.parked,
     )
 
 
@@ -133,6 +142,9 @@ def _run_from_row(row: Sequence[Any]) -> TrainingRun:
         trainer_episode=row[17],
         creator=row[18],
         request_hash=row[19],
+        checkpoint_episode=row[20],
+        restarts=row[21],
+        parked=bool(row[22]),
     )
 
 
@@ -247,7 +259,7 @@ class SqliteStore:
         """Inserts a new run; returns its creation sequence number."""
         cur = self._conn.execute(
             f"INSERT INTO runs ({_RUN_COLUMNS}) "
-            "VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             _run_values(run),
         )
         seq = cur.lastrowid
@@ -255,14 +267,15 @@ class SqliteStore:
         return seq
 
     def update_run(self, run: TrainingRun) -> None:
-        """Writes a run's state, speed, times, trainer and trainer episode.
+        """Writes a run's state, speed, times, trainer, trainer episode, restarts and parked.
 
         The episode counters are not written: ``append_episodes`` owns them, and a snapshot
-        taken before the last group commit must not rewind them.
+        taken before the last group commit must not rewind them; nor is
+        ``checkpoint_episode``, which the checkpoint records own.
         """
         self._conn.execute(
             "UPDATE runs SET state=?, error_message=?, speed=?, start_time=?, end_time=?, "
-            "trainer=?, trainer_episode=? WHERE id=?",
+            "trainer=?, trainer_episode=?, restarts=?, parked=? WHERE id=?",
             (
                 int(run.state),
                 run.error_message,
@@ -271,6 +284,8 @@ class SqliteStore:
                 run.end_time,
                 run.trainer,
                 run.trainer_episode,
+                run.restarts,
+                run.parked,
                 run.id,
             ),
         )
@@ -331,9 +346,58 @@ class SqliteStore:
         return [r[0] for r in rows]
 
     def delete_run(self, run_id: str) -> None:
-        """Deletes a run and its history."""
+        """Deletes a run, its history and its checkpoint records."""
         self._conn.execute("DELETE FROM episodes WHERE run_id=?", (run_id,))
+        self._conn.execute("DELETE FROM checkpoints WHERE run_id=?", (run_id,))
         self._conn.execute("DELETE FROM runs WHERE id=?", (run_id,))
+
+    def add_checkpoint(self, record: CheckpointRecord, keep: int) -> list[int]:
+        """Records a checkpoint, keeps the run's ``keep`` largest episodes and moves its
+        ``checkpoint_episode`` (see ``Store.add_checkpoint``); returns the episodes whose
+        records are not kept, in order (the record itself when the run does not exist)."""
+        run = self._conn.execute("SELECT 1 FROM runs WHERE id=?", (record.run_id,)).fetchone()
+        if run is None:
+            return [record.episode]
+        cur = self._conn.execute(
+            "INSERT OR IGNORE INTO checkpoints (run_id, episode, create_time, size_bytes, sha256) "
+            "VALUES (?,?,?,?,?)",
+            (record.run_id, record.episode, record.create_time, record.size_bytes, record.sha256),
+        )
+        if cur.rowcount == 0:
+            return []  # recorded already: the first record stays
+        rows = self._conn.execute(
+            "DELETE FROM checkpoints WHERE run_id=? AND episode NOT IN "
+            "(SELECT episode FROM checkpoints WHERE run_id=? ORDER BY episode DESC LIMIT ?) "
+            "RETURNING episode",
+            (record.run_id, record.run_id, keep),
+        ).fetchall()
+        self._set_checkpoint_episode(record.run_id)
+        return sorted(episode for (episode,) in rows)
+
+    def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        """The run's checkpoint records, oldest first."""
+        rows = self._conn.execute(
+            "SELECT run_id, episode, create_time, size_bytes, sha256 FROM checkpoints "
+            "WHERE run_id=? ORDER BY episode",
+            (run_id,),
+        ).fetchall()
+        return [CheckpointRecord(*row) for row in rows]
+
+    def delete_checkpoints(self, run_id: str, episodes: Sequence[int]) -> None:
+        """Deletes checkpoint records and moves the run's ``checkpoint_episode`` to its largest
+        remaining one."""
+        self._conn.executemany(
+            "DELETE FROM checkpoints WHERE run_id=? AND episode=?",
+            [(run_id, episode) for episode in episodes],
+        )
+        self._set_checkpoint_episode(run_id)
+
+    def _set_checkpoint_episode(self, run_id: str) -> None:
+        self._conn.execute(
+            "UPDATE runs SET checkpoint_episode = "
+            "(SELECT coalesce(max(episode), 0) FROM checkpoints WHERE run_id=?) WHERE id=?",
+            (run_id, run_id),
+        )
 
     def count_by_state(self) -> dict[RunState, int]:
         """How many runs are in each state (states without runs are left out)."""

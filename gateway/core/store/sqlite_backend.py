@@ -12,16 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store.base import (
+    CheckpointRecord,
     DuplicateRequest,
     EpisodeRecord,
     StoreWriteFailed,
     Writability,
     WritableStore,
+    check_keep,
 )
 from gateway.core.store.sqlite import SqliteStore
 from gateway.core.store.sqlite_thread import StoreThread
@@ -117,12 +119,35 @@ class SqliteBackend(WritableStore):
             raise
 
     async def update_run(self, run: TrainingRun) -> None:
-        """Writes a run's state, speed, times, trainer and trainer episode."""
+        """Writes a run's state, speed, times, trainer, trainer episode, restarts and parked."""
         await self._write(SqliteStore.update_run, run)
 
     async def delete_run(self, run_id: str) -> None:
-        """Deletes a run and its history."""
+        """Deletes a run, its history and its checkpoint records."""
         await self._write(SqliteStore.delete_run, run_id)
+
+    async def add_checkpoint(self, record: CheckpointRecord, keep: int) -> list[int]:
+        """Records a checkpoint and applies retention in one transaction; returns the
+        episodes whose records were not kept (see ``Store.add_checkpoint``).
+
+        Raises:
+            ValueError: ``keep`` is below 1.
+            StoreWriteFailed: the database cannot be written.
+        """
+        check_keep(keep)
+        return await self._write(SqliteStore.add_checkpoint, record, keep)
+
+    async def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        """The run's checkpoint records, oldest first."""
+        return await self._call(SqliteStore.list_checkpoints, run_id)
+
+    async def delete_checkpoints(self, run_id: str, episodes: Sequence[int]) -> None:
+        """Deletes checkpoint records and moves the run's ``checkpoint_episode``.
+
+        Raises:
+            StoreWriteFailed: the database cannot be written.
+        """
+        await self._write(SqliteStore.delete_checkpoints, run_id, tuple(episodes))
 
     def append_episode(
         self, record: EpisodeRecord, callback: Callable[[BaseException | None], None]

@@ -12,21 +12,26 @@ Versions:
    tells a reused ``request_id`` from a retried one); ``episodes`` becomes a ``WITHOUT ROWID``
    table keyed on (run, episode), so each episode is stored once instead of in the table and
    again in its key's index; ``gateway_meta`` holds the write probe.
+3. Checkpoints: ``runs`` gains ``checkpoint_episode`` (the largest recorded checkpoint),
+   ``restarts`` and ``parked``; ``checkpoints`` holds one record per complete checkpoint,
+   keyed on (run, episode).
 
 A database at an older version is migrated only when asked (``migrate=True``): a migration runs
-in one transaction, so a failed one leaves the database as it was.
+in one transaction (every step from its version to the latest), so a failed one leaves the
+database as it was.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 
 from gateway.core.store.base import DatabaseProblem, SchemaOutdated
 
 APPLICATION_ID = 0x54574952  # "TWIR"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
-_RUNS_V2 = """
+_RUNS = """
 CREATE TABLE runs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     id TEXT NOT NULL UNIQUE,
@@ -47,13 +52,25 @@ CREATE TABLE runs (
     trainer TEXT NOT NULL,
     trainer_episode INTEGER NOT NULL DEFAULT 0,
     creator TEXT NOT NULL DEFAULT '',
-    request_hash TEXT NOT NULL DEFAULT ''
+    request_hash TEXT NOT NULL DEFAULT '',
+    checkpoint_episode INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0,
+    parked INTEGER NOT NULL DEFAULT 0
 )"""
 _EPISODES_V2 = """
 CREATE TABLE {name} (
     run_id TEXT NOT NULL,
     episode INTEGER NOT NULL,
     data BLOB NOT NULL,
+    PRIMARY KEY (run_id, episode)
+) WITHOUT ROWID"""
+_CHECKPOINTS = """
+CREATE TABLE checkpoints (
+    run_id TEXT NOT NULL,
+    episode INTEGER NOT NULL,
+    create_time INTEGER NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,
     PRIMARY KEY (run_id, episode)
 ) WITHOUT ROWID"""
 _INDEX = "CREATE INDEX IF NOT EXISTS runs_state ON runs (state, seq)"
@@ -124,13 +141,18 @@ def upgrade(conn: sqlite3.Connection, version: int) -> None:
     if version == 0:
         _in_transaction(conn, _create)
     elif version < SCHEMA_VERSION:
-        _in_transaction(conn, _migrate_1_to_2)
+
+        def migrate(conn: sqlite3.Connection) -> None:
+            for target in range(version + 1, SCHEMA_VERSION + 1):
+                MIGRATIONS[target](conn)
+
+        _in_transaction(conn, migrate)
 
 
-def _in_transaction(conn: sqlite3.Connection, step: object) -> None:
+def _in_transaction(conn: sqlite3.Connection, step: Callable[[sqlite3.Connection], None]) -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
-        step(conn)  # type: ignore[operator]
+        step(conn)
         conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
         conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         conn.execute("COMMIT")
@@ -140,9 +162,10 @@ def _in_transaction(conn: sqlite3.Connection, step: object) -> None:
 
 
 def _create(conn: sqlite3.Connection) -> None:
-    conn.execute(_RUNS_V2)
+    conn.execute(_RUNS)
     conn.execute(_INDEX)
     conn.execute(_EPISODES_V2.format(name="episodes"))
+    conn.execute(_CHECKPOINTS)
     conn.execute(_META)
 
 
@@ -161,3 +184,20 @@ def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
     conn.execute("DROP TABLE episodes")
     conn.execute("ALTER TABLE episodes_v2 RENAME TO episodes")
     conn.execute(_META)
+
+
+def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
+    for ddl in (
+        "checkpoint_episode INTEGER NOT NULL DEFAULT 0",
+        "restarts INTEGER NOT NULL DEFAULT 0",
+        "parked INTEGER NOT NULL DEFAULT 0",
+    ):
+        conn.execute(f"ALTER TABLE runs ADD COLUMN {ddl}")
+    conn.execute(_CHECKPOINTS)
+
+
+#: ``MIGRATIONS[v]`` takes a database from version ``v - 1`` to ``v``.
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    2: _migrate_1_to_2,
+    3: _migrate_2_to_3,
+}
