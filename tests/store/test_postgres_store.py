@@ -18,7 +18,7 @@ from gateway.core.store.postgres_leases import Leases, notifications
 from gateway.core.store.postgres_schema import SCHEMA_VERSION, upgrade
 from tests.fakes.gateway_harness import ROOT
 from tests.fakes.waiting import TIMEOUT, until
-from tests.store.test_store_contract import append, make_run, records
+from tests.store.test_store_contract import append, checkpoint, listed, make_run, records
 
 
 async def version_of(url: str) -> int:
@@ -29,11 +29,12 @@ async def version_of(url: str) -> int:
         return int(row[0])
 
 
-async def make_v1(url: str) -> None:
-    """A database at schema version 1 (before replicas) holding one finished run."""
+async def make_old(url: str, version: int = 1) -> None:
+    """A database at an older schema ``version`` (1: before replicas, 2: before checkpoints)
+    holding one finished run."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        await upgrade(conn, url, migrate=False, target=1)
-    # A version-1 database cannot take this gateway's queries: the row is written by hand.
+        await upgrade(conn, url, migrate=False, target=version)
+    # An older database cannot take this gateway's queries: the row is written by hand.
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         run = make_run("old", request_id="req-old")
         await conn.execute(
@@ -81,7 +82,7 @@ async def test_an_empty_database_gets_the_schema_and_a_foreign_one_is_refused(
 async def test_an_older_schema_is_refused_unless_migrated_and_keeps_its_runs(
     postgres_url: str,
 ) -> None:
-    await make_v1(postgres_url)
+    await make_old(postgres_url)
     with pytest.raises(SchemaOutdated, match="migrate it with `python -m gateway migrate"):
         await PostgresStore(postgres_url, "a").start()
     assert await version_of(postgres_url) == 1
@@ -96,10 +97,35 @@ async def test_an_older_schema_is_refused_unless_migrated_and_keeps_its_runs(
         await store.close()
 
 
+async def test_a_database_before_checkpoints_migrates_and_keeps_its_runs(
+    postgres_url: str,
+) -> None:
+    await make_old(postgres_url, version=2)
+    with pytest.raises(
+        SchemaOutdated, match=f"schema is version 2, this gateway's is {SCHEMA_VERSION}"
+    ):
+        await PostgresStore(postgres_url, "a").start()
+    assert await version_of(postgres_url) == 2
+    store = PostgresStore(postgres_url, "a", migrate=True)
+    await store.start()
+    try:
+        assert await version_of(postgres_url) == SCHEMA_VERSION
+        old = await store.find_request("req-old")
+        assert old is not None and old.state is RunState.DONE and old.episode == 2
+        assert (old.checkpoint_episode, old.restarts, old.parked) == (0, 0, False)
+        assert await store.read_episodes("old", 1, 2) == [b"a", b"b"]
+        assert await store.list_checkpoints("old") == []
+        assert await store.add_checkpoint(checkpoint("old", 2), keep=1) == []
+        migrated = await store.get_run("old")
+        assert migrated is not None and migrated.checkpoint_episode == 2
+    finally:
+        await store.close()
+
+
 async def test_the_migrate_command_and_the_gateway_refusal_are_one_line(
     postgres_url: str, postgres_server: object
 ) -> None:
-    await make_v1(postgres_url)
+    await make_old(postgres_url)
     refused = await asyncio.to_thread(
         gateway_cli, "--db", postgres_url, "--port", "0", "--http-port", "-1"
     )
@@ -218,6 +244,71 @@ async def test_commits_and_changes_are_announced(postgres_url: str) -> None:
         await store.update_run(run)
         await until(lambda: len(heard) >= 3, "3 notifications")
         assert heard == [("c", "n"), ("e", "n"), ("r", "n")]
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await store.close()
+
+
+async def test_checkpoint_writes_are_fenced_by_the_owner(
+    two: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = two
+    leases_a, leases_b = Leases(a, 30), Leases(b, 30)
+    run = make_run("r")
+    await a.insert_run(run)
+    # No owner yet: any replica may record (as update_run).
+    assert await b.add_checkpoint(checkpoint("r", 1), keep=2) == []
+    assert await leases_a.claim_pending("r") is not None
+    assert await a.add_checkpoint(checkpoint("r", 2), keep=2) == []
+    with pytest.raises(NotOwner):
+        await b.add_checkpoint(checkpoint("r", 3), keep=2)
+    with pytest.raises(NotOwner):
+        await b.delete_checkpoints("r", [2])
+    assert await listed(a, "r") == [1, 2]  # B wrote nothing, retention did not run
+    stored = await a.get_run("r")
+    assert stored is not None and stored.checkpoint_episode == 2
+    run.start("t", 1)
+    await a.update_run(run)
+    # A's lease runs out: B takes the run over, and from then on only B records.
+    async with a.pool.connection() as conn:  # type: ignore[union-attr]
+        await conn.execute("UPDATE runs SET lease_until = now() - interval '1 second'")
+    assert await leases_b.take_over("r") is not None
+    with pytest.raises(NotOwner):
+        await a.add_checkpoint(checkpoint("r", 4), keep=1)
+    with pytest.raises(NotOwner):
+        await a.delete_checkpoints("r", [1, 2])
+    assert await b.add_checkpoint(checkpoint("r", 4), keep=2) == [1]
+    await b.delete_checkpoints("r", [4])
+    assert await listed(a, "r") == [2]
+    stored = await a.get_run("r")
+    assert stored is not None and stored.checkpoint_episode == 2
+    assert a.writable and b.writable
+
+
+async def test_a_checkpoint_is_announced(postgres_url: str) -> None:
+    store = PostgresStore(postgres_url, "a")
+    await store.start()
+    heard: list[tuple[str, str]] = []
+    listening = asyncio.Event()
+
+    async def listen() -> None:
+        async for kind, run_id in notifications(postgres_url):
+            if not kind:
+                listening.set()
+                continue
+            heard.append((kind, run_id))
+
+    listener = asyncio.create_task(listen())
+    try:
+        await asyncio.wait_for(listening.wait(), TIMEOUT)
+        await store.insert_run(make_run("n"))
+        await store.add_checkpoint(checkpoint("n", 3), keep=2)
+        await store.add_checkpoint(checkpoint("n", 3), keep=2)  # a no-op: nothing to tell
+        await store.delete_checkpoints("n", [3])
+        await until(lambda: len(heard) >= 3, "3 notifications")
+        await asyncio.sleep(0.1)
+        assert heard == [("c", "n"), ("r", "n"), ("r", "n")]
     finally:
         listener.cancel()
         await asyncio.gather(listener, return_exceptions=True)

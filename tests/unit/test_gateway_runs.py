@@ -125,3 +125,13 @@ def test_snapshot_is_independent() -> None:
     snap = run.snapshot()
     run.start("t:1", 5)
     assert snap.state is RunState.PENDING and run.state is RunState.RUNNING
+
+
+def test_a_snapshot_keeps_the_checkpoint_fields_and_later_changes_leave_it_alone() -> None:
+    run = new_run()
+    run.checkpoint_episode, run.restarts, run.parked = 6, 1, True
+    snapshot = run.snapshot()
+    run.checkpoint_episode, run.restarts, run.parked = 9, 2, False
+    assert (snapshot.checkpoint_episode, snapshot.restarts, snapshot.parked) == (6, 1, True)
+    fresh = new_run()
+    assert (fresh.checkpoint_episode, fresh.restarts, fresh.parked) == (0, 0, False)

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from gateway.core.runs import TrainingRun
-from gateway.core.store import DatabaseProblem, EpisodeRecord, SchemaOutdated, SqliteStore
+from gateway.core.store import (
+    CheckpointRecord,
+    DatabaseProblem,
+    EpisodeRecord,
+    SchemaOutdated,
+    SqliteStore,
+)
 from gateway.core.store.sqlite_schema import APPLICATION_ID, SCHEMA_VERSION
 from trainwire.v1 import episode_pb2
 
@@ -30,6 +36,57 @@ CREATE TABLE episodes (
     PRIMARY KEY (run_id, episode)
 );
 """
+
+
+#: The second release's schema (version 2, before checkpoints), as it wrote it.
+V2_SCHEMA = f"""
+PRAGMA application_id={APPLICATION_ID};
+PRAGMA user_version=2;
+CREATE TABLE runs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, request_id TEXT UNIQUE,
+    state INTEGER NOT NULL, error_message TEXT NOT NULL, speed REAL NOT NULL,
+    episodes_per_second REAL NOT NULL, episode INTEGER NOT NULL, reward REAL NOT NULL,
+    best_reward REAL NOT NULL, task BLOB NOT NULL, config BLOB NOT NULL,
+    create_time INTEGER NOT NULL, start_time INTEGER NOT NULL, end_time INTEGER NOT NULL,
+    display_name TEXT NOT NULL, trainer TEXT NOT NULL,
+    trainer_episode INTEGER NOT NULL DEFAULT 0, creator TEXT NOT NULL DEFAULT '',
+    request_hash TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX runs_state ON runs (state, seq);
+CREATE TABLE episodes (
+    run_id TEXT NOT NULL, episode INTEGER NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (run_id, episode)
+) WITHOUT ROWID;
+CREATE TABLE gateway_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+def v2_database(path: Path, episodes: int = 3) -> None:
+    """A database as the second release left it: a finished run and a paused one, with their
+    histories."""
+    task = episode_pb2.TrainTask(
+        imitation=episode_pb2.ImitationTask(rig_name="stickman", clip_name="wave")
+    ).SerializeToString()
+    config = episode_pb2.TrainConfig(max_episodes=10).SerializeToString()
+    conn = sqlite3.connect(path)
+    conn.executescript(V2_SCHEMA)
+    conn.executemany(
+        "INSERT INTO runs VALUES (NULL,?,?,?,'',1,20,?,0.5,0.9,?,?,1,2,3,?,'t',?,'alice','h')",
+        [
+            ("done", "req-1", 4, episodes, task, config, "done run", episodes),
+            ("paused", None, 3, episodes, task, config, "paused run", episodes + 1),
+        ],
+    )
+    conn.executemany(
+        "INSERT INTO episodes VALUES (?, ?, ?)",
+        [
+            (run_id, n, f"{run_id} {n}".encode())
+            for run_id in ("done", "paused")
+            for n in range(1, episodes + 1)
+        ],
+    )
+    conn.commit()
+    conn.close()
 
 
 def v1_database(path: Path, episodes: int = 3) -> None:
@@ -88,6 +145,8 @@ def test_an_older_database_is_refused_until_migrated_and_keeps_everything(
     old = store.get_run("old")
     assert old is not None and old.display_name == "old run" and old.request_id == "req-1"
     assert (old.trainer_episode, old.creator, old.request_hash) == (0, "", "")
+    assert (old.checkpoint_episode, old.restarts, old.parked) == (0, 0, False)
+    assert store.list_checkpoints("old") == []
     assert store.read_episodes("old", 1, 3) == [b"episode 1", b"episode 2", b"episode 3"]
     store.begin()
     store.append_episodes([EpisodeRecord("old", 4, 0.1, 0.9, b"episode 4")])
@@ -97,6 +156,61 @@ def test_an_older_database_is_refused_until_migrated_and_keeps_everything(
     ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name='episodes'").fetchone()[0]
     conn.close()
     assert "WITHOUT ROWID" in ddl
+
+
+def test_a_database_before_checkpoints_is_refused_until_migrated_and_keeps_everything(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "v2.sqlite3"
+    v2_database(path)
+    before = path.read_bytes()
+    with pytest.raises(SchemaOutdated) as info:
+        SqliteStore(str(path))
+    assert f"schema is version 2, this gateway's is {SCHEMA_VERSION}" in str(info.value)
+    assert path.read_bytes() == before  # refused without a change
+    store = SqliteStore(str(path), migrate=True)
+    assert store.found_version == 2
+    done, paused = store.get_run("done"), store.get_run("paused")
+    assert done is not None and paused is not None
+    assert (done.state, done.request_id, done.creator, done.episode) == (4, "req-1", "alice", 3)
+    assert (paused.state, paused.trainer_episode) == (3, 4)
+    assert [r.id for r in store.active_runs()] == ["paused"]
+    for run in (done, paused):
+        assert (run.checkpoint_episode, run.restarts, run.parked) == (0, 0, False)
+        assert store.read_episodes(run.id, 1, 3) == [f"{run.id} {n}".encode() for n in (1, 2, 3)]
+    store.begin()
+    assert store.add_checkpoint(CheckpointRecord("paused", 3, 7, 100, "ab" * 32), 2) == []
+    paused.parked = True
+    paused.restarts = 1
+    store.update_run(paused)
+    store.commit()
+    store.close()
+    assert pragma(path, "user_version") == SCHEMA_VERSION
+    again = SqliteStore(str(path))  # at the latest version: opens without a migration
+    reopened = again.get_run("paused")
+    assert reopened is not None
+    assert (reopened.checkpoint_episode, reopened.restarts, reopened.parked) == (3, 1, True)
+    assert again.list_checkpoints("paused") == [CheckpointRecord("paused", 3, 7, 100, "ab" * 32)]
+    again.close()
+
+
+def test_a_failed_migration_leaves_the_database_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / "v2.sqlite3"
+    v2_database(path)
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE checkpoints (x)")  # in the way of the migration
+    conn.commit()
+    conn.close()
+    with pytest.raises(DatabaseProblem, match="checkpoints already exists"):
+        SqliteStore(str(path), migrate=True)
+    assert pragma(path, "user_version") == 2
+    conn = sqlite3.connect(path)
+    try:
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+        assert "checkpoint_episode" not in columns and "restarts" not in columns
+        assert conn.execute("SELECT COUNT(*) FROM episodes").fetchone()[0] == 6
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize(
