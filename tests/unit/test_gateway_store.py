@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from gateway.core.runs import RunState, TrainingRun
-from gateway.core.store import EpisodeRecord, SqliteStore, StoreThread
+from gateway.core.store import (
+    CheckpointRecord,
+    EpisodeRecord,
+    SqliteBackend,
+    SqliteStore,
+    StoreThread,
+    StoreWriteFailed,
+)
 from tests.fakes.fake_trainer import valid_episodes
 from tests.fakes.waiting import TIMEOUT
 from trainwire.v1 import episode_pb2
@@ -365,3 +372,25 @@ async def test_a_group_commit_of_large_episodes_stays_within_a_quarter_of_the_wa
     assert max(batches) * size <= limit // 4 + size, (batches, size)
     await thread.close()
     assert SqliteStore(path).read_episodes("big", 1, 600) == [r.data for r in big]
+
+
+async def test_a_checkpoint_record_that_cannot_be_written_fails_and_turns_writable_off(
+    tmp_path: Path,
+) -> None:
+    backend = SqliteBackend(str(tmp_path / "db.sqlite3"))
+    backend.db.insert_run(make_run("a"))  # before start: this thread may still use it
+    backend.db._conn.execute("PRAGMA query_only=1")  # every write fails as read-only
+    changes: list[bool] = []
+    backend.on_writable(changes.append)
+    await backend.start()
+    try:
+        with pytest.raises(StoreWriteFailed, match="read-only"):
+            await backend.add_checkpoint(CheckpointRecord("a", 4, 1, 10, "0" * 64), keep=2)
+        with pytest.raises(StoreWriteFailed):
+            await backend.delete_checkpoints("a", [4])
+        assert changes == [False] and not backend.writable
+        assert await backend.list_checkpoints("a") == []  # reads go on
+        run = await backend.get_run("a")
+        assert run is not None and run.checkpoint_episode == 0
+    finally:
+        await backend.close()
