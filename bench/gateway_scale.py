@@ -154,7 +154,7 @@ def fill_sqlite(path: str) -> float:
     import sqlite3
 
     conn = sqlite3.connect(path)
-    marks = ",".join("?" * 19)
+    marks = ",".join("?" * len(_RUN_COLUMNS.removeprefix("seq, ").split(", ")))
     runs = [r for r in _fill_runs() if r.id != "big-live"]  # one gateway: it would recover it
     conn.executemany(
         f"INSERT INTO runs ({_RUN_COLUMNS.removeprefix('seq, ')}) VALUES ({marks})",

@@ -7,8 +7,9 @@ may read or write is refused. A presented token is hashed and compared with ever
 in constant time (``hmac.compare_digest``, no early exit).
 
 Roles are ordered, each including the one before (``RPC_ROLES``): ``viewer`` reads (GetRun,
-ListRuns, WatchRun, ListCheckpoints, DownloadCheckpoint: a model is read like its run), ``operator`` also drives runs (CreateRun, PauseRun, ResumeRun, StopRun,
-SetRunSpeed), ``admin`` also deletes (DeleteRun). Health is open; reflection, and anything not
+ListRuns, WatchRun, ListCheckpoints, DownloadCheckpoint: a model is read like its run),
+``operator`` also drives runs (CreateRun, PauseRun, ResumeRun, StopRun, SetRunSpeed),
+``admin`` also deletes (DeleteRun). Health is open; reflection, and anything not
 named, needs ``viewer`` (a GatewayService RPC missing from the table needs ``admin``).
 
 ``Authenticator.check`` is the one decision; ``AuthInterceptor`` applies it to gRPC calls and

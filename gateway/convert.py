@@ -20,8 +20,9 @@ from gateway.core.registry import (
     WatchEvent,
 )
 from gateway.core.runs import RunState, TrainingRun
+from gateway.core.store import CheckpointRecord
 from trainwire.contract import FieldViolation, check_create_run, describe_violations
-from trainwire.v1 import gateway_service_pb2
+from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 _TOKEN_PREFIX = b"runs/v1/"
 #: The largest CreateRunRequest accepted (the gRPC server lets larger ones through, up to its
@@ -35,6 +36,15 @@ def timestamp_from_ns(ns: int) -> timestamp_pb2.Timestamp:
     stamp = timestamp_pb2.Timestamp()
     stamp.FromNanoseconds(ns)
     return stamp
+
+
+def checkpoint_to_proto(record: CheckpointRecord) -> episode_pb2.Checkpoint:
+    """The ``Checkpoint`` message of a stored record."""
+    message = episode_pb2.Checkpoint(
+        episode=record.episode, size_bytes=record.size_bytes, sha256=record.sha256
+    )
+    message.create_time.FromNanoseconds(record.create_time)
+    return message
 
 
 def run_to_proto(

@@ -113,6 +113,29 @@ class GatewayServicer:
         async for event in self._core.watch(request.run_id, request.after_episode):
             yield convert.watch_event_to_wire(event)
 
+    @map_errors
+    async def ListCheckpoints(
+        self, request: pb.ListCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListCheckpointsResponse:
+        """Lists a run's checkpoints, oldest first."""
+        records = await self._core.list_checkpoints(request.run_id)
+        return pb.ListCheckpointsResponse(
+            checkpoints=[convert.checkpoint_to_proto(r) for r in records]
+        )
+
+    @map_errors
+    async def DownloadCheckpoint(
+        self, request: pb.DownloadCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DownloadCheckpointResponse]:
+        """Streams a checkpoint: its record, then its tar in chunks (each written before the
+        next is read, so memory stays flat in the checkpoint's size)."""
+        if isinstance(request, Undecodable):
+            raise request.error()
+        record, chunks = await self._core.open_checkpoint(request.run_id, request.episode)
+        yield pb.DownloadCheckpointResponse(checkpoint=convert.checkpoint_to_proto(record))
+        async for chunk in chunks:
+            yield pb.DownloadCheckpointResponse(chunk=chunk)
+
 
 def _serialize_watch_response(message: bytes | pb.WatchRunResponse) -> bytes:
     # Episodes arrive pre-encoded (gateway.core.history): send those bytes untouched.
@@ -166,13 +189,15 @@ UNARY_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "StopRun": (pb.StopRunRequest, pb.StopRunResponse),
     "SetRunSpeed": (pb.SetRunSpeedRequest, pb.SetRunSpeedResponse),
     "DeleteRun": (pb.DeleteRunRequest, pb.DeleteRunResponse),
+    "ListCheckpoints": (pb.ListCheckpointsRequest, pb.ListCheckpointsResponse),
 }
 
 
 def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
     """Registers the servicer; like the generated ``add_GatewayServiceServicer_to_server``
     except that ``WatchRun`` responses may be pre-encoded bytes and a request that does not
-    parse is answered ``INVALID_ARGUMENT``."""
+    parse is answered ``INVALID_ARGUMENT``. The streams (``WatchRun``, ``DownloadCheckpoint``)
+    are registered apart from ``UNARY_METHODS``."""
     handlers: dict[str, grpc.RpcMethodHandler] = {
         name: grpc.unary_unary_rpc_method_handler(
             _guard_unary(getattr(servicer, name)),
@@ -185,6 +210,11 @@ def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
         servicer.WatchRun,
         request_deserializer=_deserializer(pb.WatchRunRequest),
         response_serializer=_serialize_watch_response,
+    )
+    handlers["DownloadCheckpoint"] = grpc.unary_stream_rpc_method_handler(
+        servicer.DownloadCheckpoint,
+        request_deserializer=_deserializer(pb.DownloadCheckpointRequest),
+        response_serializer=pb.DownloadCheckpointResponse.SerializeToString,
     )
     service = pb.DESCRIPTOR.services_by_name["GatewayService"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

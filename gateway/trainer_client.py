@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from gateway.core.trainers import (
+    Cancelled,
     Capabilities,
+    CheckpointFailed,
+    CheckpointSaved,
+    Resumed,
+    ResumePoint,
+    StreamEvent,
     TrainerBrokeContract,
     TrainerBusy,
     TrainerCrashed,
@@ -22,6 +28,7 @@ from gateway.core.trainers import (
     TrainerJobExists,
     TrainerJobGone,
     TrainerLost,
+    TrainerProcessDied,
 )
 from trainwire.reasons import ERROR_DOMAIN, ErrorReason
 from trainwire.tls import is_name_mismatch, target_host
@@ -128,14 +135,55 @@ def classify(
         return kind(detail)
     text = localized_message(error)
     if text is not None:
+        if error_reason(error) == ErrorReason.PROCESS_DIED:
+            return TrainerProcessDied(detail, text)
         return TrainerFailed(detail, text)
     if code in _LOST_CODES:
         return TrainerLost(detail)
     return TrainerCrashed(detail)
 
 
+def checkpoint_saved(message: episode_pb2.Checkpoint) -> CheckpointSaved:
+    """The core's record of a ``Checkpoint`` message."""
+    return CheckpointSaved(
+        episode=message.episode,
+        create_time=message.create_time.ToNanoseconds(),
+        size_bytes=message.size_bytes,
+        sha256=message.sha256,
+    )
+
+
+def checkpoint_message(saved: CheckpointSaved) -> episode_pb2.Checkpoint:
+    """The ``Checkpoint`` message of a core record."""
+    message = episode_pb2.Checkpoint(
+        episode=saved.episode, size_bytes=saved.size_bytes, sha256=saved.sha256
+    )
+    message.create_time.FromNanoseconds(saved.create_time)
+    return message
+
+
+def _event(message: trainer_service_pb2.TrainResponse) -> StreamEvent:
+    kind = message.WhichOneof("event")
+    if kind == "episode":
+        return message.episode
+    if kind == "checkpoint":
+        return checkpoint_saved(message.checkpoint)
+    if kind == "resumed":
+        resumed = message.resumed
+        episode = resumed.checkpoint.checkpoint.episode if resumed.HasField("checkpoint") else 0
+        return Resumed(
+            episode=episode,
+            best_reward=resumed.best_reward if episode else 0.0,
+            skipped=tuple((s.episode, s.reason) for s in resumed.skipped),
+        )
+    if kind == "checkpoint_failure":
+        failure = message.checkpoint_failure
+        return CheckpointFailed(failure.episode, failure.message)
+    return None  # a heartbeat (or an event this gateway does not know yet)
+
+
 class _GrpcTrainerStream:
-    """One ``Train`` call as an async iterator of episodes (``None`` for heartbeats)."""
+    """One ``Train`` call as an async iterator of ``StreamEvent`` (``None`` for heartbeats)."""
 
     def __init__(
         self, call: grpc.aio.UnaryStreamCall, address: str, server_name: str | None
@@ -144,10 +192,10 @@ class _GrpcTrainerStream:
         self._address = address
         self._server_name = server_name
 
-    def __aiter__(self) -> AsyncIterator[episode_pb2.Episode | None]:
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
         return self
 
-    async def __anext__(self) -> episode_pb2.Episode | None:
+    async def __anext__(self) -> StreamEvent:
         try:
             message = await self._call.read()
         except grpc.aio.AioRpcError as exc:
@@ -160,9 +208,7 @@ class _GrpcTrainerStream:
                 raise TrainerCrashed(f"trainer {self._address}: {code.name}")
             raise StopAsyncIteration
         assert isinstance(message, trainer_service_pb2.TrainResponse)
-        if message.WhichOneof("event") == "episode":
-            return message.episode
-        return None
+        return _event(message)
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -276,6 +322,7 @@ class GrpcTrainerConnector:
         config: episode_pb2.TrainConfig,
         grant_through_episode: int = 0,
         attach_after_episode: int | None = None,
+        resume_from: Sequence[ResumePoint] = (),
     ) -> _GrpcTrainerStream:
         """Starts a ``Train`` call (no deadline: the heartbeat timeout guards it)."""
         request = trainer_service_pb2.TrainRequest(
@@ -284,6 +331,12 @@ class GrpcTrainerConnector:
             config=config,
             grant_through_episode=grant_through_episode,
             attach_after_episode=attach_after_episode,
+            resume_from=[
+                trainer_service_pb2.CheckpointRef(
+                    run_id=point.run_id, checkpoint=checkpoint_message(point.checkpoint)
+                )
+                for point in resume_from
+            ],
         )
         channel, stub = self._open(address)
         call = stub.Train(request)
@@ -304,18 +357,28 @@ class GrpcTrainerConnector:
             self._ended(channel)
         return reply.last_episode
 
-    async def cancel_job(self, address: str, run_id: str, timeout: float) -> None:
-        """Cancels a job at once; a job that is already gone is fine."""
+    async def cancel_job(
+        self, address: str, run_id: str, timeout: float, checkpoint: bool = False
+    ) -> Cancelled:
+        """Cancels a job (with ``checkpoint``, once its final checkpoint is written); a job
+        that is already gone is fine."""
         channel, stub = self._open(address)
         try:
-            await stub.CancelJob(
-                trainer_service_pb2.CancelJobRequest(run_id=run_id), timeout=timeout
+            reply = await stub.CancelJob(
+                trainer_service_pb2.CancelJobRequest(run_id=run_id, checkpoint=checkpoint),
+                timeout=timeout,
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise classify(exc, address, self._server_name) from None
+            return Cancelled(checkpoint_error="the job was gone" if checkpoint else "")
         finally:
             self._ended(channel)
+        return Cancelled(
+            last_episode=reply.last_episode,
+            checkpoint=checkpoint_saved(reply.checkpoint) if reply.HasField("checkpoint") else None,
+            checkpoint_error=reply.checkpoint_error,
+        )
 
     async def close(self) -> None:
         """Closes every channel (cancelling calls still open)."""

@@ -24,6 +24,9 @@ __all__ = [
     "Aborted",
     "AlreadyExists",
     "Cancelled",
+    "CheckpointCorrupt",
+    "CheckpointNotFound",
+    "CheckpointStoreUnavailable",
     "DataLoss",
     "DeadlineExceeded",
     "FailedPrecondition",
@@ -273,6 +276,25 @@ class StoreUnavailable(Unavailable):
     error_reason = ErrorReason.STORE_UNAVAILABLE
 
 
+class CheckpointNotFound(NotFound):
+    """The run has no checkpoint at that episode (reason ``CHECKPOINT_NOT_FOUND``)."""
+
+    error_reason = ErrorReason.CHECKPOINT_NOT_FOUND
+
+
+class CheckpointCorrupt(DataLoss):
+    """A stored checkpoint no longer matches its digest (reason ``CHECKPOINT_CORRUPT``), or a
+    download did not (raised by ``download_checkpoint``)."""
+
+    error_reason = ErrorReason.CHECKPOINT_CORRUPT
+
+
+class CheckpointStoreUnavailable(Unavailable):
+    """The gateway cannot read the checkpoint store (reason ``CHECKPOINT_STORE_UNAVAILABLE``)."""
+
+    error_reason = ErrorReason.CHECKPOINT_STORE_UNAVAILABLE
+
+
 _CODE_CLASSES: dict[grpc.StatusCode, type[TrainwireError]] = {
     cls.grpc_code: cls
     for cls in (
@@ -309,6 +331,9 @@ _REASON_CLASSES: dict[tuple[grpc.StatusCode, ErrorReason], type[TrainwireError]]
         ShuttingDown,
         TrainerUnavailable,
         StoreUnavailable,
+        CheckpointNotFound,
+        CheckpointCorrupt,
+        CheckpointStoreUnavailable,
     )
     if cls.grpc_code is not None and cls.error_reason is not None
 }

@@ -48,6 +48,12 @@ class ErrorReason(StrEnum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
     #: The token's role is too low (``PERMISSION_DENIED``; metadata ``required_role``).
     PERMISSION_DENIED = "PERMISSION_DENIED"
+    #: The run has no checkpoint at that episode (``NOT_FOUND``; metadata ``run_id``).
+    CHECKPOINT_NOT_FOUND = "CHECKPOINT_NOT_FOUND"
+    #: A stored checkpoint no longer matches its digest (``DATA_LOSS``).
+    CHECKPOINT_CORRUPT = "CHECKPOINT_CORRUPT"
+    #: The checkpoint store cannot be read (``UNAVAILABLE``).
+    CHECKPOINT_STORE_UNAVAILABLE = "CHECKPOINT_STORE_UNAVAILABLE"
 
     # -- trainer -------------------------------------------------------------------------------
     #: Every slot is busy (``RESOURCE_EXHAUSTED``; metadata ``slots_total``). The only reason

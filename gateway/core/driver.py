@@ -19,6 +19,14 @@ Invariants:
   after them; a paused one ends without them).
 - Stop cancels the stream and the trainer's job (``CancelJob``); gateway shutdown cancels the
   stream only, so the trainer keeps the job for the next gateway to re-attach.
+- Every checkpoint the trainer reports is recorded (``Store.add_checkpoint``, which applies
+  the run's retention). A run paused for ``park_after_s`` is *parked*: its job writes a final
+  checkpoint and ends, and its slot is free; resume places it again, and the new job starts
+  from the newest checkpoint the run has every episode of. A run whose trainer or job died is
+  *restarted* the same way, at most ``max_restarts`` times, once it has such a checkpoint. A
+  new job trains again the episodes after its checkpoint that the run received; the feed drops
+  them, so watchers see every episode once. Episodes received and not yet published stay in
+  the driver's inbox across all of this.
 - With gateway replicas a driver drives its run only while its replica owns it: a *candidate*
   (a PENDING run no replica owns, ``owned`` False) has its ``Ownership`` claim the run before
   it dispatches it, and any write the store refuses with ``NotOwner`` makes the driver
@@ -29,15 +37,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.core.checkpoints import CheckpointFiles, keep_of, record_of, resume_points
 from gateway.core.credit import CreditWindow, lead_for
 from gateway.core.ending import Ending, end_of, log_end
 from gateway.core.errors import StoreUnavailable
-from gateway.core.feed import TrainerFeed
+from gateway.core.feed import Inbox, TrainerFeed
 from gateway.core.history import EpisodeLog
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
@@ -45,7 +55,15 @@ from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.settings import CoreSettings
 from gateway.core.store import STORE_MESSAGE, NotOwner, Store, StoreWriteFailed
-from gateway.core.trainers import TrainerBusy, TrainerConnector, TrainerError
+from gateway.core.trainers import (
+    CheckpointFailed,
+    CheckpointSaved,
+    Resumed,
+    ResumePoint,
+    TrainerBusy,
+    TrainerConnector,
+    TrainerError,
+)
 from trainwire.contract import ContractViolation, task_kind
 
 _LOGGER = logging.getLogger(__name__)
@@ -104,6 +122,8 @@ class DriverContext:
     spawn: Callable[[Awaitable[None], str], None]
     #: Takes a run whose final state the store could not take, to write it later.
     unsaved: Callable[[TrainingRun], None]
+    #: The checkpoint store's files (None: checkpoints are recorded, never deleted).
+    checkpoint_files: CheckpointFiles | None = None
 
 
 class RunDriver:
@@ -126,6 +146,7 @@ class RunDriver:
         self.publisher = Publisher(
             run, self.log, self.pacer, ctx.store, ctx.observer, self._maybe_grant
         )
+        self.inbox = Inbox()
         self.feed: TrainerFeed | None = None
         self.task: asyncio.Task[None] | None = None
         self.finalizing = False
@@ -134,6 +155,13 @@ class RunDriver:
         self._trainer = run.trainer
         self._reserved = False  # counted by the scheduler as starting on self._trainer
         self._ended = asyncio.Event()  # finalized (or handed to another replica)
+        #: An active run waiting to be placed again (parked and resumed, or restarted).
+        self.placing_again = False
+        #: For people: the last thing checkpoints did (a resume, a skipped or failed one).
+        self.checkpoint_note = ""
+        self._park_timer: asyncio.TimerHandle | None = None
+        self._parking = False
+        self._gave_up = False  # the failure came after the last restart
 
     @property
     def seq(self) -> int:
@@ -143,7 +171,8 @@ class RunDriver:
     @property
     def placeable(self) -> bool:
         """Whether the scheduler may still place the run."""
-        return self.run.state is RunState.PENDING and not self.finalizing and self.task is None
+        waiting = self.run.state is RunState.PENDING or self.placing_again
+        return waiting and not self.finalizing and self.task is None
 
     @property
     def trainer(self) -> str:
@@ -164,17 +193,29 @@ class RunDriver:
     def _detail(self) -> str:
         run = self.run
         granted = self.credit.granted
+        note = f"; {self.checkpoint_note}" if self.checkpoint_note else ""
         if run.state is RunState.PENDING:
             return self.pending_detail
+        if run.parked and run.state is RunState.PAUSED:
+            return (
+                f"parked at episode {run.episode}: its training state is in the checkpoint "
+                f"at episode {run.checkpoint_episode} and its trainer slot is free; resume "
+                f"places it again{note}"
+            )
+        if self.placing_again:
+            return (
+                f"{self.pending_detail}, to continue from its latest checkpoint "
+                f"(episode {run.checkpoint_episode}){note}"
+            )
         if run.state is RunState.RUNNING:
             return (
                 f"training on {self._trainer}: episode {run.trainer_episode} of "
-                f"{run.config.max_episodes} trained, granted through {granted}"
+                f"{run.config.max_episodes} trained, granted through {granted}{note}"
             )
         if run.state is RunState.PAUSED:
             return (
                 f"paused at episode {run.episode}; training holds at episode "
-                f"{run.trainer_episode} (granted through {granted})"
+                f"{run.trainer_episode} (granted through {granted}){note}"
             )
         return ""
 
@@ -190,12 +231,20 @@ class RunDriver:
 
     def reattach(self, frames: list[bytes]) -> None:
         """Continues a RUNNING or PAUSED run after a gateway restart: its committed history
-        ``frames`` goes back into the log and the stream re-attaches to the trainer's job."""
+        ``frames`` goes back into the log and the stream re-attaches to the trainer's job.
+        (What a previous gateway received and did not publish is gone with it: the run has
+        received through its published episode.)"""
         self.log.frames.extend(frames)
-        self.run.trainer_episode = max(self.run.trainer_episode, self.run.episode)
+        self.run.trainer_episode = self.run.episode
+        if self.run.parked:
+            # No job to re-attach to: resume places it again.
+            if self.run.state is RunState.RUNNING:
+                self._place_again("waiting for a free slot")
+            return
         self.task = asyncio.create_task(
             self._drive(self.run.episode), name=f"gateway-run-{self.run.id}"
         )
+        self._arm_park()
 
     # -- controls ----------------------------------------------------------------------------
 
@@ -207,6 +256,7 @@ class RunDriver:
         """Pauses publication; the trainer gets no new grant. No-op when paused."""
         if self.run.pause():
             self._controlled()
+            self._arm_park()
             await self.persist()
             _LOGGER.info(
                 "run %s paused at episode %d (trainer at %d)",
@@ -219,8 +269,11 @@ class RunDriver:
     async def resume(self) -> None:
         """Resumes publication and grants. No-op when running."""
         if self.run.resume():
+            self._disarm_park()
             self.pacer.restart()
             self._controlled()
+            if self.run.parked and not self._parking and self.task is None:
+                self._place_again("waiting for a free slot")
             self._maybe_grant()
             await self.persist()
             _LOGGER.info(
@@ -259,6 +312,7 @@ class RunDriver:
         """
         self.run.stop(self._ctx.now())
         self.finalizing = True
+        self._disarm_park()
         self._ctx.scheduler.dequeue(self)
         dispatched = self.task is not None
         await self._cancel_task()
@@ -266,12 +320,14 @@ class RunDriver:
         if not self.owned:
             raise NotOwner(self.run.id)
         if dispatched and self._trainer:
-            self._ctx.spawn(self._cancel_job(), f"gateway-cancel-{self.run.id}")
+            # The job's final checkpoint is the trained model.
+            self._ctx.spawn(self._cancel_job(checkpoint=True), f"gateway-cancel-{self.run.id}")
 
     async def detach(self) -> None:
         """Gateway shutdown: cancels the stream but not the trainer's job (the next gateway
         re-attaches), flushes the commits and stores the run as it is."""
         self.finalizing = True
+        self._disarm_park()
         await self._cancel_task()
         try:
             await self.publisher.flush()
@@ -291,6 +347,7 @@ class RunDriver:
         if not self.owned and self.finalizing:
             return  # abandoned already
         self.finalizing = True
+        self._disarm_park()
         self.owned = False
         self._ctx.scheduler.dequeue(self)
         await self._cancel_task()
@@ -372,10 +429,23 @@ class RunDriver:
 
     # -- driving -----------------------------------------------------------------------------
 
-    async def _answered(self) -> None:
-        """The trainer answered: its reservation ends, and a PENDING run starts."""
+    async def answered(self) -> None:
+        """The trainer answered: its reservation ends, a PENDING run starts, and a run placed
+        again trains on its new trainer."""
         self._release_reservation()
         run = self.run
+        if self.placing_again:
+            self.placing_again = False
+            run.parked = False
+            run.trainer = self._trainer
+            await self.persist()
+            _LOGGER.info(
+                "run %s continues on trainer %s",
+                run.id,
+                self._trainer,
+                extra={"run_id": run.id, "event": "placed_again"},
+            )
+            return
         if run.state is RunState.PENDING:
             run.start(self._trainer, self._ctx.now())
             await self.persist()
@@ -388,22 +458,249 @@ class RunDriver:
 
     async def _stream(self, attach_after: int | None) -> None:
         ctx = self._ctx
+        resume_from: list[ResumePoint] = []
+        if attach_after is None and self.run.trainer_episode:
+            resume_from = await self._resume_points()
         feed = TrainerFeed(
             self.run,
             self._trainer,
+            self.inbox,
             ctx.connector,
             ctx.settings,
             ctx.observer,
             ctx.clock,
-            self._answered,
+            self,
         )
         self.feed = feed
         await feed.stream(
             attach_after,
             self._opening_grant,
             lambda: 2 * self.lead() + MAX_UNCOMMITTED,
-            lambda reader: self.publisher.run(feed.inbox, reader),
+            lambda reader: self.publisher.run(self.inbox, reader),
+            resume_from,
         )
+
+    async def _resume_points(self) -> list[ResumePoint]:
+        """The checkpoints the run may continue from, newest first."""
+        records = await self._ctx.store.list_checkpoints(self.run.id)
+        return resume_points(records, self.run.trainer_episode)
+
+    # -- checkpoints (the feed's hooks) --------------------------------------------------------
+
+    async def checkpoint_saved(self, saved: CheckpointSaved) -> None:
+        """Records a checkpoint the trainer wrote and deletes what retention drops.
+
+        Raises:
+            NotOwner: another replica owns the run now.
+        """
+        run = self.run
+        record = record_of(run.id, saved)
+        try:
+            dropped = await self._ctx.store.add_checkpoint(record, keep_of(run.config))
+        except StoreWriteFailed as exc:
+            _LOGGER.error(
+                "run %s: could not record its checkpoint at episode %d: %s",
+                run.id,
+                saved.episode,
+                exc,
+                extra={"run_id": run.id},
+            )
+            return
+        run.checkpoint_episode = max(run.checkpoint_episode, saved.episode)
+        if self.checkpoint_note.startswith("the checkpoint at episode"):
+            self.checkpoint_note = ""  # a failed write, superseded by this one
+        _LOGGER.info(
+            "run %s: checkpoint at episode %d (%d bytes)",
+            run.id,
+            saved.episode,
+            saved.size_bytes,
+            extra={"run_id": run.id, "event": "checkpoint", "episode": saved.episode},
+        )
+        if dropped:
+            self._ctx.spawn(self._delete_files(dropped), f"gateway-retention-{run.id}")
+
+    async def _delete_files(self, episodes: list[int]) -> None:
+        files = self._ctx.checkpoint_files
+        if files is None:
+            return
+        for episode in episodes:
+            try:
+                await asyncio.to_thread(files.delete, self.run.id, episode)
+            except Exception as exc:
+                _LOGGER.warning(
+                    "run %s: could not delete its checkpoint at episode %d from %s: %s",
+                    self.run.id,
+                    episode,
+                    files.location,
+                    exc,
+                    extra={"run_id": self.run.id},
+                )
+
+    def resumed(self, resumed: Resumed) -> None:
+        """Notes where a job placed again started from, and what it skipped."""
+        run = self.run
+        skipped = "; ".join(
+            f"skipped the checkpoint at episode {e} ({why})" for e, why in resumed.skipped
+        )
+        start = (
+            f"continued from the checkpoint at episode {resumed.episode}"
+            if resumed.episode
+            else "started again from scratch (no checkpoint restored)"
+        )
+        self.checkpoint_note = f"{start}; {skipped}" if skipped else start
+        log = _LOGGER.warning if resumed.skipped else _LOGGER.info
+        log(
+            "run %s: %s",
+            run.id,
+            self.checkpoint_note,
+            extra={"run_id": run.id, "event": "resumed", "episode": resumed.episode},
+        )
+
+    def checkpoint_failed(self, failed: CheckpointFailed) -> None:
+        """A checkpoint could not be written: said in the run's detail; training goes on."""
+        self.checkpoint_note = (
+            f"the checkpoint at episode {failed.episode} could not be written: {failed.message}"
+        )
+        _LOGGER.error(
+            "run %s: %s",
+            self.run.id,
+            self.checkpoint_note,
+            extra={"run_id": self.run.id, "event": "checkpoint_failed"},
+        )
+
+    # -- park and restart ----------------------------------------------------------------------
+
+    def _place_again(self, why: str) -> None:
+        """Queues an active run whose job ended to be placed on a trainer again."""
+        self.placing_again = True
+        self.pending_detail = why
+        self._ctx.scheduler.requeue(self)
+
+    def _arm_park(self) -> None:
+        delay = self._ctx.settings.park_after_s
+        if delay <= 0 or self.run.state is not RunState.PAUSED or self.run.parked:
+            return
+        self._disarm_park()
+        loop = asyncio.get_running_loop()
+        self._park_timer = loop.call_later(
+            delay, lambda: self._ctx.spawn(self._park(), f"gateway-park-{self.run.id}")
+        )
+
+    def _disarm_park(self) -> None:
+        if self._park_timer is not None:
+            self._park_timer.cancel()
+            self._park_timer = None
+
+    async def _park(self) -> None:
+        """Parks a run paused for ``park_after_s``: its job writes a final checkpoint at its
+        grant and ends; the run keeps what it received and frees its slot."""
+        self._park_timer = None
+        run = self.run
+        if run.state is not RunState.PAUSED or run.parked or self.task is None:
+            return
+        if self.finalizing or self._parking:
+            return
+        self._parking = True
+        trainer = self._trainer
+        try:
+            # The job holds at its grant; the checkpoint is usable once the run has every
+            # episode up to it, so wait (boundedly) for the stream to deliver them.
+            deadline = self._ctx.clock() + self._ctx.settings.heartbeat_timeout_s
+            while (
+                run.trainer_episode < min(self.credit.granted, run.config.max_episodes)
+                and self._ctx.clock() < deadline
+                and run.state is RunState.PAUSED
+                and self.task is not None
+            ):
+                await asyncio.sleep(0.05)
+            if run.state is not RunState.PAUSED or self.task is None or self.finalizing:
+                return
+            await self._cancel_task()  # the stream; the trainer keeps the job, detached
+            try:
+                outcome = await self._ctx.connector.cancel_job(
+                    trainer,
+                    run.id,
+                    self._ctx.settings.checkpoint_call_timeout_s,
+                    checkpoint=True,
+                )
+            except TrainerError as exc:
+                _LOGGER.warning(
+                    "run %s: trainer %s did not confirm its final checkpoint (%s); parked on "
+                    "the checkpoints it has",
+                    run.id,
+                    trainer,
+                    exc,
+                    extra={"run_id": run.id},
+                )
+            else:
+                if outcome.checkpoint is not None:
+                    await self.checkpoint_saved(outcome.checkpoint)
+                elif outcome.checkpoint_error:
+                    self.checkpoint_note = (
+                        f"the parking checkpoint could not be written: {outcome.checkpoint_error}"
+                    )
+            if self.finalizing:
+                return
+            run.parked = True
+            self._ctx.scheduler.run_ended(trainer)
+            _LOGGER.info(
+                "run %s parked at episode %d (trained through %d, checkpoint at %d); trainer "
+                "slot on %s freed",
+                run.id,
+                run.episode,
+                run.trainer_episode,
+                run.checkpoint_episode,
+                trainer,
+                extra={"run_id": run.id, "event": "parked"},
+            )
+            if run.state is RunState.RUNNING:  # resumed while it parked
+                self._place_again("waiting for a free slot")
+            await self.persist()
+        except (StoreUnavailable, NotOwner) as exc:
+            _LOGGER.warning("run %s: parking not saved: %s", run.id, exc, extra={"run_id": run.id})
+        finally:
+            self._parking = False
+
+    async def _restart(self, failure: BaseException, trainer: str) -> bool:
+        """Restarts a run whose trainer or job died from its newest usable checkpoint, if it
+        has one and restarts left; returns whether it did."""
+        run = self.run
+        ending = end_of(failure)
+        if not ending.restartable or run.state not in (RunState.RUNNING, RunState.PAUSED):
+            return False
+        try:
+            points = await self._resume_points()
+        except Exception:
+            _LOGGER.exception("run %s: cannot read its checkpoints", run.id)
+            return False
+        if not points:
+            return False
+        limit = self._ctx.settings.max_restarts
+        if run.restarts >= limit:
+            self._gave_up = True
+            return False
+        run.restarts += 1
+        self._ctx.observer.trainer_failure(run.id, ending.label)
+        self.checkpoint_note = f"restart {run.restarts} of {limit} after trainer {trainer} failed"
+        _LOGGER.warning(
+            "run %s: trainer %s failed (%s); restart %d of %d from the checkpoint at episode %d",
+            run.id,
+            trainer,
+            failure,
+            run.restarts,
+            limit,
+            points[0].checkpoint.episode,
+            extra={"run_id": run.id, "event": "restarting"},
+        )
+        self.task = None
+        self._ctx.scheduler.run_ended(trainer)
+        if ending.cancel_job:
+            self._ctx.spawn(self._cancel_job(trainer), f"gateway-cancel-{run.id}")
+        self._place_again("waiting for a free slot")
+        with contextlib.suppress(StoreUnavailable):
+            # (Logged by the store; the count is written with the next change.)
+            await self.persist()
+        return True
 
     async def _drive(self, attach_after: int | None) -> None:
         """Runs the trainer stream to its end and records how the run ended."""
@@ -443,6 +740,8 @@ class RunDriver:
             self._release_reservation()
         if self.finalizing:
             return
+        if failure is not None and await self._restart(failure, trainer):
+            return
         self.finalizing = True
         self.task = None
         ending = None if failure is None else self._report(failure, trainer)
@@ -456,6 +755,11 @@ class RunDriver:
                 ending = self._report(exc, trainer)
         if ending is None:
             run.complete(self._ctx.now())
+        elif self._gave_up:
+            run.fail(
+                f"{ending.message} Gave up after {run.restarts} restarts from checkpoints.",
+                self._ctx.now(),
+            )
         else:
             run.fail(ending.message, self._ctx.now())
         await self.finalize()
@@ -497,20 +801,31 @@ class RunDriver:
             )
         return ending
 
-    async def _cancel_job(self) -> None:
+    async def _cancel_job(self, trainer: str = "", checkpoint: bool = False) -> None:
+        """Cancels the run's job on ``trainer`` (its current one by default); with
+        ``checkpoint`` the job first writes its final checkpoint, which is recorded."""
+        trainer = trainer or self._trainer
+        settings = self._ctx.settings
+        timeout = (
+            settings.checkpoint_call_timeout_s if checkpoint else settings.trainer_call_timeout_s
+        )
         try:
-            await self._ctx.connector.cancel_job(
-                self._trainer, self.run.id, self._ctx.settings.trainer_call_timeout_s
+            outcome = await self._ctx.connector.cancel_job(
+                trainer, self.run.id, timeout, checkpoint=checkpoint
             )
         except TrainerError as exc:
             _LOGGER.warning(
                 "run %s: could not cancel its job on %s (it ends after the trainer's detach "
                 "grace): %s",
                 self.run.id,
-                self._trainer,
+                trainer,
                 exc,
                 extra={"run_id": self.run.id},
             )
+            return
+        if outcome.checkpoint is not None:
+            with contextlib.suppress(NotOwner):  # the run's owner now records what it sees
+                await self.checkpoint_saved(outcome.checkpoint)
 
     # -- the end -----------------------------------------------------------------------------
 
@@ -518,6 +833,7 @@ class RunDriver:
         """After the final transition: flush, persist, leave the active runs, end the
         watches."""
         self.finalizing = True
+        self._disarm_park()
         run = self.run
         try:
             await self.publisher.flush()

@@ -27,6 +27,7 @@ from gateway.core.trainers import (
     TrainerJobExists,
     TrainerJobGone,
     TrainerLost,
+    TrainerProcessDied,
 )
 from trainwire.contract import ContractViolation
 
@@ -45,17 +46,21 @@ class Ending:
         label: The metrics label of a trainer failure ("" for any other failure).
         line: The log line's format, given the trainer and the failure (None: logged where it
             happened, or with its traceback by the driver).
+        restartable: The trainer or the job's process died (not the user's error, not the
+            gateway's): a run with a checkpoint is restarted from it.
     """
 
     message: str
     cancel_job: bool = False
     label: str = ""
     line: str | None = None
+    restartable: bool = False
 
 
 #: Trainer failures: the user message (None: the trainer's own), the label, the log line and
 #: whether the job is cancelled.
 _TRAINER_FAILURES: dict[type[TrainerError], tuple[str | None, str, str, bool]] = {
+    TrainerProcessDied: (None, "process_died", "a process of the job on %s died: %s", False),
     TrainerFailed: (None, "failed", "trainer %s failed: %s", False),
     TrainerLost: (LOST_MESSAGE, "lost", "trainer %s stopped responding: %s", False),
     TrainerJobGone: (INTERRUPTED_MESSAGE, "gone", "trainer %s no longer has the job: %s", False),
@@ -71,6 +76,10 @@ _TRAINER_FAILURES: dict[type[TrainerError], tuple[str | None, str, str, bool]] =
 }
 
 
+#: Failures of the trainer's machine or the job's processes, not of the task: restartable.
+_RESTARTABLE = (TrainerLost, TrainerJobGone, TrainerCrashed, TrainerProcessDied)
+
+
 def end_of(exc: BaseException) -> Ending:
     """How the failure ``exc`` of a run's stream ends the run."""
     if isinstance(exc, TrainerError):
@@ -78,7 +87,7 @@ def end_of(exc: BaseException) -> Ending:
         default, label, line, cancel = _TRAINER_FAILURES[kind]  # type: ignore[index]
         message = exc.user_message if isinstance(exc, TrainerFailed) else default
         assert message is not None
-        return Ending(message, cancel, label, line)
+        return Ending(message, cancel, label, line, isinstance(exc, _RESTARTABLE))
     if isinstance(exc, ContractViolation):
         return Ending(CONTRACT_MESSAGE, cancel_job=True)
     if isinstance(exc, (StoreWriteFailed, StoreUnavailable)):

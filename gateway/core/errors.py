@@ -12,6 +12,9 @@ rich statuses with ``trainwire_ops.rich_status``, the builder the trainer uses t
 | ShuttingDown | UNAVAILABLE | SHUTTING_DOWN |
 | TrainerUnavailable | UNAVAILABLE | TRAINER_UNAVAILABLE |
 | TooManyPending | RESOURCE_EXHAUSTED | TOO_MANY_PENDING |
+| CheckpointNotFound | NOT_FOUND | CHECKPOINT_NOT_FOUND |
+| CheckpointCorrupt | DATA_LOSS | CHECKPOINT_CORRUPT |
+| CheckpointStoreUnavailable | UNAVAILABLE | CHECKPOINT_STORE_UNAVAILABLE |
 | Unauthenticated | UNAUTHENTICATED | UNAUTHENTICATED |
 | PermissionDenied | PERMISSION_DENIED | PERMISSION_DENIED |
 """
@@ -102,6 +105,27 @@ class TooManyPending(GatewayError):
 
     status_code = "RESOURCE_EXHAUSTED"
     reason = ErrorReason.TOO_MANY_PENDING
+
+
+class CheckpointNotFound(GatewayError):
+    """The run has no checkpoint at that episode; the message lists the ones it has."""
+
+    status_code = "NOT_FOUND"
+    reason = ErrorReason.CHECKPOINT_NOT_FOUND
+
+
+class CheckpointCorrupt(GatewayError):
+    """A stored checkpoint no longer matches its recorded digest."""
+
+    status_code = "DATA_LOSS"
+    reason = ErrorReason.CHECKPOINT_CORRUPT
+
+
+class CheckpointStoreUnavailable(GatewayError):
+    """The checkpoint store cannot be read."""
+
+    status_code = "UNAVAILABLE"
+    reason = ErrorReason.CHECKPOINT_STORE_UNAVAILABLE
 
 
 class Unauthenticated(GatewayError):

@@ -3,9 +3,15 @@ the publisher, a broken stream re-attached within the heartbeat timeout, and a j
 previous gateway started taken over.
 
 ``Inbox`` is the bounded queue between the feed (which puts checked episodes) and the
-publisher (which takes them at the run's pace). ``TrainerFeed`` owns the stream: it knows the
-trainer, the contract checker and ``trainer_episode``, and nothing of pacing, commits or grants
-beyond the two callables it is given.
+publisher (which takes them at the run's pace); the driver owns it, so episodes received and
+not yet published outlive a feed (a parked or restarted run keeps them). ``TrainerFeed`` owns
+the stream: it knows the trainer, the contract checker and ``trainer_episode``, and nothing of
+pacing, commits or grants beyond the callables it is given.
+
+A job started from a checkpoint (``resume_from``) says first where it started (``Resumed``);
+it then trains again the episodes after that checkpoint that the run already received. Those
+are checked and dropped: a watcher never sees an episode twice or changed. The first new
+episode's ``best_reward`` continues the run's running maximum.
 """
 
 from __future__ import annotations
@@ -13,12 +19,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Protocol
 
 from gateway.core.observer import Observer
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.settings import CoreSettings
 from gateway.core.trainers import (
+    CheckpointFailed,
+    CheckpointSaved,
+    Resumed,
+    ResumePoint,
+    StreamEvent,
     TrainerConnector,
     TrainerError,
     TrainerJobExists,
@@ -49,6 +61,13 @@ class Inbox:
     def __len__(self) -> int:
         return len(self._items)
 
+    def best_reward(self, before: float | None) -> float | None:
+        """The running maximum after the episodes waiting here, starting from ``before``."""
+        best = before
+        for episode in self._items:
+            best = episode.best_reward if best is None else max(best, episode.best_reward)
+        return best
+
     async def put(self, episode: episode_pb2.Episode, cap: int) -> None:
         """Appends an episode once fewer than ``cap`` wait (a trainer that ignores its grants
         is held here, and HTTP/2 flow control then holds it)."""
@@ -74,6 +93,27 @@ class Inbox:
         await self._changed.wait()
 
 
+class FeedHooks(Protocol):
+    """What a feed tells its driver besides episodes."""
+
+    async def answered(self) -> None:
+        """Awaited on each message of the stream before it is handled (the first one releases
+        the scheduler's reservation and starts a PENDING run)."""
+        ...
+
+    async def checkpoint_saved(self, saved: CheckpointSaved) -> None:
+        """The trainer wrote a checkpoint (after an episode the run has received)."""
+        ...
+
+    def resumed(self, resumed: Resumed) -> None:
+        """A job started from resume points says where it started."""
+        ...
+
+    def checkpoint_failed(self, failed: CheckpointFailed) -> None:
+        """The trainer could not write a checkpoint; training goes on."""
+        ...
+
+
 class TrainerFeed:
     """Streams one run from its trainer into an ``Inbox`` (see the module docstring).
 
@@ -81,33 +121,43 @@ class TrainerFeed:
         run: The run (the feed sets ``trainer_episode``, and starts a PENDING run on its first
             answer).
         trainer: The trainer's address.
+        inbox: Where received episodes wait for the publisher (the driver's).
         connector: How to reach it.
         settings: Heartbeat timeout.
         observer: Metrics hooks.
         clock: Monotonic seconds (the re-attach deadline).
-        on_answer: Awaited on each message of the stream before it is handled (the first one
-            releases the scheduler's reservation and starts a PENDING run).
+        hooks: The driver's ears for answers and checkpoint events.
     """
 
     def __init__(
         self,
         run: TrainingRun,
         trainer: str,
+        inbox: Inbox,
         connector: TrainerConnector,
         settings: CoreSettings,
         observer: Observer,
         clock: Callable[[], float],
-        on_answer: Callable[[], Awaitable[None]],
+        hooks: FeedHooks,
     ) -> None:
         self.run = run
         self.trainer = trainer
-        self.inbox = Inbox()
+        self.inbox = inbox
         self._connector = connector
         self._settings = settings
         self._observer = observer
         self._clock = clock
-        self._on_answer = on_answer
+        self._hooks = hooks
         self._received_best: float | None = run.best_reward if run.episode else None
+        if run.trainer_episode > run.episode and inbox:
+            self._received_best = inbox.best_reward(self._received_best)
+        #: The last episode the job's streams delivered (re-trained ones included): where a
+        #: re-attach continues.
+        self._delivered = run.trainer_episode
+        #: Episodes through this one were received before; a resumed job trains them again.
+        self._drop_through = 0
+        #: The running maximum of the job's own stream (what its contract check continues).
+        self._checked_best = self._received_best
 
     async def stream(
         self,
@@ -115,9 +165,10 @@ class TrainerFeed:
         opening_grant: Callable[[], int],
         cap: Callable[[], int],
         consume: Callable[[asyncio.Task[None]], Awaitable[None]],
+        resume_from: Sequence[ResumePoint] = (),
     ) -> None:
         """Streams until ``consume`` returns (the done episode is published); re-attaches a
-        broken stream after ``trainer_episode`` for up to the heartbeat timeout.
+        broken stream after the last episode it delivered for up to the heartbeat timeout.
 
         Args:
             attach_after: None for a new job; else re-attach after this episode.
@@ -125,6 +176,7 @@ class TrainerFeed:
             cap: How many episodes the inbox may hold.
             consume: The publisher: takes the inbox until the done episode and raises what
                 the reader (the task it is given) raised.
+            resume_from: For a new job: the checkpoints it may start from, newest first.
 
         Raises:
             TrainerError, ContractViolation: how the run fails.
@@ -132,9 +184,11 @@ class TrainerFeed:
         loop_deadline: float | None = None
         lost = ""  # why the stream broke
         after = attach_after
+        if after is not None:
+            self._delivered = after
         while True:
             try:
-                await self._stream_once(after, opening_grant(), cap, consume)
+                await self._stream_once(after, opening_grant(), cap, consume, resume_from)
                 return
             except TrainerJobGone as exc:
                 if loop_deadline is None:
@@ -161,7 +215,7 @@ class TrainerFeed:
                     self.trainer,
                     extra={"run_id": self.run.id},
                 )
-                after = self.run.trainer_episode
+                after = self._delivered
             except TrainerLost as exc:
                 if self.run.state is RunState.PENDING and after is None:
                     raise  # never started: nothing to re-attach to
@@ -178,7 +232,7 @@ class TrainerFeed:
                     )
                 elif now >= loop_deadline:
                     raise
-                after = self.run.trainer_episode
+                after = self._delivered
                 await asyncio.sleep(REATTACH_BACKOFF_S)
 
     async def _stream_once(
@@ -187,14 +241,21 @@ class TrainerFeed:
         grant: int,
         cap: Callable[[], int],
         consume: Callable[[asyncio.Task[None]], Awaitable[None]],
+        resume_from: Sequence[ResumePoint],
     ) -> None:
         run = self.run
         checker = StreamChecker.for_task(run.task, run.config, run.id)
         if after:
             # Episodes received but not published stay in the inbox; a re-attach resumes
             # after them.
-            checker.resume(after, self._received_best)
-        stream = self._connector.train(self.trainer, run.id, run.task, run.config, grant, after)
+            checker.resume(after, self._checked_best)
+        if after is None:
+            # A new job: whatever it trains again up to what the run received is dropped.
+            self._drop_through = run.trainer_episode
+            self._checked_best = None
+        stream = self._connector.train(
+            self.trainer, run.id, run.task, run.config, grant, after, resume_from
+        )
         reader = asyncio.create_task(
             self._read(stream, checker, cap()), name=f"gateway-read-{run.id}"
         )
@@ -221,26 +282,48 @@ class TrainerFeed:
                 raise TrainerLost(
                     f"no episode or heartbeat from {self.trainer} for {timeout:g} s"
                 ) from None
-            await self._on_answer()
+            await self._hooks.answered()
             if event is None:
                 self._observer.heartbeat_received(self.run.id)
                 continue
+            if not isinstance(event, episode_pb2.Episode):
+                await self._checkpoint_event(event, checker)
+                continue
             self._observer.episode_received(self.run.id)
             checker.check(event)
+            self._delivered = event.episode
+            self._checked_best = event.best_reward
+            if event.episode <= self._drop_through:
+                continue  # trained again after a restart from a checkpoint: received before
             if event.done:
                 # Rule 3: nothing may follow the done episode. The trainer closes its stream
                 # right after it, so confirming that costs one read, and a bad stream never
                 # gets to publish a done episode.
                 await self._expect_end(events, checker)
+            if self._drop_through and self._received_best is not None:
+                # The run's running maximum goes on from what its watchers saw.
+                event.best_reward = max(self._received_best, event.reward)
             self.run.trainer_episode = event.episode
             self._received_best = event.best_reward
             await self.inbox.put(event, cap)
             if event.done:
                 return
 
-    async def _expect_end(
-        self, events: AsyncIterator[episode_pb2.Episode | None], checker: StreamChecker
+    async def _checkpoint_event(
+        self, event: CheckpointSaved | Resumed | CheckpointFailed, checker: StreamChecker
     ) -> None:
+        if isinstance(event, Resumed):
+            if event.episode:
+                checker.resume(event.episode, event.best_reward)
+                self._checked_best = event.best_reward
+            self._delivered = event.episode
+            self._hooks.resumed(event)
+        elif isinstance(event, CheckpointSaved):
+            await self._hooks.checkpoint_saved(event)
+        else:
+            self._hooks.checkpoint_failed(event)
+
+    async def _expect_end(self, events: AsyncIterator[StreamEvent], checker: StreamChecker) -> None:
         """Reads the stream after the done episode to its end (heartbeats are tolerated).
 
         Raises:
@@ -251,8 +334,10 @@ class TrainerFeed:
             async with asyncio.timeout(self._settings.heartbeat_timeout_s):
                 while True:
                     event = await events.__anext__()
-                    if event is not None:
+                    if isinstance(event, episode_pb2.Episode):
                         checker.check(event)  # raises: rule "done"
+                    elif event is not None:
+                        await self._checkpoint_event(event, checker)  # the final checkpoint
         except StopAsyncIteration:
             return
         except TimeoutError:

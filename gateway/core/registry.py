@@ -10,6 +10,8 @@ every method runs between two awaits atomically):
 - ``Watches`` serves watch streams (``gateway.core.watches``);
 - ``Recovery`` brings back what a previous gateway left active, and ``UnsavedEnds`` keeps the
   final states a full disk could not take (``gateway.core.recovery``);
+- ``CheckpointReads`` lists a run's checkpoints and streams one (``gateway.core.checkpoints``);
+  drivers record them as trainers report them;
 - an ``Ownership`` says which runs this gateway drives: all (``SoloOwnership``) or, with
   gateway replicas on PostgreSQL, those whose lease it holds (``LeasedOwnership``,
   ``gateway.core.ownership``).
@@ -27,8 +29,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.core.catalog import RunCatalog, RunSpec, require_run_id
+from gateway.core.checkpoints import CheckpointFiles, CheckpointReads
 from gateway.core.controls import Action, apply, refuse
 from gateway.core.driver import DriverContext, RunDriver
+from gateway.core.errors import InvalidRequest
 from gateway.core.history import PageCache
 from gateway.core.observer import Observer
 from gateway.core.ownership import LeasedOwnership, Ownership, SoloOwnership
@@ -38,10 +42,11 @@ from gateway.core.replicas import SharedReplicas
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
 from gateway.core.settings import CoreSettings
-from gateway.core.store import NotOwner, Store
+from gateway.core.store import CheckpointRecord, NotOwner, Store
 from gateway.core.table import RunTable
 from gateway.core.trainers import TrainerConnector
 from gateway.core.watches import Watches
+from trainwire.contract import FieldViolation
 
 __all__ = [
     "CaughtUp",
@@ -70,6 +75,8 @@ class RunRegistry:
             store can be written) whenever that changes.
         replicas: The coordinator of this gateway among replicas sharing its PostgreSQL
             database; None for a gateway on its own database.
+        checkpoint_files: The checkpoint store the trainers write to (None: checkpoints are
+            recorded but cannot be downloaded, and their files are never deleted).
     """
 
     def __init__(
@@ -82,6 +89,7 @@ class RunRegistry:
         wall_clock: Callable[[], int] = time.time_ns,
         on_health: Callable[[bool], None] = lambda healthy: None,
         replicas: SharedReplicas | None = None,
+        checkpoint_files: CheckpointFiles | None = None,
     ) -> None:
         self._settings = settings
         self._store = store
@@ -122,7 +130,9 @@ class RunRegistry:
             on_end=self._ended,
             spawn=self._spawn,
             unsaved=self.unsaved.remember,
+            checkpoint_files=checkpoint_files,
         )
+        self._checkpoint_files = checkpoint_files
         self._pages = PageCache(store.read_episodes, int(settings.history_cache_mb * (1 << 20)))
         self.catalog = RunCatalog(
             settings,
@@ -139,6 +149,7 @@ class RunRegistry:
         self._recovery = Recovery(
             store, self.table, self.scheduler, self._observer, self._make_driver, wall_clock
         )
+        self.checkpoints = CheckpointReads(store, self.catalog.get, checkpoint_files)
         replay = Replay(self._pages, settings.keepalive_s, clock, lambda: self.table.closing)
         self._watches = Watches(
             self.table, replay, self.ownership, self.catalog.get, self._observer
@@ -175,8 +186,43 @@ class RunRegistry:
         return await self.catalog.list_runs(page_size, before_seq, state)
 
     async def delete(self, run_id: str) -> TrainingRun:
-        """Deletes a finished run; see ``RunCatalog.delete``."""
-        return await self.catalog.delete(run_id)
+        """Deletes a finished run and its checkpoints; see ``RunCatalog.delete``."""
+        run = await self.catalog.delete(run_id)
+        if self._checkpoint_files is not None:
+            self._spawn(self._delete_checkpoint_files(run_id), f"gateway-delete-{run_id}")
+        return run
+
+    async def _delete_checkpoint_files(self, run_id: str) -> None:
+        files = self._checkpoint_files
+        assert files is not None
+        try:
+            await asyncio.to_thread(files.delete_run, run_id)
+        except Exception as exc:
+            _LOGGER.warning(
+                "run %s: could not delete its checkpoints from %s: %s",
+                run_id,
+                files.location,
+                exc,
+                extra={"run_id": run_id},
+            )
+
+    async def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        """A run's checkpoints, oldest first; see ``CheckpointReads.list``."""
+        require_run_id(run_id)
+        return await self.checkpoints.list(run_id)
+
+    async def open_checkpoint(
+        self, run_id: str, episode: int
+    ) -> tuple[CheckpointRecord, AsyncIterator[bytes]]:
+        """One checkpoint and its tar; see ``CheckpointReads.open``."""
+        require_run_id(run_id)
+        if episode < 0:
+            raise InvalidRequest(
+                f"run {run_id!r}: episode must be 0 (the latest) or a checkpoint's episode",
+                [FieldViolation("episode", f"must be >= 0, got {episode}")],
+                run_id,
+            )
+        return await self.checkpoints.open(run_id, episode)
 
     def watch(self, run_id: str, after_episode: int) -> AsyncIterator[WatchEvent]:
         """Streams a run's history after ``after_episode``, then its live episodes; see

@@ -27,6 +27,12 @@ class CoreSettings:
         history_cache_mb: Memory for cached history pages of finished runs (MiB).
         live_coalesce_s: Upper bound of a run's live wake window.
         max_pending: The most runs waiting for a trainer.
+        park_after_s: Seconds a run stays paused before it is parked (checkpointed, its trainer
+            slot freed); 0: never.
+        max_restarts: How many times a run whose trainer or job died is restarted from its
+            latest checkpoint before it fails.
+        checkpoint_call_timeout_s: Deadline of a ``CancelJob`` that waits for a final
+            checkpoint (stop, park): writing a model takes a while.
     """
 
     trainers: tuple[str, ...] = ("127.0.0.1:50052",)
@@ -40,6 +46,9 @@ class CoreSettings:
     history_cache_mb: float = 64.0
     live_coalesce_s: float = 0.02
     max_pending: int = 1000
+    park_after_s: float = 60.0
+    max_restarts: int = 3
+    checkpoint_call_timeout_s: float = 300.0
 
 
 #: The defaults, for the edge's flags.

@@ -2,15 +2,16 @@
 and cancellation.
 
 ``gateway.trainer_client`` implements ``TrainerConnector`` over gRPC; tests may plug in others.
-A stream yields ``Episode`` messages and ``None`` for heartbeats, and raises one of the
-``TrainerError`` subclasses below when it fails.
+A stream yields ``Episode`` messages, ``None`` for heartbeats and the checkpoint events
+(``CheckpointSaved``, ``Resumed``, ``CheckpointFailed``), and raises one of the ``TrainerError``
+subclasses below when it fails.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 from trainwire.v1 import episode_pb2
 
@@ -42,6 +43,11 @@ class TrainerFailed(TrainerError):
         self.user_message = user_message
 
 
+class TrainerProcessDied(TrainerFailed):
+    """A process of the job died (reason ``PROCESS_DIED``: killed, out of memory): not the
+    user's error, so a run with a checkpoint is restarted from it."""
+
+
 class TrainerLost(TrainerError):
     """The stream broke (connection lost, trainer killed)."""
 
@@ -70,12 +76,80 @@ class Capabilities:
     server_version: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointSaved:
+    """A checkpoint complete in the checkpoint store (``TrainResponse.checkpoint``): taken after
+    ``episode``, which the stream sent before it.
+
+    Attributes:
+        episode: The episode it was taken after.
+        create_time: When it was complete (Unix nanoseconds).
+        size_bytes: Size of its canonical tar.
+        sha256: Hex digest of that tar.
+    """
+
+    episode: int
+    create_time: int
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """A checkpoint a new job may start from: the run that wrote it and its record."""
+
+    run_id: str
+    checkpoint: CheckpointSaved
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """Where a job started with resume points started from (the stream's first message).
+
+    Attributes:
+        episode: The restored checkpoint's episode; 0 when none restored (from scratch).
+        best_reward: The best reward through ``episode``.
+        skipped: The candidates that did not restore: (episode, why).
+    """
+
+    episode: int
+    best_reward: float
+    skipped: tuple[tuple[int, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFailed:
+    """A checkpoint the job could not write; training went on."""
+
+    episode: int
+    message: str
+
+
+#: What a trainer stream yields: an episode, a heartbeat (None) or a checkpoint event.
+StreamEvent: TypeAlias = episode_pb2.Episode | CheckpointSaved | Resumed | CheckpointFailed | None
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """What ``cancel_job`` achieved.
+
+    Attributes:
+        last_episode: The job's last produced episode (0: none, or the job was gone).
+        checkpoint: The final checkpoint, when one was asked for and written.
+        checkpoint_error: Why the final checkpoint was not written, when one was asked for.
+    """
+
+    last_episode: int = 0
+    checkpoint: CheckpointSaved | None = None
+    checkpoint_error: str = ""
+
+
 class TrainerStream(Protocol):
-    """One ``Train`` call: an async iterator of episodes (``None`` = heartbeat)."""
+    """One ``Train`` call: an async iterator of ``StreamEvent``."""
 
-    def __aiter__(self) -> AsyncIterator[episode_pb2.Episode | None]: ...
+    def __aiter__(self) -> AsyncIterator[StreamEvent]: ...
 
-    async def __anext__(self) -> episode_pb2.Episode | None: ...
+    async def __anext__(self) -> StreamEvent: ...
 
     def cancel(self) -> None:
         """Cancels the call (the trainer frees its slot)."""
@@ -96,8 +170,10 @@ class TrainerConnector(Protocol):
         config: episode_pb2.TrainConfig,
         grant_through_episode: int = 0,
         attach_after_episode: int | None = None,
+        resume_from: Sequence[ResumePoint] = (),
     ) -> TrainerStream:
-        """Starts a ``Train`` call: a new job, or a re-attach after ``attach_after_episode``."""
+        """Starts a ``Train`` call: a new job (from the first of ``resume_from`` that restores,
+        newest first, else from scratch), or a re-attach after ``attach_after_episode``."""
         ...
 
     async def grant(self, address: str, run_id: str, through_episode: int, timeout: float) -> int:
@@ -105,9 +181,11 @@ class TrainerConnector(Protocol):
         ``TrainerError``."""
         ...
 
-    async def cancel_job(self, address: str, run_id: str, timeout: float) -> None:
-        """Cancels a job at once (a job that is already gone is fine). Raises
-        ``TrainerError``."""
+    async def cancel_job(
+        self, address: str, run_id: str, timeout: float, checkpoint: bool = False
+    ) -> Cancelled:
+        """Cancels a job (a job that is already gone is fine), at once or, with ``checkpoint``,
+        once it wrote a final checkpoint of its last episode. Raises ``TrainerError``."""
         ...
 
     async def close(self) -> None:

@@ -12,6 +12,10 @@ message is the body, the JSON grpcurl shows.
 ``DELETE /v1/runs/{run_id}``                DeleteRun
 ``POST /v1/runs/{run_id}:pause``            PauseRun (``:resume``, ``:stop`` alike)
 ``POST /v1/runs/{run_id}:setSpeed``         SetRunSpeed (body ``{"speed": 2}``)
+``GET /v1/runs/{run_id}/checkpoints``       ListCheckpoints
+``GET /v1/runs/{run_id}/checkpoints/{episode}:download``
+                                            DownloadCheckpoint: the tar itself
+                                            (``application/x-tar``; episode 0: the latest)
 ``GET /v1/runs/{run_id}/motion``            an imitation run's rig and target clip
 ``GET /v1/motions``                         the built-in rigs and clips
 ==========================================  ==================================================
@@ -23,7 +27,8 @@ drive runs through a visitor's browser.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -33,6 +38,7 @@ from google.protobuf.message import Message
 
 from gateway.core.errors import InvalidRequest
 from gateway.http.context import HttpContext
+from gateway.http.errors import HttpAbort
 from gateway.servicer import GatewayServicer
 from gateway.status import map_errors
 from trainwire import motion
@@ -40,6 +46,8 @@ from trainwire.contract import FieldViolation
 from trainwire.v1 import gateway_service_pb2 as pb
 
 M = TypeVar("M", bound=Message)
+
+_LOGGER = logging.getLogger(__name__)
 
 
 def json_reply(message: Message | dict[str, Any]) -> web.Response:
@@ -138,6 +146,8 @@ class JsonApi:
             web.post(run + ":resume", self.resume_run),
             web.post(run + ":stop", self.stop_run),
             web.post(run + ":setSpeed", self.set_speed),
+            web.get(run + "/checkpoints", self.list_checkpoints),
+            web.get(run + "/checkpoints/{episode:[0-9]+}:download", self.download_checkpoint),
             web.get(run + "/motion", self.run_motion),
             web.get("/v1/motions", self.motions),
         ]
@@ -190,6 +200,52 @@ class JsonApi:
         """SetRunSpeed."""
         message = await from_body(request, pb.SetRunSpeedRequest, **request.match_info)
         return await self._call(self._servicer.SetRunSpeed, message, request)
+
+    async def list_checkpoints(self, request: web.Request) -> web.Response:
+        """ListCheckpoints."""
+        message = pb.ListCheckpointsRequest(run_id=request.match_info["run_id"])
+        return await self._call(self._servicer.ListCheckpoints, message, request)
+
+    async def download_checkpoint(self, request: web.Request) -> web.StreamResponse:
+        """DownloadCheckpoint, as the tar file itself: headers once the checkpoint is found
+        (errors before that are JSON errors), then the chunks as they are read. A checkpoint
+        that turns out corrupt cuts the body short of its Content-Length."""
+        run_id = request.match_info["run_id"]
+        message = pb.DownloadCheckpointRequest(
+            run_id=run_id, episode=int(request.match_info["episode"])
+        )
+        context = cast(grpc.aio.ServicerContext, HttpContext(request))
+        stream = cast(
+            AsyncGenerator[pb.DownloadCheckpointResponse, None],
+            self._servicer.DownloadCheckpoint(message, context),
+        )
+        try:
+            first = await anext(stream)
+            record = first.checkpoint
+            name = f"{run_id}-episode-{record.episode}.tar"
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "application/x-tar",
+                    "Content-Length": str(record.size_bytes),
+                    "Content-Disposition": f'attachment; filename="{name}"',
+                    "X-Checkpoint-Episode": str(record.episode),
+                    "X-Checkpoint-Sha256": record.sha256,
+                }
+            )
+            await response.prepare(request)
+            try:
+                async for part in stream:
+                    await response.write(part.chunk)
+            except HttpAbort as exc:
+                # Too late for an error body: the client sees the body cut short.
+                _LOGGER.warning("download of run %s cut short: %s", run_id, exc.status.details)
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            await response.write_eof()
+            return response
+        finally:
+            await stream.aclose()
 
     async def run_motion(self, request: web.Request) -> web.Response:
         """An imitation run's rig (bones: parent, length) and target clip (angles), from

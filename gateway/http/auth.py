@@ -32,11 +32,17 @@ HTTP_RPCS: dict[tuple[str, str], str] = {
     ("POST", "/v1/runs/{run_id}:setSpeed"): "SetRunSpeed",
     ("GET", "/v1/runs/{run_id}/motion"): "GetRun",
     ("GET", "/v1/runs/{run_id}/events"): "WatchRun",
+    ("GET", "/v1/runs/{run_id}/checkpoints"): "ListCheckpoints",
+    ("GET", "/v1/runs/{run_id}/checkpoints/{episode}:download"): "DownloadCheckpoint",
 }
 #: What a browser loads before it has a token, by route: the page and its assets (no data in
 #: them).
 OPEN_ROUTES = frozenset({"/", "/static"})
 EVENTS_ROUTE = "/v1/runs/{run_id}/events"
+DOWNLOAD_ROUTE = "/v1/runs/{run_id}/checkpoints/{episode}:download"
+#: Routes a browser opens without headers (an ``EventSource``, a download link): they may carry
+#: the token as ``?access_token=``.
+URL_TOKEN_ROUTES = frozenset({EVENTS_ROUTE, DOWNLOAD_ROUTE})
 
 
 def http_rule(request: web.Request) -> tuple[str, Role | None]:
@@ -61,8 +67,9 @@ def _refusal(exc: GatewayError) -> web.Response:
 
 def http_middleware(authenticator: Authenticator) -> Middleware:
     """The HTTP side's check (``gateway.http.app``'s auth slot): the same roles as gRPC, from
-    ``Authorization: Bearer TOKEN``. The event streams also take ``?access_token=TOKEN``
-    (RFC 6750), since a browser's ``EventSource`` sends no headers."""
+    ``Authorization: Bearer TOKEN``. The event streams and checkpoint downloads also take
+    ``?access_token=TOKEN`` (RFC 6750), since a browser's ``EventSource`` and a download link
+    send no headers."""
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -73,7 +80,7 @@ def http_middleware(authenticator: Authenticator) -> Middleware:
         query_token = request.query.get("access_token")
         if query_token is not None:
             if request.match_info.route.resource is None or (
-                request.match_info.route.resource.canonical != EVENTS_ROUTE
+                request.match_info.route.resource.canonical not in URL_TOKEN_ROUTES
             ):
                 _LOGGER.warning("auth: refused %s: a token in the URL", label)
                 return _refusal(

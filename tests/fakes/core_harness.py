@@ -152,11 +152,18 @@ class Core:
         speed: float = 0.0,
         episodes_per_second: float = 0.0,
         request_id: str = "",
+        checkpoint_every: int = 0,
+        keep_checkpoints: int = 0,
     ) -> TrainingRun:
         """Creates a run (0 speed/rate: the defaults)."""
         spec = RunSpec(
             task=TASKS[kind](),
-            config=episode_pb2.TrainConfig(max_episodes=max_episodes, seed=7),
+            config=episode_pb2.TrainConfig(
+                max_episodes=max_episodes,
+                seed=7,
+                checkpoint_every=checkpoint_every,
+                keep_checkpoints=keep_checkpoints,
+            ),
             speed=speed,
             episodes_per_second=episodes_per_second,
             request_id=request_id,
@@ -247,6 +254,7 @@ def build_core(
         connector,
         clock=asyncio.get_running_loop().time,
         on_health=on_health,
+        checkpoint_files=connector.checkpoints,
     )
     return registry, store
 

@@ -15,6 +15,13 @@ or re-attaches a stream to one. Like the real trainer (``trainer_service.core.jo
 - releases its slot once its provider stopped (the done episode produced, a failure, or
   ``cancel_job``).
 
+Checkpoints: a job with ``config.checkpoint_every`` writes one after every that many episodes
+and after its done episode into the connector's shared store (``MemoryConnector.checkpoints``,
+reachable by every trainer like a shared filesystem), and its stream reports each after the
+episode it was taken after. ``cancel_job(checkpoint=True)`` writes one at the job's last
+episode. A ``train`` with ``resume_from`` starts from the first candidate in the store that is
+not marked ``corrupt`` and says so first (``Resumed``), numbering on from it.
+
 Every ``train``, ``grant`` and ``cancel_job`` call is recorded with its arguments and the loop
 time it came at (``MemoryConnector.calls``), so tests assert on values, never on log text.
 
@@ -28,13 +35,20 @@ come back empty (``revive``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.core.trainers import (
+    Cancelled,
     Capabilities,
+    CheckpointFailed,
+    CheckpointSaved,
+    Resumed,
+    ResumePoint,
+    StreamEvent,
     TrainerBusy,
     TrainerCrashed,
     TrainerError,
@@ -65,6 +79,7 @@ class TrainCall:
     grant: int
     attach_after: int | None
     at: float
+    resume_from: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,7 @@ class CancelCall:
     address: str
     run_id: str
     at: float
+    checkpoint: bool = False
 
 
 Call = TrainCall | GrantCall | CancelCall
@@ -112,6 +128,8 @@ class JobScript:
         lose_stream_after: Break the stream (``TrainerLost``) once, after this many were sent;
             the job lives on for a re-attach.
         episode_s: Seconds the provider takes per episode (0: as fast as its grant allows).
+        checkpoints_fail: Every checkpoint write fails (a full disk): the stream reports
+            ``CheckpointFailed`` instead.
     """
 
     fail_after: int | None = None
@@ -125,6 +143,7 @@ class JobScript:
     end_after: int | None = None
     lose_stream_after: int | None = None
     episode_s: float = 0.0
+    checkpoints_fail: bool = False
 
 
 class MemoryJob:
@@ -150,6 +169,7 @@ class MemoryJob:
         config: episode_pb2.TrainConfig,
         grant: int,
         script: JobScript,
+        resumed: Resumed | None = None,
     ) -> None:
         self.trainer = trainer
         self.run_id = run_id
@@ -166,6 +186,14 @@ class MemoryJob:
         self.streams = 0
         self.lost_once = False
         self._best = -math.inf
+        #: Where it started (None: a plain new job); its stream says so first.
+        self.resumed = resumed
+        self.first = 1
+        if resumed is not None and resumed.episode:
+            self.first = resumed.episode + 1
+            self._best = resumed.best_reward
+        #: Checkpoint events, in order, each with the episode after which it is sent.
+        self.checkpoint_events: list[CheckpointSaved | CheckpointFailed] = []
         self._changed = asyncio.Event()
         self._stream: MemoryStream | None = None
         self._producer: asyncio.Task[None] | None = None
@@ -173,8 +201,23 @@ class MemoryJob:
 
     @property
     def last_produced(self) -> int:
-        """The last episode produced (0 before the first)."""
-        return len(self.produced)
+        """The last episode produced (0 before the first; a resumed job's checkpoint)."""
+        return self.first - 1 + len(self.produced)
+
+    def episode(self, n: int) -> episode_pb2.Episode:
+        """Produced episode ``n``."""
+        return self.produced[n - self.first]
+
+    def checkpoint(self, episode: int) -> CheckpointSaved | CheckpointFailed:
+        """Writes the checkpoint after ``episode`` into the shared store (or fails to)."""
+        if self.script.checkpoints_fail:
+            event: CheckpointSaved | CheckpointFailed = CheckpointFailed(
+                episode, "No space left on device"
+            )
+        else:
+            event = self.trainer.store.write(self.run_id, episode, self._best)
+        self.checkpoint_events.append(event)
+        return event
 
     @property
     def done(self) -> bool:
@@ -211,6 +254,9 @@ class MemoryJob:
         self._best = max(self._best, reward_of(n))
         episode = make_episode(n, self._best, n == self.max_episodes, detail=False)
         self.produced.append(episode)
+        every = self.config.checkpoint_every
+        if every and (n % every == 0 or episode.done):
+            self.checkpoint(n)
         if episode.done:
             self.stop()
 
@@ -279,11 +325,15 @@ class MemoryStream:
         self.cancelled = False
         self.superseded = False
         self.broken = False
-        self._pending: deque[episode_pb2.Episode] = deque()
+        self._pending: deque[StreamEvent] = deque()
+        self._checkpoints_sent = 0
         if job is not None:
             job.attach(self)
+            if job.resumed is not None and after == 0:
+                self._pending.append(job.resumed)
+                self._cursor = job.first - 1
 
-    def __aiter__(self) -> AsyncIterator[episode_pb2.Episode | None]:
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
         return self
 
     def cancel(self) -> None:
@@ -298,7 +348,17 @@ class MemoryStream:
             self._job.detach(self)
         return error
 
-    async def __anext__(self) -> episode_pb2.Episode | None:
+    def _due_checkpoint(self, job: MemoryJob) -> CheckpointSaved | CheckpointFailed | None:
+        """The next checkpoint event whose episode this stream has sent."""
+        events = job.checkpoint_events
+        if self._checkpoints_sent < len(events):
+            event = events[self._checkpoints_sent]
+            if event.episode <= self._cursor:
+                self._checkpoints_sent += 1
+                return event
+        return None
+
+    async def __anext__(self) -> StreamEvent:
         if self._error is not None:
             raise self._error
         job = self._job
@@ -315,6 +375,9 @@ class MemoryStream:
                 raise self._fail(TrainerLost(f"trainer {trainer.address}: UNAVAILABLE: blip"))
             if self._pending:
                 return self._pending.popleft()
+            due = self._due_checkpoint(job)
+            if due is not None:
+                return due
             script = job.script
             sent = self._cursor
             if script.lose_stream_after == sent and not job.lost_once:
@@ -342,7 +405,7 @@ class MemoryStream:
                 self._cursor = sent + 1
                 job.sent = max(job.sent, self._cursor)
                 trainer.episodes_sent += 1
-                episode = job.produced[sent]
+                episode = job.episode(sent + 1)
                 if script.violate == "done_missing" and episode.done:
                     bad = episode_pb2.Episode()
                     bad.CopyFrom(episode)
@@ -368,6 +431,48 @@ class MemoryStream:
 
 
 # -- trainers and the connector ---------------------------------------------------------------
+
+
+class MemoryCheckpoints:
+    """The checkpoint store the memory trainers share: what each checkpoint restores (the best
+    reward through its episode), and the ones a test marked corrupt."""
+
+    def __init__(self) -> None:
+        self.saved: dict[tuple[str, int], float] = {}
+        self.corrupt: set[tuple[str, int]] = set()
+        self.deleted: list[tuple[str, int]] = []
+
+    def write(self, run_id: str, episode: int, best_reward: float) -> CheckpointSaved:
+        self.saved[(run_id, episode)] = best_reward
+        digest = hashlib.sha256(f"{run_id}/{episode}".encode()).hexdigest()
+        return CheckpointSaved(episode, 1_700_000_000_000_000_000 + episode, 1000 + episode, digest)
+
+    def restore(self, points: Sequence[ResumePoint]) -> Resumed:
+        """Where a job given ``points`` starts: the first one that is there and sound."""
+        skipped: list[tuple[int, str]] = []
+        for point in points:
+            key = (point.run_id, point.checkpoint.episode)
+            if key not in self.saved:
+                skipped.append((point.checkpoint.episode, "missing"))
+            elif key in self.corrupt:
+                skipped.append((point.checkpoint.episode, "digest mismatch"))
+            else:
+                return Resumed(point.checkpoint.episode, self.saved[key], tuple(skipped))
+        return Resumed(0, 0.0, tuple(skipped))
+
+    # The ``CheckpointFiles`` the gateway deletes through.
+    location = "memory"
+
+    def tar_chunks(self, run_id: str, episode: int, chunk_size: int) -> Iterator[bytes]:
+        yield f"{run_id}/{episode}".encode()
+
+    def delete(self, run_id: str, episode: int) -> None:
+        self.saved.pop((run_id, episode), None)
+        self.deleted.append((run_id, episode))
+
+    def delete_run(self, run_id: str) -> None:
+        for key in [k for k in self.saved if k[0] == run_id]:
+            self.delete(*key)
 
 
 @dataclass
@@ -401,6 +506,7 @@ class MemoryTrainer:
     probes: int = 0
     episodes_sent: int = 0
     heartbeats_sent: int = 0
+    store: MemoryCheckpoints = field(default_factory=MemoryCheckpoints)
     _scripts: deque[JobScript] = field(default_factory=deque)
 
     @property
@@ -446,6 +552,7 @@ class MemoryTrainer:
         config: episode_pb2.TrainConfig,
         grant: int,
         attach_after: int | None,
+        resume_from: Sequence[ResumePoint] = (),
     ) -> MemoryStream:
         if self.killed:
             return MemoryStream(self, None, 0, TrainerLost(f"trainer {self.address}: killed"))
@@ -464,7 +571,8 @@ class MemoryTrainer:
             self.answer_busy = max(0, self.answer_busy - 1)
             return MemoryStream(self, None, 0, TrainerBusy(f"{self.address}: SLOTS_BUSY"))
         script = self._scripts.popleft() if self._scripts else JobScript()
-        job = MemoryJob(self, run_id, task, config, grant, script)
+        resumed = self.store.restore(resume_from) if resume_from else None
+        job = MemoryJob(self, run_id, task, config, grant, script, resumed)
         self.jobs[run_id] = job
         return MemoryStream(self, job, 0)
 
@@ -478,6 +586,10 @@ class MemoryConnector:
 
     def __init__(self, trainers: Iterable[MemoryTrainer]) -> None:
         self.trainers = {t.address: t for t in trainers}
+        #: The checkpoint store every trainer reaches.
+        self.checkpoints = MemoryCheckpoints()
+        for trainer in self.trainers.values():
+            trainer.store = self.checkpoints
         self.calls: list[Call] = []
         self.closed = 0
         #: Called with every recorded call as it comes (before the trainer answers it).
@@ -551,14 +663,24 @@ class MemoryConnector:
         config: episode_pb2.TrainConfig,
         grant_through_episode: int = 0,
         attach_after_episode: int | None = None,
+        resume_from: Sequence[ResumePoint] = (),
     ) -> MemoryStream:
         self._record(
-            TrainCall(address, run_id, grant_through_episode, attach_after_episode, self._now())
+            TrainCall(
+                address,
+                run_id,
+                grant_through_episode,
+                attach_after_episode,
+                self._now(),
+                tuple(p.checkpoint.episode for p in resume_from),
+            )
         )
         trainer = self.trainers.get(address)
         if trainer is None:
             return MemoryStream(MemoryTrainer(address), None, 0, TrainerLost(f"{address}: refused"))
-        return trainer.open(run_id, task, config, grant_through_episode, attach_after_episode)
+        return trainer.open(
+            run_id, task, config, grant_through_episode, attach_after_episode, resume_from
+        )
 
     async def grant(self, address: str, run_id: str, through_episode: int, timeout: float) -> int:
         self._record(GrantCall(address, run_id, through_episode, self._now()))
@@ -578,13 +700,22 @@ class MemoryConnector:
         finally:
             self._grants_in_flight[run_id] -= 1
 
-    async def cancel_job(self, address: str, run_id: str, timeout: float) -> None:
-        self._record(CancelCall(address, run_id, self._now()))
+    async def cancel_job(
+        self, address: str, run_id: str, timeout: float, checkpoint: bool = False
+    ) -> Cancelled:
+        self._record(CancelCall(address, run_id, self._now(), checkpoint))
         trainer = await self._round_trip(address)
         trainer._check_alive()
         job = trainer.jobs.pop(run_id, None)
-        if job is not None:
-            job.stop(cancelled=True)
+        if job is None:
+            return Cancelled(checkpoint_error="the job was gone" if checkpoint else "")
+        job.stop(cancelled=True)
+        if not checkpoint or not job.last_produced:
+            return Cancelled(job.last_produced)
+        event = job.checkpoint(job.last_produced)
+        if isinstance(event, CheckpointFailed):
+            return Cancelled(job.last_produced, checkpoint_error=event.message)
+        return Cancelled(job.last_produced, event)
 
     async def close(self) -> None:
         """Counts the close; the trainers live on (a restarted gateway reaches them again)."""

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -47,7 +47,7 @@ import looptime
 import pytest
 
 from gateway.core.runs import RunState, TrainingRun
-from gateway.core.store import EpisodeRecord, Store
+from gateway.core.store import CheckpointRecord, EpisodeRecord, Store
 
 T = TypeVar("T")
 
@@ -203,6 +203,15 @@ class InFlightStore:
 
     async def active_runs(self) -> list[TrainingRun]:
         return await self._call(self.inner.active_runs)
+
+    async def add_checkpoint(self, record: CheckpointRecord, keep: int) -> list[int]:
+        return await self._call(lambda: self.inner.add_checkpoint(record, keep))
+
+    async def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        return await self._call(lambda: self.inner.list_checkpoints(run_id))
+
+    async def delete_checkpoints(self, run_id: str, episodes: Sequence[int]) -> None:
+        await self._call(lambda: self.inner.delete_checkpoints(run_id, episodes))
 
 
 def virtual_loop(main: Callable[[], Coroutine[Any, Any, T]], end: float = END_OF_TIME_S) -> T:

@@ -20,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.core.store import STORE_MESSAGE
+from gateway.core.store.sqlite_schema import SCHEMA_VERSION
 from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import ROOT, WatchResult, absorb, collect, create_request
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
@@ -91,7 +92,7 @@ def test_an_older_database_is_migrated_only_when_asked(tmp_path: Path) -> None:
         check=False,
     )
     assert migrated.returncode == 0, migrated.stderr
-    assert migrated.stdout == f"{path}: migrated from schema version 1 to 2\n"
+    assert migrated.stdout == f"{path}: migrated from schema version 1 to {SCHEMA_VERSION}\n"
     again = subprocess.run(
         [sys.executable, "-m", "gateway", "migrate", "--db", str(path)],
         cwd=ROOT,
@@ -101,7 +102,7 @@ def test_an_older_database_is_migrated_only_when_asked(tmp_path: Path) -> None:
         timeout=TIMEOUT,
         check=False,
     )
-    assert again.stdout == f"{path} is at schema version 2 already\n"
+    assert again.stdout == f"{path} is at schema version {SCHEMA_VERSION} already\n"
 
 
 async def _spawn(trainer: str, db: Path) -> tuple[asyncio.subprocess.Process, str, list[str]]:

@@ -271,7 +271,7 @@ async def test_close_commits_what_is_queued_and_a_new_store_reads_it(opener: Ope
         await again.close()
 
 
-async def test_checkpoints_are_listed_oldest_first_and_a_repeat_keeps_the_first(
+async def test_checkpoints_are_listed_oldest_first_and_a_rewrite_takes_its_new_digest(
     store: Store,
 ) -> None:
     await store.insert_run(make_run("a"))
@@ -281,9 +281,15 @@ async def test_checkpoints_are_listed_oldest_first_and_a_repeat_keeps_the_first(
     assert await store.add_checkpoint(checkpoint("a", 3), keep=4) == []  # an older one too
     assert await store.list_checkpoints("a") == [checkpoint("a", 3), checkpoint("a", 6)]
     assert await checkpoint_episode(store, "a") == 6
-    # The same checkpoint again (a retried report), even with another digest: a no-op.
-    assert await store.add_checkpoint(checkpoint("a", 6, digest="f" * 64), keep=4) == []
+    # The same checkpoint again (a retried report, a re-attach): a no-op.
+    assert await store.add_checkpoint(checkpoint("a", 6), keep=4) == []
     assert await store.list_checkpoints("a") == [checkpoint("a", 3), checkpoint("a", 6)]
+    # Written again by a restarted job (another digest): the files' digest is the one kept.
+    assert await store.add_checkpoint(checkpoint("a", 6, digest="f" * 64), keep=4) == []
+    assert await store.list_checkpoints("a") == [
+        checkpoint("a", 3),
+        checkpoint("a", 6, digest="f" * 64),
+    ]
     assert await store.list_checkpoints("other") == []
     with pytest.raises(ValueError, match="keep"):
         await store.add_checkpoint(checkpoint("a", 9), keep=0)

@@ -33,7 +33,9 @@ def test_no_rpc_streams_requests() -> None:
 def test_the_gateway_method_table_is_the_proto_service() -> None:
     table = gateway_servicer.UNARY_METHODS
     streaming = {m.name for m in GATEWAY.methods if m.server_streaming}
-    assert streaming == {"WatchRun"}, "add_to_server registers WatchRun apart; a new stream too?"
+    assert streaming == {"WatchRun", "DownloadCheckpoint"}, (
+        "add_to_server registers the streams apart; a new stream too?"
+    )
     assert set(table) == {m.name for m in GATEWAY.methods} - streaming
     for name, (request, response) in table.items():
         method = GATEWAY.methods_by_name[name]
@@ -41,8 +43,15 @@ def test_the_gateway_method_table_is_the_proto_service() -> None:
         assert callable(getattr(gateway_servicer.GatewayServicer, name)), name
     watch = GATEWAY.methods_by_name["WatchRun"]
     assert _types(watch) == ("trainwire.v1.WatchRunRequest", "trainwire.v1.WatchRunResponse")
-    # add_to_server deserializes WatchRun requests as the proto says.
-    assert "_deserializer(pb.WatchRunRequest)" in inspect.getsource(gateway_servicer.add_to_server)
+    download = GATEWAY.methods_by_name["DownloadCheckpoint"]
+    assert _types(download) == (
+        "trainwire.v1.DownloadCheckpointRequest",
+        "trainwire.v1.DownloadCheckpointResponse",
+    )
+    # add_to_server deserializes the streams' requests as the proto says.
+    source = inspect.getsource(gateway_servicer.add_to_server)
+    assert "_deserializer(pb.WatchRunRequest)" in source
+    assert "_deserializer(pb.DownloadCheckpointRequest)" in source
 
 
 def test_the_trainer_method_table_is_the_proto_service() -> None:

@@ -265,9 +265,11 @@ class Store(Protocol):
         """Records a complete checkpoint and keeps the run's latest ``keep``, in one
         transaction; the run's ``checkpoint_episode`` becomes its largest recorded episode.
 
-        A record of an episode already recorded is a no-op (the first record stays, whatever
-        its digest). Retention keeps the ``keep`` largest episodes, so a record older than
-        those is deleted at once. A record of a run that does not exist is not kept.
+        A record of an episode already recorded with the same digest is a no-op; with another
+        digest it replaces the old one (a job restarted from an earlier checkpoint wrote that
+        episode's files again, and the files are what a download or a resume reads).
+        Retention keeps the ``keep`` largest episodes, so a record older than those is deleted
+        at once. A record of a run that does not exist is not kept.
 
         Returns:
             The episodes whose records were not kept, in order (their files are the caller's

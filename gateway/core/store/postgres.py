@@ -259,11 +259,14 @@ class PostgresStore(PostgresDatabase):
                 return [record.episode]
             cur = await conn.execute(
                 "INSERT INTO checkpoints (run_id, episode, create_time, size_bytes, sha256) "
-                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING episode",
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (run_id, episode) DO UPDATE SET "
+                "create_time = excluded.create_time, size_bytes = excluded.size_bytes, "
+                "sha256 = excluded.sha256 WHERE checkpoints.sha256 <> excluded.sha256 "
+                "RETURNING episode",
                 (run_id, record.episode, record.create_time, record.size_bytes, record.sha256),
             )
             if await cur.fetchone() is None:
-                return []  # recorded already: the first record stays
+                return []  # recorded already, with the same digest
             cur = await conn.execute(
                 "DELETE FROM checkpoints WHERE run_id=%s AND episode NOT IN "
                 "(SELECT episode FROM checkpoints WHERE run_id=%s "

@@ -352,19 +352,22 @@ class SqliteStore:
         self._conn.execute("DELETE FROM runs WHERE id=?", (run_id,))
 
     def add_checkpoint(self, record: CheckpointRecord, keep: int) -> list[int]:
-        """Records a checkpoint, keeps the run's ``keep`` largest episodes and moves its
-        ``checkpoint_episode`` (see ``Store.add_checkpoint``); returns the episodes whose
+        """Records a checkpoint (a new digest for an episode recorded before replaces the old
+        one: the files were written again), keeps the run's ``keep`` largest episodes and moves
+        its ``checkpoint_episode`` (see ``Store.add_checkpoint``); returns the episodes whose
         records are not kept, in order (the record itself when the run does not exist)."""
         run = self._conn.execute("SELECT 1 FROM runs WHERE id=?", (record.run_id,)).fetchone()
         if run is None:
             return [record.episode]
         cur = self._conn.execute(
-            "INSERT OR IGNORE INTO checkpoints (run_id, episode, create_time, size_bytes, sha256) "
-            "VALUES (?,?,?,?,?)",
+            "INSERT INTO checkpoints (run_id, episode, create_time, size_bytes, sha256) "
+            "VALUES (?,?,?,?,?) ON CONFLICT (run_id, episode) DO UPDATE SET "
+            "create_time=excluded.create_time, size_bytes=excluded.size_bytes, "
+            "sha256=excluded.sha256 WHERE sha256 <> excluded.sha256",
             (record.run_id, record.episode, record.create_time, record.size_bytes, record.sha256),
         )
         if cur.rowcount == 0:
-            return []  # recorded already: the first record stays
+            return []  # recorded already, with the same digest
         rows = self._conn.execute(
             "DELETE FROM checkpoints WHERE run_id=? AND episode NOT IN "
             "(SELECT episode FROM checkpoints WHERE run_id=? ORDER BY episode DESC LIMIT ?) "

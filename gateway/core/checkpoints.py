@@ -1,0 +1,197 @@
+"""What the gateway core knows of checkpoints: the files behind the records (``CheckpointFiles``,
+the shared checkpoint store the edge opens), the retention default, and which recorded
+checkpoints a run may continue from.
+
+A trainer writes a checkpoint into the store and reports it on its stream after the episode it
+was taken after; the driver records it in the gateway's store (``Store.add_checkpoint``), which
+keeps the latest ``keep_checkpoints`` and returns the older ones for ``CheckpointFiles.delete``.
+A run continues (park, restart) from a checkpoint only if the gateway has received every episode
+up to it, so nothing it skips is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Protocol
+
+from gateway.core.errors import CheckpointCorrupt, CheckpointNotFound, CheckpointStoreUnavailable
+from gateway.core.runs import TrainingRun
+from gateway.core.store import CheckpointRecord, Store
+from gateway.core.trainers import CheckpointSaved, ResumePoint
+from trainwire.v1 import episode_pb2
+
+_LOGGER = logging.getLogger(__name__)
+
+#: Checkpoints kept per run when its config leaves ``keep_checkpoints`` at 0.
+DEFAULT_KEEP = 3
+#: Bytes per ``DownloadCheckpoint`` chunk.
+CHUNK_BYTES = 1 << 20
+
+
+class CheckpointFiles(Protocol):
+    """The checkpoint store's files, as the gateway reads and deletes them (blocking calls: the
+    core runs them in threads)."""
+
+    location: str
+
+    def tar_chunks(self, run_id: str, episode: int, chunk_size: int) -> Iterator[bytes]:
+        """The canonical tar of a checkpoint, streamed."""
+        ...
+
+    def delete(self, run_id: str, episode: int) -> None:
+        """Deletes one checkpoint's files (idempotent)."""
+        ...
+
+    def delete_run(self, run_id: str) -> None:
+        """Deletes every checkpoint file of a run (idempotent)."""
+        ...
+
+
+def keep_of(config: episode_pb2.TrainConfig) -> int:
+    """How many checkpoints a run keeps."""
+    return config.keep_checkpoints or DEFAULT_KEEP
+
+
+def record_of(run_id: str, saved: CheckpointSaved) -> CheckpointRecord:
+    """The store's record of a checkpoint a trainer reported."""
+    return CheckpointRecord(
+        run_id=run_id,
+        episode=saved.episode,
+        create_time=saved.create_time,
+        size_bytes=saved.size_bytes,
+        sha256=saved.sha256,
+    )
+
+
+def resume_points(records: Sequence[CheckpointRecord], received: int) -> list[ResumePoint]:
+    """The checkpoints a run may continue from, newest first: those taken after an episode it
+    has received (``received``: its last received episode)."""
+    return [
+        ResumePoint(
+            record.run_id,
+            CheckpointSaved(record.episode, record.create_time, record.size_bytes, record.sha256),
+        )
+        for record in sorted(records, key=lambda r: r.episode, reverse=True)
+        if record.episode <= received
+    ]
+
+
+class CheckpointReads:
+    """Lists a run's checkpoints and streams one, verifying its digest on the way.
+
+    Args:
+        store: Where the records are.
+        get_run: The run (raises ``RunNotFound``).
+        files: The checkpoint store (None: downloads are unavailable).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        get_run: Callable[[str], Awaitable[TrainingRun]],
+        files: CheckpointFiles | None,
+    ) -> None:
+        self._store = store
+        self._get_run = get_run
+        self._files = files
+
+    async def list(self, run_id: str) -> list[CheckpointRecord]:
+        """The run's checkpoints, oldest first.
+
+        Raises:
+            RunNotFound: no such run.
+        """
+        await self._get_run(run_id)
+        return await self._store.list_checkpoints(run_id)
+
+    async def open(
+        self, run_id: str, episode: int
+    ) -> tuple[CheckpointRecord, AsyncIterator[bytes]]:
+        """One checkpoint (``episode`` 0: the latest) and its canonical tar, in chunks.
+
+        The last chunk is held back until the digest of everything read matches the record,
+        so a corrupt checkpoint is never delivered whole.
+
+        Raises:
+            RunNotFound: no such run.
+            CheckpointNotFound: no checkpoint at that episode (the message lists the ones
+                there are).
+            CheckpointStoreUnavailable: the gateway has no checkpoint store.
+        """
+        records = await self.list(run_id)
+        if not records:
+            raise CheckpointNotFound(f"run {run_id!r} has no checkpoint yet", run_id)
+        if episode == 0:
+            record = records[-1]
+        else:
+            found = [r for r in records if r.episode == episode]
+            if not found:
+                have = ", ".join(str(r.episode) for r in records)
+                raise CheckpointNotFound(
+                    f"run {run_id!r} has no checkpoint at episode {episode}; it has {have}",
+                    run_id,
+                )
+            record = found[0]
+        if self._files is None:
+            raise CheckpointStoreUnavailable(
+                f"run {run_id!r}: this gateway has no checkpoint store", run_id
+            )
+        return record, self._chunks(self._files, record)
+
+    async def _chunks(
+        self, files: CheckpointFiles, record: CheckpointRecord
+    ) -> AsyncIterator[bytes]:
+        run_id, episode = record.run_id, record.episode
+        digest = hashlib.sha256()
+        chunks = files.tar_chunks(run_id, episode, CHUNK_BYTES)
+        held: bytes | None = None
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.to_thread(next, chunks, None)
+                except FileNotFoundError as exc:
+                    raise CheckpointCorrupt(
+                        f"run {run_id!r}: the checkpoint at episode {episode} is missing from "
+                        f"{files.location} ({exc})",
+                        run_id,
+                    ) from None
+                except Exception as exc:
+                    _LOGGER.error(
+                        "run %s: reading its checkpoint at episode %d from %s failed: %s",
+                        run_id,
+                        episode,
+                        files.location,
+                        exc,
+                        extra={"run_id": run_id},
+                    )
+                    raise CheckpointStoreUnavailable(
+                        f"run {run_id!r}: the checkpoint store cannot be read; try again later",
+                        run_id,
+                    ) from None
+                if chunk is None:
+                    break
+                digest.update(chunk)
+                if held is not None:
+                    yield held
+                held = chunk
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+        if digest.hexdigest() != record.sha256:
+            _LOGGER.error(
+                "run %s: its checkpoint at episode %d does not match its digest",
+                run_id,
+                episode,
+                extra={"run_id": run_id},
+            )
+            raise CheckpointCorrupt(
+                f"run {run_id!r}: the checkpoint at episode {episode} does not match its "
+                "digest; it is damaged",
+                run_id,
+            )
+        if held is not None:
+            yield held
