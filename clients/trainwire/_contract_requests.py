@@ -31,6 +31,7 @@ from trainwire._contract_base import (
     MAX_GRPO_PROCESSES,
     MAX_ID_LENGTH,
     MAX_JOINTS,
+    MAX_KEEP_CHECKPOINTS,
     MAX_NAME_LENGTH,
     MAX_RUN_ID_LENGTH,
     MIN_BONE_LENGTH,
@@ -336,6 +337,21 @@ def check_task(
             FieldViolation(
                 f"{prefix}config.max_episodes",
                 f"{config.max_episodes}; need 1..{MAX_EPISODES}",
+            )
+        )
+    if config.checkpoint_every < 0 or (config.checkpoint_every > config.max_episodes >= 1):
+        out.append(
+            FieldViolation(
+                f"{prefix}config.checkpoint_every",
+                f"{config.checkpoint_every}; need 0 (the provider's default) or "
+                f"1..max_episodes ({config.max_episodes})",
+            )
+        )
+    if not 0 <= config.keep_checkpoints <= MAX_KEEP_CHECKPOINTS:
+        out.append(
+            FieldViolation(
+                f"{prefix}config.keep_checkpoints",
+                f"{config.keep_checkpoints}; need 0 (the default, 3) or 1..{MAX_KEEP_CHECKPOINTS}",
             )
         )
     return out

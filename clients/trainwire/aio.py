@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import grpc
 
 from trainwire.builders import Run, RunState
+from trainwire.checkpoints import TarDownload, first_message_error
 from trainwire.client import (
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -226,6 +228,48 @@ class GatewayClient:
         """Deletes a finished run and its history (``DeleteRun``); returns it as it was."""
         request = gateway_service_pb2.DeleteRunRequest(run_id=run_id)
         return await self._control(self._stub.DeleteRun, request, timeout)
+
+    async def list_checkpoints(
+        self, run_id: str, *, timeout: float | None = None
+    ) -> list[episode_pb2.Checkpoint]:
+        """The run's checkpoints, oldest first (``ListCheckpoints``)."""
+        request = gateway_service_pb2.ListCheckpointsRequest(run_id=run_id)
+        reply = await self._unary(self._stub.ListCheckpoints, request, timeout)
+        return list(reply.checkpoints)
+
+    async def download_checkpoint(
+        self,
+        run_id: str,
+        out_dir: str | Path,
+        *,
+        episode: int = 0,
+        timeout: float | None = None,
+    ) -> episode_pb2.Checkpoint:
+        """Downloads a checkpoint into ``out_dir``; see
+        ``trainwire.client.GatewayClient.download_checkpoint``. Disk writes and the extraction
+        run in a thread."""
+        download = await asyncio.to_thread(TarDownload, run_id, out_dir)
+        request = gateway_service_pb2.DownloadCheckpointRequest(run_id=run_id, episode=episode)
+        try:
+            call = self._stub.DownloadCheckpoint(
+                request,
+                timeout=self.stream_timeout if timeout is None else timeout,
+                metadata=self._metadata or None,
+            )
+            async for response in call:
+                if response.WhichOneof("content") == "chunk":
+                    if download.checkpoint is None:
+                        raise first_message_error(run_id)
+                    await asyncio.to_thread(download.write, response.chunk)
+                else:
+                    download.start(response.checkpoint)
+        except grpc.aio.AioRpcError as exc:
+            download.abort()
+            raise self._error(exc) from exc
+        except BaseException:
+            download.abort()
+            raise
+        return await asyncio.to_thread(download.finish)
 
     def watch(
         self,

@@ -127,9 +127,17 @@ def grpo_task(
     return episode_pb2.TrainTask(grpo=task)
 
 
-def train_config(max_episodes: int = 200, seed: int = 0) -> episode_pb2.TrainConfig:
-    """Builds a ``TrainConfig`` (``max_episodes`` in 1..5000)."""
-    return episode_pb2.TrainConfig(max_episodes=max_episodes, seed=seed)
+def train_config(
+    max_episodes: int = 200, seed: int = 0, checkpoint_every: int = 0, keep_checkpoints: int = 0
+) -> episode_pb2.TrainConfig:
+    """Builds a ``TrainConfig`` (``max_episodes`` in 1..5000; a checkpoint every
+    ``checkpoint_every`` episodes, the latest ``keep_checkpoints`` kept; 0: the defaults)."""
+    return episode_pb2.TrainConfig(
+        max_episodes=max_episodes,
+        seed=seed,
+        checkpoint_every=checkpoint_every,
+        keep_checkpoints=keep_checkpoints,
+    )
 
 
 def state_name(state: RunState) -> str:

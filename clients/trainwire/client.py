@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -32,10 +33,14 @@ from trainwire.builders import (
     state_name,
     train_config,
 )
+from trainwire.checkpoints import TarDownload, first_message_error
 from trainwire.errors import (
     Aborted,
     AlreadyExists,
     Cancelled,
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    CheckpointStoreUnavailable,
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
@@ -83,6 +88,9 @@ __all__ = [
     "Aborted",
     "AlreadyExists",
     "Cancelled",
+    "CheckpointCorrupt",
+    "CheckpointNotFound",
+    "CheckpointStoreUnavailable",
     "DataLoss",
     "DeadlineExceeded",
     "EpisodeChecker",
@@ -383,6 +391,58 @@ class GatewayClient:
         """Deletes a finished run and its history (``DeleteRun``); returns it as it was."""
         request = gateway_service_pb2.DeleteRunRequest(run_id=run_id)
         return self._control(self._stub.DeleteRun, request, timeout)
+
+    def list_checkpoints(
+        self, run_id: str, *, timeout: float | None = None
+    ) -> list[episode_pb2.Checkpoint]:
+        """The run's checkpoints, oldest first (``ListCheckpoints``)."""
+        request = gateway_service_pb2.ListCheckpointsRequest(run_id=run_id)
+        return list(self._unary(self._stub.ListCheckpoints, request, timeout).checkpoints)
+
+    def download_checkpoint(
+        self,
+        run_id: str,
+        out_dir: str | Path,
+        *,
+        episode: int = 0,
+        timeout: float | None = None,
+    ) -> episode_pb2.Checkpoint:
+        """Downloads a checkpoint (``episode`` 0: the latest) into ``out_dir`` (a directory
+        that does not exist yet, or an empty one); returns its record once its SHA-256 matched
+        and it was extracted. A GRPO checkpoint's ``model/`` loads with transformers'
+        ``from_pretrained``. Memory stays flat: the chunks go to disk as they come.
+
+        Args:
+            timeout: Deadline of the whole download (default: ``stream_timeout``).
+
+        Raises:
+            CheckpointNotFound, RunNotFound: no such checkpoint or run.
+            CheckpointCorrupt: the bytes did not match the checkpoint's digest (nothing is left
+                at ``out_dir``).
+            FileExistsError: ``out_dir`` is not empty.
+        """
+        download = TarDownload(run_id, out_dir)
+        request = gateway_service_pb2.DownloadCheckpointRequest(run_id=run_id, episode=episode)
+        try:
+            responses = self._stub.DownloadCheckpoint(
+                request,
+                timeout=self.stream_timeout if timeout is None else timeout,
+                metadata=self._metadata or None,
+            )
+            for response in responses:
+                if response.WhichOneof("content") == "chunk":
+                    if download.checkpoint is None:
+                        raise first_message_error(run_id)
+                    download.write(response.chunk)
+                else:
+                    download.start(response.checkpoint)
+        except grpc.RpcError as exc:
+            download.abort()
+            raise self._error(exc) from exc
+        except BaseException:
+            download.abort()
+            raise
+        return download.finish()
 
     # streaming
 

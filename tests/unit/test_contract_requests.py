@@ -63,6 +63,22 @@ def test_missing_task_and_bad_max_episodes_reported_together():
     assert "1..5000" in got[1].description
 
 
+def test_checkpoint_settings_are_checked_against_the_run():
+    every = episode_pb2.TrainConfig(max_episodes=10, checkpoint_every=10, keep_checkpoints=100)
+    assert check_task(imitation(), every) == []
+    got = check_task(
+        imitation(),
+        episode_pb2.TrainConfig(max_episodes=10, checkpoint_every=11, keep_checkpoints=101),
+    )
+    assert fields(got) == ["config.checkpoint_every", "config.keep_checkpoints"]
+    assert "1..max_episodes (10)" in got[0].description and "1..100" in got[1].description
+    negative = episode_pb2.TrainConfig(max_episodes=10, checkpoint_every=-1, keep_checkpoints=-1)
+    assert fields(check_task(imitation(), negative)) == [
+        "config.checkpoint_every",
+        "config.keep_checkpoints",
+    ]
+
+
 def test_imitation_field_violations_all_at_once():
     got = check_task(
         imitation(clip_name="dance", rig_name="robot", group_size=1, learning_rate=math.nan),

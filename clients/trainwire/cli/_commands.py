@@ -37,7 +37,7 @@ def _create(
 ) -> int:
     run = client.create_run(
         task,
-        train_config(args.episodes, args.seed),
+        train_config(args.episodes, args.seed, args.checkpoint_every, args.keep_checkpoints),
         speed=args.speed,
         episodes_per_second=args.rate,
         request_id=args.request_id,
@@ -97,6 +97,29 @@ def cmd_get(client: GatewayClient, args: argparse.Namespace, out: Output) -> int
 def cmd_delete(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
     run = client.delete_run(args.run_id)
     out.result(f"deleted run {run.id}", _format.run_json(run))
+    return EXIT_OK
+
+
+def cmd_checkpoints(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    checkpoints = client.list_checkpoints(args.run_id)
+    reply = gateway_service_pb2.ListCheckpointsResponse(checkpoints=checkpoints)
+    out.result(_format.checkpoints_table(args.run_id, checkpoints), _format.to_dict(reply))
+    return EXIT_OK
+
+
+def cmd_download(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    try:
+        record = client.download_checkpoint(args.run_id, args.out, episode=args.episode)
+    except FileExistsError as exc:
+        raise CliError(f"--out: {exc}") from None
+    except OSError as exc:
+        raise CliError(f"--out {args.out}: {exc.strerror or exc}") from None
+    out.result(
+        f"run {args.run_id}: checkpoint at episode {record.episode} "
+        f"({_format.size_text(record.size_bytes)}, SHA-256 {record.sha256}) extracted into "
+        f"{args.out}",
+        {"checkpoint": _format.to_dict(record), "out": str(args.out)},
+    )
     return EXIT_OK
 
 

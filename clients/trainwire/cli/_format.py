@@ -19,7 +19,7 @@ from google.protobuf import json_format, message
 from google.rpc import status_pb2
 
 from trainwire.client import Run, TrainwireError, state_name
-from trainwire.v1 import gateway_service_pb2
+from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 _SPARK = "▁▂▃▄▅▆▇█"
 # C0 controls, DEL and the C1 controls (0x80-0x9f: 0x9b is a one-byte CSI on some terminals).
@@ -107,18 +107,55 @@ def run_details(run: Run) -> str:
         ("rate", rate_text(run)),
         ("seed", str(run.config.seed)),
         ("trainer", clean(run.trainer) or "-"),
+        ("checkpoint", f"episode {run.checkpoint_episode}" if run.checkpoint_episode else "-"),
         ("created", time_text(run, "create_time")),
         ("started", time_text(run, "start_time")),
         ("ended", time_text(run, "end_time")),
     ]
     if run.state_detail:
         rows.append(("detail", clean(run.state_detail)))
+    if run.restarts:
+        rows.append(("restarts", str(run.restarts)))
+    if run.parked:
+        rows.append(("parked", "yes: its trainer slot is free until it is resumed"))
     if run.request_id:
         rows.append(("request id", clean(run.request_id)))
     if run.error_message:
         rows.append(("error", clean(run.error_message)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k + ':':<{width + 1}} {v}" for k, v in rows)
+
+
+def size_text(size: int) -> str:
+    """A byte count for people: ``812 B``, ``3.4 MiB``."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{size} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def checkpoints_table(run_id: str, checkpoints: Sequence[episode_pb2.Checkpoint]) -> str:
+    """An aligned table of a run's checkpoints, oldest first (or a line saying there is none)."""
+    if not checkpoints:
+        return f"run {run_id} has no checkpoint yet"
+    rows = [("EPISODE", "CREATED", "SIZE", "SHA-256")]
+    for checkpoint in checkpoints:
+        stamp = checkpoint.create_time.ToDatetime(tzinfo=UTC).astimezone()
+        rows.append(
+            (
+                str(checkpoint.episode),
+                stamp.replace(microsecond=0).isoformat(sep=" "),
+                size_text(checkpoint.size_bytes),
+                checkpoint.sha256,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
 
 
 def runs_table(runs: Sequence[Run]) -> str:

@@ -14,10 +14,12 @@ from typing import Any
 from trainwire import __version__
 from trainwire.cli._commands import (
     cmd_avatar,
+    cmd_checkpoints,
     cmd_control,
     cmd_create_grpo,
     cmd_create_imitation,
     cmd_delete,
+    cmd_download,
     cmd_get,
     cmd_list,
     cmd_plot,
@@ -159,6 +161,21 @@ def _run_options(parser: argparse.ArgumentParser, default_episodes: int) -> None
     group.add_argument(
         "--seed", type=_integer, default=0, metavar="N", help="random seed (default: 0)"
     )
+    group.add_argument(
+        "--checkpoint-every",
+        type=_integer,
+        default=0,
+        metavar="N",
+        help="write a checkpoint every N episodes, and always at the end (default: 0, the "
+        "provider's: imitation 500, grpo 50)",
+    )
+    group.add_argument(
+        "--keep-checkpoints",
+        type=_integer,
+        default=0,
+        metavar="K",
+        help="keep the latest K checkpoints, 1..100 (default: 0, i.e. 3)",
+    )
     group.add_argument("--name", default="", help="a display name for people (default: none)")
     group.add_argument(
         "--request-id",
@@ -296,6 +313,34 @@ def build_parser() -> argparse.ArgumentParser:
     delete = runs_commands.add_parser("delete", parents=[common], help="delete a finished run")
     delete.add_argument("run_id", metavar="ID")
     delete.set_defaults(handler=cmd_delete)
+
+    checkpoints = runs_commands.add_parser(
+        "checkpoints", parents=[common], help="list a run's checkpoints, oldest first"
+    )
+    checkpoints.add_argument("run_id", metavar="ID")
+    checkpoints.set_defaults(handler=cmd_checkpoints)
+
+    download = runs_commands.add_parser(
+        "download",
+        parents=[common],
+        help="download a checkpoint (the trained model and its training state), check its "
+        "SHA-256 and extract it",
+    )
+    download.add_argument("run_id", metavar="ID")
+    download.add_argument(
+        "--episode",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="the checkpoint's episode (default: 0, the latest)",
+    )
+    download.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="a directory that does not exist yet (or is empty) to extract it into",
+    )
+    download.set_defaults(handler=cmd_download)
 
     for name, help_text in (
         ("pause", "pause a running run"),
