@@ -16,7 +16,7 @@ import pytest
 from trainwire.v1 import episode_pb2
 
 if TYPE_CHECKING:
-    from trainer_service.core.provider import TrainJob
+    from trainer_service.core.provider import Checkpoints, RestoredCheckpoint, TrainJob
 
 #: Where the fixtures put things under the data root.
 MODEL_DIR = "models/tiny-vlm"
@@ -97,9 +97,11 @@ def make_job(
     image_cache_dir: pathlib.Path | None = None,
     stop_event: threading.Event | None = None,
     set_phase: Callable[[str], None] | None = None,
+    checkpoints: Checkpoints | None = None,
+    resume: RestoredCheckpoint | None = None,
 ) -> TrainJob:
-    """A ``TrainJob`` for the grpo provider on CPU."""
-    from trainer_service.core.provider import TrainJob
+    """A ``TrainJob`` for the grpo provider on CPU (no checkpoints unless given)."""
+    from trainer_service.core.provider import NoCheckpoints, TrainJob
 
     return TrainJob(
         run_id=run_id,
@@ -110,4 +112,6 @@ def make_job(
         image_cache_dir=image_cache_dir,
         stop_event=stop_event or threading.Event(),
         set_phase=set_phase or (lambda phase: None),
+        checkpoints=checkpoints or NoCheckpoints(),
+        resume=resume,
     )

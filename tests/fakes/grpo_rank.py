@@ -7,12 +7,22 @@ side of a job (``process.run``) is exercised with real processes in about a seco
 job's ``task.grpo.model_path`` is the script:
 
 - ``scripted``: one step per step granted, each logging a reward of step / 10;
-- ``scripted:fail-at=N``: step N raises ``RuntimeError("boom")``.
+- ``scripted:fail-at=N``: step N raises ``RuntimeError("boom")``;
+- ``scripted:step-s=S``: each step takes S seconds;
+- ``scripted:save-fails``: every checkpoint fails as on a full disk.
+
+A checkpoint (the trainer's ``SAVE``) is one file, ``scripted.json``, written by rank 0: the
+step and the rewards the rank was given.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import pathlib
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,10 +41,23 @@ class ScriptedTrainer:
         del kwargs
         self.callbacks = list(callbacks)
         self.steps = job.config.max_episodes
-        script = dict(
-            part.split("=", 1) for part in job.task.grpo.model_path.split(":")[1:] if "=" in part
-        )
+        parts = job.task.grpo.model_path.split(":")[1:]
+        script = dict(part.split("=", 1) for part in parts if "=" in part)
         self.fail_at = int(script.get("fail-at", 0))
+        self.step_s = float(script.get("step-s", 0))
+        self.save_fails = "save-fails" in parts
+        self.step = 0
+
+    def save_checkpoint(
+        self, directory: pathlib.Path, best_reward: float | None, last_reward: float | None
+    ) -> int:
+        if self.save_fails:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if os.environ.get("RANK", "0") != "0":
+            return 0  # rank 0 writes, as the real trainer's ranks do
+        record = {"step": self.step, "best_reward": best_reward, "last_reward": last_reward}
+        (directory / "scripted.json").write_text(json.dumps(record))
+        return len(json.dumps(record))
 
     def train(self) -> None:
         from transformers import TrainerControl, TrainerState
@@ -43,7 +66,8 @@ class ScriptedTrainer:
         for step in range(1, self.steps + 1):
             if step == self.fail_at:
                 raise RuntimeError("boom")
-            state.global_step = step
+            time.sleep(self.step_s)
+            state.global_step = self.step = step
             logs = {"loss": 1.0 / step, "reward": step / 10}
             for callback in self.callbacks:
                 control = callback.on_log(None, state, control, logs=logs) or control

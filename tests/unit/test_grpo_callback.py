@@ -99,8 +99,8 @@ def test_episodes_carry_a_reward_on_every_step() -> None:
     assert len(episodes[2].grpo.sample_completions) == 4
     assert all(len(t.encode()) <= MAX_COMPLETION_BYTES for t in episodes[2].grpo.sample_completions)
     assert all(math.isfinite(v) for e in episodes for v in e.metrics.values())
-    # Each step but the last waits for the trainer's go for the next one.
-    assert channel.waits == [2, 3, 4] and channel.last_step == 4
+    # Each step waits for the trainer's word on the next one (after the last: to end).
+    assert channel.waits == [2, 3, 4, 5] and channel.last_step == 4
     assert not control.should_training_stop
 
 
@@ -179,10 +179,12 @@ def test_a_rank_failure_reads_as_what_the_user_can_act_on() -> None:
     assert translate_error(other) is other
 
 
-def test_the_last_step_never_waits() -> None:
-    channel = GrantingChannel()
+def test_the_last_step_waits_for_the_trainers_word_to_end() -> None:
+    # The trainer may checkpoint the last step before it lets the ranks end (with a STOP).
+    channel = GrantingChannel(stop_at=2)
     gate = StepGate(EpisodeMaker(EpisodeCounter(1)), channel, max_steps=1)
     state, control = TrainerState(), TrainerControl()
     state.global_step = 1
     gate.on_log(ARGS, state, control, logs=_step_logs(1.0))
-    assert channel.waits == [] and [e.done for e in channel.episodes] == [True]
+    assert channel.waits == [2] and [e.done for e in channel.episodes] == [True]
+    assert control.should_training_stop

@@ -14,6 +14,13 @@ Seeding: ``config.seed`` seeds Python, NumPy and torch before the model is loade
 training DataLoader draws its worker seeds from a generator of its own, so the number of
 workers does not change the stream: 0 and N workers train on the same rows and sample the same
 completions, epoch after epoch.
+
+Resuming (``job.resume``): the weights come from the checkpoint's ``model/`` (every tensor of
+the model, none left over, or :class:`CheckpointUnusable`), the processor from the task's model;
+``LazyGRPOTrainer.train(resume_from_checkpoint=<checkpoint>/trainer)`` then restores the rest
+the way ``Trainer`` does (see :mod:`.checkpoint`), any file that does not load being
+:class:`CheckpointUnusable` too. Each epoch's order depends on the epoch alone
+(:mod:`.sampler`), so the resumed job trains on the rows the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -32,8 +39,11 @@ from transformers import (
     set_seed,
 )
 from trl import GRPOTrainer
+from trl.trainer.utils import RepeatSampler
 
-from trainer_service.core.provider import ProviderError, TrainJob
+from trainer_service.core.provider import CheckpointUnusable, ProviderError, TrainJob
+from trainer_service.providers.grpo import checkpoint
+from trainer_service.providers.grpo import checkpoint_files as files
 from trainer_service.providers.grpo.lazy_images import (
     LazyImageDataset,
     RowTransform,
@@ -42,6 +52,7 @@ from trainer_service.providers.grpo.lazy_images import (
 from trainer_service.providers.grpo.library_output import WorkerLogging, route_library_output
 from trainer_service.providers.grpo.lifeline import WorkerWatchdog
 from trainer_service.providers.grpo.rewards import CompletionTap, build_reward_functions
+from trainer_service.providers.grpo.sampler import EpochSampler
 from trainer_service.providers.grpo.settings import Settings, training_args
 from trainer_service.providers.grpo.validation import resolve_in_roots
 
@@ -80,11 +91,11 @@ def load_dataset(job: TrainJob, provenance_key: str | None = None) -> LazyImageD
     )
 
 
-def load_model(job: TrainJob, dtype: torch.dtype) -> tuple[Any, ProcessorMixin]:
-    """Loads the vision-language model and its processor from local files only.
+def task_model_dir(job: TrainJob) -> pathlib.Path:
+    """The task's model directory, resolved in the data roots.
 
     Raises:
-        ProviderError: Missing directory, unloadable files, or not a vision-language model.
+        ProviderError: It is outside them, or not a directory.
     """
     task = job.task.grpo
     path = _resolve(job, task.model_path, "model")
@@ -94,13 +105,28 @@ def load_model(job: TrainJob, dtype: torch.dtype) -> tuple[Any, ProcessorMixin]:
             detail=str(path),
             reason="MODEL_NOT_FOUND",
         )
+    return path
+
+
+def load_model(job: TrainJob, dtype: torch.dtype) -> tuple[Any, ProcessorMixin]:
+    """Loads the vision-language model and its processor from local files only (the weights
+    from ``job.resume``'s checkpoint when it has one).
+
+    Raises:
+        ProviderError: Missing directory, unloadable files, or not a vision-language model.
+        CheckpointUnusable: The checkpoint's weights do not load into the task's model.
+    """
+    task = job.task.grpo
+    path = task_model_dir(job)
     try:
         processor = AutoProcessor.from_pretrained(
             path, local_files_only=True, padding_side="left", truncation_side="left"
         )
-        model = AutoModelForImageTextToText.from_pretrained(
-            path, local_files_only=True, dtype=dtype
-        )
+        model = None
+        if job.resume is None:
+            model = AutoModelForImageTextToText.from_pretrained(
+                path, local_files_only=True, dtype=dtype
+            )
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise ProviderError(
             f"The model in {task.model_path!r} could not be loaded.",
@@ -117,11 +143,38 @@ def load_model(job: TrainJob, dtype: torch.dtype) -> tuple[Any, ProcessorMixin]:
             detail=f"{path}: processor {type(processor).__name__}",
             reason="MODEL_NOT_MULTIMODAL",
         )
+    if model is None:
+        assert job.resume is not None
+        model = _restored_model(job.resume.directory / files.MODEL_DIR, dtype)
     return model, processor
 
 
+def _restored_model(model_dir: pathlib.Path, dtype: torch.dtype) -> Any:
+    """The checkpoint's model, every tensor loaded from it (``from_pretrained`` alone would
+    leave a missing or misnamed tensor at its initial value and only warn).
+
+    Raises:
+        CheckpointUnusable: It does not load, or not every tensor fits.
+    """
+    try:
+        loaded: Any = AutoModelForImageTextToText.from_pretrained(
+            model_dir, local_files_only=True, dtype=dtype, output_loading_info=True
+        )
+        model, info = loaded
+    except Exception as exc:  # safetensors, JSON and shape errors alike: the files are bad
+        raise CheckpointUnusable(f"its model does not load ({type(exc).__name__}: {exc})") from exc
+    misfits = {
+        kind: list(info.get(kind) or ())
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+    }
+    if any(misfits.values()):
+        raise CheckpointUnusable(f"its weights do not fit the model: {misfits}")
+    return model
+
+
 class LazyGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer with a reproducible, quiet training DataLoader, holding its lazy dataset.
+    """GRPOTrainer with a reproducible, quiet training DataLoader, holding its lazy dataset, and
+    checkpoints that resume at their step with the same rows.
 
     Reproducible: a ``DataLoader`` draws a base seed for its workers each time it makes an
     iterator, from the process-wide torch RNG unless it has a ``generator``. Loading inline,
@@ -129,15 +182,29 @@ class LazyGRPOTrainer(GRPOTrainer):
     Those extra draws would move the global RNG, which also drives completion sampling, so 0
     and 2 workers would sample different completions from the first step of epoch 2 on. With a
     generator of its own (seeded from ``seed``) the loader leaves the global RNG alone in both
-    modes.
+    modes. Each epoch's order is the sampler's for that epoch (:class:`.sampler.EpochSampler`).
 
     Quiet: workers set their logging up like the trainer's (:class:`WorkerLogging`).
 
+    Checkpoints: :meth:`save_checkpoint` (:mod:`.checkpoint`); resuming is
+    ``train(resume_from_checkpoint=<checkpoint>/trainer)`` on a trainer built for
+    ``job.resume`` (see the module docstring).
+
     Attributes:
         lazy_dataset: The rows behind ``train_dataset``.
+        model_fingerprint: The task model's fingerprint (``checkpoint_files``).
+        update_steps_per_epoch: Optimizer steps in one pass over the data (once the training
+            DataLoader exists).
     """
 
     lazy_dataset: LazyImageDataset | None = None
+    model_fingerprint: str = ""
+    update_steps_per_epoch: int = 0
+
+    def _get_train_sampler(self, dataset: Any = None) -> EpochSampler:
+        sampler = super()._get_train_sampler(dataset)
+        assert isinstance(sampler, RepeatSampler)
+        return EpochSampler(sampler)
 
     def get_train_dataloader(self) -> Any:
         loader = super().get_train_dataloader()
@@ -151,7 +218,42 @@ class LazyGRPOTrainer(GRPOTrainer):
             base.worker_init_fn = WorkerWatchdog.wrap(
                 WorkerLogging.like_this_process(base.worker_init_fn)
             )
+        accumulation = self.args.gradient_accumulation_steps
+        self.update_steps_per_epoch = max(1, -(-len(loader) // accumulation))
         return loader
+
+    def save_checkpoint(
+        self, directory: pathlib.Path, best_reward: float | None, last_reward: float | None
+    ) -> int:
+        """Writes a checkpoint of the current step (every rank calls it; see
+        :func:`.checkpoint.save`); returns the bytes written."""
+        extra = {
+            "best_reward": best_reward,
+            "last_reward": last_reward,
+            "model_fingerprint": self.model_fingerprint,
+        }
+        return checkpoint.save(self, directory, extra)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # The weights were loaded from the checkpoint's model/ when this trainer was built,
+        # strictly (Trainer's own load would accept missing tensors with a warning).
+        return
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except Exception as exc:
+            raise CheckpointUnusable(
+                f"its optimizer or scheduler state does not load ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        try:
+            super()._load_rng_state(checkpoint)
+        except Exception as exc:
+            raise CheckpointUnusable(
+                f"its RNG state does not load ({type(exc).__name__}: {exc})"
+            ) from exc
 
 
 def world_size() -> int:
@@ -197,12 +299,14 @@ def build_trainer(
     Args:
         job: The job.
         callbacks: Extra trainer callbacks (the streaming callback).
-        output_dir: Trainer scratch directory (nothing is saved there: ``save_strategy="no"``).
+        output_dir: Trainer scratch directory (nothing is saved there: ``save_strategy="no"``;
+            checkpoints go where the job says, see :meth:`LazyGRPOTrainer.save_checkpoint`).
         tap: Receives each scored batch's completions.
         provenance_key: Passed to :class:`LazyImageDataset` (diagnostics and tests).
 
     Raises:
         ProviderError: The model or dataset cannot be used.
+        CheckpointUnusable: ``job.resume``'s weights do not load.
     """
     route_library_output()  # before any model or dataset code draws a bar or warns
     use_cpu, bf16, dtype = _precision(job.device)
@@ -239,4 +343,5 @@ def build_trainer(
     # With tqdm off, Trainer prints every log dict to stdout; episodes carry the metrics instead.
     trainer.remove_callback(PrinterCallback)
     trainer.lazy_dataset = lazy
+    trainer.model_fingerprint = files.model_fingerprint(task_model_dir(job))
     return trainer

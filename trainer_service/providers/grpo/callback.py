@@ -4,8 +4,10 @@ for the trainer's go.
 :class:`StepGate` runs in every rank of a GRPO job (:mod:`.worker`). At each step's ``on_log``
 (after the step's collectives are done) rank 0 turns the step's log record into the next episode
 (:class:`EpisodeMaker`) and sends it; then every rank waits for the trainer's next message: the
-step after (train on) or a stop (training stops after this step). A paused run thus waits with
-no collective pending, and every rank takes the same decision at every step boundary.
+step after (train on) or a stop (training stops after this step); a checkpoint of the step asked
+for meanwhile is written by the channel before it returns (:mod:`.worker`). A paused run thus
+waits with no collective pending, and every rank takes the same decision at every step
+boundary. The last step waits too, so the trainer can checkpoint it before the ranks end.
 
 Reward on every step: TRL logs ``reward`` only for steps that generated completions. With
 ``steps_per_generation`` > ``gradient_accumulation_steps`` (or ``num_iterations`` > 1) some
@@ -116,7 +118,8 @@ class StepChannel(Protocol):
         ...
 
     def wait_step(self, step: int) -> bool:
-        """Blocks for the trainer's next message: True to run ``step``, False to stop."""
+        """Blocks for the trainer's next message: True to run ``step``, False to stop (a
+        checkpoint asked for meanwhile is written first)."""
         ...
 
 
@@ -148,10 +151,9 @@ class StepGate(TrainerCallback):  # type: ignore[misc]
         self.last_step = self.channel.last_step = state.global_step
         if self.maker is not None and not self.maker.counter.finished:
             self.channel.send_episode(self.maker.make(logs))
-        if state.global_step >= self.max_steps:
-            return control
         # Every rank reads the same message here, after the step's collectives: all run the
         # next step or all stop, and none waits inside a collective while a run is paused.
+        # After the last step the trainer's word is a stop, perhaps after a checkpoint.
         if not self.channel.wait_step(state.global_step + 1):
             control.should_training_stop = True
         return control

@@ -19,6 +19,7 @@ import pathlib
 import pickle
 import subprocess
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from trainer_service.core.provider import ProviderError, TrainJob
@@ -96,8 +97,13 @@ def job_spec(
     device: str,
     backend: str,
     scratch: pathlib.Path,
+    resume: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``JOB`` message's payload for rank ``rank`` (it also makes the rank's output dir)."""
+    """The ``JOB`` message's payload for rank ``rank`` (it also makes the rank's output dir).
+
+    ``resume``: the checkpoint to resume from (``directory``, ``episode``, ``best_reward``,
+    ``last_reward``), checked by the trainer.
+    """
     logging_like = WorkerLogging.like_this_process(None)
     formatter = None
     if logging_like.formatter is not None:
@@ -118,6 +124,7 @@ def job_spec(
         "output_dir": str(output),
         "log": {"formatter": formatter, "level": logging_like.level},
         "beat_s": BEAT_S,
+        "resume": dict(resume) if resume is not None else None,
     }
 
 

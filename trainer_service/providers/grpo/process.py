@@ -26,6 +26,18 @@ an exit code. The service and its other jobs go on.
 
 The trainer dying (``kill -9`` included): see :mod:`.lifeline`; every rank kills its group.
 
+Checkpoints (``job.checkpoints``; what one holds: :mod:`.checkpoint_files`): the ranks can only
+checkpoint the step at whose end they wait, so the trainer asks (``SAVE``) between a step's
+episode and the next ``STEP``: after yielding episode ``n`` (the consumer has it: only then may
+the checkpoint be committed), when it is pulled again or closed, if ``due(n)`` (true for the
+last step too), or at a stop if ``final_wanted()``. A stop that comes while a step runs lets the
+step finish and yields its episode when a final checkpoint is wanted (the ranks are past the
+previous boundary: only this step can be checkpointed), else returns at once as before. A
+write that fails (a full disk) is logged and not committed; training goes on. Resuming
+(``job.resume``) is checked here first (:func:`.checkpoint_files.check_resume`, no rank
+started); what only loading shows, the ranks report as :class:`CheckpointUnusable` before the
+first episode.
+
 Starting a rank (command line, environment, job spec) is :mod:`.launch`; the per-rank record and
 the reading of a failure are :mod:`.ranks`; this module drives the job: steps, watching,
 stopping, killing and reaping.
@@ -48,9 +60,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from trainer_service.core.provider import ProviderError, TrainJob
-from trainer_service.providers.grpo import launch, wire
+from trainer_service.core.provider import CheckpointUnusable, ProviderError, TrainJob
+from trainer_service.providers.grpo import checkpoint_files, launch, wire
 from trainer_service.providers.grpo.ranks import Rank, diagnose, peek_exit
+from trainer_service.providers.grpo.validation import resolve_in_roots
 from trainwire.v1 import episode_pb2
 
 _LOGGER = logging.getLogger(__name__)
@@ -63,6 +76,8 @@ DONE_GRACE_S = 60.0
 SETTLE_S = 2.0
 #: A rank silent this long (no message, not even a BEAT) is named in the job's phase.
 SILENT_S = 15.0
+#: After a stop that wants a final checkpoint, how long the step in flight may take to finish.
+FINAL_STEP_S = 300.0
 _POLL_S = 0.1
 
 
@@ -86,7 +101,10 @@ class JobProcesses:
         self.ranks: list[Rank] = []
         self.pgid: int | None = None
         self.scratch: pathlib.Path | None = None
+        #: The step at whose end every rank waits (None while one runs, or after a failure).
+        self.boundary: int | None = None
         self._episode: episode_pb2.Episode | None = None
+        self._saved: dict[str, object] | None = None
         self._stopping = False
         self._killed = False
         self._phase = "starting"
@@ -94,8 +112,11 @@ class JobProcesses:
 
     # -- starting ----------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, resume: dict[str, object] | None = None) -> None:
         """Starts every rank in one new process group and sends each its job spec.
+
+        Args:
+            resume: The checked checkpoint to resume from (see :func:`launch.job_spec`).
 
         Raises:
             ProviderError: A process could not be started.
@@ -108,7 +129,9 @@ class JobProcesses:
             if self.pgid is None:
                 self.pgid = popen.pid
             self.ranks.append(Rank(rank, popen, channel))
-            spec = launch.job_spec(self.job, rank, self.processes, devices[rank], backend, scratch)
+            spec = launch.job_spec(
+                self.job, rank, self.processes, devices[rank], backend, scratch, resume
+            )
             channel.send_json(wire.JOB, spec)
         _LOGGER.info(
             "run %s: GRPO job started in %d process(es) %s on %s",
@@ -125,17 +148,28 @@ class JobProcesses:
         """Lets every rank run optimizer step ``step``; returns rank 0's episode of it.
 
         Returns:
-            The episode, or ``None`` once the job's stop event is set.
+            The episode, or ``None`` once the job's stop event is set (after the step in flight
+            when a final checkpoint is wanted, see the module docstring).
 
         Raises:
             ProviderError: A rank failed, or training ended before this step.
+            CheckpointUnusable: The checkpoint the job resumes from did not load.
         """
+        if self.job.stop_event.is_set():
+            return None
         for rank in self.ranks:  # the same message to every rank, in rank order
             rank.channel.send_step(step)
+        self.boundary = None
         self._episode = None
+        finish_by: float | None = None
         while self._episode is None:
             if self.job.stop_event.is_set():
-                return None
+                if finish_by is None:
+                    if not self.job.checkpoints.final_wanted():
+                        return None
+                    finish_by = time.monotonic() + FINAL_STEP_S
+                elif time.monotonic() > finish_by:
+                    return None
             self._pump(_POLL_S)
             self._raise_on_failure()
             if self.ranks[0].ended and self._episode is None:
@@ -145,10 +179,46 @@ class JobProcesses:
                     code="INTERNAL",
                     reason="ENDED_EARLY",
                 )
+        self.boundary = step
         return self._episode
 
+    def checkpoint(self, step: int, directory: pathlib.Path) -> dict[str, object]:
+        """Has the ranks checkpoint step ``step`` (they wait at its end) into ``directory``.
+
+        Returns:
+            Rank 0's ``SAVED`` report (:func:`wire.saved_payload`): ``error`` is set when the
+            checkpoint could not be written.
+
+        Raises:
+            ProviderError: A rank failed.
+        """
+        if self.boundary != step:
+            raise RuntimeError(f"the ranks are not at the end of step {step}")
+        request = {"step": step, "directory": str(directory)}
+        for rank in self.ranks:
+            rank.channel.send_json(wire.SAVE, request)
+        self._saved = None
+        try:
+            while self._saved is None:
+                self._pump(_POLL_S)
+                self._raise_on_failure()
+                if self.ranks[0].ended:
+                    raise ProviderError(
+                        "Training ended while a checkpoint was written.",
+                        detail=f"rank 0 ended before it saved step {step}",
+                        code="INTERNAL",
+                        reason="ENDED_EARLY",
+                    )
+        except BaseException:
+            self.boundary = None
+            raise
+        return self._saved
+
     def finish(self) -> None:
-        """After the done episode: waits (bounded) for every rank to report ``END``."""
+        """After the done episode: lets every rank end and waits (bounded) for their ``END``."""
+        for rank in self.ranks:
+            if not (rank.ended or rank.closed):
+                rank.channel.send(wire.STOP)
         deadline = time.monotonic() + DONE_GRACE_S
         while not all(r.ended or r.closed for r in self.ranks) and time.monotonic() < deadline:
             self._pump(_POLL_S)
@@ -192,6 +262,8 @@ class JobProcesses:
     def _handle(self, rank: Rank, kind: bytes, payload: bytes) -> None:
         if kind == wire.EPISODE and rank.rank == 0:
             self._episode = episode_pb2.Episode.FromString(payload)
+        elif kind == wire.SAVED and rank.rank == 0:
+            self._saved = dict(json.loads(payload))
         elif kind == wire.PHASE:
             rank.phase = payload.decode(errors="replace")
             if rank.rank == 0:
@@ -235,7 +307,7 @@ class JobProcesses:
         self._kill()
         raise error
 
-    def diagnose(self) -> ProviderError:
+    def diagnose(self) -> ProviderError | CheckpointUnusable:
         """What went wrong, as the user should read it (call once a rank failed)."""
         return diagnose(self.ranks)
 
@@ -279,6 +351,7 @@ class JobProcesses:
         if self._killed or self.pgid is None:
             return
         self._killed = True
+        self.boundary = None
         try:
             os.killpg(self.pgid, signal.SIGKILL)
         except ProcessLookupError:
@@ -308,25 +381,119 @@ class JobProcesses:
                 time.sleep(0.02)
 
 
+def _checked_resume(job: TrainJob, processes: int) -> dict[str, object] | None:
+    """The resume part of the ranks' job spec, once ``job.resume`` is checked (None: none).
+
+    Raises:
+        CheckpointUnusable: It does not fit this job.
+    """
+    resume = job.resume
+    if resume is None:
+        return None
+    if resume.episode >= job.config.max_episodes:
+        raise CheckpointUnusable(
+            f"it was taken after step {resume.episode}, and this job ends at step "
+            f"{job.config.max_episodes}"
+        )
+    model_dir = resolve_in_roots(job.data_roots, job.task.grpo.model_path)
+    record = checkpoint_files.check_resume(resume, model_dir, processes)
+    return {
+        "directory": str(resume.directory),
+        "episode": resume.episode,
+        "best_reward": resume.best_reward,
+        "last_reward": record.get("last_reward"),
+    }
+
+
+class _Committer:
+    """When the job's checkpoints are written, and their commit after their episode."""
+
+    def __init__(self, job: TrainJob, group: JobProcesses, start: int) -> None:
+        self.job = job
+        self.group = group
+        self.last: episode_pb2.Episode | None = None  #: the last episode yielded
+        self.saved = start  #: the last step checkpointed (or resumed from)
+
+    def after(self, episode: episode_pb2.Episode) -> None:
+        """Called once ``episode`` is yielded and the consumer is back: writes its checkpoint
+        if it is due (``due`` says so for the last step too)."""
+        if self.job.checkpoints.due(episode.episode):
+            self.write(episode)
+
+    def final(self) -> None:
+        """Called as the job ends: checkpoints the last episode yielded if that is due or a
+        final checkpoint is wanted, the ranks still wait at its end and it was not done yet.
+        A failure is logged: the job ends either way."""
+        last = self.last
+        if last is None or last.episode <= self.saved or self.group.boundary != last.episode:
+            return
+        if not (self.job.checkpoints.due(last.episode) or self.job.checkpoints.final_wanted()):
+            return
+        try:
+            self.write(last)
+        except ProviderError as exc:
+            _LOGGER.error(
+                "run %s: the final checkpoint (step %d) failed: %s",
+                self.job.run_id,
+                last.episode,
+                exc,
+                extra={"run_id": self.job.run_id},
+            )
+
+    def write(self, episode: episode_pb2.Episode) -> None:
+        """Checkpoints ``episode``'s step and commits it (``commit`` never raises)."""
+        step = episode.episode
+        self.saved = step
+        directory = self.job.checkpoints.scratch(step)
+        report = self.group.checkpoint(step, directory)
+        if report.get("error"):
+            _LOGGER.error(
+                "run %s: the checkpoint of step %d could not be written, training goes on: %s",
+                self.job.run_id,
+                step,
+                report["error"],
+                extra={"run_id": self.job.run_id},
+            )
+            shutil.rmtree(directory, ignore_errors=True)
+            return
+        _LOGGER.info(
+            "run %s: checkpoint of step %d written in %.2f s (%d bytes)",
+            self.job.run_id,
+            step,
+            float(report.get("seconds") or 0.0),  # type: ignore[arg-type]
+            int(report.get("size") or 0),  # type: ignore[call-overload]
+            extra={"run_id": self.job.run_id},
+        )
+        self.job.checkpoints.commit(step, episode.best_reward, directory)
+
+
 def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
     """Trains ``job`` in its own processes; yields one episode per optimizer step, each step
-    run only when the consumer asks for its episode (see the module docstring).
+    run only when the consumer asks for its episode, and writes the job's checkpoints (see the
+    module docstring).
 
     Raises:
         ProviderError: A rank failed (named in the message) or training ended early.
+        CheckpointUnusable: ``job.resume`` does not fit or load (before the first episode).
     """
     processes = processes_of(job.task)
+    resume = _checked_resume(job, processes)
+    start = job.resume.episode if job.resume is not None else 0
     group = JobProcesses(job, processes)
+    committer = _Committer(job, group, start)
     job.set_phase(f"starting {processes} process{'es' if processes > 1 else ''}")
     try:
-        group.start()
-        for step in range(1, job.config.max_episodes + 1):
+        group.start(resume)
+        for step in range(start + 1, job.config.max_episodes + 1):
             episode = group.step(step)
             if episode is None:
                 return  # stopped
+            committer.last = episode  # closed at the yield, the job still ends with it
             yield episode
+            committer.after(episode)
             if episode.done:
                 break
         group.finish()
     finally:
+        committer.final()
         group.close()

@@ -5,8 +5,8 @@ exited); :mod:`.process` fills it in. :func:`peek_exit` reads a rank's exit with
 so the process group cannot be reused before it is killed. :func:`diagnose` turns the records
 of a failed job into the one :class:`ProviderError` the user reads: a rank killed by a signal
 first (for ``SIGKILL``, the out-of-memory advice), then the earliest ``ERROR`` report (a
-``ProviderError`` of a rank as the rank raised it, another exception by its type), then an exit
-code or silence.
+``ProviderError`` of a rank as the rank raised it, a checkpoint that did not load as
+:class:`CheckpointUnusable`, another exception by its type), then an exit code or silence.
 
 This module imports neither torch nor grpc.
 """
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_service.core.provider import ProviderError
+from trainer_service.core.provider import CheckpointUnusable, ProviderError
 from trainer_service.providers.grpo import wire
 
 
@@ -71,7 +71,7 @@ def peek_exit(pid: int, wait_s: float = 0.0) -> int | None:
         time.sleep(0.02)
 
 
-def diagnose(ranks: Sequence[Rank]) -> ProviderError:
+def diagnose(ranks: Sequence[Rank]) -> ProviderError | CheckpointUnusable:
     """What went wrong, as the user should read it (call once a rank failed)."""
     n = len(ranks)
 
@@ -96,6 +96,8 @@ def diagnose(ranks: Sequence[Rank]) -> ProviderError:
         rank = min(reported, key=lambda r: float((r.error or {}).get("at", 0.0)))
         error = rank.error or {}
         detail = f"rank {rank.rank}: {error.get('detail', '')}"
+        if error.get("kind") == "checkpoint":
+            return CheckpointUnusable(str(error.get("user_message", "")))
         if error.get("kind") == "provider":
             return ProviderError(
                 str(error.get("user_message", "")),

@@ -12,9 +12,11 @@ so every rank takes the same decision at every step boundary:
 | ``JOB`` | trainer -> rank | the job spec (JSON, see ``launch.py``) |
 | ``STEP`` | trainer -> rank | the optimizer step the ranks may run next (8-byte int) |
 | ``STOP`` | trainer -> rank | nothing: stop at the next step boundary |
+| ``SAVE`` | trainer -> rank | checkpoint the step just finished (JSON: ``step``, ``directory``) |
 | ``PHASE`` | rank -> trainer | what the rank does (UTF-8), for heartbeats |
 | ``BEAT`` | rank -> trainer | nothing: the rank is alive (sent every second) |
 | ``EPISODE`` | rank 0 -> trainer | one serialized ``trainwire.v1.Episode`` |
+| ``SAVED`` | rank 0 -> trainer | the checkpoint written, or why not (JSON, :func:`saved_payload`) |
 | ``ERROR`` | rank -> trainer | why the rank failed (JSON, see :func:`error_payload`) |
 | ``END`` | rank -> trainer | training returned: the last step the rank finished (8-byte int) |
 
@@ -43,10 +45,13 @@ __all__ = [
     "JOB",
     "MAX_MESSAGE",
     "PHASE",
+    "SAVE",
+    "SAVED",
     "STEP",
     "STOP",
     "ChannelEnd",
     "error_payload",
+    "saved_payload",
 ]
 
 JOB = b"J"
@@ -57,6 +62,8 @@ BEAT = b"B"
 EPISODE = b"E"
 ERROR = b"X"
 END = b"D"
+SAVE = b"C"
+SAVED = b"W"
 
 _STEP = struct.Struct(">q")
 #: Largest message accepted: an episode is at most ~40 KiB, a job spec a few KiB.
@@ -190,3 +197,15 @@ def error_payload(
         # of several ranks by it, so the first failure (the cause) wins over its echoes.
         "at": time.monotonic(),
     }
+
+
+def saved_payload(step: int, *, seconds: float, size: int, error: str | None) -> dict[str, Any]:
+    """The JSON of a ``SAVED`` message.
+
+    Args:
+        step: The step the checkpoint is of.
+        seconds: How long writing took.
+        size: Bytes written.
+        error: Why it was not written (a full disk); ``None`` when it was.
+    """
+    return {"step": step, "seconds": seconds, "size": size, "error": error}

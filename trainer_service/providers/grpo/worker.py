@@ -16,7 +16,10 @@ group, each with its own end of the job's channel (``--fd``, see :mod:`.wire`). 
    so a paused job waits with no collective pending (none can time out), and every rank reads
    the same messages, so all ranks run the same steps and stop at the same boundary (a
    ``STOP`` reaches every rank within one optimizer step). Rank 0 sends each step's episode
-   before it waits;
+   before it waits. A ``SAVE`` read while waiting checkpoints the step just finished, on every
+   rank at once (:mod:`.checkpoint`); rank 0 answers ``SAVED``, and the rank waits on. A job
+   spec with ``resume`` builds the trainer from that checkpoint and resumes at its next step;
+   a checkpoint that does not load is reported as such (``ERROR`` of kind ``checkpoint``);
 4. reports ``END`` (with the last step it finished) when training returned, or ``ERROR`` (a
    ``ProviderError`` as it is, a failure with a known cause as the ``ProviderError`` that
    :func:`translate_error` makes of it, anything else as a crash with its traceback), and exits
@@ -39,6 +42,7 @@ import pickle
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -75,6 +79,8 @@ class RankChannel:
         self.stopped = threading.Event()  #: set once a STOP arrived
         self.last_step = 0  #: the last optimizer step this rank finished (reported with END)
         self.finishing = threading.Event()  #: set once the rank is done: EOF is expected
+        #: Writes the checkpoint a ``SAVE`` asks for (its JSON payload); set once training can.
+        self.on_save: Callable[[Mapping[str, Any]], None] | None = None
         self._job: queue.Queue[bytes] = queue.Queue(maxsize=1)
         self._controls: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
 
@@ -94,7 +100,7 @@ class RankChannel:
             kind, payload = message
             if kind == wire.JOB:
                 self._job.put(payload)
-            elif kind in (wire.STEP, wire.STOP):
+            elif kind in (wire.STEP, wire.STOP, wire.SAVE):
                 if kind == wire.STOP:
                     self.stopped.set()
                 self._controls.put(message)
@@ -112,12 +118,20 @@ class RankChannel:
             return None
 
     def wait_step(self, step: int) -> bool:
-        """Blocks for the next control message: True for ``STEP step``, False for ``STOP``.
+        """Blocks for the next ``STEP`` or ``STOP``: True for ``STEP step``, False for ``STOP``.
+        A ``SAVE`` that comes first is handed to :attr:`on_save`, and the wait goes on.
 
         Raises:
-            RuntimeError: A ``STEP`` for another step (the trainer broke the protocol).
+            RuntimeError: A ``STEP`` for another step, or a ``SAVE`` before training started
+                (the trainer broke the protocol).
         """
-        kind, payload = self._controls.get()
+        while True:
+            kind, payload = self._controls.get()
+            if kind != wire.SAVE:
+                break
+            if self.on_save is None:
+                raise RuntimeError("the trainer asked for a checkpoint before training started")
+            self.on_save(dict(json.loads(payload)))
         if kind == wire.STOP:
             return False
         granted = wire.step_of(payload)
@@ -160,7 +174,8 @@ def _set_up_distributed(spec: Mapping[str, Any]) -> None:
 
 def _train(spec: Mapping[str, Any], channel: RankChannel, build: Callable[..., Any] | None) -> None:
     """Builds the trainer and trains one step per ``STEP`` message (see the module docstring)."""
-    from trainer_service.core.provider import EpisodeCounter, TrainJob
+    from trainer_service.core.provider import EpisodeCounter, RestoredCheckpoint, TrainJob
+    from trainer_service.providers.grpo import checkpoint_files
     from trainwire.v1 import episode_pb2
 
     rank, world = int(spec["rank"]), int(spec["world_size"])
@@ -168,6 +183,12 @@ def _train(spec: Mapping[str, Any], channel: RankChannel, build: Callable[..., A
     task = episode_pb2.TrainTask.FromString(base64.b64decode(spec["task"]))
     config = episode_pb2.TrainConfig.FromString(base64.b64decode(spec["config"]))
     cache = spec.get("image_cache_dir")
+    resume = spec.get("resume")
+    restored = None
+    if resume:
+        restored = RestoredCheckpoint(
+            pathlib.Path(resume["directory"]), int(resume["episode"]), resume["best_reward"]
+        )
     channel.send_phase("loading libraries")
     if build is None:
         from trainer_service.providers.grpo.build import build_trainer
@@ -189,13 +210,19 @@ def _train(spec: Mapping[str, Any], channel: RankChannel, build: Callable[..., A
         image_cache_dir=pathlib.Path(cache) if cache else None,
         stop_event=channel.stopped,
         set_phase=channel.send_phase,
+        resume=restored,
     )
     tap = CompletionTap()
-    maker = EpisodeMaker(EpisodeCounter(config.max_episodes), tap) if rank == 0 else None
+    maker = None
+    if rank == 0:
+        maker = EpisodeMaker(EpisodeCounter(config.max_episodes, restored), tap)
+        if resume:
+            maker.last_reward = resume.get("last_reward")
     gate = StepGate(maker, channel, config.max_episodes)
     scan_stop = threading.Event()
     try:
         trainer = build(job, [gate], output_dir=spec["output_dir"], tap=tap)
+        channel.on_save = _checkpoint_writer(trainer, channel, maker, rank)
         if rank == 0 and trainer.lazy_dataset is not None:
             lazy = trainer.lazy_dataset
 
@@ -207,29 +234,72 @@ def _train(spec: Mapping[str, Any], channel: RankChannel, build: Callable[..., A
                     channel.end.send_json(wire.ERROR, _describe(exc))
 
             threading.Thread(target=check_rows, name="grpo-rows", daemon=True).start()
-        if not channel.wait_step(1):
+        first = restored.episode + 1 if restored else 1
+        channel.last_step = first - 1
+        if not channel.wait_step(first):
             return
         job.set_phase("training")
         _LOGGER.info(
-            "run %s: GRPO training started (%d steps), rank %d of %d on %s",
+            "run %s: GRPO training started (steps %d..%d), rank %d of %d on %s",
             job.run_id,
+            first,
             config.max_episodes,
             rank,
             world,
             job.device,
             extra={"run_id": job.run_id},
         )
-        trainer.train()
+        if restored is None:
+            trainer.train()
+        else:
+            trainer.train(
+                resume_from_checkpoint=str(restored.directory / checkpoint_files.STATE_DIR)
+            )
     finally:
         scan_stop.set()
+
+
+def _checkpoint_writer(
+    trainer: Any, channel: RankChannel, maker: Any, rank: int
+) -> Callable[[Mapping[str, Any]], None]:
+    """The rank's handler of ``SAVE``: every rank writes its part; rank 0 answers ``SAVED``.
+
+    A write that fails with ``OSError`` (a full disk) is reported and training goes on; any
+    other failure fails the rank.
+    """
+
+    def save(request: Mapping[str, Any]) -> None:
+        step = int(request["step"])
+        if step != channel.last_step:
+            raise RuntimeError(
+                f"the trainer asked for a checkpoint of step {step} after step {channel.last_step}"
+            )
+        started = time.monotonic()
+        size, error = 0, None
+        best = maker.counter.best_reward if maker is not None else None
+        last = maker.last_reward if maker is not None else None
+        try:
+            size = trainer.save_checkpoint(pathlib.Path(request["directory"]), best, last)
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if rank == 0:
+            seconds = time.monotonic() - started
+            payload = wire.saved_payload(step, seconds=seconds, size=size, error=error)
+            channel.end.send_json(wire.SAVED, payload)
+
+    return save
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
     """The ``ERROR`` payload for a failure of this rank."""
     exc = translate_error(exc)
-    from trainer_service.core.provider import ProviderError
+    from trainer_service.core.provider import CheckpointUnusable, ProviderError
 
     trace = "".join(traceback.format_exception(exc))
+    if isinstance(exc, CheckpointUnusable):
+        return wire.error_payload(
+            "checkpoint", str(exc), detail=trace, exception=type(exc).__name__
+        )
     if isinstance(exc, ProviderError):
         return wire.error_payload(
             "provider",
