@@ -23,9 +23,10 @@ from trainer_service.core.jobs import JobRunner, RunnerSettings
 from trainer_service.core.slots import SlotPool
 from trainer_service.metrics import TrainerMetrics
 from trainer_service.providers import default_registry
-from trainer_service.server import build_server
+from trainer_service.server import build_server, open_checkpoint_store
 from trainwire_ops import settings
 from trainwire_ops.addresses import host_port
+from trainwire_ops.checkpoints import CheckpointStoreProblem
 from trainwire_ops.logs import configure_logging
 from trainwire_ops.tls import PlaintextRefused, ServerTls, TlsFileError
 
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         except TlsFileError as exc:
             print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
             return 2
+    try:
+        checkpoint_store = open_checkpoint_store(config)
+    except CheckpointStoreProblem as exc:
+        print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
+        return 2
     from trainer_service.providers._device import resolve_device, slot_devices
 
     try:
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         server_version=__version__,
         observer=metrics.jobs,
+        checkpoint_store=checkpoint_store,
     )
     stop_requested = threading.Event()
 
@@ -132,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     if server.metrics_endpoint is not None:
         print(f"trainer metrics on {server.metrics_endpoint.url}", flush=True)
     _LOGGER.info(
-        "trainer %s: %d slot(s) on %s, data roots %s, image cache %s",
+        "trainer %s: %d slot(s) on %s, data roots %s, image cache %s, checkpoint store %s",
         __version__,
         len(devices),
         description,
         ", ".join(str(root) for root in config.data_roots),
         config.image_cache_dir or "off",
+        checkpoint_store.location,
     )
     # Polled, not one blocking wait: a signal is delivered to whichever thread does not block
     # it (gRPC's, torch's), and Python runs its handler only when the main thread next runs

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from trainwire_ops.addresses import host_port
+from trainwire_ops.checkpoints import DEFAULT_STORE
 from trainwire_ops.logs import LOG_FORMATS, parse_level
 from trainwire_ops.settings import option, port_or_off
 from trainwire_ops.tls import check_plaintext_bind
@@ -74,6 +75,13 @@ class TrainerConfig:
         None,
         "cache decoded dataset images here (also from $TRAINWIRE_IMAGE_CACHE_DIR; none: off)",
         metavar="DIR",
+    )
+    checkpoint_store: str = option(
+        DEFAULT_STORE,
+        "where jobs write checkpoints and find those they resume from: a directory (shared "
+        "by the trainers and the gateway: NFS, Lustre) or s3://BUCKET/PREFIX (endpoint from "
+        "$AWS_ENDPOINT_URL, credentials from the usual AWS variables); checked at start-up",
+        metavar="DIR|URL",
     )
     metrics_port: int | None = option(
         None,
@@ -139,6 +147,8 @@ class TrainerConfig:
             problems.append(str(exc))
         if self.log_format not in LOG_FORMATS:
             problems.append(f"log format {self.log_format!r} must be text or json")
+        if not self.checkpoint_store.strip():
+            problems.append("--checkpoint-store must not be empty")
         if not self.metrics_host:
             problems.append("metrics host must not be empty")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -1,4 +1,5 @@
-"""Prometheus metrics for the trainer: RPCs, job slots, jobs, episodes, heartbeats, violations.
+"""Prometheus metrics for the trainer: RPCs, job slots, jobs, episodes, heartbeats, violations,
+checkpoints.
 
 Each :class:`TrainerMetrics` owns a ``CollectorRegistry`` (never the process-global default), so
 several in-process servers in one test run do not collide. ``--metrics-port`` exposes it over
@@ -19,6 +20,10 @@ same on the gateway; the service-specific ones carry a ``trainwire_trainer_`` pr
 | ``trainwire_trainer_episodes_sent_total`` | counter | kind |
 | ``trainwire_trainer_heartbeats_sent_total`` | counter | kind |
 | ``trainwire_trainer_contract_violations_total`` | counter | kind, rule |
+| ``trainwire_trainer_checkpoints_written_total`` | counter | kind |
+| ``trainwire_trainer_checkpoint_seconds`` | histogram | kind |
+| ``trainwire_trainer_checkpoint_bytes_total`` | counter | kind |
+| ``trainwire_trainer_checkpoints_failed_total`` | counter | kind |
 
 ``grpc_type`` is ``unary``, ``client_stream``, ``server_stream`` or ``bidi_stream``;
 ``grpc_code`` a ``grpc.StatusCode`` name (``OK``, ``CANCELLED``, ...); ``kind`` the task kind
@@ -37,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -124,6 +129,32 @@ class JobMetrics:
             registry=registry,
         )
 
+        self.checkpoints_written = Counter(
+            "trainwire_trainer_checkpoints_written",
+            "Checkpoints committed to the checkpoint store.",
+            ("kind",),
+            registry=registry,
+        )
+        self.checkpoint_seconds = Histogram(
+            "trainwire_trainer_checkpoint_seconds",
+            "Seconds a checkpoint's commit (upload and marker) took.",
+            ("kind",),
+            buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300),
+            registry=registry,
+        )
+        self.checkpoint_bytes = Counter(
+            "trainwire_trainer_checkpoint_bytes",
+            "Bytes of committed checkpoints (their canonical tar).",
+            ("kind",),
+            registry=registry,
+        )
+        self.checkpoints_failed = Counter(
+            "trainwire_trainer_checkpoints_failed",
+            "Checkpoints that could not be written (training went on).",
+            ("kind",),
+            registry=registry,
+        )
+
     def job_started(self, run_id: str, kind: str) -> None:
         """Counts a started job."""
         del run_id  # a label per run would grow without bound
@@ -145,6 +176,16 @@ class JobMetrics:
     def contract_violation(self, kind: str, rule: str) -> None:
         """Counts a contract violation."""
         self.contract_violations.labels(kind, rule).inc()
+
+    def checkpoint_written(self, kind: str, seconds: float, size_bytes: int) -> None:
+        """Counts a committed checkpoint, its time and size."""
+        self.checkpoints_written.labels(kind).inc()
+        self.checkpoint_seconds.labels(kind).observe(seconds)
+        self.checkpoint_bytes.labels(kind).inc(size_bytes)
+
+    def checkpoint_failed(self, kind: str) -> None:
+        """Counts a checkpoint that could not be written."""
+        self.checkpoints_failed.labels(kind).inc()
 
 
 class _SlotCollector(Collector):

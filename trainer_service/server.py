@@ -31,6 +31,7 @@ from trainer_service.metrics import MetricsEndpoint, TrainerMetrics
 from trainer_service.servicer import TrainerServicer, add_to_server
 from trainwire.v1 import trainer_service_pb2
 from trainwire_ops.addresses import port_problem
+from trainwire_ops.checkpoints import CheckpointStore
 from trainwire_ops.tls import ServerTls
 
 _LOGGER = logging.getLogger(__name__)
@@ -192,6 +193,18 @@ class TrainerServer:
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         """Blocks until the server stops; returns False on timeout."""
         return self._stopped.wait(timeout)
+
+
+def open_checkpoint_store(config: TrainerConfig) -> CheckpointStore:
+    """The store of ``--checkpoint-store``, checked by writing, reading back and deleting a probe.
+
+    Raises:
+        CheckpointStoreProblem: It cannot be written or read (one line naming it).
+    """
+    store = CheckpointStore(config.checkpoint_store)
+    store.check()
+    _LOGGER.info("checkpoint store: %s", store.location)
+    return store
 
 
 def build_server(

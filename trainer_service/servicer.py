@@ -11,13 +11,21 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from trainer_service.core.checkpointing import checkpoint_message
 from trainer_service.core.errors import InvalidRequest
+from trainer_service.core.job_stream import StreamEvent
 from trainer_service.core.jobs import Heartbeat, JobRunner
 from trainer_service.status import apply_status, to_status
 from trainwire.contract import FieldViolation
-from trainwire.v1 import trainer_service_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 _LOGGER = logging.getLogger(__name__)
+
+#: The longest a ``CancelJob`` with a checkpoint waits for the final checkpoint (a GRPO step
+#: and the save of a model), shortened to the call's own deadline.
+FINAL_CHECKPOINT_TIMEOUT_S = 900.0
+#: What is kept of the call's deadline to answer in time.
+_ANSWER_MARGIN_S = 1.0
 
 
 def heartbeat_to_proto(heartbeat: Heartbeat) -> trainer_service_pb2.Heartbeat:
@@ -29,6 +37,19 @@ def heartbeat_to_proto(heartbeat: Heartbeat) -> trainer_service_pb2.Heartbeat:
     return message
 
 
+def event_to_proto(event: StreamEvent | Heartbeat) -> trainer_service_pb2.TrainResponse:
+    """The ``TrainResponse`` of a stream's event."""
+    if isinstance(event, Heartbeat):
+        return trainer_service_pb2.TrainResponse(heartbeat=heartbeat_to_proto(event))
+    if isinstance(event, episode_pb2.Episode):
+        return trainer_service_pb2.TrainResponse(episode=event)
+    if isinstance(event, episode_pb2.Checkpoint):
+        return trainer_service_pb2.TrainResponse(checkpoint=event)
+    if isinstance(event, trainer_service_pb2.Resumed):
+        return trainer_service_pb2.TrainResponse(resumed=event)
+    return trainer_service_pb2.TrainResponse(checkpoint_failure=event)
+
+
 class TrainerServicer:
     """Serves ``trainwire.v1.TrainerService`` over a :class:`JobRunner`."""
 
@@ -38,7 +59,8 @@ class TrainerServicer:
     async def Train(
         self, request: trainer_service_pb2.TrainRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[trainer_service_pb2.TrainResponse]:
-        """Runs (or re-attaches to) a training job and streams its episodes and heartbeats."""
+        """Runs (or re-attaches to) a training job and streams its episodes, checkpoint events
+        and heartbeats."""
         run_id = request.run_id
         try:
             # Off the loop: validation reads files and a provider's first use imports torch.
@@ -48,10 +70,7 @@ class TrainerServicer:
             return
         try:
             async for event in stream.aevents():
-                if isinstance(event, Heartbeat):
-                    yield trainer_service_pb2.TrainResponse(heartbeat=heartbeat_to_proto(event))
-                else:
-                    yield trainer_service_pb2.TrainResponse(episode=event)
+                yield event_to_proto(event)
         except Exception as exc:
             apply_status(context, to_status(exc, run_id))
         finally:
@@ -73,13 +92,27 @@ class TrainerServicer:
     async def CancelJob(
         self, request: trainer_service_pb2.CancelJobRequest, context: grpc.aio.ServicerContext
     ) -> trainer_service_pb2.CancelJobResponse:
-        """Cancels a job at once."""
+        """Cancels a job at once, or after a final checkpoint."""
         try:
-            last = self._runner.cancel_job(request.run_id)
+            if not request.checkpoint:
+                last = self._runner.cancel_job(request.run_id)
+                return trainer_service_pb2.CancelJobResponse(last_episode=last)
+            timeout = FINAL_CHECKPOINT_TIMEOUT_S
+            remaining = context.time_remaining()
+            if remaining is not None:
+                timeout = max(0.0, min(timeout, remaining - _ANSWER_MARGIN_S))
+            final = await asyncio.to_thread(
+                self._runner.cancel_with_checkpoint, request.run_id, timeout
+            )
         except Exception as exc:
             apply_status(context, to_status(exc, request.run_id))
             return trainer_service_pb2.CancelJobResponse()
-        return trainer_service_pb2.CancelJobResponse(last_episode=last)
+        response = trainer_service_pb2.CancelJobResponse(
+            last_episode=final.last_episode, checkpoint_error=final.error
+        )
+        if final.checkpoint is not None:
+            response.checkpoint.CopyFrom(checkpoint_message(final.checkpoint))
+        return response
 
     async def GetCapabilities(
         self,

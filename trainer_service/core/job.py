@@ -14,30 +14,55 @@ outcome. A job outlives a broken stream: it is *detached* (blocked at its credit
 stream re-attaches or the runner's detach grace runs out. A second stream that attaches
 replaces the first, which ends with ``Reattached``.
 
+A job started with ``resume_from`` first restores (in the producer): each candidate, newest
+first, is fetched and verified (``trainer_service.core.checkpointing``) and handed to the
+provider as ``TrainJob.resume``; a candidate that is missing, damaged or that the provider finds
+``CheckpointUnusable`` before its first episode is skipped, and when none is left the job starts
+from scratch. The job's episodes are numbered from the restored episode + 1; the window and the
+contract checker start there. Streams send ``resumed`` before anything else but heartbeats, and
+each checkpoint event of the job once they have sent its episode (again on a re-attach).
+
+``cancel(checkpoint=True)`` (stop, park) asks the provider for a final checkpoint: the job takes
+no more credit, lets the episode in flight finish and be held, then closes the provider's
+generator, which writes the checkpoint of its last episode while it stops.
+
 Invariant: the producer releases the job's slot (``on_exit``) once the provider has stopped,
 before the outcome is delivered to any stream.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from trainer_service.core.checkpointing import (
+    CheckpointEvent,
+    JobCheckpoints,
+    fetch_candidate,
+    skip_reason,
+)
 from trainer_service.core.errors import (
     EpisodesNotHeld,
     JobCancelled,
     Reattached,
     ShuttingDown,
 )
-from trainer_service.core.job_stream import Heartbeat, JobEnd, JobStream
+from trainer_service.core.job_stream import Heartbeat, JobEnd, JobStream, StreamEvent
 from trainer_service.core.job_window import EpisodeWindow
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
-from trainer_service.core.provider import ProviderError, TrainJob
+from trainer_service.core.provider import (
+    CheckpointUnusable,
+    ProviderError,
+    RestoredCheckpoint,
+    TrainJob,
+)
 from trainwire import contract
-from trainwire.v1 import episode_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
+from trainwire_ops.checkpoints import CheckpointError, CheckpointInfo
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -64,6 +89,9 @@ class RunningJob:
         grant: The initial grant (0: none).
         on_exit: Called from the producer thread once the provider has stopped.
         observer: Hears of the job's end, episodes and heartbeats sent and contract violations.
+        checkpoints: The job's checkpoints (``job.checkpoints``); None when the trainer has no
+            checkpoint store.
+        resume_from: Checkpoints to start from, newest first (none: from scratch).
     """
 
     def __init__(
@@ -77,6 +105,8 @@ class RunningJob:
         grant: int,
         on_exit: Callable[[RunningJob], None],
         observer: JobObserver | None = None,
+        checkpoints: JobCheckpoints | None = None,
+        resume_from: Sequence[trainer_service_pb2.CheckpointRef] = (),
     ) -> None:
         self.run_id = job.run_id
         self.kind = kind
@@ -99,6 +129,12 @@ class RunningJob:
         self._waiting = False
         self._phase = "loading"
         self._outcome: JobOutcome | None = None
+        self._checkpoints = checkpoints
+        self._resume_from = tuple(resume_from)
+        # Where a job with resume_from started: None until decided.
+        self._resumed: trainer_service_pb2.Resumed | None = None
+        self._restored: CheckpointInfo | None = None  # of this run, when one restored
+        self.start_episode = 0  # the episode the job continues after (0: from scratch)
         self.exited = threading.Event()
         self._thread = threading.Thread(
             target=self._produce, name=f"trainwire-job-{job.run_id}", daemon=True
@@ -165,17 +201,57 @@ class RunningJob:
                 self._notify()
             return self._window.produced
 
-    def cancel(self, reason: str = "cancelled") -> None:
+    def cancel(self, reason: str = "cancelled", checkpoint: bool = False) -> None:
         """Stops the job at its next episode; idempotent, callable from any thread.
 
         Args:
             reason: ``cancelled`` (``CancelJob``, a detach that expired) or ``shutdown``.
+            checkpoint: End with a checkpoint of the last episode: the episode in flight is
+                finished and held, then the provider writes the checkpoint as it stops. Only
+                once the job produced an episode (before that, and without a checkpoint store,
+                the job stops at once).
         """
         with self._cond:
             if not self._stop_reason and not self._stopped:
                 self._stop_reason = reason
+            final = (
+                checkpoint
+                and self._checkpoints is not None
+                and not self._stopped
+                and self._resumed_or_plain()
+                and self._window.produced > self.start_episode
+            )
             self._notify()
-        self._job.stop_event.set()
+        if final:
+            assert self._checkpoints is not None
+            self._checkpoints.request_final()
+            # stop_event is set once the generator is closed (see _produce): a provider that
+            # watches it must not abandon the step in flight or the final checkpoint.
+        else:
+            self._job.stop_event.set()
+
+    def _resumed_or_plain(self) -> bool:
+        """Whether the job's start is decided (it restored, or needed not)."""
+        return not self._resume_from or self._resumed is not None
+
+    def final_checkpoint(self) -> tuple[CheckpointInfo | None, str]:
+        """The checkpoint of the job's last episode once it stopped: its record, or why there is
+        none."""
+        with self._cond:
+            produced = self._window.produced
+            stopped = self._stopped
+        if self._checkpoints is None:
+            return None, "this trainer has no checkpoint store"
+        event = self._checkpoints.of_episode(produced)
+        if event is not None:
+            return event.info, event.error
+        if produced and produced == self.start_episode and self._restored is not None:
+            return self._restored, ""  # nothing trained since the checkpoint it restored
+        if not produced or produced == self.start_episode:
+            return None, "the job had not trained an episode"
+        if not stopped:
+            return None, f"the final checkpoint at episode {produced} is not written yet"
+        return None, f"the job ended at episode {produced} without a final checkpoint"
 
     def attach(self, after_episode: int, grant: int) -> JobStream[RunningJob]:
         """A new stream of the episodes after ``after_episode``; replaces any attached stream.
@@ -186,12 +262,18 @@ class RunningJob:
         with self._cond:
             window = self._window
             first = window.first
-            if not first - 1 <= after_episode <= window.produced:
+            # A job still restoring, or restored, takes any start point up to where it
+            # continues: such a stream gets ``resumed`` first and continues from there.
+            low = 0 if self._resume_from and window.produced == self.start_episode else first - 1
+            high = window.produced
+            if self._resume_from and self._resumed is None:
+                high = max(ref.checkpoint.episode for ref in self._resume_from)
+            if not low <= after_episode <= high:
                 raise EpisodesNotHeld(self.run_id, after_episode, first, window.produced)
             previous = self._stream
-            stream = JobStream(self, after_episode)
+            stream = JobStream[RunningJob](self, after_episode)
             self._stream = stream
-            window.cursor = after_episode
+            window.cursor = max(after_episode, self.start_episode)
             window.move_grant(grant)
             self._notify()
         if previous is not None:
@@ -228,17 +310,20 @@ class RunningJob:
         error: BaseException | None = None
         episodes: Iterator[episode_pb2.Episode] | None = None
         try:
-            episodes = self._provider.run(self._job)
-            while True:
-                # After the done episode the generator may only end: no credit needed to see it.
-                if not self._checker.done and not self._wait_credit(self._window.produced + 1):
-                    break
-                try:
-                    episode = next(episodes)
-                except StopIteration:
-                    if not self._job.stop_event.is_set():
-                        self._checker.finish()
-                    break
+            episodes, pending = self._open_provider()
+            while episodes is not None:
+                if pending is not None:
+                    episode, pending = pending, None
+                else:
+                    # After the done episode the generator may only end: no credit needed.
+                    if not self._checker.done and not self._wait_credit(self._window.produced + 1):
+                        break
+                    try:
+                        episode = next(episodes)
+                    except StopIteration:
+                        if not self._job.stop_event.is_set():
+                            self._checker.finish()
+                        break
                 if self._job.stop_event.is_set():
                     break
                 self._checker.check(episode)
@@ -264,13 +349,121 @@ class RunningJob:
                     episodes.close()
                 except Exception:
                     _LOGGER.exception("run %s: provider failed while stopping", self.run_id)
+            self._job.stop_event.set()  # whatever the provider left running stops now
             self._on_exit(self)
             with self._cond:
                 self._error = error
                 self._stopped = True
                 self._notify()
             self._conclude(self._outcome_of(error))
+            if self._checkpoints is not None:
+                self._checkpoints.close()
             self.exited.set()
+
+    def _open_provider(
+        self,
+    ) -> tuple[Iterator[episode_pb2.Episode] | None, episode_pb2.Episode | None]:
+        """Starts the provider, restoring the first resume candidate that loads; returns its
+        generator (None: cancelled while restoring) and the first episode when restoring
+        pulled it."""
+        if not self._resume_from:
+            return self._provider.run(self._job), None
+        skipped: list[trainer_service_pb2.SkippedCheckpoint] = []
+        for index, ref in enumerate(self._resume_from):
+            if self._job.stop_event.is_set() or self._stop_reason:
+                return None, None
+            episode = ref.checkpoint.episode
+            try:
+                restored = self._fetch(ref, index)
+            except CheckpointError as exc:
+                self._skip(skipped, episode, skip_reason(exc))
+                continue
+            with self._cond:
+                self._start_at(episode)
+            episodes = self._provider.run(dataclasses.replace(self._job, resume=restored))
+            if not self._wait_credit(episode + 1):
+                self._decide(ref, restored.best_reward, skipped)
+                return episodes, None
+            try:
+                first = next(episodes)
+            except CheckpointUnusable as exc:
+                self._skip(skipped, episode, f"does not load: {exc}")
+                continue
+            except StopIteration:
+                self._decide(ref, restored.best_reward, skipped)
+                return episodes, None
+            self._decide(ref, restored.best_reward, skipped)
+            return episodes, first
+        with self._cond:
+            self._start_at(0)
+        self._decide(None, 0.0, skipped)
+        return self._provider.run(self._job), None
+
+    def _fetch(self, ref: trainer_service_pb2.CheckpointRef, index: int) -> RestoredCheckpoint:
+        if self._checkpoints is None:
+            raise CheckpointError(
+                ref.run_id, ref.checkpoint.episode, "this trainer has no checkpoint store"
+            )
+        self._phase = "loading"
+        dest = self._checkpoints.scratch_root / f"resume-{index}-{ref.checkpoint.episode:012d}"
+        restored = fetch_candidate(self._checkpoints.store, ref, dest)
+        if ref.run_id == self.run_id:
+            self._restored = self._checkpoints.store.info(ref.run_id, ref.checkpoint.episode)
+        else:
+            self._restored = None
+        return restored
+
+    def _skip(
+        self,
+        skipped: list[trainer_service_pb2.SkippedCheckpoint],
+        episode: int,
+        reason: str,
+    ) -> None:
+        _LOGGER.warning(
+            "run %s: skipped the checkpoint at episode %d: %s",
+            self.run_id,
+            episode,
+            reason,
+            extra={"run_id": self.run_id, "episode": episode},
+        )
+        skipped.append(trainer_service_pb2.SkippedCheckpoint(episode=episode, reason=reason))
+        self._restored = None
+
+    def _start_at(self, episode: int) -> None:
+        """Numbers the job's episodes from ``episode + 1`` (call with the condition held)."""
+        self.start_episode = episode
+        cursor = self._stream.cursor if self._stream is not None else 0
+        self._window.start_at(episode, cursor)
+        self._notify()
+
+    def _decide(
+        self,
+        ref: trainer_service_pb2.CheckpointRef | None,
+        best_reward: float,
+        skipped: list[trainer_service_pb2.SkippedCheckpoint],
+    ) -> None:
+        """Records where the job started; its streams send it first."""
+        resumed = trainer_service_pb2.Resumed(skipped=skipped)
+        if ref is not None:
+            resumed.checkpoint.CopyFrom(ref)
+            resumed.best_reward = best_reward
+            self._checker.resume(ref.checkpoint.episode, best_reward)
+            _LOGGER.info(
+                "run %s: continues from the checkpoint of run %s at episode %d",
+                self.run_id,
+                ref.run_id,
+                ref.checkpoint.episode,
+                extra={"run_id": self.run_id, "episode": ref.checkpoint.episode},
+            )
+        else:
+            _LOGGER.info(
+                "run %s: no checkpoint restored; training from scratch",
+                self.run_id,
+                extra={"run_id": self.run_id},
+            )
+        with self._cond:
+            self._resumed = resumed
+            self._notify()
 
     def _hold(self, episode: episode_pb2.Episode) -> None:
         with self._cond:
@@ -305,8 +498,11 @@ class RunningJob:
 
     # -- what streams read (the ``StreamSource`` of ``job_stream``) --------------------------
 
-    def next_episode(self, stream: JobStream[RunningJob]) -> episode_pb2.Episode | None:
-        """The episode after ``stream.cursor`` if held, else None.
+    def next_event(self, stream: JobStream[RunningJob]) -> StreamEvent | None:
+        """The stream's next event if there is one, else None: ``resumed`` first (a job started
+        with ``resume_from``, on a stream that starts at or before the restored episode), then
+        each checkpoint event whose episode the stream has sent, then the episode after
+        ``stream.cursor``.
 
         Raises:
             Reattached: another stream replaced this one.
@@ -319,6 +515,16 @@ class RunningJob:
                 raise Reattached(self.run_id)
             if self._stop_reason == "shutdown" and not self._checker.done:
                 raise ShuttingDown(self.run_id)
+            if self._resume_from and not stream.resumed_sent:
+                if self._resumed is None:
+                    return None  # still restoring: heartbeats only
+                stream.resumed_sent = True
+                if stream.cursor <= self.start_episode:
+                    stream.cursor = self.start_episode
+                    return self._resumed
+            checkpoint = self._checkpoint_event(stream)
+            if checkpoint is not None:
+                return checkpoint.to_proto()
             n = stream.cursor + 1
             if n <= self._window.produced:
                 return self._window.episode(n)
@@ -327,6 +533,17 @@ class RunningJob:
             if self._stop_reason == "cancelled" and not self._checker.done:
                 raise JobCancelled(self.run_id)
             raise JobEnd(self._error)
+
+    def _checkpoint_event(self, stream: JobStream[RunningJob]) -> CheckpointEvent | None:
+        """The stream's next checkpoint event, once it sent the episode (call with the
+        condition held)."""
+        if self._checkpoints is None:
+            return None
+        event = self._checkpoints.event(stream.checkpoints_sent)
+        if event is None or event.episode > stream.cursor:
+            return None
+        stream.checkpoints_sent += 1
+        return event
 
     def sent(self, stream: JobStream[RunningJob], episode: int) -> None:
         """``stream``'s RPC wrote ``episode``: moves its cursor and, if attached, the credit."""
@@ -351,3 +568,8 @@ class RunningJob:
         """Stops calling ``waker``."""
         with self._cond:
             self._wakers.discard(waker)
+
+    def wake(self) -> None:
+        """Wakes the producer and the streams (a checkpoint was committed)."""
+        with self._cond:
+            self._notify()

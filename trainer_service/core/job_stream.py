@@ -1,9 +1,11 @@
 """What a ``Train`` call reads of a job: :class:`JobStream` (the held episodes after its start
-point, heartbeats while none is ready, then the job's end) and :class:`Heartbeat`.
+point and the job's checkpoint events, heartbeats while none is ready, then the job's end) and
+:class:`Heartbeat`.
 
 A stream knows its job only through :class:`StreamSource`, the job's read side: it polls the
-job for the episode after its cursor (:meth:`StreamSource.next_episode`), reports each episode
-its RPC sent (:meth:`StreamSource.sent`, which moves the job's credit), asks the job for a
+job for its next event (:meth:`StreamSource.next_event`: where a resumed job started, a
+checkpoint event whose episode it has sent, or the episode after its cursor), reports each
+episode its RPC sent (:meth:`StreamSource.sent`, which moves the job's credit), asks the job for a
 heartbeat when none has gone out for :attr:`StreamSource.heartbeat_s` seconds, and registers a
 waker that the job calls (from any thread) whenever it changes. The job raises :class:`JobEnd`
 to a stream that has sent everything once the job ended; the stream then returns, or raises the
@@ -17,9 +19,19 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
-from trainwire.v1 import episode_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
+
+#: What a stream yields besides heartbeats: an episode, or a checkpoint event (``resumed`` first
+#: on a job started from a checkpoint, ``checkpoint`` / ``checkpoint_failure`` after their
+#: episode).
+StreamEvent: TypeAlias = (
+    episode_pb2.Episode
+    | episode_pb2.Checkpoint
+    | trainer_service_pb2.CheckpointFailure
+    | trainer_service_pb2.Resumed
+)
 
 
 @dataclass(frozen=True)
@@ -53,8 +65,9 @@ class StreamSource(Protocol):
         """Seconds without an episode after which a stream sends a heartbeat."""
         ...
 
-    def next_episode(self, stream: JobStream[Any]) -> episode_pb2.Episode | None:
-        """The episode after ``stream.cursor`` if held, else None.
+    def next_event(self, stream: JobStream[Any]) -> StreamEvent | None:
+        """The stream's next event (a checkpoint event, or the episode after ``stream.cursor``)
+        if there is one, else None.
 
         Raises:
             JobEnd: The job ended and ``stream`` has sent everything.
@@ -92,6 +105,8 @@ class JobStream(Generic[SourceT]):
         cursor: The last episode handed out on this stream (its start point before the first).
         replaced: Set by the job when another stream attached in its place.
         finished: Set once the stream delivered the job's end.
+        resumed_sent: Whether the job's ``resumed`` went out on this stream.
+        checkpoints_sent: How many of the job's checkpoint events went out on this stream.
     """
 
     def __init__(self, job: SourceT, after_episode: int) -> None:
@@ -99,9 +114,11 @@ class JobStream(Generic[SourceT]):
         self.cursor = after_episode
         self.replaced = False
         self.finished = False
+        self.resumed_sent = False
+        self.checkpoints_sent = 0
 
-    async def aevents(self) -> AsyncGenerator[episode_pb2.Episode | Heartbeat, None]:
-        """Yields episodes and heartbeats until the job ends.
+    async def aevents(self) -> AsyncGenerator[StreamEvent | Heartbeat, None]:
+        """Yields episodes, checkpoint events and heartbeats until the job ends.
 
         Returns normally after the done episode (or when the provider stopped early because the
         job was cancelled while detached, with nothing left to send).
@@ -129,8 +146,8 @@ class JobStream(Generic[SourceT]):
                 # Cleared before polling: a change after the poll sets it again, so no wake-up
                 # is lost.
                 wake.clear()
-                episode = self._next()
-                if episode is None:
+                event = self._next()
+                if event is None:
                     left = job.heartbeat_s - (time.monotonic() - last_sent)
                     if left > 0:
                         with contextlib.suppress(TimeoutError):
@@ -139,18 +156,19 @@ class JobStream(Generic[SourceT]):
                         continue
                     yield job.heartbeat(self)
                 else:
-                    yield episode
-                    job.sent(self, episode.episode)
+                    yield event
+                    if isinstance(event, episode_pb2.Episode):
+                        job.sent(self, event.episode)
                 last_sent = time.monotonic()
         except _Ended:
             return
         finally:
             job.remove_waker(waker)
 
-    def _next(self) -> episode_pb2.Episode | None:
+    def _next(self) -> StreamEvent | None:
         """One poll of the job; raises ``_Ended`` after a normal end, or the job's failure."""
         try:
-            return self.job.next_episode(self)
+            return self.job.next_event(self)
         except JobEnd as end:
             self.finished = True
             if end.error is not None:

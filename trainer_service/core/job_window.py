@@ -63,6 +63,16 @@ class EpisodeWindow:
             return True
         return False
 
+    def start_at(self, episode: int, cursor: int) -> None:
+        """Numbers the job's episodes from ``episode + 1`` (a job restored from the checkpoint
+        after ``episode``; 0 for one from scratch). Only before the first episode is held;
+        ``cursor``: the attached stream's start point (the credit counts from the later of the
+        two)."""
+        if self._held:
+            raise RuntimeError("the window already holds episodes")
+        self.produced = episode
+        self.cursor = max(episode, cursor)
+
     @property
     def first(self) -> int:
         """The first held episode (``produced + 1`` while none is held)."""

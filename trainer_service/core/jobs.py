@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import pathlib
+import tempfile
 import threading
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from trainer_service.core.admission import ProviderLookup, admit, check_request
+from trainer_service.core.checkpointing import JobCheckpoints, job_meta
 from trainer_service.core.errors import (
     InvalidRequest,
     JobExists,
@@ -33,14 +38,16 @@ from trainer_service.core.errors import (
 from trainer_service.core.job import RunningJob
 from trainer_service.core.job_stream import Heartbeat, JobStream
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
-from trainer_service.core.provider import TrainJob
+from trainer_service.core.provider import NoCheckpoints, TrainJob
 from trainer_service.core.runner_settings import Capabilities, RunnerSettings
 from trainer_service.core.slots import SlotPool
 from trainwire import contract
 from trainwire.v1 import trainer_service_pb2
+from trainwire_ops.checkpoints import CheckpointInfo, CheckpointStore
 
 __all__ = [
     "Capabilities",
+    "FinalCheckpoint",
     "Heartbeat",
     "JobObserver",
     "JobOutcome",
@@ -62,6 +69,21 @@ def _package_version(name: str) -> str:
         return ""
 
 
+@dataclass(frozen=True)
+class FinalCheckpoint:
+    """What ``CancelJob`` with a checkpoint achieved.
+
+    Attributes:
+        last_episode: The job's last produced episode.
+        checkpoint: The checkpoint of that episode, when it is in the store.
+        error: Why there is none ("" when there is).
+    """
+
+    last_episode: int
+    checkpoint: CheckpointInfo | None
+    error: str
+
+
 class JobRunner:
     """Starts training jobs in slots and keeps the live ones by run id.
 
@@ -70,8 +92,10 @@ class JobRunner:
         slots: The trainer's job slots.
         settings: Device, paths and stream settings.
         server_version: Reported by :meth:`capabilities`.
-        observer: Hears of job starts and ends, episodes, heartbeats and contract violations
-            (the trainer's metrics); ignored by default.
+        observer: Hears of job starts and ends, episodes, heartbeats, contract violations and
+            checkpoints (the trainer's metrics); ignored by default.
+        checkpoint_store: Where jobs write their checkpoints and find the ones they resume
+            from; None: jobs write none and resume from none.
     """
 
     def __init__(
@@ -81,8 +105,10 @@ class JobRunner:
         settings: RunnerSettings | None = None,
         server_version: str = "",
         observer: JobObserver | None = None,
+        checkpoint_store: CheckpointStore | None = None,
     ) -> None:
         self._registry = registry
+        self.checkpoint_store = checkpoint_store
         self.observer: JobObserver = observer or NullJobObserver()
         self.slots = slots
         self.settings = settings or RunnerSettings()
@@ -205,6 +231,7 @@ class JobRunner:
     ) -> RunningJob:
         holder: list[RunningJob] = []
         devices = tuple(self.slots.devices[i] or self.settings.device for i in slots)
+        checkpoints = self._job_checkpoints(request, provider, kind, holder)
         train_job = TrainJob(
             run_id=request.run_id,
             task=request.task,
@@ -216,6 +243,7 @@ class JobRunner:
             stop_event=threading.Event(),
             set_phase=lambda phase: holder[0].set_phase(phase),
             devices=devices,
+            checkpoints=checkpoints if checkpoints is not None else NoCheckpoints(),
         )
         job = RunningJob(
             train_job,
@@ -227,9 +255,37 @@ class JobRunner:
             grant=request.grant_through_episode,
             on_exit=self._exited,
             observer=self.observer,
+            checkpoints=checkpoints,
+            resume_from=request.resume_from,
         )
         holder.append(job)
         return job
+
+    def _job_checkpoints(
+        self,
+        request: trainer_service_pb2.TrainRequest,
+        provider: Any,
+        kind: str,
+        holder: list[RunningJob],
+    ) -> JobCheckpoints | None:
+        """The job's ``Checkpoints`` over the store (None without a store)."""
+        if self.checkpoint_store is None:
+            return None
+        scratch_base = self.settings.scratch_dir or (
+            pathlib.Path(tempfile.gettempdir()) / "trainwire-scratch"
+        )
+        return JobCheckpoints(
+            self.checkpoint_store,
+            request.run_id,
+            kind,
+            every=request.config.checkpoint_every
+            or int(getattr(provider, "DEFAULT_CHECKPOINT_EVERY", 0)),
+            max_episodes=request.config.max_episodes,
+            scratch_root=scratch_base / f"{request.run_id}-{uuid.uuid4().hex[:8]}",
+            meta=job_meta(request.task, request.config),
+            on_change=lambda: holder[0].wake() if holder else None,
+            observer=self.observer,
+        )
 
     # -- live jobs ---------------------------------------------------------------------------
 
@@ -272,6 +328,38 @@ class JobRunner:
             "run %s: job cancelled at episode %d", run_id, job.produced, extra={"run_id": run_id}
         )
         return job.produced
+
+    def cancel_with_checkpoint(self, run_id: str, timeout: float) -> FinalCheckpoint:
+        """Cancels a live job after a final checkpoint of its last episode (stop, park): the
+        episode in flight is finished, the provider writes the checkpoint as it stops. Blocks
+        until the job stopped, at most ``timeout`` seconds (run it in a thread). A job that had
+        not trained an episode stops at once, with no checkpoint.
+
+        Raises:
+            JobNotFound: No job of this run is live.
+        """
+        with self._cond:
+            job = self._find(run_id)
+            self._retire(job)
+        _LOGGER.info(
+            "run %s: job cancelled at episode %d, after a final checkpoint",
+            run_id,
+            job.produced,
+            extra={"run_id": run_id},
+        )
+        job.cancel("cancelled", checkpoint=True)
+        if not job.join(timeout):
+            return FinalCheckpoint(
+                job.produced,
+                None,
+                f"the final checkpoint was not written within {timeout:g} s",
+            )
+        info, error = job.final_checkpoint()
+        if info is None:
+            _LOGGER.warning(
+                "run %s: no final checkpoint: %s", run_id, error, extra={"run_id": run_id}
+            )
+        return FinalCheckpoint(job.produced, info, error)
 
     def detach(self, stream: JobStream[RunningJob]) -> None:
         """Called when a stream's RPC ended for any reason. A job with a grant stays in the

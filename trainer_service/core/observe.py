@@ -47,6 +47,16 @@ class JobObserver(Protocol):
         """The stream broke contract rule ``rule``."""
         ...
 
+    def checkpoint_written(
+        self, kind: str, seconds: float, size_bytes: int
+    ) -> None:  # pragma: no cover - protocol
+        """A checkpoint is in the store; ``seconds``: how long its commit took."""
+        ...
+
+    def checkpoint_failed(self, kind: str) -> None:  # pragma: no cover - protocol
+        """A checkpoint could not be written."""
+        ...
+
 
 class NullJobObserver:
     """The observer that ignores everything (the default)."""
@@ -64,4 +74,10 @@ class NullJobObserver:
         """Ignored."""
 
     def contract_violation(self, kind: str, rule: str) -> None:
+        """Ignored."""
+
+    def checkpoint_written(self, kind: str, seconds: float, size_bytes: int) -> None:
+        """Ignored."""
+
+    def checkpoint_failed(self, kind: str) -> None:
         """Ignored."""

@@ -6,9 +6,10 @@ episodes: ``episode``, ``reward``, ``best_reward``, ``done``, ``metrics``, ``pro
 slot is taken; any violation answers ``INVALID_ARGUMENT``) and optionally
 ``slots_needed(task) -> int`` (slots, i.e. devices, the job takes: one per process it runs; 1
 without it), and ``DEFAULT_CHECKPOINT_EVERY`` (its checkpoint interval when the config leaves
-``checkpoint_every`` at 0). The service pulls ``run``'s generator from a thread it owns, one credited episode at
-a time, and checks every episode against the stream contract before sending it; a provider may
-train in that thread (imitation) or in processes it starts and drives from there (grpo).
+``checkpoint_every`` at 0). The service pulls ``run``'s generator from a thread it owns, one
+credited episode at a time, and checks every episode against the stream contract before sending
+it; a provider may train in that thread (imitation) or in processes it starts and drives from
+there (grpo).
 
 This module imports neither grpc nor torch.
 """
@@ -118,6 +119,12 @@ class Checkpoints(Protocol):
         (``CheckpointFailure``), and training goes on."""
         ...
 
+    def fail(self, episode: int, message: str, directory: pathlib.Path | None = None) -> None:
+        """Reports a checkpoint the provider could not write into its scratch directory (disk
+        full) as :meth:`commit` reports a failed upload, and removes ``directory``. Never
+        raises."""
+        ...
+
 
 class NoCheckpoints:
     """``Checkpoints`` that never asks for one (direct use, tests of other things)."""
@@ -134,6 +141,9 @@ class NoCheckpoints:
         raise RuntimeError("this job writes no checkpoints")
 
     def commit(self, episode: int, best_reward: float, directory: pathlib.Path) -> None:
+        raise RuntimeError("this job writes no checkpoints")
+
+    def fail(self, episode: int, message: str, directory: pathlib.Path | None = None) -> None:
         raise RuntimeError("this job writes no checkpoints")
 
 
@@ -203,9 +213,7 @@ class EpisodeCounter:
             yield counter.make(reward, {"loss": loss})
     """
 
-    def __init__(
-        self, max_episodes: int, resume: RestoredCheckpoint | None = None
-    ) -> None:
+    def __init__(self, max_episodes: int, resume: RestoredCheckpoint | None = None) -> None:
         if max_episodes < 1:
             raise ValueError(f"max_episodes must be >= 1, got {max_episodes}")
         self.max_episodes = max_episodes

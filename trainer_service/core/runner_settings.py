@@ -46,6 +46,9 @@ class RunnerSettings:
         retain: Episodes a job holds for a re-attach.
         detach_grace_s: Seconds a job whose stream broke stays alive for a re-attach (0: it is
             cancelled at once).
+        scratch_dir: Where jobs write checkpoints before they go into the store, and fetch
+            the ones they resume from (a directory per job, removed when it ends); None: the
+            system's temporary directory.
     """
 
     device: str = "cpu"
@@ -56,6 +59,7 @@ class RunnerSettings:
     queue_size: int = DEFAULT_QUEUE_SIZE
     retain: int = DEFAULT_RETAIN
     detach_grace_s: float = DEFAULT_DETACH_GRACE_S
+    scratch_dir: pathlib.Path | None = None
 
     def __post_init__(self) -> None:
         if not self.data_roots:

@@ -20,20 +20,38 @@ Forward kinematics is vectorised over ``[group, frames, bones]``: absolute bone 
 relative angles summed along each bone's ancestor chain (a matrix product with a precomputed
 ancestor matrix), and bone end points are the bone vectors summed the same way.
 
+Checkpoints (``TrainJob.checkpoints``): every ``DEFAULT_CHECKPOINT_EVERY`` episodes unless the
+config says otherwise, at the last episode, and as the job stops when a final one is wanted. A
+checkpoint holds ``model.safetensors`` (the policy: ``mean`` and ``log_std``, loadable without
+trainwire), ``training_state.pt`` (Adam's state and the sampling generator's RNG state) and
+``checkpoint.json`` (the rig, the clip, their shape, the task and config, the episode counter
+and the best reward). A job resumed from one continues exactly: its episodes after the
+checkpoint are those of the uninterrupted run with the same seed, bit for bit on the same
+device. A checkpoint of another shape (frames x joints) does not load (``CheckpointUnusable``).
+
 Only this package imports torch.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import pathlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import safetensors.torch
 import torch
+from google.protobuf import json_format
 
-from trainer_service.core.provider import EpisodeCounter, ProviderError, TrainJob
+from trainer_service.core.provider import (
+    CheckpointUnusable,
+    EpisodeCounter,
+    ProviderError,
+    TrainJob,
+)
 from trainwire import motion
 from trainwire.contract import FieldViolation
 from trainwire.v1 import episode_pb2
@@ -56,6 +74,14 @@ REWARD_SCALE = 0.1
 #: usable height for the reward.
 _MIN_RELATIVE_HEIGHT = 1e-6
 _ADVANTAGE_EPS = 1e-6
+#: Checkpoint every this many episodes when the config leaves ``checkpoint_every`` at 0.
+DEFAULT_CHECKPOINT_EVERY = 500
+#: The files of a checkpoint.
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "training_state.pt"
+INFO_FILE = "checkpoint.json"
+#: ``checkpoint.json``'s ``format``; a checkpoint of another format does not load.
+CHECKPOINT_FORMAT = "trainwire-imitation/1"
 
 
 def validate(
@@ -232,6 +258,68 @@ class ImitationLearner:
         """The policy's mean motion, frame-major, ``frames x joints`` angles."""
         return self.mean.detach().flatten().tolist()
 
+    def save(self, directory: pathlib.Path, info: dict[str, Any]) -> None:
+        """Writes the whole training state into ``directory`` (see the module docstring);
+        ``info`` goes into ``checkpoint.json`` beside the shape."""
+        safetensors.torch.save_file(
+            {
+                "mean": self.mean.detach().contiguous(),
+                "log_std": self.log_std.detach().contiguous(),
+            },
+            str(directory / MODEL_FILE),
+            metadata={"format": CHECKPOINT_FORMAT},
+        )
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(),
+            },
+            directory / STATE_FILE,
+        )
+        record = {
+            **info,
+            "format": CHECKPOINT_FORMAT,
+            "frames": self.frames,
+            "joints": self.joints,
+            "group_size": self.group_size,
+        }
+        (directory / INFO_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+
+    def restore(self, directory: pathlib.Path) -> dict[str, Any]:
+        """Loads the training state :meth:`save` wrote; returns its ``checkpoint.json``.
+
+        Raises:
+            CheckpointUnusable: A file is missing or unreadable, or the checkpoint is of
+                another format or shape.
+        """
+        try:
+            record = json.loads((directory / INFO_FILE).read_text())
+            if record.get("format") != CHECKPOINT_FORMAT:
+                raise CheckpointUnusable(
+                    f"format {record.get('format')!r}, expected {CHECKPOINT_FORMAT!r}"
+                )
+            shape = (self.frames, self.joints)
+            tensors = safetensors.torch.load_file(str(directory / MODEL_FILE), device="cpu")
+            for name in ("mean", "log_std"):
+                if name not in tensors:
+                    raise CheckpointUnusable(f"{MODEL_FILE} holds no {name!r}")
+                if tuple(tensors[name].shape) != shape:
+                    raise CheckpointUnusable(
+                        f"{name} is {tuple(tensors[name].shape)} (frames x joints), this "
+                        f"task needs {shape}"
+                    )
+            state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+            with torch.no_grad():
+                self.mean.copy_(tensors["mean"])
+                self.log_std.copy_(tensors["log_std"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.generator.set_state(state["generator"])
+        except CheckpointUnusable:
+            raise
+        except Exception as exc:  # missing files, bad bytes, a foreign state dict
+            raise CheckpointUnusable(f"{type(exc).__name__}: {exc}") from exc
+        return dict(record)
+
 
 def _group_size(task: episode_pb2.ImitationTask) -> int:
     return task.group_size or DEFAULT_GROUP_SIZE
@@ -253,6 +341,21 @@ def learner_for(task: episode_pb2.ImitationTask, seed: int, device: str) -> Imit
     )
 
 
+def _job_info(job: TrainJob, learner: ImitationLearner) -> dict[str, Any]:
+    """What ``checkpoint.json`` says of the job (besides the episode and best reward)."""
+    task = job.task.imitation
+    return {
+        "provider": "imitation",
+        "rig": task.rig_name or task.rig.name or "stickman",
+        "clip": task.clip_name or task.clip.name,
+        "learning_rate": _learning_rate(task),
+        "seed": job.config.seed,
+        "device": str(learner.device),
+        "task": json.loads(json_format.MessageToJson(job.task)),
+        "config": json.loads(json_format.MessageToJson(job.config)),
+    }
+
+
 def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
     """Trains the job's imitation task, yielding one episode per optimizer step."""
     job.set_phase("loading")
@@ -263,29 +366,68 @@ def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
         raise ProviderError(
             "The imitation task could not be set up.", detail=repr(exc), reason="BAD_TASK"
         ) from exc
+    counter = EpisodeCounter(job.config.max_episodes, job.resume)
+    info = _job_info(job, learner)
+    checkpointed = 0  # the episode of the last checkpoint (or of the one restored)
+    if job.resume is not None:
+        restored = learner.restore(job.resume.directory)
+        checkpointed = job.resume.episode
+        if (restored.get("rig"), restored.get("clip")) != (info["rig"], info["clip"]):
+            _LOGGER.info(
+                "run %s: continuing a checkpoint of %r on %r with %r on %r (same shape)",
+                job.run_id,
+                restored.get("clip"),
+                restored.get("rig"),
+                info["clip"],
+                info["rig"],
+            )
     _LOGGER.info(
-        "run %s: imitating %r on %r (%d frames x %d joints), group %d, lr %g, device %s",
+        "run %s: imitating %r on %r (%d frames x %d joints), group %d, lr %g, device %s%s",
         job.run_id,
-        task.clip_name or task.clip.name,
-        task.rig_name or task.rig.name or "stickman",
+        info["clip"],
+        info["rig"],
         learner.frames,
         learner.joints,
         learner.group_size,
         _learning_rate(task),
         job.device,
+        f", from the checkpoint at episode {checkpointed}" if checkpointed else "",
     )
-    job.set_phase("training")
-    counter = EpisodeCounter(job.config.max_episodes)
-    while not counter.finished:
-        if job.stop_event.is_set():
+
+    def checkpoint() -> None:
+        nonlocal checkpointed
+        episode = counter.episode
+        best = counter.best_reward if counter.best_reward is not None else 0.0
+        checkpointed = episode
+        directory = None
+        try:
+            directory = job.checkpoints.scratch(episode)
+            learner.save(directory, {**info, "episode": episode, "best_reward": best})
+        except Exception as exc:  # disk full (torch and safetensors raise their own): reported
+            job.checkpoints.fail(episode, f"cannot write it locally: {exc}", directory)
             return
-        result = learner.step()
-        n = counter.next_episode
-        detail = None
-        if n % DETAIL_EVERY == 0 or n == counter.max_episodes:
-            detail = episode_pb2.ImitationDetail(
-                frame_count=learner.frames,
-                joint_count=learner.joints,
-                angles=learner.mean_motion(),
-            )
-        yield counter.make(result.reward, result.metrics(), imitation=detail)
+        job.checkpoints.commit(episode, best, directory)
+
+    job.set_phase("training")
+    try:
+        while not counter.finished:
+            if job.stop_event.is_set():
+                return
+            result = learner.step()
+            n = counter.next_episode
+            detail = None
+            if n % DETAIL_EVERY == 0 or n == counter.max_episodes:
+                detail = episode_pb2.ImitationDetail(
+                    frame_count=learner.frames,
+                    joint_count=learner.joints,
+                    angles=learner.mean_motion(),
+                )
+            episode = counter.make(result.reward, result.metrics(), imitation=detail)
+            # Before the yield: the job may block at its grant right after it.
+            if job.checkpoints.due(episode.episode):
+                checkpoint()
+            yield episode
+    finally:
+        # Stop and park: the state after the last episode made, unless just written.
+        if job.checkpoints.final_wanted() and counter.episode > checkpointed:
+            checkpoint()
