@@ -266,3 +266,30 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_the_first_episode(
     weights = truncated / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     assert "its model does not load" in resume_from(truncated)
+
+
+def test_a_two_process_job_resumes_with_each_ranks_rng_state(
+    grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    # Plain ranks, rows decoded inline: the part under test is the ranks' RNG states, gathered
+    # to rank 0 and restored on each rank.
+    task = _task(
+        dataset_path=DATASET_FILE,
+        workers=0,
+        num_processes=2,
+        max_completion_length=4,
+        reward_functions=("exact_match", "length"),
+    )
+    checkpoints = LocalCheckpoints(tmp_path, 3, 6)
+
+    def stream(**job: object) -> list[tuple[int, float, tuple[str, ...]]]:
+        run = make_job(grpo_data_root, task, max_episodes=6, seed=5, **job)  # type: ignore[arg-type]
+        return [(e.episode, e.reward, tuple(e.grpo.sample_completions)) for e in process.run(run)]
+
+    whole = stream(checkpoints=checkpoints)
+    directory = checkpoints.restored(3).directory
+    assert {p.name for p in (directory / "trainer").glob("rng_state*")} == {
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    }
+    assert stream(resume=checkpoints.restored(3)) == whole[3:]

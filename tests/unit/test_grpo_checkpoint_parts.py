@@ -127,6 +127,12 @@ class _Recording(LocalCheckpoints):
         super().commit(episode, best_reward, directory)
 
 
+def test_the_provider_names_its_default_interval() -> None:
+    from trainer_service.providers import grpo
+
+    assert grpo.DEFAULT_CHECKPOINT_EVERY == 50  # measured: see its comment
+
+
 def test_due_checkpoints_are_committed_after_their_episode_and_the_last_always(
     scripted_ranks: str, tmp_path: pathlib.Path
 ) -> None:

@@ -21,7 +21,14 @@ if TYPE_CHECKING:
     from trainer_service.core.provider import TrainJob
     from trainwire.v1 import episode_pb2
 
-__all__ = ["run", "slots_needed", "validate"]
+__all__ = ["DEFAULT_CHECKPOINT_EVERY", "run", "slots_needed", "validate"]
+
+#: Optimizer steps between checkpoints when the config leaves ``checkpoint_every`` at 0. The
+#: tiny VLM at the provider's defaults on a 2-core CPU: a step takes 0.37 s, a checkpoint
+#: (2.2 MB: model, processor, Adam state, RNG) 0.02-0.03 s to write and 0.02-0.06 s more per
+#: step that has one, end to end. Every 50 steps that is 0.1-0.3 % of training time, leaving
+#: room under the 5 % budget for a store 15x slower than a local disk.
+DEFAULT_CHECKPOINT_EVERY = 50
 
 
 def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
