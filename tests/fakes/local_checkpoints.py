@@ -1,14 +1,16 @@
 """``Checkpoints`` for provider tests: committed checkpoints are directories under a local root.
 
-A provider writes into :meth:`LocalCheckpoints.scratch` and commits; the commit moves the
-directory to ``<root>/episode-<n>`` and records it, so a test can read what was committed, in
-which order, and resume from any of it (:meth:`LocalCheckpoints.restored`).
+A provider writes into :meth:`LocalCheckpoints.scratch` and commits (or reports a failed
+write); the commit moves the directory to ``<root>/episode-<n>`` and records it, so a test can
+read what was committed, in which order, and resume from any of it
+(:meth:`LocalCheckpoints.restored`).
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import threading
 from dataclasses import dataclass
 
@@ -38,6 +40,7 @@ class LocalCheckpoints:
         self.every = every
         self.last = last
         self.committed: list[Committed] = []
+        self.failed: list[tuple[int, str]] = []  #: (episode, message) of each ``fail``
         self.final = threading.Event()  #: set: the job wants a final checkpoint
         self.asked_final = 0  #: how often final_wanted() was asked
 
@@ -57,6 +60,11 @@ class LocalCheckpoints:
         target = self.root / f"episode-{episode}"
         os.replace(directory, target)
         self.committed.append(Committed(episode, best_reward, target))
+
+    def fail(self, episode: int, message: str, directory: pathlib.Path | None = None) -> None:
+        self.failed.append((episode, message))
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def restored(self, episode: int) -> RestoredCheckpoint:
         """The committed checkpoint of ``episode``, as a job resumes from it."""

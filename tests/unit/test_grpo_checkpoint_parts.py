@@ -201,5 +201,7 @@ def test_a_checkpoint_that_cannot_be_written_is_logged_and_training_goes_on(
     episodes = list(process.run(_scripted_job(3, ":save-fails", checkpoints=checkpoints)))
     assert [e.episode for e in episodes] == [1, 2, 3] and episodes[-1].done
     assert checkpoints.committed == [] and not list(tmp_path.iterdir())
+    assert [n for n, _ in checkpoints.failed] == [1, 2, 3]
+    assert "No space left on device" in checkpoints.failed[0][1]
     failures = [r.getMessage() for r in caplog.records if "could not be written" in r.getMessage()]
     assert len(failures) == 3 and "No space left on device" in failures[0]

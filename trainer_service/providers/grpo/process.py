@@ -33,7 +33,8 @@ the checkpoint be committed), when it is pulled again or closed, if ``due(n)`` (
 last step too), or at a stop if ``final_wanted()``. A stop that comes while a step runs lets the
 step finish and yields its episode when a final checkpoint is wanted (the ranks are past the
 previous boundary: only this step can be checkpointed), else returns at once as before. A
-write that fails (a full disk) is logged and not committed; training goes on. Resuming
+write that fails (a full disk) is logged and reported (``fail``), never committed; training
+goes on. Resuming
 (``job.resume``) is checked here first (:func:`.checkpoint_files.check_resume`, no rank
 started); what only loading shows, the ranks report as :class:`CheckpointUnusable` before the
 first episode.
@@ -454,7 +455,7 @@ class _Committer:
                 report["error"],
                 extra={"run_id": self.job.run_id},
             )
-            shutil.rmtree(directory, ignore_errors=True)
+            self.job.checkpoints.fail(step, str(report["error"]), directory)
             return
         _LOGGER.info(
             "run %s: checkpoint of step %d written in %.2f s (%d bytes)",
