@@ -22,6 +22,7 @@ from gateway.auth import TokenFileError
 from gateway.config import GatewayConfig
 from gateway.core.dblock import DatabaseLocked
 from gateway.core.store import DatabaseProblem
+from trainwire_ops.checkpoints import CheckpointStoreProblem
 from gateway.server import Gateway
 from trainwire_ops import settings
 from trainwire_ops.addresses import host_port
@@ -64,7 +65,13 @@ async def serve(config: GatewayConfig) -> int:
     try:
         port = await gateway.start()
     # DatabaseProblem includes a database directory or lock file that cannot be created.
-    except (DatabaseLocked, DatabaseProblem, TlsFileError, TokenFileError) as exc:
+    except (
+        CheckpointStoreProblem,
+        DatabaseLocked,
+        DatabaseProblem,
+        TlsFileError,
+        TokenFileError,
+    ) as exc:
         print(f"python -m gateway: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except (OSError, RuntimeError) as exc:  # a port that cannot be bound

@@ -17,6 +17,7 @@ from trainwire_ops.settings import option, port_or_off
 from trainwire_ops.tls import check_plaintext_bind
 
 DEFAULT_DB = "var/trainwire.sqlite3"
+DEFAULT_CHECKPOINT_STORE = "var/checkpoints"
 DEFAULT_HTTP_PORT = 8080
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _TLS = "TLS and authentication (certificates and the tokens file are re-read on SIGHUP)"
@@ -93,6 +94,26 @@ class GatewayConfig:
     max_pending: int = option(
         DEFAULTS.max_pending,
         "the most runs waiting for a trainer; CreateRun beyond answers RESOURCE_EXHAUSTED",
+    )
+    checkpoint_store: str | None = option(
+        None,
+        "where trainers write checkpoints (the same store as the trainers' "
+        "--checkpoint-store): a directory (a shared filesystem for several machines) or "
+        "s3://BUCKET/PREFIX (endpoint from AWS_ENDPOINT_URL); the gateway reads it for "
+        "downloads and deletes from it for retention and DeleteRun",
+        metavar="DIR|URL",
+        cli_default=DEFAULT_CHECKPOINT_STORE,
+    )
+    park_after_s: float = option(
+        DEFAULTS.park_after_s,
+        "seconds a run stays paused before it is parked: its job writes a checkpoint and ends, "
+        "freeing its trainer slot; resume places it again; 0: never",
+        flag="--park-after",
+    )
+    max_restarts: int = option(
+        DEFAULTS.max_restarts,
+        "times a run whose trainer or job died is restarted from its latest checkpoint "
+        "before it fails",
     )
     lease_s: float = option(
         10.0,
@@ -244,6 +265,12 @@ class GatewayConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if not (math.isfinite(self.live_coalesce_s) and 0 <= self.live_coalesce_s <= 1):
             raise ValueError(f"live_coalesce_s must be in 0..1, got {self.live_coalesce_s}")
+        if not (math.isfinite(self.park_after_s) and self.park_after_s >= 0):
+            raise ValueError(f"park_after must be >= 0 (0: never), got {self.park_after_s}")
+        if not 0 <= self.max_restarts <= 1000:
+            raise ValueError(f"max_restarts must be in 0..1000, got {self.max_restarts}")
+        if self.checkpoint_store == "":
+            raise ValueError("--checkpoint-store must not be empty")
         if not (math.isfinite(self.history_cache_mb) and self.history_cache_mb >= 0):
             raise ValueError(f"history_cache_mb must be >= 0, got {self.history_cache_mb}")
 
@@ -261,6 +288,8 @@ class GatewayConfig:
             history_cache_mb=self.history_cache_mb,
             live_coalesce_s=self.live_coalesce_s,
             max_pending=self.max_pending,
+            park_after_s=self.park_after_s,
+            max_restarts=self.max_restarts,
         )
 
     @property

@@ -30,6 +30,7 @@ from gateway.trainer_client import GrpcTrainerConnector
 from trainwire.v1 import gateway_service_pb2
 from trainwire_ops.addresses import host_port, port_problem
 from trainwire_ops.metrics_endpoint import MetricsEndpoint
+from trainwire_ops.checkpoints import CheckpointStore
 from trainwire_ops.tls import ClientTls, ClientTlsFiles, ServerTls
 
 _LOGGER = logging.getLogger(__name__)
@@ -145,12 +146,27 @@ class Gateway:
         #: This gateway among the replicas of a PostgreSQL database (the owner of its runs).
         self.replica_id = uuid.uuid4().hex
 
+    def _open_checkpoint_store(self) -> CheckpointStore | None:
+        """The checkpoint store of ``--checkpoint-store``, checked by a write and a read.
+
+        Raises:
+            CheckpointStoreProblem: it cannot be written or read (one line naming it).
+        """
+        if self.config.checkpoint_store is None:
+            return None
+        store = CheckpointStore(self.config.checkpoint_store)
+        store.check()
+        _LOGGER.info("checkpoint store: %s", store.location)
+        return store
+
     async def start(self) -> int:
         """Opens the store, recovers, starts serving; returns the bound port.
 
         Raises:
             TlsFileError: A certificate, key or CA file cannot be used (nothing was started).
             TokenFileError: The tokens file cannot be used (nothing was started).
+            CheckpointStoreProblem: The checkpoint store cannot be written or read (nothing was
+                started).
             DatabaseLocked: Another gateway uses the database (nothing was started).
             DatabasePathProblem: The database's directory or lock file cannot be created
                 (nothing was started).
@@ -167,6 +183,7 @@ class Gateway:
                 f"cannot listen on {host_port(self.config.host, self.config.port)}: {problem}"
             )
         self._load_security()
+        checkpoint_files = self._open_checkpoint_store()
         self._lock.acquire()  # DatabaseLocked: another gateway uses this database
         if self.config.metrics_port is not None:
             self.metrics_endpoint = MetricsEndpoint.start(
@@ -190,6 +207,7 @@ class Gateway:
                     if isinstance(store, PostgresStore)
                     else None
                 ),
+                checkpoint_files=checkpoint_files,
             )
             await self.core.start()
             self.server, self.port = build_server(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make run`: starts the trainer and the gateway as two processes on localhost (SQLite store
 # under var/), then, unless DEMO=0, creates a demo imitation run, watches it live, draws its
-# learning curve and avatar, prints grpcurl lines to try, and keeps both services up until Ctrl+C.
+# learning curve and avatar, says where the trained model is and how to download it, prints
+# grpcurl lines to try, and keeps both services up until Ctrl+C. Checkpoints go to $VAR/checkpoints.
 # DEMO=grpo runs the GRPO demo instead: it builds the offline tiny VLM and a colour dataset under
 # $VAR/data (once), trains 200 steps with exact_match and draws the learning curve.
 #
@@ -107,14 +108,27 @@ metrics_url() {
   echo "(none: see $log)"
 }
 
+# Says where a finished run's trained model is and how to download it.
+trained_model() {
+  local run_id=$1
+  "$BIN/trainwire" runs checkpoints "$run_id" || true
+  echo "trained model: the run's last checkpoint, stored under $checkpoints/$run_id/"
+  echo "  download it: $BIN/trainwire runs download $run_id --out $VAR/models/$run_id"
+  echo "  or over HTTP: $page/v1/runs/$run_id/checkpoints/0:download (a tar; 0 = the latest)"
+}
+
 trainer_metrics=() gateway_metrics=()
 if [[ $METRICS == 1 ]]; then
   trainer_metrics=(--metrics-port "${TRAINER_METRICS_PORT:-9152}")
   gateway_metrics=(--metrics-port "${GATEWAY_METRICS_PORT:-9151}")
 fi
 
+# Both services share one checkpoint store: the trainer writes the trained models there, the
+# gateway records them and serves their downloads.
+checkpoints="$VAR/checkpoints"
 "$PY" -m trainer_service --host 127.0.0.1 --port "$TRAINER_PORT" --slots 1 --device auto \
-  --data-root "$VAR/data" "${trainer_metrics[@]}" >"$VAR/logs/trainer.log" 2>&1 &
+  --data-root "$VAR/data" --checkpoint-store "$checkpoints" "${trainer_metrics[@]}" \
+  >"$VAR/logs/trainer.log" 2>&1 &
 pids+=($!)
 trainer=$(wait_listening trainer "$VAR/logs/trainer.log" "${pids[-1]}")
 
@@ -126,8 +140,8 @@ if [[ $DB == postgres ]]; then
 fi
 
 "$PY" -m gateway --host 127.0.0.1 --port "$GATEWAY_PORT" --http-port "$HTTP_PORT" \
-  --trainer "$trainer" --db "$db" --migrate "${gateway_metrics[@]}" \
-  >"$VAR/logs/gateway.log" 2>&1 &
+  --trainer "$trainer" --db "$db" --migrate --checkpoint-store "$checkpoints" \
+  "${gateway_metrics[@]}" >"$VAR/logs/gateway.log" 2>&1 &
 pids+=($!)
 gateway=$(wait_listening gateway "$VAR/logs/gateway.log" "${pids[-1]}")
 
@@ -140,7 +154,8 @@ if [[ $DB == postgres ]]; then
   replica_metrics=()
   [[ $METRICS == 1 ]] && replica_metrics=(--metrics-port 0)
   "$PY" -m gateway --host 127.0.0.1 --port "${REPLICA_PORT:-50053}" \
-    --http-port "${REPLICA_HTTP_PORT:-8081}" --trainer "$trainer" --db "$db" "${replica_metrics[@]}" \
+    --http-port "${REPLICA_HTTP_PORT:-8081}" --trainer "$trainer" --db "$db" \
+    --checkpoint-store "$checkpoints" "${replica_metrics[@]}" \
     >"$VAR/logs/gateway-2.log" 2>&1 &
   pids+=($!)
   watch_on=$(wait_listening gateway "$VAR/logs/gateway-2.log" "${pids[-1]}")
@@ -163,6 +178,7 @@ if [[ $DEMO == grpo ]]; then
   "$BIN/trainwire" watch "$run_id" || true
   "$BIN/trainwire" plot "$run_id" --out "$VAR/demo-curve.png"
   echo "picture: $VAR/demo-curve.png"
+  trained_model "$run_id"
 elif [[ $DEMO != 0 ]]; then
   run_id=$("$BIN/trainwire" runs create imitation --clip "$DEMO_CLIP" --episodes "$DEMO_EPISODES" \
     --rate "$DEMO_RATE" --seed 0 --name "demo: stickman learns to $DEMO_CLIP" -q)
@@ -172,6 +188,7 @@ elif [[ $DEMO != 0 ]]; then
   "$BIN/trainwire" plot "$run_id" --out "$VAR/demo-curve.png"
   "$BIN/trainwire" avatar "$run_id" --out "$VAR/demo-avatar.png"
   echo "pictures: $VAR/demo-curve.png $VAR/demo-avatar.png"
+  trained_model "$run_id"
 fi
 
 cat <<EOF

@@ -22,6 +22,7 @@ from gateway.core.runs import TrainingRun
 from gateway.core.store import CheckpointRecord, Store
 from gateway.core.trainers import CheckpointSaved, ResumePoint
 from trainwire.v1 import episode_pb2
+from trainwire_ops.checkpoints import CheckpointError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -152,10 +153,18 @@ class CheckpointReads:
             while True:
                 try:
                     chunk = await asyncio.to_thread(next, chunks, None)
-                except FileNotFoundError as exc:
+                except (CheckpointError, FileNotFoundError) as exc:
+                    _LOGGER.error(
+                        "run %s: its checkpoint at episode %d in %s cannot be read: %s",
+                        run_id,
+                        episode,
+                        files.location,
+                        exc,
+                        extra={"run_id": run_id},
+                    )
                     raise CheckpointCorrupt(
-                        f"run {run_id!r}: the checkpoint at episode {episode} is missing from "
-                        f"{files.location} ({exc})",
+                        f"run {run_id!r}: the checkpoint at episode {episode} is damaged or "
+                        "gone from the checkpoint store",
                         run_id,
                     ) from None
                 except Exception as exc:

@@ -11,7 +11,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,11 +243,16 @@ async def gateway_process(
 
 @contextlib.contextmanager
 def trainer_process(
-    log: Path, *flags: str, slots: int = 2
+    log: Path,
+    *flags: str,
+    slots: int = 2,
+    preexec_fn: Callable[[], None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """``python -m trainer_service --port 0 --device cpu`` (imitation and grpo providers) with
     stderr appended to ``log``; yields the process, once it printed its address, and the
-    address. A process still running on exit is killed."""
+    address. A process still running on exit is killed. ``preexec_fn`` runs in the child
+    before it starts (resource limits); ``env`` adds to its environment."""
     with log.open("ab") as err:
         proc = subprocess.Popen(
             [
@@ -265,7 +270,13 @@ def trainer_process(
             stdout=subprocess.PIPE,
             stderr=err,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
+            env={
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "CUDA_VISIBLE_DEVICES": "",
+                **(env or {}),
+            },
+            preexec_fn=preexec_fn,
         )
     try:
         assert proc.stdout is not None

@@ -7,15 +7,25 @@ import math
 import pytest
 
 from gateway.__main__ import config_from_args, parse_args
-from gateway.config import DEFAULT_DB, DEFAULT_HTTP_PORT, GatewayConfig
+from gateway.config import (
+    DEFAULT_CHECKPOINT_STORE,
+    DEFAULT_DB,
+    DEFAULT_HTTP_PORT,
+    GatewayConfig,
+)
 
 
 def test_defaults_match_the_documented_flags() -> None:
     config = config_from_args(parse_args([]))
-    # One deliberate difference: the command line serves the page on 8080, while a gateway
-    # embedded in a program (tests, benchmarks) opens no HTTP port unless asked.
-    assert config == GatewayConfig(http_port=DEFAULT_HTTP_PORT) and DEFAULT_HTTP_PORT == 8080
-    assert GatewayConfig().http_port is None
+    # Two deliberate differences: the command line serves the page on 8080 and reads the
+    # checkpoints in var/checkpoints, while a gateway embedded in a program (tests, benchmarks)
+    # opens no HTTP port and no checkpoint store unless asked.
+    assert config == GatewayConfig(
+        http_port=DEFAULT_HTTP_PORT, checkpoint_store=DEFAULT_CHECKPOINT_STORE
+    )
+    assert DEFAULT_HTTP_PORT == 8080 and DEFAULT_CHECKPOINT_STORE == "var/checkpoints"
+    assert GatewayConfig().http_port is None and GatewayConfig().checkpoint_store is None
+    assert (config.park_after_s, config.max_restarts) == (60.0, 3)
     assert config.port == 50051 and config.db == DEFAULT_DB == "var/trainwire.sqlite3"
     assert config.episode_rate == 20 and config.keepalive_s == 15
     assert config.heartbeat_timeout_s == 30
@@ -51,6 +61,10 @@ def test_flags_are_parsed() -> None:
         {"history_cache_mb": -1.0},
         {"trainer_server_name": "trainer.internal"},  # without TLS to trainers
         {"trainer_server_name": "", "trainer_ca": "ca.pem"},
+        {"park_after_s": -1.0},
+        {"park_after_s": math.inf},
+        {"max_restarts": -1},
+        {"checkpoint_store": ""},
     ],
 )
 def test_bad_values_are_rejected(bad: dict[str, object]) -> None:

@@ -85,6 +85,14 @@ function eventsUrl(runId, after) {
   return `/v1/runs/${encodeURIComponent(runId)}/events?after=${after}${auth}`;
 }
 
+/** The download of a run's checkpoint (the tar of the trained model and its training state).
+ * A link sends no headers either: the token travels like the event stream's. */
+function downloadUrl(runId, episode) {
+  const token = storedToken();
+  const auth = token ? `?access_token=${encodeURIComponent(token)}` : "";
+  return `/v1/runs/${encodeURIComponent(runId)}/checkpoints/${episode}:download${auth}`;
+}
+
 // -- small helpers ---------------------------------------------------------------------------
 
 const $ = (selector, root = document) => root.querySelector(selector);
@@ -474,6 +482,14 @@ class RunView {
     $("#run-task").textContent = taskText(run.task);
     badge($("#run-state"), run);
     $("#run-detail").textContent = run.stateDetail || "";
+    const checkpoint = num(run.checkpointEpisode);
+    const link = $("#download-model");
+    link.hidden = !checkpoint;
+    if (checkpoint) {
+      link.href = downloadUrl(run.id, checkpoint);
+      link.dataset.episode = String(checkpoint);
+      link.textContent = `Download model (episode ${checkpoint})`;
+    }
     this.counter(num($("#episode-counter").dataset.episode));
     const active = !FINAL.has(state);
     $("#pause").disabled = state !== "RUNNING";

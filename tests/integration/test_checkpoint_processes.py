@@ -1,0 +1,254 @@
+"""Checkpoints with real processes: trainer processes (imitation on the CPU) writing to a shared
+checkpoint directory, the gateway in-process reading it.
+
+What only processes show: kill -9 of the trainer that runs a run makes the run finish on the
+other trainer from its checkpoint, exactly once for a watcher and with the rewards the
+uninterrupted run has; a parked run frees its trainer's only slot for another run, then
+resumes and finishes; a corrupted latest checkpoint is skipped on resume and the run says so;
+a checkpoint the trainer cannot write (a file-size limit, as a full disk) is shown while
+training goes on; retention keeps the latest checkpoints on disk, a download extracts the
+trained policy, and DeleteRun removes the run's checkpoints. The logic behind them (when to
+restart, park, drop re-trained episodes) is tested in virtual time in
+``tests/core/test_checkpoints.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from safetensors.numpy import load_file
+
+from tests.fakes.gateway_harness import Client, collect, get_run, running_gateway, trainer_process
+from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
+from trainwire import aio
+from trainwire.v1 import episode_pb2, gateway_service_pb2
+
+State = gateway_service_pb2.Run.State
+pb = gateway_service_pb2
+TRAINER_FLAGS = ("--heartbeat", "0.5", "--detach-grace", "60")
+GATEWAY = {"heartbeat_timeout_s": 3.0, "schedule_poll_s": 0.2}
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    path = tmp_path / "checkpoints"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def trainers(store: Path, tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    """Two trainer processes of one slot each, sharing the checkpoint store."""
+    with (
+        trainer_process(
+            tmp_path / "t1.log", *TRAINER_FLAGS, "--checkpoint-store", str(store), slots=1
+        ) as one,
+        trainer_process(
+            tmp_path / "t2.log", *TRAINER_FLAGS, "--checkpoint-store", str(store), slots=1
+        ) as two,
+    ):
+        yield [one, two]
+
+
+def _request(max_episodes: int, rate: float, every: int, keep: int = 0) -> pb.CreateRunRequest:
+    return pb.CreateRunRequest(
+        task=episode_pb2.TrainTask(
+            imitation=episode_pb2.ImitationTask(rig_name="stickman", clip_name="wave")
+        ),
+        config=episode_pb2.TrainConfig(
+            max_episodes=max_episodes, seed=3, checkpoint_every=every, keep_checkpoints=keep
+        ),
+        episodes_per_second=rate,
+    )
+
+
+async def _create(client: Client, request: pb.CreateRunRequest) -> pb.Run:
+    return (await client.stub.CreateRun(request, timeout=TIMEOUT)).run
+
+
+async def _reached(
+    client: Client, run_id: str, check: Callable[[pb.Run], bool], what: str
+) -> pb.Run:
+    async def found() -> pb.Run | None:
+        run = await get_run(client.stub, run_id)
+        return run if check(run) else None
+
+    return await until(found, f"run {run_id}: {what}", JOB_TIMEOUT)
+
+
+async def _reference_rewards(client: Client, max_episodes: int, every: int) -> list[float]:
+    """The rewards of the same run trained without interruption."""
+    run = await _create(client, _request(max_episodes, -1.0, every))
+    watched = await collect(client.stub, run.id, timeout=JOB_TIMEOUT)
+    assert watched.finished is not None and watched.finished.state == State.STATE_DONE
+    return [e.reward for e in watched.episodes]
+
+
+async def test_kill_9_of_the_trainer_finishes_the_run_on_the_other_from_its_checkpoint(
+    trainers: list[tuple[subprocess.Popen[bytes], str]], store: Path
+) -> None:
+    addresses = tuple(address for _, address in trainers)
+    async with running_gateway(addresses, checkpoint_store=str(store), **GATEWAY) as client:
+        reference = await _reference_rewards(client, 600, 50)
+        run = await _create(client, _request(600, 100.0, 50))
+        watch = asyncio.create_task(collect(client.stub, run.id, timeout=JOB_TIMEOUT))
+        running = await _reached(
+            client, run.id, lambda r: r.checkpoint_episode >= 100 and r.episode >= 120, "trained"
+        )
+        victim = next(proc for proc, address in trainers if address == running.trainer)
+        victim.send_signal(signal.SIGKILL)
+        watched = await watch
+
+        done = watched.finished
+        assert done is not None and done.state == State.STATE_DONE, done
+        assert done.restarts == 1
+        assert done.trainer != running.trainer
+        # Exactly once, and the rewards the uninterrupted run has: the restart continued the
+        # training from the checkpoint instead of resetting it.
+        assert [e.episode for e in watched.episodes] == list(range(1, 601))
+        assert [e.reward for e in watched.episodes] == pytest.approx(reference, rel=1e-6)
+        best = [e.best_reward for e in watched.episodes]
+        assert best == sorted(best)
+
+
+async def test_a_parked_run_frees_the_only_slot_then_resumes_and_finishes(
+    store: Path, tmp_path: Path
+) -> None:
+    with trainer_process(
+        tmp_path / "t.log", *TRAINER_FLAGS, "--checkpoint-store", str(store), slots=1
+    ) as (_, address):
+        async with running_gateway(
+            (address,), checkpoint_store=str(store), park_after_s=1.0, **GATEWAY
+        ) as client:
+            reference = await _reference_rewards(client, 300, 50)
+            first = await _create(client, _request(300, 40.0, 50))
+            watch = asyncio.create_task(collect(client.stub, first.id, timeout=JOB_TIMEOUT))
+            await _reached(client, first.id, lambda r: r.episode >= 30, "publishing")
+            await client.stub.PauseRun(pb.PauseRunRequest(run_id=first.id), timeout=TIMEOUT)
+            parked = await _reached(client, first.id, lambda r: r.parked, "parked")
+            assert "parked at episode" in parked.state_detail
+            assert parked.checkpoint_episode == parked.trainer_episode
+
+            # The freed slot trains another run to its end while the first stays parked.
+            second = await _create(client, _request(50, -1.0, 0))
+            other = await collect(client.stub, second.id, timeout=JOB_TIMEOUT)
+            assert other.finished is not None and other.finished.state == State.STATE_DONE
+            assert (await get_run(client.stub, first.id)).parked
+
+            await client.stub.ResumeRun(pb.ResumeRunRequest(run_id=first.id), timeout=TIMEOUT)
+            watched = await watch
+            assert watched.finished is not None and watched.finished.state == State.STATE_DONE
+            assert [e.episode for e in watched.episodes] == list(range(1, 301))
+            assert [e.reward for e in watched.episodes] == pytest.approx(reference, rel=1e-6)
+            assert (watched.finished.parked, watched.finished.restarts) == (False, 0)
+
+
+async def test_a_corrupted_latest_checkpoint_is_skipped_on_resume(
+    store: Path, tmp_path: Path
+) -> None:
+    with trainer_process(
+        tmp_path / "t.log", *TRAINER_FLAGS, "--checkpoint-store", str(store), slots=1
+    ) as (_, address):
+        async with running_gateway(
+            (address,), checkpoint_store=str(store), park_after_s=0.5, **GATEWAY
+        ) as client:
+            run = await _create(client, _request(300, 40.0, 20, keep=5))
+            watch = asyncio.create_task(collect(client.stub, run.id, timeout=JOB_TIMEOUT))
+            await _reached(client, run.id, lambda r: r.episode >= 45, "publishing")
+            await client.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)
+            parked = await _reached(client, run.id, lambda r: r.parked, "parked")
+            listed = await client.stub.ListCheckpoints(
+                pb.ListCheckpointsRequest(run_id=run.id), timeout=TIMEOUT
+            )
+            *_, before, latest = listed.checkpoints
+            assert latest.episode == parked.checkpoint_episode
+            # Bit rot in the latest checkpoint's weights.
+            weights = store / run.id / f"{latest.episode:012d}" / "model.safetensors"
+            data = bytearray(weights.read_bytes())
+            data[-1] ^= 0xFF
+            weights.write_bytes(bytes(data))
+
+            await client.stub.ResumeRun(pb.ResumeRunRequest(run_id=run.id), timeout=TIMEOUT)
+            said = await _reached(client, run.id, lambda r: "skipped" in r.state_detail, "said")
+            assert f"continued from the checkpoint at episode {before.episode}" in said.state_detail
+            assert f"skipped the checkpoint at episode {latest.episode}" in said.state_detail
+            watched = await watch
+            assert watched.finished is not None and watched.finished.state == State.STATE_DONE
+            assert [e.episode for e in watched.episodes] == list(range(1, 301))
+
+
+def _small_files() -> None:
+    # A file-size limit far below a checkpoint's weights: every checkpoint write fails
+    # partway, as on a full disk (Python ignores SIGXFSZ, so the write raises EFBIG).
+    resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+
+
+async def test_a_checkpoint_that_cannot_be_written_is_shown_and_training_goes_on(
+    store: Path, tmp_path: Path
+) -> None:
+    with trainer_process(
+        tmp_path / "t.log",
+        *TRAINER_FLAGS,
+        "--checkpoint-store",
+        str(store),
+        slots=1,
+        preexec_fn=_small_files,
+    ) as (_, address):
+        async with running_gateway((address,), checkpoint_store=str(store), **GATEWAY) as client:
+            run = await _create(client, _request(200, 50.0, 20))
+            shown = await _reached(
+                client, run.id, lambda r: "could not be written" in r.state_detail, "the failure"
+            )
+            assert shown.state == State.STATE_RUNNING
+            watched = await collect(client.stub, run.id, timeout=JOB_TIMEOUT)
+            assert watched.finished is not None and watched.finished.state == State.STATE_DONE
+            assert [e.episode for e in watched.episodes] == list(range(1, 201))
+            assert watched.finished.checkpoint_episode == 0
+            # Nothing half-written was recorded, and nothing complete is on disk.
+            listed = await client.stub.ListCheckpoints(
+                pb.ListCheckpointsRequest(run_id=run.id), timeout=TIMEOUT
+            )
+            assert list(listed.checkpoints) == []
+            assert not list(store.glob(f"{run.id}/*.json"))
+
+
+async def test_retention_download_and_delete(store: Path, tmp_path: Path) -> None:
+    with trainer_process(
+        tmp_path / "t.log", *TRAINER_FLAGS, "--checkpoint-store", str(store), slots=1
+    ) as (_, address):
+        async with running_gateway((address,), checkpoint_store=str(store), **GATEWAY) as client:
+            run = await _create(client, _request(200, -1.0, 20, keep=2))
+            watched = await collect(client.stub, run.id, timeout=JOB_TIMEOUT)
+            assert watched.finished is not None and watched.finished.state == State.STATE_DONE
+            listed = await client.stub.ListCheckpoints(
+                pb.ListCheckpointsRequest(run_id=run.id), timeout=TIMEOUT
+            )
+            assert [c.episode for c in listed.checkpoints] == [180, 200]
+            assert watched.finished.checkpoint_episode == 200
+
+            async def only_the_kept_on_disk() -> bool:
+                kept = sorted(p.name for p in (store / run.id).iterdir() if p.is_dir())
+                return kept == [f"{180:012d}", f"{200:012d}"]
+
+            await until(only_the_kept_on_disk, "retention on disk")
+
+            out = tmp_path / "model"
+            async with aio.GatewayClient(client.address) as gateway:
+                record = await gateway.download_checkpoint(run.id, out)
+            assert record == listed.checkpoints[-1]
+            meta = json.loads((out / "checkpoint.json").read_text())
+            assert meta["episode"] == 200
+            weights = load_file(str(out / "model.safetensors"))
+            assert weights, "no tensors in the policy"
+
+            await client.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
+            await until(lambda: not (store / run.id).exists(), "the run's checkpoints deleted")
