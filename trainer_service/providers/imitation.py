@@ -38,7 +38,7 @@ import json
 import logging
 import math
 import pathlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -356,7 +356,7 @@ def _job_info(job: TrainJob, learner: ImitationLearner) -> dict[str, Any]:
     }
 
 
-def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
+def run(job: TrainJob) -> Generator[episode_pb2.Episode, None, None]:
     """Trains the job's imitation task, yielding one episode per optimizer step."""
     job.set_phase("loading")
     task = job.task.imitation
