@@ -7,7 +7,8 @@ uninterrupted run has; a parked run frees its trainer's only slot for another ru
 resumes and finishes; a corrupted latest checkpoint is skipped on resume and the run says so;
 a checkpoint the trainer cannot write (a file-size limit, as a full disk) is shown while
 training goes on; retention keeps the latest checkpoints on disk, a download extracts the
-trained policy, and DeleteRun removes the run's checkpoints. The logic behind them (when to
+trained policy, and DeleteRun removes the run's checkpoints; the same with an S3 store (moto's
+server on 127.0.0.1). The logic behind them (when to
 restart, park, drop re-trained episodes) is tested in virtual time in
 ``tests/core/test_checkpoints.py``.
 """
@@ -25,10 +26,12 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file
 
+from tests import s3_fixtures
 from tests.fakes.gateway_harness import Client, collect, get_run, running_gateway, trainer_process
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from trainwire import aio
 from trainwire.v1 import episode_pb2, gateway_service_pb2
+from trainwire_ops.checkpoints import CheckpointStore
 
 State = gateway_service_pb2.Run.State
 pb = gateway_service_pb2
@@ -36,6 +39,9 @@ TRAINER_FLAGS = ("--heartbeat", "0.5", "--detach-grace", "60")
 GATEWAY = {"heartbeat_timeout_s": 3.0, "schedule_poll_s": 0.2}
 
 pytestmark = pytest.mark.timeout(300)
+
+s3_endpoint = s3_fixtures.s3_endpoint
+s3_bucket = s3_fixtures.s3_bucket
 
 
 @pytest.fixture
@@ -252,3 +258,36 @@ async def test_retention_download_and_delete(store: Path, tmp_path: Path) -> Non
 
             await client.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
             await until(lambda: not (store / run.id).exists(), "the run's checkpoints deleted")
+
+
+async def test_an_s3_store_through_the_local_endpoint(
+    s3_bucket: s3_fixtures.S3Bucket, tmp_path: Path
+) -> None:
+    url = s3_bucket.url()
+    with trainer_process(
+        tmp_path / "t.log",
+        *TRAINER_FLAGS,
+        "--checkpoint-store",
+        url,
+        slots=1,
+        env=s3_bucket.env,
+    ) as (_, address):
+        async with running_gateway((address,), checkpoint_store=url, **GATEWAY) as client:
+            run = await _create(client, _request(100, -1.0, 20, keep=2))
+            watched = await collect(client.stub, run.id, timeout=JOB_TIMEOUT)
+            assert watched.finished is not None and watched.finished.state == State.STATE_DONE
+            listed = await client.stub.ListCheckpoints(
+                pb.ListCheckpointsRequest(run_id=run.id), timeout=TIMEOUT
+            )
+            assert [c.episode for c in listed.checkpoints] == [80, 100]
+
+            store = CheckpointStore(url)
+            await until(lambda: store.episodes(run.id) == [80, 100], "retention in the bucket")
+            out = tmp_path / "model"
+            async with aio.GatewayClient(client.address) as gateway:
+                record = await gateway.download_checkpoint(run.id, out, episode=80)
+            assert record.sha256 == listed.checkpoints[0].sha256
+            assert json.loads((out / "checkpoint.json").read_text())["episode"] == 80
+
+            await client.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
+            await until(lambda: store.episodes(run.id) == [], "the run's objects deleted")
