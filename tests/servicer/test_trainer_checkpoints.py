@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -42,7 +43,7 @@ def request(
     return message
 
 
-def events_of(responses: object) -> list[tuple[str, object]]:
+def events_of(responses: object) -> list[tuple[str, Any]]:
     out = []
     for response in responses:  # type: ignore[attr-defined]
         kind = response.WhichOneof("event")
@@ -56,7 +57,7 @@ def test_checkpoint_events_on_the_wire(
 ) -> None:
     running, store = trainer
     events = events_of(running.stub.Train(request("run-a", 5, 2), timeout=JOB_TIMEOUT))
-    assert [(k, v.episode) for k, v in events] == [  # type: ignore[attr-defined]
+    assert [(k, v.episode) for k, v in events] == [
         ("episode", 1),
         ("episode", 2),
         ("checkpoint", 2),
@@ -104,13 +105,13 @@ def test_park_then_resume_continues_the_run(
     events = events_of(running.stub.Train(resume, timeout=JOB_TIMEOUT))
     kind, resumed = events[0]
     assert kind == "resumed"
-    assert resumed.checkpoint.checkpoint.episode == 5  # type: ignore[attr-defined]
-    assert resumed.best_reward == seen[-1].best_reward  # type: ignore[attr-defined]
+    assert resumed.checkpoint.checkpoint.episode == 5
+    assert resumed.best_reward == seen[-1].best_reward
     after = [v for k, v in events if k == "episode"]
-    assert [e.episode for e in after] == list(range(6, 13))  # type: ignore[attr-defined]
+    assert [e.episode for e in after] == list(range(6, 13))
     # The same episodes as the run that was never parked (the episodes carry their time).
     for got, want in zip(after, whole[5:], strict=True):
-        assert (got.reward, got.best_reward, dict(got.metrics)) == (  # type: ignore[attr-defined]
+        assert (got.reward, got.best_reward, dict(got.metrics)) == (
             want.reward,
             want.best_reward,
             dict(want.metrics),
