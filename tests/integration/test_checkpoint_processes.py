@@ -16,13 +16,17 @@ restart, park, drop re-trained episodes) is tested in virtual time in
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
 import json
 import resource
 import signal
 import subprocess
+import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from safetensors.numpy import load_file
 
@@ -231,7 +235,9 @@ async def test_retention_download_and_delete(store: Path, tmp_path: Path) -> Non
     with trainer_process(
         tmp_path / "t.log", *TRAINER_FLAGS, "--checkpoint-store", str(store), slots=1
     ) as (_, address):
-        async with running_gateway((address,), checkpoint_store=str(store), **GATEWAY) as client:
+        async with running_gateway(
+            (address,), checkpoint_store=str(store), http_port=0, **GATEWAY
+        ) as client:
             run = await _create(client, _request(200, -1.0, 20, keep=2))
             watched = await collect(client.stub, run.id, timeout=JOB_TIMEOUT)
             assert watched.finished is not None and watched.finished.state == State.STATE_DONE
@@ -255,6 +261,26 @@ async def test_retention_download_and_delete(store: Path, tmp_path: Path) -> Non
             assert meta["episode"] == 200
             weights = load_file(str(out / "model.safetensors"))
             assert weights, "no tensors in the policy"
+
+            # The same over HTTP: the JSON list, and the tar itself (what the page links to).
+            assert client.gateway.http is not None
+            base = f"{client.gateway.http.url}/v1/runs/{run.id}/checkpoints"
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as http:
+                async with http.get(base) as reply:
+                    assert reply.status == 200
+                    body = await reply.json()
+                assert [int(c["episode"]) for c in body["checkpoints"]] == [180, 200]
+                async with http.get(f"{base}/180:download") as reply:
+                    assert reply.status == 200
+                    assert reply.content_type == "application/x-tar"
+                    data = await reply.read()
+                assert hashlib.sha256(data).hexdigest() == listed.checkpoints[0].sha256
+                with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                    assert "model.safetensors" in tar.getnames()
+                async with http.get(f"{base}/7:download") as reply:
+                    assert reply.status == 404
+                    error = (await reply.json())["error"]
+                assert "180, 200" in error["message"]
 
             await client.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
             await until(lambda: not (store / run.id).exists(), "the run's checkpoints deleted")
