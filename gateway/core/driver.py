@@ -472,9 +472,20 @@ class RunDriver:
             self,
         )
         self.feed = feed
+        opening = self._opening_grant
+        if resume_from:
+            # A job shows it restored its checkpoint with the episode after it: grant that one
+            # at least (the feed drops it if the run received it before).
+            floor = min(self.run.config.max_episodes, resume_from[0].checkpoint.episode + 1)
+
+            def opening() -> int:
+                grant = max(self._opening_grant(), floor)
+                self.credit.granted = max(self.credit.granted, grant)
+                return grant
+
         await feed.stream(
             attach_after,
-            self._opening_grant,
+            opening,
             lambda: 2 * self.lead() + MAX_UNCOMMITTED,
             lambda reader: self.publisher.run(self.inbox, reader),
             resume_from,
