@@ -11,8 +11,15 @@ process that cannot import trainwire, which answers held-out images (a dataset o
 about as well as the last training steps did. ``bench/grpo_learning.py`` runs the full-length
 comparison with uniform gray images, which cannot get above chance.
 
-Last, a provider error is not retried: a run whose images vanish after its first checkpoint
-ends ERROR with the provider's message, never restarted.
+Then a provider error is not retried: a run whose images vanish after its first checkpoint
+ends ERROR with the provider's message, never restarted. Its images are palette PNGs that make
+PIL warn while DataLoader worker processes decode them.
+
+Last, what the trainers wrote: started with ``--log-format json``, a trainer process running
+GRPO jobs (transformers, TRL, datasets and torch, each with its own progress bars, logging
+handlers and warnings, and worker processes decoding images) writes only JSON records to
+stderr, the workers' PIL warning among them, and nothing but its ``trainer listening on`` line
+to stdout.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from tests.fakes.gateway_harness import collect, get_run, running_gateway, trainer_process
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
@@ -50,24 +59,48 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_tiny_vlm.build(root / "models" / "tiny-vlm")
     make_demo_dataset.build(root / "datasets" / "colours")
     make_demo_dataset.build(root / "datasets" / "held-out", rows=HELD_OUT_ROWS, seed=12345)
-    make_demo_dataset.build(root / "datasets" / "vanishing", rows=4, seed=3)
+    vanishing = root / "datasets" / "vanishing"
+    make_demo_dataset.build(vanishing, rows=4, seed=3)
+    # Every row's image a palette PNG whose transparency makes PIL warn when it decodes it.
+    image = Image.new("P", (16, 16))
+    image.putpalette([(i * 37) % 256 for i in range(768)])
+    image.save(vanishing / "images" / "palette.png", transparency=bytes(range(256)))
+    rows = [json.loads(line) for line in (vanishing / "train.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["image_paths"] = ["images/palette.png"]
+    (vanishing / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return root
 
 
+@dataclass
+class Trainers:
+    """The module's two trainer processes, their shared checkpoint store and their logs."""
+
+    store: Path
+    processes: list[tuple[subprocess.Popen[bytes], str]]
+    logs: list[Path]
+
+
 @pytest.fixture(scope="module")
-def trainers(
-    data_root: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Path, list[tuple[subprocess.Popen[bytes], str]]]]:
-    """Two one-slot trainers on the data root, sharing a checkpoint directory."""
+def trainers(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainers]:
+    """Two one-slot trainers on the data root, sharing a checkpoint directory, logging JSON."""
     logs = tmp_path_factory.mktemp("logs")
     store = tmp_path_factory.mktemp("checkpoints")
     flags = ("--data-root", str(data_root), "--checkpoint-store", str(store))
     flags += ("--heartbeat", "0.5", "--detach-grace", "60")
-    with (
-        trainer_process(logs / "t1.log", *flags, slots=1, env={"OMP_NUM_THREADS": "1"}) as one,
-        trainer_process(logs / "t2.log", *flags, slots=1, env={"OMP_NUM_THREADS": "1"}) as two,
-    ):
-        yield store, [one, two]
+    flags += ("--log-format", "json", "--log-level", "debug")
+    # Whatever the developer's environment asks for, the libraries' own output must not leak.
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    hidden = {"TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS"} & os.environ.keys()
+    saved = {name: os.environ.pop(name) for name in hidden}
+    try:
+        with (
+            trainer_process(logs / "t1.log", *flags, slots=1, env=env) as one,
+            trainer_process(logs / "t2.log", *flags, slots=1, env=env) as two,
+        ):
+            yield Trainers(store, [one, two], [logs / "t1.log", logs / "t2.log"])
+    finally:
+        os.environ.update(saved)
 
 
 def _grpo(dataset: str, steps: int, every: int, **task: object) -> pb.CreateRunRequest:
@@ -124,11 +157,9 @@ print(json.dumps({"accuracy": right / total, "rows": total, "model": type(model)
 
 
 async def test_grpo_learns_survives_kill_9_and_its_model_answers_held_out_images(
-    trainers: tuple[Path, list[tuple[subprocess.Popen[bytes], str]]],
-    data_root: Path,
-    tmp_path: Path,
+    trainers: Trainers, data_root: Path, tmp_path: Path
 ) -> None:
-    store, processes = trainers
+    store, processes = trainers.store, trainers.processes
     addresses = tuple(address for _, address in processes)
     async with running_gateway(
         addresses, checkpoint_store=str(store), heartbeat_timeout_s=5.0, schedule_poll_s=0.2
@@ -185,10 +216,8 @@ async def test_grpo_learns_survives_kill_9_and_its_model_answers_held_out_images
     assert answered["accuracy"] >= min(last - 0.2, CHANCE + 0.4), (answered, last)
 
 
-async def test_a_provider_error_is_not_retried(
-    trainers: tuple[Path, list[tuple[subprocess.Popen[bytes], str]]], data_root: Path
-) -> None:
-    store, processes = trainers
+async def test_a_provider_error_is_not_retried(trainers: Trainers, data_root: Path) -> None:
+    store, processes = trainers.store, trainers.processes
     alive = tuple(address for proc, address in processes if proc.poll() is None)
     images = data_root / "datasets" / "vanishing" / "images"
     async with running_gateway(
@@ -197,17 +226,48 @@ async def test_a_provider_error_is_not_retried(
         # One prompt of two completions a step: an epoch is the dataset's 4 rows, and the
         # second epoch decodes every image again.
         request = _grpo("datasets/vanishing/train.jsonl", 8, 1, num_generations=2, batch_size=2)
+        request.task.grpo.dataloader_num_workers = 2  # the decoding warns in worker processes
         run = (await client.stub.CreateRun(request, timeout=TIMEOUT)).run
 
         async def checkpointed() -> bool:
             return (await get_run(client.stub, run.id)).checkpoint_episode >= 1
 
         await until(checkpointed, "a first checkpoint", JOB_TIMEOUT)
-        for image in images.iterdir():
-            image.unlink()
+        (images / "palette.png").unlink()
         watched = await collect(client.stub, run.id, timeout=JOB_TIMEOUT)
 
     failed = watched.finished
     assert failed is not None and failed.state == State.STATE_ERROR, failed
     assert failed.restarts == 0 and failed.checkpoint_episode >= 1
     assert "image" in failed.error_message.lower(), failed.error_message
+
+
+def test_the_trainers_wrote_only_json_lines(trainers: Trainers) -> None:
+    """Runs last in the module: stops the trainers and reads what they wrote."""
+    records: list[dict[str, object]] = []
+    for (proc, address), log in zip(trainers.processes, trainers.logs, strict=True):
+        killed = proc.poll() is not None
+        if not killed:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=TIMEOUT) == 0
+        assert proc.stdout is not None
+        assert proc.stdout.read() == b"", f"{address} wrote to stdout after its address"
+        lines = log.read_text().splitlines()
+        if killed and lines:
+            lines.pop()  # kill -9 may cut the last line short
+        assert lines, f"no log lines from {address}"
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise AssertionError(f"not a JSON line in {log}: {line!r}") from None
+            assert {"time", "level", "logger", "message"} <= record.keys(), record
+            records.append(record)
+    messages = [str(r["message"]) for r in records]
+    # The jobs really ran through the GRPO stack and said so, in JSON.
+    assert any("GRPO training started" in m for m in messages), messages[-50:]
+    assert any("GRPO training ended" in m for m in messages), messages[-50:]
+    # PIL's warning, raised while decoding in a worker process, arrived as a JSON record.
+    assert any(
+        r["logger"] == "py.warnings" and "Palette images" in str(r["message"]) for r in records
+    ), messages[-50:]
