@@ -156,7 +156,7 @@ class Gateway:
             return None
         store = CheckpointStore(self.config.checkpoint_store)
         store.check()
-        _LOGGER.info("checkpoint store: %s", store.location)
+        _LOGGER.debug("checkpoint store: %s", store.location)
         return store
 
     async def start(self) -> int:
@@ -231,9 +231,10 @@ class Gateway:
             raise
         await self._set_health(self.core.healthy)
         _LOGGER.info(
-            "gateway serving on %s (db %s)",
+            "gateway serving on %s (db %s, checkpoint store %s)",
             host_port(self.config.host, self.port),
             getattr(store, "where", self.config.db),  # a URL without its password
+            checkpoint_files.location if checkpoint_files is not None else "none",
         )
         return self.port
 

@@ -203,7 +203,7 @@ def open_checkpoint_store(config: TrainerConfig) -> CheckpointStore:
     """
     store = CheckpointStore(config.checkpoint_store)
     store.check()
-    _LOGGER.info("checkpoint store: %s", store.location)
+    _LOGGER.debug("checkpoint store: %s", store.location)
     return store
 
 

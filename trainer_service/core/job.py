@@ -350,14 +350,14 @@ class RunningJob:
                 except Exception:
                     _LOGGER.exception("run %s: provider failed while stopping", self.run_id)
             self._job.stop_event.set()  # whatever the provider left running stops now
+            if self._checkpoints is not None:
+                self._checkpoints.close()  # its scratch is gone before its slot is free
             self._on_exit(self)
             with self._cond:
                 self._error = error
                 self._stopped = True
                 self._notify()
             self._conclude(self._outcome_of(error))
-            if self._checkpoints is not None:
-                self._checkpoints.close()
             self.exited.set()
 
     def _open_provider(
