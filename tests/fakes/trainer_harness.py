@@ -24,6 +24,7 @@ from trainer_service.core.slots import SlotPool
 from trainer_service.metrics import TrainerMetrics
 from trainer_service.server import TrainerServer, build_server
 from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
+from trainwire_ops.checkpoints import CheckpointStore
 from trainwire_ops.tls import ServerTls
 
 
@@ -70,6 +71,7 @@ def running_trainer(
     wait_idle: bool = True,
     stop_wait: float = TIMEOUT,
     config: Mapping[str, Any] | None = None,
+    checkpoint_store: CheckpointStore | None = None,
     **settings: Any,
 ) -> Iterator[RunningTrainer]:
     """A trainer on 127.0.0.1:0.
@@ -83,6 +85,8 @@ def running_trainer(
         wait_idle: On exit, assert every job thread ended.
         stop_wait: Seconds to wait for the server to stop and the jobs to end.
         config: More ``TrainerConfig`` fields (``metrics_port``, ...).
+        checkpoint_store: Where jobs write checkpoints and find those they resume from (None:
+            they write none).
         **settings: ``RunnerSettings`` fields (``heartbeat_s``, ``detach_grace_s``, ``device``,
             ``data_roots``, ...); ``data_root=DIR`` is short for ``data_roots=(DIR,)``.
     """
@@ -92,7 +96,13 @@ def running_trainer(
     registry = (
         providers if isinstance(providers, ProviderRegistry) else ProviderRegistry(dict(providers))
     )
-    runner = JobRunner(registry, SlotPool(slots), RunnerSettings(**settings), observer=metrics.jobs)
+    runner = JobRunner(
+        registry,
+        SlotPool(slots),
+        RunnerSettings(**settings),
+        observer=metrics.jobs,
+        checkpoint_store=checkpoint_store,
+    )
     fields: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "slots": slots, **(config or {})}
     for name in ("heartbeat_s", "detach_grace_s", "device", "data_roots"):
         if name in settings and name in {f.name for f in dataclasses.fields(TrainerConfig)}:

@@ -1,7 +1,9 @@
 """GRPO checkpoints on the real trainer, in the processes the trainer runs a job in
 (``process.run``): a resumed job continues the uninterrupted one, skips what was trained without
-decoding it, the saved model loads without trainwire, and a checkpoint that does not fit is
-refused before the first episode.
+decoding it, and a checkpoint that does not fit is refused before the first episode. (That the
+saved model loads without trainwire and answers held-out images is tested through the services
+in ``test_grpo_learning``; a two-process job resuming with each rank's RNG state, on the wire,
+in ``test_grpo_processes``.)
 
 The ranks are the real worker around the real trainer, traced (``tests.fakes.grpo_traced_rank``:
 the rows of each step and every image decode, from the rank and its DataLoader workers). One
@@ -15,8 +17,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +25,6 @@ import pytest
 
 from tests.fakes.grpo_traced_rank import MODULE, TRACE_ENV, read_trace
 from tests.fakes.local_checkpoints import LocalCheckpoints
-from tests.fakes.waiting import TIMEOUT
 from tests.grpo_fixtures import DATASET_FILE, DATASET_ROWS, MODEL_DIR, grpo_data_root, make_job
 from tests.grpo_fixtures import tiny_grpo_task as _task
 from trainer_service.core.provider import CheckpointUnusable, RestoredCheckpoint
@@ -173,61 +172,6 @@ def test_skipped_steps_decode_no_image(jobs: tuple[Job, Job]) -> None:
     assert len(resumed.decodes) <= DATASET_ROWS - 2, resumed.decodes
 
 
-_LOAD_AND_GENERATE = r"""
-import importlib.abc, sys
-class _NoTrainwire(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("trainer_service", "trainwire", "tests"):
-            raise ImportError(f"{name} is not installed here")
-        return None
-# The repository's editable installs are import hooks: drop them, refuse what they served.
-sys.meta_path[:] = [_NoTrainwire()] + [
-    f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
-]
-import json, torch
-from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
-directory, image = sys.argv[1], sys.argv[2]
-processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
-model = AutoModelForImageTextToText.from_pretrained(directory, local_files_only=True)
-content = [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]
-messages = [{"role": "user", "content": content}]
-prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
-inputs = processor(images=[Image.open(image).convert("RGB")], text=[prompt], return_tensors="pt")
-with torch.no_grad():
-    out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-text = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
-try:
-    import trainer_service
-    importable = True
-except ImportError:
-    importable = False
-print(json.dumps({"model": type(model).__name__, "text": text, "trainwire": importable}))
-"""
-
-
-def test_the_saved_model_loads_and_generates_without_trainwire(
-    jobs: tuple[Job, Job], grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
-) -> None:
-    whole, _ = jobs
-    final = whole.checkpoints.restored(STEPS).directory / "model"
-    row = json.loads((grpo_data_root / DATASET_FILE).read_text().splitlines()[0])
-    image = (grpo_data_root / DATASET_FILE).parent / row["image_paths"][0]
-    # -I: no PYTHONPATH, no user site, not the working directory; run from elsewhere.
-    result = subprocess.run(
-        [sys.executable, "-I", "-c", _LOAD_AND_GENERATE, str(final), str(image)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT * 4,
-        env={"PATH": os.environ.get("PATH", ""), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    answer = json.loads(result.stdout.strip().splitlines()[-1])
-    assert answer["model"] == "LlavaForConditionalGeneration" and not answer["trainwire"]
-    assert answer["text"].strip()
-
-
 def test_a_checkpoint_that_does_not_fit_is_refused_before_the_first_episode(
     jobs: tuple[Job, Job], grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
@@ -266,30 +210,3 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_the_first_episode(
     weights = truncated / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     assert "its model does not load" in resume_from(truncated)
-
-
-def test_a_two_process_job_resumes_with_each_ranks_rng_state(
-    grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
-) -> None:
-    # Plain ranks, rows decoded inline: the part under test is the ranks' RNG states, gathered
-    # to rank 0 and restored on each rank.
-    task = _task(
-        dataset_path=DATASET_FILE,
-        workers=0,
-        num_processes=2,
-        max_completion_length=4,
-        reward_functions=("exact_match", "length"),
-    )
-    checkpoints = LocalCheckpoints(tmp_path, 3, 6)
-
-    def stream(**job: object) -> list[tuple[int, float, tuple[str, ...]]]:
-        run = make_job(grpo_data_root, task, max_episodes=6, seed=5, **job)  # type: ignore[arg-type]
-        return [(e.episode, e.reward, tuple(e.grpo.sample_completions)) for e in process.run(run)]
-
-    whole = stream(checkpoints=checkpoints)
-    directory = checkpoints.restored(3).directory
-    assert {p.name for p in (directory / "trainer").glob("rng_state*")} == {
-        "rng_state_0.pth",
-        "rng_state_1.pth",
-    }
-    assert stream(resume=checkpoints.restored(3)) == whole[3:]

@@ -30,6 +30,7 @@ from trainer_service.testing import imitation_request
 from trainwire.contract import StreamChecker
 from trainwire.errors import error_from_rpc
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+from trainwire_ops.checkpoints import CheckpointStore
 
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
@@ -39,7 +40,7 @@ GONE_S = 10.0
 
 
 @pytest.fixture
-def trainer(grpo_data_root: pathlib.Path) -> Iterator[RunningTrainer]:
+def trainer(grpo_data_root: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[RunningTrainer]:
     """A trainer with three CPU slots: a two-process GRPO job and an imitation job fit."""
     with running_trainer(
         {
@@ -53,6 +54,7 @@ def trainer(grpo_data_root: pathlib.Path) -> Iterator[RunningTrainer]:
         device="cpu",
         data_root=grpo_data_root,
         heartbeat_s=1.0,
+        checkpoint_store=CheckpointStore(str(tmp_path / "checkpoints")),
     ) as running:
         yield running
         assert running.runner.wait_idle(30)
@@ -60,12 +62,14 @@ def trainer(grpo_data_root: pathlib.Path) -> Iterator[RunningTrainer]:
 
 
 def _grpo_request(
-    run_id: str, steps: int, *, workers: int = 0, seed: int = 5
+    run_id: str, steps: int, *, workers: int = 0, seed: int = 5, checkpoint_every: int = 0
 ) -> trainer_service_pb2.TrainRequest:
     return trainer_service_pb2.TrainRequest(
         run_id=run_id,
         task=tiny_grpo_task(workers=workers, num_processes=2),
-        config=episode_pb2.TrainConfig(max_episodes=steps, seed=seed),
+        config=episode_pb2.TrainConfig(
+            max_episodes=steps, seed=seed, checkpoint_every=checkpoint_every
+        ),
     )
 
 
@@ -140,29 +144,51 @@ def _first_episode(call: Iterator[trainer_service_pb2.TrainResponse]) -> episode
     raise AssertionError("the stream ended without an episode")
 
 
-def test_a_two_process_job_streams_to_the_end_and_repeats_itself(trainer: RunningTrainer) -> None:
+def test_a_two_process_job_streams_to_the_end_and_resumes_from_its_checkpoint(
+    trainer: RunningTrainer,
+) -> None:
+    # The same job twice: from scratch (a checkpoint after every step), then from its
+    # checkpoint after step 1, in the same run (as the gateway restarts a run) on the wire.
+    request = _grpo_request("run-two", steps=4, checkpoint_every=1)
     runs = []
     for attempt in range(2):
-        request = _grpo_request(f"run-two-{attempt}", steps=4)
         checker = StreamChecker.for_task(request.task, request.config, request.run_id)
-        episodes = []
+        episodes: list[episode_pb2.Episode] = []
+        checkpoints: list[episode_pb2.Checkpoint] = []
+        resumed: list[trainer_service_pb2.Resumed] = []
         ranks: list[psutil.Process] = []
         for response in trainer.stub.Train(request, timeout=JOB_TIMEOUT):
-            if response.WhichOneof("event") == "episode":
+            kind = response.WhichOneof("event")
+            if kind == "episode":
                 checker.check(response.episode)
                 episodes.append(response.episode)
                 ranks = ranks or _ranks(os.getpid())
+            elif kind == "checkpoint":
+                checkpoints.append(response.checkpoint)
+            elif kind == "resumed":
+                assert not episodes, "resumed came after an episode"
+                resumed.append(response.resumed)
+                checker.resume(1, response.resumed.best_reward)
         checker.finish()
         assert len(ranks) == 2, "the job did not run on two processes"
-        assert [e.episode for e in episodes] == [1, 2, 3, 4] and episodes[-1].done
+        assert episodes[-1].episode == 4 and episodes[-1].done
         runs.append(
             [(e.reward, e.metrics["loss"], tuple(e.grpo.sample_completions)) for e in episodes]
         )
         assert trainer.runner.wait_idle(30)
         assert trainer.capabilities().slots_free == 3
-    # Both ranks sample (one prompt each) and the reward is gathered over both: equal streams
-    # mean equal index streams, sampling and collectives on every rank.
-    assert runs[0] == runs[1]
+        if attempt == 0:
+            assert [e.episode for e in episodes] == [1, 2, 3, 4] and not resumed
+            assert [c.episode for c in checkpoints] == [1, 2, 3, 4]
+            request.resume_from.add(run_id=request.run_id, checkpoint=checkpoints[0])
+        else:
+            [restored] = resumed
+            assert restored.checkpoint.checkpoint.episode == 1 and not restored.skipped
+            assert [e.episode for e in episodes] == [2, 3, 4]
+    # Both ranks sample (one prompt each) and the reward is gathered over both; the resumed
+    # job, each rank on its own RNG state, gives the same steps: equal index streams, sampling
+    # and collectives on every rank, and every rank's state restored.
+    assert runs[1] == runs[0][1:]
     assert len({c for _, _, completions in runs[0] for c in completions}) >= 4
 
 
