@@ -48,11 +48,21 @@ s3_endpoint = s3_fixtures.s3_endpoint
 s3_bucket = s3_fixtures.s3_bucket
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoints"
-    path.mkdir()
-    return path
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's checkpoint directory (every run has its own directory in it)."""
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def single(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One trainer of one slot on the module's store, for the tests that kill nothing."""
+    log = tmp_path_factory.mktemp("single") / "t.log"
+    with trainer_process(log, *TRAINER_FLAGS, "--checkpoint-store", str(store), slots=1) as (
+        _,
+        address,
+    ):
+        yield address
 
 
 @pytest.fixture
@@ -108,11 +118,11 @@ async def test_kill_9_of_the_trainer_finishes_the_run_on_the_other_from_its_chec
 ) -> None:
     addresses = tuple(address for _, address in trainers)
     async with running_gateway(addresses, checkpoint_store=str(store), **GATEWAY) as client:
-        reference = await _reference_rewards(client, 600, 50)
-        run = await _create(client, _request(600, 100.0, 50))
+        reference = await _reference_rewards(client, 300, 30)
+        run = await _create(client, _request(300, 100.0, 30))
         watch = asyncio.create_task(collect(client.stub, run.id, timeout=JOB_TIMEOUT))
         running = await _reached(
-            client, run.id, lambda r: r.checkpoint_episode >= 100 and r.episode >= 120, "trained"
+            client, run.id, lambda r: r.checkpoint_episode >= 60 and r.episode >= 70, "trained"
         )
         victim = next(proc for proc, address in trainers if address == running.trainer)
         victim.send_signal(signal.SIGKILL)
@@ -124,76 +134,68 @@ async def test_kill_9_of_the_trainer_finishes_the_run_on_the_other_from_its_chec
         assert done.trainer != running.trainer
         # Exactly once, and the rewards the uninterrupted run has: the restart continued the
         # training from the checkpoint instead of resetting it.
-        assert [e.episode for e in watched.episodes] == list(range(1, 601))
+        assert [e.episode for e in watched.episodes] == list(range(1, 301))
         assert [e.reward for e in watched.episodes] == pytest.approx(reference, rel=1e-6)
         best = [e.best_reward for e in watched.episodes]
         assert best == sorted(best)
 
 
 async def test_a_parked_run_frees_the_only_slot_then_resumes_and_finishes(
-    store: Path, tmp_path: Path
+    store: Path, single: str
 ) -> None:
-    with trainer_process(
-        tmp_path / "t.log", *TRAINER_FLAGS, "--checkpoint-store", str(store), slots=1
-    ) as (_, address):
-        async with running_gateway(
-            (address,), checkpoint_store=str(store), park_after_s=1.0, **GATEWAY
-        ) as client:
-            reference = await _reference_rewards(client, 300, 50)
-            first = await _create(client, _request(300, 40.0, 50))
-            watch = asyncio.create_task(collect(client.stub, first.id, timeout=JOB_TIMEOUT))
-            await _reached(client, first.id, lambda r: r.episode >= 30, "publishing")
-            await client.stub.PauseRun(pb.PauseRunRequest(run_id=first.id), timeout=TIMEOUT)
-            parked = await _reached(client, first.id, lambda r: r.parked, "parked")
-            assert "parked at episode" in parked.state_detail
-            assert parked.checkpoint_episode == parked.trainer_episode
+    async with running_gateway(
+        (single,), checkpoint_store=str(store), park_after_s=1.0, **GATEWAY
+    ) as client:
+        reference = await _reference_rewards(client, 150, 25)
+        first = await _create(client, _request(150, 50.0, 25))
+        watch = asyncio.create_task(collect(client.stub, first.id, timeout=JOB_TIMEOUT))
+        await _reached(client, first.id, lambda r: r.episode >= 30, "publishing")
+        await client.stub.PauseRun(pb.PauseRunRequest(run_id=first.id), timeout=TIMEOUT)
+        parked = await _reached(client, first.id, lambda r: r.parked, "parked")
+        assert "parked at episode" in parked.state_detail
+        assert parked.checkpoint_episode == parked.trainer_episode
 
-            # The freed slot trains another run to its end while the first stays parked.
-            second = await _create(client, _request(50, -1.0, 0))
-            other = await collect(client.stub, second.id, timeout=JOB_TIMEOUT)
-            assert other.finished is not None and other.finished.state == State.STATE_DONE
-            assert (await get_run(client.stub, first.id)).parked
+        # The freed slot trains another run to its end while the first stays parked.
+        second = await _create(client, _request(50, -1.0, 0))
+        other = await collect(client.stub, second.id, timeout=JOB_TIMEOUT)
+        assert other.finished is not None and other.finished.state == State.STATE_DONE
+        assert (await get_run(client.stub, first.id)).parked
 
-            await client.stub.ResumeRun(pb.ResumeRunRequest(run_id=first.id), timeout=TIMEOUT)
-            watched = await watch
-            assert watched.finished is not None and watched.finished.state == State.STATE_DONE
-            assert [e.episode for e in watched.episodes] == list(range(1, 301))
-            assert [e.reward for e in watched.episodes] == pytest.approx(reference, rel=1e-6)
-            assert (watched.finished.parked, watched.finished.restarts) == (False, 0)
+        await client.stub.ResumeRun(pb.ResumeRunRequest(run_id=first.id), timeout=TIMEOUT)
+        watched = await watch
+        assert watched.finished is not None and watched.finished.state == State.STATE_DONE
+        assert [e.episode for e in watched.episodes] == list(range(1, 151))
+        assert [e.reward for e in watched.episodes] == pytest.approx(reference, rel=1e-6)
+        assert (watched.finished.parked, watched.finished.restarts) == (False, 0)
 
 
-async def test_a_corrupted_latest_checkpoint_is_skipped_on_resume(
-    store: Path, tmp_path: Path
-) -> None:
-    with trainer_process(
-        tmp_path / "t.log", *TRAINER_FLAGS, "--checkpoint-store", str(store), slots=1
-    ) as (_, address):
-        async with running_gateway(
-            (address,), checkpoint_store=str(store), park_after_s=0.5, **GATEWAY
-        ) as client:
-            run = await _create(client, _request(300, 40.0, 20, keep=5))
-            watch = asyncio.create_task(collect(client.stub, run.id, timeout=JOB_TIMEOUT))
-            await _reached(client, run.id, lambda r: r.episode >= 45, "publishing")
-            await client.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)
-            parked = await _reached(client, run.id, lambda r: r.parked, "parked")
-            listed = await client.stub.ListCheckpoints(
-                pb.ListCheckpointsRequest(run_id=run.id), timeout=TIMEOUT
-            )
-            *_, before, latest = listed.checkpoints
-            assert latest.episode == parked.checkpoint_episode
-            # Bit rot in the latest checkpoint's weights.
-            weights = store / run.id / f"{latest.episode:012d}" / "model.safetensors"
-            data = bytearray(weights.read_bytes())
-            data[-1] ^= 0xFF
-            weights.write_bytes(bytes(data))
+async def test_a_corrupted_latest_checkpoint_is_skipped_on_resume(store: Path, single: str) -> None:
+    async with running_gateway(
+        (single,), checkpoint_store=str(store), park_after_s=0.5, **GATEWAY
+    ) as client:
+        run = await _create(client, _request(150, 50.0, 10, keep=5))
+        watch = asyncio.create_task(collect(client.stub, run.id, timeout=JOB_TIMEOUT))
+        await _reached(client, run.id, lambda r: r.episode >= 25, "publishing")
+        await client.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)
+        parked = await _reached(client, run.id, lambda r: r.parked, "parked")
+        listed = await client.stub.ListCheckpoints(
+            pb.ListCheckpointsRequest(run_id=run.id), timeout=TIMEOUT
+        )
+        *_, before, latest = listed.checkpoints
+        assert latest.episode == parked.checkpoint_episode
+        # Bit rot in the latest checkpoint's weights.
+        weights = store / run.id / f"{latest.episode:012d}" / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0xFF
+        weights.write_bytes(bytes(data))
 
-            await client.stub.ResumeRun(pb.ResumeRunRequest(run_id=run.id), timeout=TIMEOUT)
-            said = await _reached(client, run.id, lambda r: "skipped" in r.state_detail, "said")
-            assert f"continued from the checkpoint at episode {before.episode}" in said.state_detail
-            assert f"skipped the checkpoint at episode {latest.episode}" in said.state_detail
-            watched = await watch
-            assert watched.finished is not None and watched.finished.state == State.STATE_DONE
-            assert [e.episode for e in watched.episodes] == list(range(1, 301))
+        await client.stub.ResumeRun(pb.ResumeRunRequest(run_id=run.id), timeout=TIMEOUT)
+        said = await _reached(client, run.id, lambda r: "skipped" in r.state_detail, "said")
+        assert f"continued from the checkpoint at episode {before.episode}" in said.state_detail
+        assert f"skipped the checkpoint at episode {latest.episode}" in said.state_detail
+        watched = await watch
+        assert watched.finished is not None and watched.finished.state == State.STATE_DONE
+        assert [e.episode for e in watched.episodes] == list(range(1, 151))
 
 
 def _small_files() -> None:
@@ -214,14 +216,14 @@ async def test_a_checkpoint_that_cannot_be_written_is_shown_and_training_goes_on
         preexec_fn=_small_files,
     ) as (_, address):
         async with running_gateway((address,), checkpoint_store=str(store), **GATEWAY) as client:
-            run = await _create(client, _request(200, 50.0, 20))
+            run = await _create(client, _request(100, 50.0, 10))
             shown = await _reached(
                 client, run.id, lambda r: "could not be written" in r.state_detail, "the failure"
             )
             assert shown.state == State.STATE_RUNNING
             watched = await collect(client.stub, run.id, timeout=JOB_TIMEOUT)
             assert watched.finished is not None and watched.finished.state == State.STATE_DONE
-            assert [e.episode for e in watched.episodes] == list(range(1, 201))
+            assert [e.episode for e in watched.episodes] == list(range(1, 101))
             assert watched.finished.checkpoint_episode == 0
             # Nothing half-written was recorded, and nothing complete is on disk.
             listed = await client.stub.ListCheckpoints(
@@ -231,59 +233,56 @@ async def test_a_checkpoint_that_cannot_be_written_is_shown_and_training_goes_on
             assert not list(store.glob(f"{run.id}/*.json"))
 
 
-async def test_retention_download_and_delete(store: Path, tmp_path: Path) -> None:
-    with trainer_process(
-        tmp_path / "t.log", *TRAINER_FLAGS, "--checkpoint-store", str(store), slots=1
-    ) as (_, address):
-        async with running_gateway(
-            (address,), checkpoint_store=str(store), http_port=0, **GATEWAY
-        ) as client:
-            run = await _create(client, _request(200, -1.0, 20, keep=2))
-            watched = await collect(client.stub, run.id, timeout=JOB_TIMEOUT)
-            assert watched.finished is not None and watched.finished.state == State.STATE_DONE
-            listed = await client.stub.ListCheckpoints(
-                pb.ListCheckpointsRequest(run_id=run.id), timeout=TIMEOUT
-            )
-            assert [c.episode for c in listed.checkpoints] == [180, 200]
-            assert watched.finished.checkpoint_episode == 200
+async def test_retention_download_and_delete(store: Path, single: str, tmp_path: Path) -> None:
+    async with running_gateway(
+        (single,), checkpoint_store=str(store), http_port=0, **GATEWAY
+    ) as client:
+        run = await _create(client, _request(200, -1.0, 20, keep=2))
+        watched = await collect(client.stub, run.id, timeout=JOB_TIMEOUT)
+        assert watched.finished is not None and watched.finished.state == State.STATE_DONE
+        listed = await client.stub.ListCheckpoints(
+            pb.ListCheckpointsRequest(run_id=run.id), timeout=TIMEOUT
+        )
+        assert [c.episode for c in listed.checkpoints] == [180, 200]
+        assert watched.finished.checkpoint_episode == 200
 
-            async def only_the_kept_on_disk() -> bool:
-                kept = sorted(p.name for p in (store / run.id).iterdir() if p.is_dir())
-                return kept == [f"{180:012d}", f"{200:012d}"]
+        async def only_the_kept_on_disk() -> bool:
+            kept = sorted(p.name for p in (store / run.id).iterdir() if p.is_dir())
+            return kept == [f"{180:012d}", f"{200:012d}"]
 
-            await until(only_the_kept_on_disk, "retention on disk")
+        await until(only_the_kept_on_disk, "retention on disk")
 
-            out = tmp_path / "model"
-            async with aio.GatewayClient(client.address) as gateway:
-                record = await gateway.download_checkpoint(run.id, out)
-            assert record == listed.checkpoints[-1]
-            meta = json.loads((out / "checkpoint.json").read_text())
-            assert meta["episode"] == 200
-            weights = load_file(str(out / "model.safetensors"))
-            assert weights, "no tensors in the policy"
+        out = tmp_path / "model"
+        async with aio.GatewayClient(client.address) as gateway:
+            record = await gateway.download_checkpoint(run.id, out)
+        assert record == listed.checkpoints[-1]
+        meta = json.loads((out / "checkpoint.json").read_text())
+        assert meta["episode"] == 200
+        weights = load_file(str(out / "model.safetensors"))
+        assert weights, "no tensors in the policy"
 
-            # The same over HTTP: the JSON list, and the tar itself (what the page links to).
-            assert client.gateway.http is not None
-            base = f"{client.gateway.http.url}/v1/runs/{run.id}/checkpoints"
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as http:
-                async with http.get(base) as reply:
-                    assert reply.status == 200
-                    body = await reply.json()
-                assert [int(c["episode"]) for c in body["checkpoints"]] == [180, 200]
-                async with http.get(f"{base}/180:download") as reply:
-                    assert reply.status == 200
-                    assert reply.content_type == "application/x-tar"
-                    data = await reply.read()
-                assert hashlib.sha256(data).hexdigest() == listed.checkpoints[0].sha256
-                with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-                    assert "model.safetensors" in tar.getnames()
-                async with http.get(f"{base}/7:download") as reply:
-                    assert reply.status == 404
-                    error = (await reply.json())["error"]
-                assert "180, 200" in error["message"]
+        # The same over HTTP: the JSON list, and the tar itself (what the page links to).
+        assert client.gateway.http is not None
+        base = f"{client.gateway.http.url}/v1/runs/{run.id}/checkpoints"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as http:
+            async with http.get(base) as reply:
+                assert reply.status == 200
+                body = await reply.json()
+            assert [int(c["episode"]) for c in body["checkpoints"]] == [180, 200]
+            async with http.get(f"{base}/180:download") as reply:
+                assert reply.status == 200
+                assert reply.content_type == "application/x-tar"
+                data = await reply.read()
+            assert hashlib.sha256(data).hexdigest() == listed.checkpoints[0].sha256
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                assert "model.safetensors" in tar.getnames()
+            async with http.get(f"{base}/7:download") as reply:
+                assert reply.status == 404
+                error = (await reply.json())["error"]
+            assert "180, 200" in error["message"]
 
-            await client.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
-            await until(lambda: not (store / run.id).exists(), "the run's checkpoints deleted")
+        await client.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
+        await until(lambda: not (store / run.id).exists(), "the run's checkpoints deleted")
 
 
 async def test_an_s3_store_through_the_local_endpoint(
