@@ -22,10 +22,10 @@ from gateway.auth import TokenFileError
 from gateway.config import GatewayConfig
 from gateway.core.dblock import DatabaseLocked
 from gateway.core.store import DatabaseProblem
-from trainwire_ops.checkpoints import CheckpointStoreProblem
 from gateway.server import Gateway
 from trainwire_ops import settings
 from trainwire_ops.addresses import host_port
+from trainwire_ops.checkpoints import CheckpointStoreProblem
 from trainwire_ops.logs import configure_logging
 from trainwire_ops.tls import TlsFileError
 

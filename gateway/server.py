@@ -29,8 +29,8 @@ from gateway.servicer import GatewayServicer, add_to_server
 from gateway.trainer_client import GrpcTrainerConnector
 from trainwire.v1 import gateway_service_pb2
 from trainwire_ops.addresses import host_port, port_problem
-from trainwire_ops.metrics_endpoint import MetricsEndpoint
 from trainwire_ops.checkpoints import CheckpointStore
+from trainwire_ops.metrics_endpoint import MetricsEndpoint
 from trainwire_ops.tls import ClientTls, ClientTlsFiles, ServerTls
 
 _LOGGER = logging.getLogger(__name__)
