@@ -38,6 +38,8 @@ NEEDS = {
     "GetRun": "viewer",
     "ListRuns": "viewer",
     "WatchRun": "viewer",
+    "ListCheckpoints": "viewer",
+    "DownloadCheckpoint": "viewer",
     "CreateRun": "operator",
     "PauseRun": "operator",
     "ResumeRun": "operator",
@@ -115,8 +117,9 @@ async def _call(
     stub: gateway_service_pb2_grpc.GatewayServiceStub, rpc: str, metadata: object
 ) -> grpc.StatusCode:
     try:
-        if rpc == "WatchRun":
-            async for _ in stub.WatchRun(_request(rpc), timeout=TIMEOUT, metadata=metadata):
+        if rpc in ("WatchRun", "DownloadCheckpoint"):
+            call = getattr(stub, rpc)(_request(rpc), timeout=TIMEOUT, metadata=metadata)
+            async for _ in call:
                 pass
         else:
             await getattr(stub, rpc)(_request(rpc), timeout=TIMEOUT, metadata=metadata)
@@ -209,6 +212,8 @@ HTTP_ROUTES = (
     ("GET", "/v1/runs/nope", None, "GetRun"),
     ("GET", "/v1/runs/nope/motion", None, "GetRun"),
     ("GET", "/v1/runs/nope/events", None, "WatchRun"),
+    ("GET", "/v1/runs/nope/checkpoints", None, "ListCheckpoints"),
+    ("GET", "/v1/runs/nope/checkpoints/0:download", None, "DownloadCheckpoint"),
     ("GET", "/v1/motions", None, "ListRuns"),
     ("POST", "/v1/runs/nope:pause", {}, "PauseRun"),
     ("POST", "/v1/runs/nope:resume", {}, "ResumeRun"),
@@ -244,10 +249,13 @@ async def test_the_http_side_enforces_the_same_roles(secured: Secured) -> None:
                     assert f"needs role {NEEDS[rpc]}" in payload["error"]["message"]
                 else:
                     assert status not in (401, 403), (method, path, role, status, payload)
-        # An EventSource cannot send headers: the event stream takes the token in its URL,
-        # and nothing else does.
+        # An EventSource and a download link cannot send headers: the event stream and the
+        # checkpoint download take the token in their URL, and nothing else does.
         viewer = secured.tokens.by_role["viewer"]
         async with session.get(f"{secured.http}/v1/runs/nope/events?access_token={viewer}") as r:
+            assert r.status == 404
+        download = f"{secured.http}/v1/runs/nope/checkpoints/0:download?access_token={viewer}"
+        async with session.get(download) as r:
             assert r.status == 404
         async with session.get(f"{secured.http}/v1/runs?access_token={viewer}") as r:
             assert r.status == 401 and viewer not in await r.text()
