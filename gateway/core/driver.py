@@ -604,35 +604,21 @@ class RunDriver:
 
     async def _park(self) -> None:
         """Parks a run paused for ``park_after_s``: its job writes a final checkpoint at its
-        grant and ends; the run keeps what it received and frees its slot."""
+        last episode and ends, its stream still attached so that the run receives every
+        episode up to that checkpoint; the run keeps what it received and frees its slot."""
         self._park_timer = None
         run = self.run
         if run.state is not RunState.PAUSED or run.parked or self.task is None:
             return
         if self.finalizing or self._parking:
             return
-        self._parking = True
-        trainer = self._trainer
+        self._parking = True  # the stream's end is the park's, not a failure
+        trainer, task = self._trainer, self.task
+        settings = self._ctx.settings
         try:
-            # The job holds at its grant; the checkpoint is usable once the run has every
-            # episode up to it, so wait (boundedly) for the stream to deliver them.
-            deadline = self._ctx.clock() + self._ctx.settings.heartbeat_timeout_s
-            while (
-                run.trainer_episode < min(self.credit.granted, run.config.max_episodes)
-                and self._ctx.clock() < deadline
-                and run.state is RunState.PAUSED
-                and self.task is not None
-            ):
-                await asyncio.sleep(0.05)
-            if run.state is not RunState.PAUSED or self.task is None or self.finalizing:
-                return
-            await self._cancel_task()  # the stream; the trainer keeps the job, detached
             try:
                 outcome = await self._ctx.connector.cancel_job(
-                    trainer,
-                    run.id,
-                    self._ctx.settings.checkpoint_call_timeout_s,
-                    checkpoint=True,
+                    trainer, run.id, settings.checkpoint_call_timeout_s, checkpoint=True
                 )
             except TrainerError as exc:
                 _LOGGER.warning(
@@ -650,6 +636,10 @@ class RunDriver:
                     self.checkpoint_note = (
                         f"the parking checkpoint could not be written: {outcome.checkpoint_error}"
                     )
+            # The stream delivers what the job trained, its checkpoint, and ends.
+            done, _ = await asyncio.wait([task], timeout=settings.heartbeat_timeout_s)
+            if not done:
+                await self._cancel_task()
             if self.finalizing:
                 return
             run.parked = True
@@ -750,6 +740,9 @@ class RunDriver:
         finally:
             self._release_reservation()
         if self.finalizing:
+            return
+        if self._parking:
+            self.task = None  # the job ended for the park (``_park`` goes on from here)
             return
         if failure is not None and await self._restart(failure, trainer):
             return

@@ -367,8 +367,10 @@ class MemoryStream:
         while True:
             if trainer.killed:
                 raise self._fail(TrainerLost(f"trainer {trainer.address}: UNAVAILABLE: killed"))
-            if self.cancelled or job.cancelled:
+            if self.cancelled:
                 raise self._fail(TrainerLost(f"trainer {trainer.address}: CANCELLED"))
+            # A job cancelled by ``cancel_job`` still sends what it produced (and its
+            # checkpoints) to an attached stream, then ends it CANCELLED (below).
             if self.superseded:
                 raise TrainerCrashed(f"trainer {trainer.address}: ABORTED: re-attached")
             if self.broken:
