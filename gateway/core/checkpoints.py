@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.core.errors import CheckpointCorrupt, CheckpointNotFound, CheckpointStoreUnavailable
 from gateway.core.runs import TrainingRun
@@ -78,6 +78,14 @@ def resume_points(records: Sequence[CheckpointRecord], received: int) -> list[Re
         for record in sorted(records, key=lambda r: r.episode, reverse=True)
         if record.episode <= received
     ]
+
+
+def _next_hashed(chunks: Iterator[bytes], digest: Any) -> bytes | None:
+    """The next chunk (None at the end), added to ``digest``."""
+    chunk = next(chunks, None)
+    if chunk is not None:
+        digest.update(chunk)
+    return chunk
 
 
 class CheckpointReads:
@@ -152,7 +160,8 @@ class CheckpointReads:
         try:
             while True:
                 try:
-                    chunk = await asyncio.to_thread(next, chunks, None)
+                    # Read and hashed in a thread: hashing a MiB is a millisecond of the loop.
+                    chunk = await asyncio.to_thread(_next_hashed, chunks, digest)
                 except (CheckpointError, FileNotFoundError) as exc:
                     _LOGGER.error(
                         "run %s: its checkpoint at episode %d in %s cannot be read: %s",
@@ -182,7 +191,6 @@ class CheckpointReads:
                     ) from None
                 if chunk is None:
                     break
-                digest.update(chunk)
                 if held is not None:
                     yield held
                 held = chunk

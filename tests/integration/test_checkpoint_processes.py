@@ -8,9 +8,9 @@ resumes and finishes; a corrupted latest checkpoint is skipped on resume and the
 a checkpoint the trainer cannot write (a file-size limit, as a full disk) is shown while
 training goes on; retention keeps the latest checkpoints on disk, a download extracts the
 trained policy, and DeleteRun removes the run's checkpoints; the same with an S3 store (moto's
-server on 127.0.0.1). The logic behind them (when to
-restart, park, drop re-trained episodes) is tested in virtual time in
-``tests/core/test_checkpoints.py``.
+server on 127.0.0.1); a checkpoint that rotted in the store is never downloaded whole. The
+logic behind them (when to restart, park, drop re-trained episodes) is tested in virtual time
+in ``tests/core/test_checkpoints.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tests import s3_fixtures
 from tests.fakes.gateway_harness import Client, collect, get_run, running_gateway, trainer_process
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from trainwire import aio
+from trainwire import client as tc
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 from trainwire_ops.checkpoints import CheckpointStore
 
@@ -280,6 +281,17 @@ async def test_retention_download_and_delete(store: Path, single: str, tmp_path:
                 assert reply.status == 404
                 error = (await reply.json())["error"]
             assert "180, 200" in error["message"]
+
+        # A stored checkpoint that rotted is never delivered whole: DATA_LOSS, nothing left.
+        rotten = store / run.id / f"{180:012d}" / "model.safetensors"
+        data = bytearray(rotten.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        rotten.write_bytes(bytes(data))
+        async with aio.GatewayClient(client.address) as gateway:
+            with pytest.raises(tc.CheckpointCorrupt, match="damaged"):
+                await gateway.download_checkpoint(run.id, tmp_path / "rotten", episode=180)
+        assert not (tmp_path / "rotten").exists()
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".rotten")] == []
 
         await client.stub.DeleteRun(pb.DeleteRunRequest(run_id=run.id), timeout=TIMEOUT)
         await until(lambda: not (store / run.id).exists(), "the run's checkpoints deleted")
