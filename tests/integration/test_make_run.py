@@ -55,6 +55,15 @@ def test_demo_runs_watches_and_draws_pictures(tmp_path: pathlib.Path) -> None:
             assert colours is not None and len(colours) > 5, f"{name} looks blank"
     for recipe in ("list", "describe trainwire.v1.GatewayService", "WatchRun", "Health/Check"):
         assert recipe in out
+    # Where the trained model is and how to download it: the run's final checkpoint.
+    run_id = re.search(r"demo run (\w+):", out)
+    assert run_id, out
+    assert re.search(r"^40\s+\S+ \S+\s+[\d.]+ KiB\s+[0-9a-f]{64}$", out, re.M), out
+    assert f"checkpoints/{run_id[1]}/" in out
+    assert f"trainwire runs download {run_id[1]} --out" in out
+    assert f"/v1/runs/{run_id[1]}/checkpoints/0:download" in out
+    marker = tmp_path / "var" / "checkpoints" / run_id[1] / f"{40:012d}.json"
+    assert marker.is_file(), "the demo's final checkpoint is not in var/checkpoints"
     assert re.search(
         r"Prometheus metrics: http://127.0.0.1:\d+/metrics \(gateway\), "
         r"http://127.0.0.1:\d+/metrics \(trainer\)",
