@@ -26,7 +26,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from trainwire.builders import Run, RunState
-from trainwire.checkpoints import TarDownload, first_message_error
+from trainwire.checkpoints import TarDownload
 from trainwire.client import (
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -257,12 +257,7 @@ class GatewayClient:
                 metadata=self._metadata or None,
             )
             async for response in call:
-                if response.WhichOneof("content") == "chunk":
-                    if download.checkpoint is None:
-                        raise first_message_error(run_id)
-                    await asyncio.to_thread(download.write, response.chunk)
-                else:
-                    download.start(response.checkpoint)
+                await asyncio.to_thread(download.receive, response)
         except grpc.aio.AioRpcError as exc:
             download.abort()
             raise self._error(exc) from exc

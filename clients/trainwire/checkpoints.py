@@ -17,8 +17,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from trainwire.errors import CheckpointCorrupt, TrainwireError
-from trainwire.v1 import episode_pb2
+from trainwire.errors import CheckpointCorrupt
+from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 __all__ = ["TarDownload"]
 
@@ -50,9 +50,20 @@ class TarDownload:
         self._tar_path = Path(name)
         self._file = os.fdopen(handle, "wb")
 
-    def start(self, checkpoint: episode_pb2.Checkpoint) -> None:
-        """The stream's first message: the checkpoint being sent."""
-        self.checkpoint = checkpoint
+    def receive(self, response: gateway_service_pb2.DownloadCheckpointResponse) -> None:
+        """One message of the stream: the checkpoint (first), then the tar's bytes.
+
+        Raises:
+            CheckpointCorrupt: bytes came before the checkpoint.
+        """
+        if response.WhichOneof("content") == "chunk":
+            if self.checkpoint is None:
+                raise CheckpointCorrupt(
+                    f"run {self.run_id!r}: the download did not start with its checkpoint"
+                )
+            self.write(response.chunk)
+        else:
+            self.checkpoint = response.checkpoint
 
     def write(self, chunk: bytes) -> None:
         """The next bytes of the tar."""
@@ -100,8 +111,3 @@ class TarDownload:
         with contextlib.suppress(OSError):
             self._file.close()
         self._tar_path.unlink(missing_ok=True)
-
-
-def first_message_error(run_id: str) -> TrainwireError:
-    """The error of a download whose first message was not the checkpoint record."""
-    return CheckpointCorrupt(f"run {run_id!r}: the download did not start with its checkpoint")

@@ -33,7 +33,7 @@ from trainwire.builders import (
     state_name,
     train_config,
 )
-from trainwire.checkpoints import TarDownload, first_message_error
+from trainwire.checkpoints import TarDownload
 from trainwire.errors import (
     Aborted,
     AlreadyExists,
@@ -430,12 +430,7 @@ class GatewayClient:
                 metadata=self._metadata or None,
             )
             for response in responses:
-                if response.WhichOneof("content") == "chunk":
-                    if download.checkpoint is None:
-                        raise first_message_error(run_id)
-                    download.write(response.chunk)
-                else:
-                    download.start(response.checkpoint)
+                download.receive(response)
         except grpc.RpcError as exc:
             download.abort()
             raise self._error(exc) from exc

@@ -35,6 +35,7 @@ from tests.fakes.gateway_harness import Client, collect, get_run, running_gatewa
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from trainwire import aio
 from trainwire import client as tc
+from trainwire.cli import main as cli_main
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 from trainwire_ops.checkpoints import CheckpointStore
 
@@ -281,6 +282,16 @@ async def test_retention_download_and_delete(store: Path, single: str, tmp_path:
                 assert reply.status == 404
                 error = (await reply.json())["error"]
             assert "180, 200" in error["message"]
+
+        # The CLI (the synchronous client): the list, and a download of the older one.
+        gateway_flag = ["--gateway", client.address]
+        cli_out = tmp_path / "cli-model"
+        listing = ["runs", "checkpoints", run.id]
+        assert await asyncio.to_thread(cli_main, [*gateway_flag, *listing]) == 0
+        fetch = ["runs", "download", run.id, "--episode", "180", "--out", str(cli_out)]
+        assert await asyncio.to_thread(cli_main, [*gateway_flag, *fetch]) == 0
+        assert json.loads((cli_out / "checkpoint.json").read_text())["episode"] == 180
+        assert await asyncio.to_thread(cli_main, [*gateway_flag, *fetch]) == 1  # not empty
 
         # A stored checkpoint that rotted is never delivered whole: DATA_LOSS, nothing left.
         rotten = store / run.id / f"{180:012d}" / "model.safetensors"
