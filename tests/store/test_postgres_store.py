@@ -5,6 +5,7 @@ notifications replicas wake up on. A real server (``tests/postgres_fixtures.py``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -221,7 +222,11 @@ async def test_claims_expire_and_releases_and_controls_are_recorded(
     assert control.applied == again.seq
 
 
-async def test_commits_and_changes_are_announced(postgres_url: str) -> None:
+@contextlib.asynccontextmanager
+async def announced(
+    postgres_url: str,
+) -> AsyncIterator[tuple[PostgresStore, list[tuple[str, str]]]]:
+    """A started store and the notifications heard on its database (listening already)."""
     store = PostgresStore(postgres_url, "a")
     await store.start()
     heard: list[tuple[str, str]] = []
@@ -237,6 +242,15 @@ async def test_commits_and_changes_are_announced(postgres_url: str) -> None:
     listener = asyncio.create_task(listen())
     try:
         await asyncio.wait_for(listening.wait(), TIMEOUT)
+        yield store, heard
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await store.close()
+
+
+async def test_commits_and_changes_are_announced(postgres_url: str) -> None:
+    async with announced(postgres_url) as (store, heard):
         run = make_run("n")
         await store.insert_run(run)
         await append(store, records("n", 3))
@@ -244,10 +258,6 @@ async def test_commits_and_changes_are_announced(postgres_url: str) -> None:
         await store.update_run(run)
         await until(lambda: len(heard) >= 3, "3 notifications")
         assert heard == [("c", "n"), ("e", "n"), ("r", "n")]
-    finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
-        await store.close()
 
 
 async def test_checkpoint_writes_are_fenced_by_the_owner(
@@ -287,21 +297,7 @@ async def test_checkpoint_writes_are_fenced_by_the_owner(
 
 
 async def test_a_checkpoint_is_announced(postgres_url: str) -> None:
-    store = PostgresStore(postgres_url, "a")
-    await store.start()
-    heard: list[tuple[str, str]] = []
-    listening = asyncio.Event()
-
-    async def listen() -> None:
-        async for kind, run_id in notifications(postgres_url):
-            if not kind:
-                listening.set()
-                continue
-            heard.append((kind, run_id))
-
-    listener = asyncio.create_task(listen())
-    try:
-        await asyncio.wait_for(listening.wait(), TIMEOUT)
+    async with announced(postgres_url) as (store, heard):
         await store.insert_run(make_run("n"))
         await store.add_checkpoint(checkpoint("n", 3), keep=2)
         await store.add_checkpoint(checkpoint("n", 3), keep=2)  # a no-op: nothing to tell
@@ -309,7 +305,3 @@ async def test_a_checkpoint_is_announced(postgres_url: str) -> None:
         await until(lambda: len(heard) >= 3, "3 notifications")
         await asyncio.sleep(0.1)
         assert heard == [("c", "n"), ("r", "n"), ("r", "n")]
-    finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
-        await store.close()
