@@ -21,6 +21,7 @@ from gateway.core.registry import (
 )
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import CheckpointRecord
+from gateway.core.trainers import CheckpointSaved
 from trainwire.contract import FieldViolation, check_create_run, describe_violations
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
@@ -38,8 +39,8 @@ def timestamp_from_ns(ns: int) -> timestamp_pb2.Timestamp:
     return stamp
 
 
-def checkpoint_to_proto(record: CheckpointRecord) -> episode_pb2.Checkpoint:
-    """The ``Checkpoint`` message of a stored record."""
+def checkpoint_to_proto(record: CheckpointRecord | CheckpointSaved) -> episode_pb2.Checkpoint:
+    """The ``Checkpoint`` message of a stored record or of one a trainer reported."""
     message = episode_pb2.Checkpoint(
         episode=record.episode, size_bytes=record.size_bytes, sha256=record.sha256
     )

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
+from gateway.convert import checkpoint_to_proto
 from gateway.core.trainers import (
     Cancelled,
     Capabilities,
@@ -151,15 +152,6 @@ def checkpoint_saved(message: episode_pb2.Checkpoint) -> CheckpointSaved:
         size_bytes=message.size_bytes,
         sha256=message.sha256,
     )
-
-
-def checkpoint_message(saved: CheckpointSaved) -> episode_pb2.Checkpoint:
-    """The ``Checkpoint`` message of a core record."""
-    message = episode_pb2.Checkpoint(
-        episode=saved.episode, size_bytes=saved.size_bytes, sha256=saved.sha256
-    )
-    message.create_time.FromNanoseconds(saved.create_time)
-    return message
 
 
 def _event(message: trainer_service_pb2.TrainResponse) -> StreamEvent:
@@ -333,7 +325,7 @@ class GrpcTrainerConnector:
             attach_after_episode=attach_after_episode,
             resume_from=[
                 trainer_service_pb2.CheckpointRef(
-                    run_id=point.run_id, checkpoint=checkpoint_message(point.checkpoint)
+                    run_id=point.run_id, checkpoint=checkpoint_to_proto(point.checkpoint)
                 )
                 for point in resume_from
             ],

@@ -149,16 +149,7 @@ class JobCheckpoints:
             }
             info = self.store.put(self.run_id, episode, directory, meta)
         except Exception as exc:  # disk full, store unreachable, a bug: training goes on
-            message = str(exc) if isinstance(exc, CheckpointError) else f"{exc!r}"
-            _LOGGER.error(
-                "run %s: checkpoint at episode %d failed: %s",
-                self.run_id,
-                episode,
-                message,
-                extra={"run_id": self.run_id, "episode": episode},
-            )
-            self._observer.checkpoint_failed(self.kind)
-            self._record(CheckpointEvent(episode, None, message))
+            self.fail(episode, str(exc) if isinstance(exc, CheckpointError) else f"{exc!r}")
         else:
             seconds = time.monotonic() - started
             _LOGGER.info(
