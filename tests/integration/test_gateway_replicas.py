@@ -80,6 +80,13 @@ async def test_a_run_created_on_one_replica_is_watched_and_paused_on_another(
     async with running_gateway(trainers, db=postgres_url, **REPLICA) as a:
         run = await a.create(max_episodes=200, episodes_per_second=50)
         await wait_state(a.stub, run.id, State.STATE_RUNNING)  # A drives it: B is not up yet
+
+        async def published_one() -> bool:
+            return (await a.get(run.id)).episode >= 1
+
+        # RUNNING is the trainer's first answer, not a committed episode: B's watcher starts
+        # with history to replay (its caught_up is checked below).
+        await until(published_one, "episode 1 committed")
         async with running_gateway(trainers, db=postgres_url, **REPLICA) as b:
             watch = asyncio.create_task(collect(b.stub, run.id, timeout=JOB_TIMEOUT))
             await asyncio.sleep(1.0)
