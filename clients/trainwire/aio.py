@@ -33,16 +33,20 @@ from trainwire.client import (
     bearer_metadata,
     channel_plan,
     connection_error,
+    metric_names,
 )
 from trainwire.errors import TrainwireError, error_from_rpc
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from trainwire.watch import (
     EpisodeChecker,
+    EpisodeView,
+    EpisodeViewValue,
     ErrorFor,
     Reconnect,
     RetryPolicy,
     WatchCursor,
     WatchEvent,
+    check_view,
     is_retriable,
 )
 
@@ -266,6 +270,30 @@ class GatewayClient:
             raise
         return await asyncio.to_thread(download.finish)
 
+    async def get_run_curve(
+        self,
+        run_id: str,
+        *,
+        buckets: int = 0,
+        metrics: Sequence[str] = (),
+        first_episode: int = 0,
+        last_episode: int = 0,
+        timeout: float | None = None,
+    ) -> gateway_service_pb2.GetRunCurveResponse:
+        """The run's reward curve, summarised in contiguous buckets (``GetRunCurve``); see
+        ``trainwire.client.GatewayClient.get_run_curve``."""
+        request = gateway_service_pb2.GetRunCurveRequest(
+            run_id=run_id,
+            buckets=buckets,
+            metrics=metric_names(metrics),
+            first_episode=first_episode,
+            last_episode=last_episode,
+        )
+        response: gateway_service_pb2.GetRunCurveResponse = await self._unary(
+            self._stub.GetRunCurve, request, timeout
+        )
+        return response
+
     def watch(
         self,
         run_id: str,
@@ -273,6 +301,7 @@ class GatewayClient:
         *,
         checker: EpisodeChecker | None = None,
         on_reconnect: Callable[[Reconnect], None] | None = None,
+        view: EpisodeViewValue = EpisodeView.EPISODE_VIEW_UNSPECIFIED,
     ) -> AsyncWatchStream:
         """Follows a run to its end, resuming dropped streams; see the sync client's ``watch``.
 
@@ -280,10 +309,11 @@ class GatewayClient:
         cancels the stream when the caller stops early.
 
         Raises:
-            ValueError: a negative ``after_episode``.
+            ValueError: a negative ``after_episode``, or a ``view`` that is no ``EpisodeView``.
         """
         if after_episode < 0:
             raise ValueError(f"after_episode must be >= 0, got {after_episode}")
+        check_view(view)
         return AsyncWatchStream(
             self._open_watch,
             self._error,
@@ -294,6 +324,7 @@ class GatewayClient:
             tls=self._tls,
             checker=checker,
             on_reconnect=on_reconnect,
+            view=view,
         )
 
     def _open_watch(self, request: gateway_service_pb2.WatchRunRequest) -> AsyncWatchCall:
@@ -321,6 +352,7 @@ class AsyncWatchStream(AsyncIterator[WatchEvent]):
         tls: Whether the channel uses TLS (a certificate failure is then never retried).
         checker: Vets each episode before it is yielded.
         on_reconnect: Called before each reconnection.
+        view: What each episode carries (``EPISODE_VIEW_SCALARS``: no ``detail``).
     """
 
     def __init__(
@@ -335,10 +367,11 @@ class AsyncWatchStream(AsyncIterator[WatchEvent]):
         tls: bool,
         checker: EpisodeChecker | None = None,
         on_reconnect: Callable[[Reconnect], None] | None = None,
+        view: EpisodeViewValue = EpisodeView.EPISODE_VIEW_UNSPECIFIED,
     ) -> None:
         self._open_call = open_call
         self._error_for = error_for
-        self._cursor = WatchCursor(run_id, after_episode, checker, retry)
+        self._cursor = WatchCursor(run_id, after_episode, checker, retry, view)
         self._idle_timeout = idle_timeout
         self._tls = tls
         self._on_reconnect = on_reconnect

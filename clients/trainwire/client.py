@@ -74,11 +74,14 @@ from trainwire.tls import (
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from trainwire.watch import (
     EpisodeChecker,
+    EpisodeView,
+    EpisodeViewValue,
     Reconnect,
     RetryPolicy,
     WatchCall,
     WatchEvent,
     WatchStream,
+    check_view,
 )
 
 __all__ = [
@@ -94,6 +97,8 @@ __all__ = [
     "DataLoss",
     "DeadlineExceeded",
     "EpisodeChecker",
+    "EpisodeView",
+    "EpisodeViewValue",
     "ErrorReason",
     "FailedPrecondition",
     "GatewayClient",
@@ -145,6 +150,17 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     if token is not None and (not token.strip() or any(c in token for c in "\r\n")):
         raise ValueError("token must be one line of text")
     return (("authorization", f"Bearer {token.strip()}"),) if token else ()
+
+
+def metric_names(metrics: Sequence[str]) -> list[str]:
+    """``metrics`` as the list a request carries.
+
+    Raises:
+        TypeError: one string, which would otherwise be sent as its letters.
+    """
+    if isinstance(metrics, str):
+        raise TypeError(f"metrics must be a sequence of names, got the string {metrics!r}")
+    return list(metrics)
 
 
 def channel_plan(
@@ -439,6 +455,50 @@ class GatewayClient:
             raise
         return download.finish()
 
+    def get_run_curve(
+        self,
+        run_id: str,
+        *,
+        buckets: int = 0,
+        metrics: Sequence[str] = (),
+        first_episode: int = 0,
+        last_episode: int = 0,
+        timeout: float | None = None,
+    ) -> gateway_service_pb2.GetRunCurveResponse:
+        """The run's reward curve, summarised in contiguous buckets (``GetRunCurve``).
+
+        Each ``CurveBucket`` holds the reward's min, max and mean over its episodes, the best
+        reward at its last episode and the mean of each requested metric; together they cover
+        the range once, in order. The gateway answers from aggregates it keeps, so a
+        ten-million-episode run costs what a short one does. ``last_episode`` of the response is
+        the run's last committed episode (0 and no buckets before the first).
+
+        Args:
+            run_id: The run.
+            buckets: How many buckets, 1..10000; 0 means the gateway's default (500). Fewer
+                come back when the range holds fewer episodes (one per episode then).
+            metrics: Names of ``Episode.metrics`` whose per-bucket means to include.
+            first_episode: Start of the range; 0 means the first episode.
+            last_episode: End of the range; 0 means the run's last episode.
+            timeout: This call's deadline; the client's default when ``None``.
+
+        Raises:
+            TypeError: ``metrics`` is one string (give a sequence of names).
+            InvalidArgument: a bad bucket count, range or metric name.
+            NotFound: no such run.
+        """
+        request = gateway_service_pb2.GetRunCurveRequest(
+            run_id=run_id,
+            buckets=buckets,
+            metrics=metric_names(metrics),
+            first_episode=first_episode,
+            last_episode=last_episode,
+        )
+        response: gateway_service_pb2.GetRunCurveResponse = self._unary(
+            self._stub.GetRunCurve, request, timeout
+        )
+        return response
+
     # streaming
 
     def watch(
@@ -448,6 +508,7 @@ class GatewayClient:
         *,
         checker: EpisodeChecker | None = None,
         on_reconnect: Callable[[Reconnect], None] | None = None,
+        view: EpisodeViewValue = EpisodeView.EPISODE_VIEW_UNSPECIFIED,
     ) -> WatchStream:
         """Follows a run to its end, resuming dropped streams; iterates over its events in order.
 
@@ -471,9 +532,14 @@ class GatewayClient:
                 ``trainwire.contract.StreamChecker``; it must expect ``after_episode + 1``
                 first). Its ``ContractViolation`` propagates.
             on_reconnect: Called before each reconnection (a connection indicator).
+            view: What each episode carries, on every stream of the watch:
+                ``EpisodeView.EPISODE_VIEW_SCALARS`` for episodes without their ``detail``
+                (numbers only: curves and tables, a fraction of the bytes);
+                ``EPISODE_VIEW_FULL``, the same as the default ``EPISODE_VIEW_UNSPECIFIED``, for
+                the detail too.
 
         Raises:
-            ValueError: a negative ``after_episode``.
+            ValueError: a negative ``after_episode``, or a ``view`` that is no ``EpisodeView``.
 
         The iteration raises ``TrainwireError`` for a non-retriable status (``NotFound``,
         ``InvalidArgument``...) or the last retriable one once retries are spent, and
@@ -481,6 +547,7 @@ class GatewayClient:
         """
         if after_episode < 0:
             raise ValueError(f"after_episode must be >= 0, got {after_episode}")
+        check_view(view)
         return WatchStream(
             self._open_watch,
             self._error,
@@ -491,6 +558,7 @@ class GatewayClient:
             tls=self._tls,
             checker=checker,
             on_reconnect=on_reconnect,
+            view=view,
         )
 
     def _open_watch(self, request: gateway_service_pb2.WatchRunRequest) -> WatchCall:

@@ -4,8 +4,10 @@ This module owns the CLI's drawings. It draws with Pillow only, imported lazily 
 functions, so ``import trainwire.render`` works in a bare client install (Pillow comes with the
 ``cli`` extra); a missing Pillow raises ``ImportError`` saying how to install it.
 
-- ``plot_curve``: reward, best reward and a rolling mean of reward per episode, with axes, ticks,
-  labels and a legend.
+- ``plot_buckets``: a run's curve from ``GetRunCurve`` buckets: the reward's min..max band, its
+  rolling mean and the best reward, with axes, ticks, labels and a legend, and a panel per
+  requested metric; its cost follows the bucket count, not the run's length.
+- ``plot_curve``: the same from a list of episodes (one bucket each).
 - ``avatar_strip``: a strip of stick-figure poses sampled across the clip, the learned motion
   drawn over the target clip's poses in another colour.
 - ``avatar_gif``: the same two figures, animated.
@@ -23,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainwire.motion import ClipSpec, RigSpec, forward_kinematics
+from trainwire.v1 import gateway_service_pb2
 
 if TYPE_CHECKING:
     from PIL import ImageDraw, ImageFont
@@ -41,6 +44,15 @@ BEST = (220, 70, 40)
 TARGET = (70, 110, 200)
 LEARNED = (235, 120, 30)
 PANEL = (245, 246, 250)
+#: The lines of the metric panels, in the order of the metrics asked for (then again).
+METRIC_COLOURS = ((46, 139, 87), (148, 87, 190), (200, 120, 20), (0, 150, 160), (110, 110, 110))
+
+#: A curve's image size without metric panels (width, height).
+CURVE_SIZE = (900, 500)
+#: The height each metric panel adds to a curve, its tick labels included.
+METRIC_PANEL_HEIGHT = 150
+_LEFT, _RIGHT, _BOTTOM = 70, 20, 56  # a curve's margins around its plot areas
+_METRIC_GAP = 30  # above a metric panel: the tick labels of the panel above
 
 _INSTALL_HINT = "drawing pictures needs Pillow: pip install 'trainwire[cli]'"
 
@@ -90,8 +102,14 @@ def _nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
 
 
 def _format_tick(value: float) -> str:
-    if value == int(value) and abs(value) < 1e6:
-        return str(int(value))
+    """``250``, ``0.25``, ``40k``, ``2.5M``: short enough for eight ticks across a long run."""
+    if value == int(value):
+        if abs(value) >= 1e6 and value % 1e4 == 0:
+            return f"{value / 1e6:g}M"
+        if abs(value) >= 1e4 and value % 100 == 0:
+            return f"{value / 1e3:g}k"
+        if abs(value) < 1e6:
+            return str(int(value))
     return f"{value:.3g}"
 
 
@@ -107,15 +125,280 @@ def rolling_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def default_window(episodes: int) -> int:
+    """Episodes in the rolling mean of a run of ``episodes``: a twentieth of it, 3..50."""
+    return min(50, max(3, episodes // 20))
+
+
+def curve_buckets(width: int = CURVE_SIZE[0]) -> int:
+    """How many ``GetRunCurve`` buckets a curve ``width`` pixels wide draws: one per pixel
+    column of its plot area (more would share columns; fewer would leave steps)."""
+    return max(1, width - _LEFT - _RIGHT)
+
+
+def episode_buckets(
+    episodes: Iterable[EpisodeLike],
+) -> list[gateway_service_pb2.CurveBucket]:
+    """One ``CurveBucket`` per episode, its metrics as the means: a replayed history as the
+    curve ``GetRunCurve`` sends."""
+    return [
+        gateway_service_pb2.CurveBucket(
+            first_episode=e.episode,
+            last_episode=e.episode,
+            reward_min=e.reward,
+            reward_max=e.reward,
+            reward_mean=e.reward,
+            best_reward=e.best_reward,
+            # An Episode's metrics; an episode-alike without them has none.
+            metrics_mean=getattr(e, "metrics", None) or {},
+        )
+        for e in episodes
+    ]
+
+
+def bucket_means(buckets: Sequence[gateway_service_pb2.CurveBucket], window: int) -> list[float]:
+    """Rolling mean of the reward at each bucket over whole buckets of at most ``window``
+    episodes (always the bucket itself), each bucket weighted by its episode count.
+
+    Over one-episode buckets this is ``rolling_mean`` of the rewards; where a bucket holds more
+    than ``window`` episodes it is that bucket's mean.
+    """
+    out: list[float] = []
+    total = 0.0
+    count = 0
+    start = 0
+    for i, bucket in enumerate(buckets):
+        total += bucket.reward_mean * _size(bucket)
+        count += _size(bucket)
+        while start < i and bucket.last_episode - buckets[start].first_episode + 1 > window:
+            total -= buckets[start].reward_mean * _size(buckets[start])
+            count -= _size(buckets[start])
+            start += 1
+        out.append(total / count)
+    return out
+
+
+def _size(bucket: gateway_service_pb2.CurveBucket) -> int:
+    return bucket.last_episode - bucket.first_episode + 1
+
+
+class _Panel:
+    """One plot area of a figure: its data ranges mapped to pixels, grid, ticks and frame."""
+
+    def __init__(
+        self,
+        draw: ImageDraw.ImageDraw,
+        box: tuple[int, int, int, int],
+        x_range: tuple[float, float],
+        y_values: Sequence[float],
+    ) -> None:
+        self.draw = draw
+        self.left, self.top, self.width, self.height = box
+        self.x_low, self.x_high = x_range
+        if self.x_high == self.x_low:
+            self.x_low, self.x_high = self.x_low - 1, self.x_high + 1
+        low, high = (min(y_values), max(y_values)) if y_values else (0.0, 1.0)
+        pad = (high - low) * 0.05 or max(abs(high) * 0.1, 0.1)
+        self.y_low, self.y_high = low - pad, high + pad
+
+    def to_px(self, x: float, y: float) -> tuple[float, float]:
+        return (
+            self.left + (x - self.x_low) / (self.x_high - self.x_low) * self.width,
+            self.top + (1 - (y - self.y_low) / (self.y_high - self.y_low)) * self.height,
+        )
+
+    def frame(self, font: Any, y_ticks: int = 5) -> None:
+        """Grid lines with their tick labels on both axes, and the frame."""
+        draw, left, top = self.draw, self.left, self.top
+        for tick in _nice_ticks(self.y_low, self.y_high, y_ticks):
+            _, py = self.to_px(self.x_low, tick)
+            draw.line([(left, py), (left + self.width, py)], fill=GRID)
+            label = _format_tick(tick)
+            tw = draw.textlength(label, font=font)
+            draw.text((left - 8 - tw, py - 7), label, fill=TEXT, font=font)
+        for tick in _nice_ticks(self.x_low, self.x_high, 8):
+            px, _ = self.to_px(tick, self.y_low)
+            draw.line([(px, top), (px, top + self.height)], fill=GRID)
+            label = _format_tick(tick)
+            tw = draw.textlength(label, font=font)
+            draw.text((px - tw / 2, top + self.height + 6), label, fill=TEXT, font=font)
+        draw.rectangle([left, top, left + self.width, top + self.height], outline=AXIS, width=1)
+
+    def line(
+        self,
+        xs: Sequence[float],
+        ys: Sequence[float],
+        colour: tuple[int, int, int],
+        width: int,
+    ) -> None:
+        coords = [self.to_px(x, y) for x, y in zip(xs, ys, strict=True)]
+        if len(coords) == 1:
+            cx, cy = coords[0]
+            self.draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill=colour)
+        elif coords:
+            self.draw.line(coords, fill=colour, width=width, joint="curve")
+
+    def band(
+        self,
+        xs: Sequence[float],
+        lows: Sequence[float],
+        highs: Sequence[float],
+        colour: tuple[int, int, int],
+    ) -> None:
+        """The area between ``lows`` and ``highs``; its edges drawn too, so a band of no
+        height (one-episode buckets) is still the line of its values."""
+        upper = [self.to_px(x, y) for x, y in zip(xs, highs, strict=True)]
+        lower = [self.to_px(x, y) for x, y in zip(xs, lows, strict=True)]
+        if len(upper) == 1:
+            (cx, top), (_, bottom) = upper[0], lower[0]
+            self.draw.line([(cx, top), (cx, bottom)], fill=colour, width=3)
+            self.draw.ellipse([cx - 3, top - 3, cx + 3, top + 3], fill=colour)
+            return
+        self.draw.polygon(upper + lower[::-1], fill=colour)
+        self.draw.line(upper, fill=colour, width=1)
+        self.draw.line(lower, fill=colour, width=1)
+
+
+def _legend(
+    draw: ImageDraw.ImageDraw,
+    panel: _Panel,
+    entries: Sequence[tuple[str, tuple[int, int, int]]],
+    font: Any,
+) -> None:
+    """The entries' colours and names in a box in the panel's lower right corner."""
+    right, bottom = panel.left + panel.width, panel.top + panel.height
+    lx, ly = right - 160, bottom - 22 * len(entries) - 10
+    draw.rectangle([lx - 8, ly - 6, right - 8, bottom - 8], fill=BACKGROUND, outline=GRID)
+    for i, (name, colour) in enumerate(entries):
+        y = ly + 22 * i + 7
+        draw.line([(lx, y), (lx + 26, y)], fill=colour, width=3)
+        draw.text((lx + 34, y - 8), name, fill=TEXT, font=font)
+
+
+def plot_buckets(
+    buckets: Sequence[gateway_service_pb2.CurveBucket],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "",
+    window: int | None = None,
+    metrics: Sequence[str] = (),
+    size: tuple[int, int] = CURVE_SIZE,
+) -> None:
+    """Draws a run's curve from ``GetRunCurve`` buckets to a PNG: the reward's min..max band,
+    the rolling mean of the reward and the best reward; below it one panel per metric, the
+    metric's mean per bucket.
+
+    Drawing time depends on the number of buckets, never on the run's length: ask for
+    ``curve_buckets(size[0])`` of them and a ten-million-episode run draws like a short one.
+
+    Args:
+        buckets: Contiguous buckets in order (``GetRunCurveResponse.buckets``).
+        path: Where to write the PNG.
+        title: A title above the plot.
+        window: Episodes in the rolling mean, over whole buckets (a bucket holding more is its
+            own mean); ``default_window`` of the run's length when ``None``.
+        metrics: Metrics to draw (names in the buckets' ``metrics_mean``), one panel each; a
+            bucket without a metric leaves a gap in its line.
+        size: Image width, and height without the metric panels (each adds
+            ``METRIC_PANEL_HEIGHT`` pixels).
+
+    Raises:
+        ValueError: no buckets, or a window below 1.
+        ImportError: Pillow is missing.
+    """
+    if not buckets:
+        raise ValueError("no episodes to plot")
+    first, last = buckets[0].first_episode, buckets[-1].last_episode
+    if window is None:
+        window = default_window(last - first + 1)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    image_mod, draw_mod, font_mod = _pil()
+    width, height = size[0], size[1] + METRIC_PANEL_HEIGHT * len(metrics)
+    image = image_mod.new("RGB", (width, height), BACKGROUND)
+    draw = draw_mod.Draw(image)
+    font = _font(font_mod, 14)
+    small = _font(font_mod, 12)
+    top = 44 if title else 20
+    plot_w, plot_h = width - _LEFT - _RIGHT, size[1] - top - _BOTTOM
+    x_range = (float(first), float(last))
+
+    centres = [(b.first_episode + b.last_episode) / 2 for b in buckets]
+    lows = [b.reward_min for b in buckets]
+    highs = [b.reward_max for b in buckets]
+    ends = [float(b.last_episode) for b in buckets]
+    best = [b.best_reward for b in buckets]
+    mean = bucket_means(buckets, window)
+    rewards = _Panel(draw, (_LEFT, top, plot_w, plot_h), x_range, [*lows, *highs, *best])
+    rewards.frame(small)
+    rewards.band(centres, lows, highs, REWARD)
+    rewards.line(centres, mean, MEAN, 3)
+    rewards.line(ends, best, BEST, 2)
+    y_label = image_mod.new("RGB", (80, 20), BACKGROUND)
+    draw_mod.Draw(y_label).text((12, 2), "reward", fill=TEXT, font=font)
+    image.paste(y_label.rotate(90, expand=True), (4, top + plot_h // 2 - 40))
+    widest = max(_size(b) for b in buckets)
+    if widest > window:
+        mean_label = f"mean of ~{round((last - first + 1) / len(buckets))}"
+    else:
+        mean_label = f"mean of {window}"
+    _legend(
+        draw,
+        rewards,
+        [
+            ("reward min..max" if widest > 1 else "reward", REWARD),
+            (mean_label, MEAN),
+            ("best reward", BEST),
+        ],
+        small,
+    )
+
+    panel_top = top + plot_h
+    for i, name in enumerate(metrics):
+        colour = METRIC_COLOURS[i % len(METRIC_COLOURS)]
+        values = [b.metrics_mean.get(name) for b in buckets]
+        known = [v for v in values if v is not None]
+        box = (_LEFT, panel_top + _METRIC_GAP, plot_w, METRIC_PANEL_HEIGHT - _METRIC_GAP)
+        panel = _Panel(draw, box, x_range, known)
+        panel.frame(small, 3)
+        runs: list[tuple[list[float], list[float]]] = [([], [])]
+        for x, value in zip(centres, values, strict=True):
+            if value is None:
+                if runs[-1][0]:
+                    runs.append(([], []))
+            else:
+                runs[-1][0].append(x)
+                runs[-1][1].append(value)
+        for xs, ys in runs:
+            panel.line(xs, ys, colour, 2)
+        note = f"{name} (mean)" if known else f"{name}: no episode has it"
+        at = (panel.left + 8, panel.top + 4)
+        draw.rectangle(draw.textbbox(at, note, font=small), fill=BACKGROUND)
+        draw.text(at, note, fill=colour if known else TEXT, font=small)
+        panel_top += METRIC_PANEL_HEIGHT
+
+    axis_label = "episode"
+    tw = draw.textlength(axis_label, font=font)
+    draw.text((_LEFT + plot_w / 2 - tw / 2, height - 24), axis_label, fill=TEXT, font=font)
+    if title:
+        tw = draw.textlength(title, font=font)
+        draw.text((width / 2 - tw / 2, 14), title, fill=TEXT, font=font)
+    image.save(path, format="PNG")
+    _LOGGER.debug(
+        "wrote the curve of episodes %d..%d in %d buckets to %s", first, last, len(buckets), path
+    )
+
+
 def plot_curve(
     episodes: Iterable[EpisodeLike],
     path: str | os.PathLike[str],
     *,
     title: str = "",
     window: int | None = None,
-    size: tuple[int, int] = (900, 500),
+    size: tuple[int, int] = CURVE_SIZE,
 ) -> None:
-    """Draws a learning curve to a PNG: reward, its rolling mean and the best reward.
+    """Draws a learning curve of episodes to a PNG: reward, its rolling mean and the best
+    reward (``plot_buckets`` of one bucket per episode).
 
     Args:
         episodes: The run's episodes, in order (``Episode`` messages or alike).
@@ -128,88 +411,7 @@ def plot_curve(
         ValueError: no episodes.
         ImportError: Pillow is missing.
     """
-    points = [(e.episode, e.reward, e.best_reward) for e in episodes]
-    if not points:
-        raise ValueError("no episodes to plot")
-    image_mod, draw_mod, font_mod = _pil()
-    width, height = size
-    image = image_mod.new("RGB", size, BACKGROUND)
-    draw = draw_mod.Draw(image)
-    font = _font(font_mod, 14)
-    small = _font(font_mod, 12)
-    left, right, top, bottom = 70, 20, 44 if title else 20, 56
-    plot_w, plot_h = width - left - right, height - top - bottom
-
-    xs = [p[0] for p in points]
-    rewards = [p[1] for p in points]
-    best = [p[2] for p in points]
-    if window is None:  # a twentieth of the run, but enough to smooth a short one
-        window = min(50, max(3, len(points) // 20))
-    mean = rolling_mean(rewards, window)
-    x_low, x_high = min(xs), max(xs)
-    if x_high == x_low:
-        x_low, x_high = x_low - 1, x_high + 1
-    y_low, y_high = min(*rewards, *best), max(*rewards, *best)
-    pad = (y_high - y_low) * 0.05 or max(abs(y_high) * 0.1, 0.1)
-    y_low, y_high = y_low - pad, y_high + pad
-
-    def to_px(x: float, y: float) -> tuple[float, float]:
-        return (
-            left + (x - x_low) / (x_high - x_low) * plot_w,
-            top + (1 - (y - y_low) / (y_high - y_low)) * plot_h,
-        )
-
-    for tick in _nice_ticks(y_low, y_high):
-        _, py = to_px(x_low, tick)
-        draw.line([(left, py), (left + plot_w, py)], fill=GRID)
-        label = _format_tick(tick)
-        tw = draw.textlength(label, font=small)
-        draw.text((left - 8 - tw, py - 7), label, fill=TEXT, font=small)
-    for tick in _nice_ticks(x_low, x_high, 8):
-        px, _ = to_px(tick, y_low)
-        draw.line([(px, top), (px, top + plot_h)], fill=GRID)
-        label = _format_tick(tick)
-        tw = draw.textlength(label, font=small)
-        draw.text((px - tw / 2, top + plot_h + 6), label, fill=TEXT, font=small)
-    draw.rectangle([left, top, left + plot_w, top + plot_h], outline=AXIS, width=1)
-
-    def polyline(values: Sequence[float], colour: tuple[int, int, int], line: int) -> None:
-        coords = [to_px(x, y) for x, y in zip(xs, values, strict=True)]
-        if len(coords) == 1:
-            cx, cy = coords[0]
-            draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill=colour)
-        else:
-            draw.line(coords, fill=colour, width=line, joint="curve")
-
-    polyline(rewards, REWARD, 1)
-    polyline(mean, MEAN, 3)
-    polyline(best, BEST, 2)
-
-    axis_label = "episode"
-    tw = draw.textlength(axis_label, font=font)
-    draw.text((left + plot_w / 2 - tw / 2, height - 24), axis_label, fill=TEXT, font=font)
-    y_label = image_mod.new("RGB", (80, 20), BACKGROUND)
-    draw_mod.Draw(y_label).text((12, 2), "reward", fill=TEXT, font=font)
-    image.paste(y_label.rotate(90, expand=True), (4, top + plot_h // 2 - 40))
-    if title:
-        tw = draw.textlength(title, font=font)
-        draw.text((width / 2 - tw / 2, 14), title, fill=TEXT, font=font)
-
-    legend = [
-        ("reward", REWARD),
-        (f"mean of {window}", MEAN),
-        ("best reward", BEST),
-    ]
-    lx, ly = left + plot_w - 160, top + plot_h - 22 * len(legend) - 10
-    draw.rectangle(
-        [lx - 8, ly - 6, left + plot_w - 8, top + plot_h - 8], fill=BACKGROUND, outline=GRID
-    )
-    for i, (name, colour) in enumerate(legend):
-        y = ly + 22 * i + 7
-        draw.line([(lx, y), (lx + 26, y)], fill=colour, width=3)
-        draw.text((lx + 34, y - 8), name, fill=TEXT, font=small)
-    image.save(path, format="PNG")
-    _LOGGER.debug("wrote learning curve of %d episodes to %s", len(points), path)
+    plot_buckets(episode_buckets(episodes), path, title=title, window=window, size=size)
 
 
 # -- avatar ------------------------------------------------------------------------------------
@@ -421,9 +623,16 @@ def avatar_gif(
 
 
 __all__ = [
+    "CURVE_SIZE",
+    "METRIC_PANEL_HEIGHT",
     "avatar_gif",
     "avatar_strip",
+    "bucket_means",
+    "curve_buckets",
+    "default_window",
+    "episode_buckets",
     "last_motion",
+    "plot_buckets",
     "plot_curve",
     "rolling_mean",
 ]

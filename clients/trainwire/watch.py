@@ -30,6 +30,8 @@ from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 __all__ = [
     "EpisodeChecker",
+    "EpisodeView",
+    "EpisodeViewValue",
     "ErrorFor",
     "OpenWatchCall",
     "Reconnect",
@@ -38,6 +40,7 @@ __all__ = [
     "WatchCursor",
     "WatchEvent",
     "WatchStream",
+    "check_view",
     "is_retriable",
 ]
 
@@ -51,6 +54,22 @@ WatchEvent: TypeAlias = (
     | gateway_service_pb2.CaughtUp
     | gateway_service_pb2.Run
 )
+#: What each episode of a watch carries (``WatchRunRequest.view``):
+#: ``EpisodeView.EPISODE_VIEW_FULL`` (the default; ``EPISODE_VIEW_UNSPECIFIED`` means it too) or
+#: ``EpisodeView.EPISODE_VIEW_SCALARS``, episodes without their ``detail``.
+EpisodeView = gateway_service_pb2.EpisodeView
+#: An ``EpisodeView`` value (an int at run time).
+EpisodeViewValue: TypeAlias = "gateway_service_pb2.EpisodeView.ValueType"
+
+
+def check_view(view: EpisodeViewValue) -> None:
+    """Refuses a ``view`` the contract does not define.
+
+    Raises:
+        ValueError: an unknown value.
+    """
+    if view not in EpisodeView.values():
+        raise ValueError(f"view must be an EpisodeView value, got {view!r}")
 
 
 @dataclass(frozen=True)
@@ -160,6 +179,7 @@ class WatchCursor:
         run_id: The watched run.
         last_episode: The last episode delivered (``after_episode`` before the first).
         failures: Reconnections in a row that received nothing.
+        view: What each episode carries, on every stream of the watch.
     """
 
     def __init__(
@@ -168,18 +188,20 @@ class WatchCursor:
         after_episode: int,
         checker: EpisodeChecker | None,
         retry: RetryPolicy,
+        view: EpisodeViewValue = EpisodeView.EPISODE_VIEW_UNSPECIFIED,
     ) -> None:
         self.run_id = run_id
         self.last_episode = after_episode
         self.checker = checker
         self.retry = retry
+        self.view = view
         self.failures = 0
         self._caught_up_seen = False
 
     def request(self) -> gateway_service_pb2.WatchRunRequest:
         """The request of the next stream: resume after the last episode delivered."""
         return gateway_service_pb2.WatchRunRequest(
-            run_id=self.run_id, after_episode=self.last_episode
+            run_id=self.run_id, after_episode=self.last_episode, view=self.view
         )
 
     def events(self, response: gateway_service_pb2.WatchRunResponse) -> list[WatchEvent]:
@@ -317,6 +339,7 @@ class WatchStream(Iterator[WatchEvent]):
         tls: Whether the channel uses TLS (a certificate failure is then never retried).
         checker: Vets each episode before it is yielded.
         on_reconnect: Called before each reconnection.
+        view: What each episode carries (``EPISODE_VIEW_SCALARS``: no ``detail``).
     """
 
     def __init__(
@@ -331,13 +354,14 @@ class WatchStream(Iterator[WatchEvent]):
         tls: bool,
         checker: EpisodeChecker | None = None,
         on_reconnect: Callable[[Reconnect], None] | None = None,
+        view: EpisodeViewValue = EpisodeView.EPISODE_VIEW_UNSPECIFIED,
     ) -> None:
         # The generator holds the state, never this object: no reference cycle, so a dropped
         # WatchStream closes its generator (and cancels its call) at once.
         self._state = _WatchState(
             open_call,
             error_for,
-            WatchCursor(run_id, after_episode, checker, retry),
+            WatchCursor(run_id, after_episode, checker, retry, view),
             idle_timeout,
             tls,
             on_reconnect,

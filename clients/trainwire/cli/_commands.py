@@ -6,19 +6,29 @@ returns the exit code; server errors propagate to ``main`` as ``TrainwireError``
 from __future__ import annotations
 
 import argparse
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from trainwire.cli import _format
 from trainwire.cli._follow import cmd_watch, history
 from trainwire.cli._output import EXIT_OK, CliError, Output
 from trainwire.client import (
+    EpisodeView,
     GatewayClient,
     Run,
+    Unimplemented,
     grpo_task,
     imitation_task,
     state_name,
     train_config,
 )
 from trainwire.v1 import episode_pb2, gateway_service_pb2
+
+if TYPE_CHECKING:
+    from trainwire.v1.gateway_service_pb2 import CurveBucket
+
+_LOGGER = logging.getLogger(__name__)
 
 
 def _created(client: GatewayClient, args: argparse.Namespace, out: Output, run: Run) -> int:
@@ -27,7 +37,7 @@ def _created(client: GatewayClient, args: argparse.Namespace, out: Output, run: 
     else:
         out.result(f"created {_format.run_line(run)}", _format.run_json(run))
     if args.watch:
-        args.run_id, args.after, args.idle_timeout = run.id, 0, 30.0
+        args.run_id, args.after, args.idle_timeout, args.scalars = run.id, 0, 30.0, False
         return cmd_watch(client, args, out)
     return EXIT_OK
 
@@ -139,21 +149,39 @@ def cmd_speed(client: GatewayClient, args: argparse.Namespace, out: Output) -> i
     return EXIT_OK
 
 
+def _curve(
+    client: GatewayClient, run_id: str, buckets: int, metrics: Sequence[str]
+) -> Sequence[CurveBucket]:
+    """The run's curve in about ``buckets`` buckets; from a gateway that predates
+    ``GetRunCurve``, its replayed history, one bucket per episode."""
+    try:
+        return client.get_run_curve(run_id, buckets=buckets, metrics=metrics).buckets
+    except Unimplemented:
+        from trainwire import render
+
+        _LOGGER.info("run %s: the gateway has no GetRunCurve; replaying its history", run_id)
+        scalars = history(client, run_id, EpisodeView.EPISODE_VIEW_SCALARS)
+        return render.episode_buckets(scalars)
+
+
 def cmd_plot(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
     from trainwire import render
 
     run = client.get_run(args.run_id)
-    episodes = list(history(client, args.run_id))
-    if not episodes:
+    buckets = _curve(client, args.run_id, render.curve_buckets(), args.metrics)
+    if not buckets:
         raise CliError(f"run {args.run_id} has no episodes yet; nothing to plot")
     title = f"run {run.id} - {_format.task_summary(run)}"
     try:
-        render.plot_curve(episodes, args.out, title=title, window=args.window)
+        render.plot_buckets(
+            buckets, args.out, title=title, window=args.window, metrics=args.metrics
+        )
     except OSError as exc:
         raise CliError(f"cannot write {args.out}: {exc.strerror or exc}") from exc
+    episodes = buckets[-1].last_episode
     out.result(
-        f"wrote {args.out} ({len(episodes)} episodes of run {run.id})",
-        {"runId": run.id, "out": args.out, "episodes": len(episodes)},
+        f"wrote {args.out} ({episodes} episodes of run {run.id})",
+        {"runId": run.id, "out": args.out, "episodes": episodes},
     )
     return EXIT_OK
 

@@ -1,5 +1,5 @@
-"""``trainwire watch`` (the live view or JSON lines) and the history replay ``plot`` and
-``avatar`` read; Ctrl+C detaches from a run without stopping it (exit 130).
+"""``trainwire watch`` (the live view or JSON lines) and the history replay ``avatar`` reads;
+Ctrl+C detaches from a run without stopping it (exit 130).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from trainwire.cli._output import (
     Output,
 )
 from trainwire.client import (
+    EpisodeView,
+    EpisodeViewValue,
     GatewayClient,
     Reconnect,
     Run,
@@ -117,7 +119,13 @@ def cmd_watch(client: GatewayClient, args: argparse.Namespace, out: Output) -> i
     run = client.get_run(args.run_id)
     view = WatchView(run, args.after)
     console = Console()
-    stream = client.watch(args.run_id, args.after, on_reconnect=view.on_reconnect)
+    # The view shows numbers only: the detail would be bytes for nothing.
+    stream = client.watch(
+        args.run_id,
+        args.after,
+        on_reconnect=view.on_reconnect,
+        view=EpisodeView.EPISODE_VIEW_SCALARS,
+    )
     with (
         _detach_on_ctrl_c(stream) as interrupted,
         Live(console=console, get_renderable=view.render, refresh_per_second=8),
@@ -147,7 +155,8 @@ def _watch_json(client: GatewayClient, args: argparse.Namespace) -> int:
     def emit(event: WatchEvent | Reconnect) -> None:
         print(_format.dumps(_event_json(event)), flush=True)
 
-    stream = client.watch(args.run_id, args.after, on_reconnect=emit)
+    view = EpisodeView.EPISODE_VIEW_SCALARS if args.scalars else EpisodeView.EPISODE_VIEW_FULL
+    stream = client.watch(args.run_id, args.after, on_reconnect=emit, view=view)
     finished: Run | None = None
     with _detach_on_ctrl_c(stream) as interrupted:
         for event in stream:
@@ -164,9 +173,13 @@ def _watch_json(client: GatewayClient, args: argparse.Namespace) -> int:
     return _watch_exit(finished)
 
 
-def history(client: GatewayClient, run_id: str) -> Iterator[episode_pb2.Episode]:
+def history(
+    client: GatewayClient,
+    run_id: str,
+    view: EpisodeViewValue = EpisodeView.EPISODE_VIEW_FULL,
+) -> Iterator[episode_pb2.Episode]:
     """The run's episodes published so far (the replay up to ``caught_up``, or to the end)."""
-    stream = client.watch(run_id)
+    stream = client.watch(run_id, view=view)
     with _detach_on_ctrl_c(stream) as interrupted:
         try:
             for event in stream:

@@ -28,7 +28,7 @@ from trainwire.cli._commands import (
 from trainwire.cli._follow import cmd_watch
 from trainwire.cli._output import DEFAULT_GATEWAY, DEFAULT_TIMEOUT
 from trainwire.client import parse_state
-from trainwire.contract import BUILTIN_CLIPS, BUILTIN_RIG_BONES, REWARD_FUNCTIONS
+from trainwire.contract import BUILTIN_CLIPS, BUILTIN_RIG_BONES, MAX_EPISODES, REWARD_FUNCTIONS
 
 # argparse names a converter that raises ValueError in its message ("invalid _positive_float
 # value"); these raise ArgumentTypeError, whose text is shown as it is.
@@ -60,6 +60,18 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
     return value
+
+
+def _positive_int(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not >= 1")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    """``a, b,,c`` as ``["a", "b", "c"]``."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _state(text: str) -> int:
@@ -141,7 +153,8 @@ def _run_options(parser: argparse.ArgumentParser, default_episodes: int) -> None
         type=_integer,
         default=default_episodes,
         metavar="N",
-        help="episodes (optimizer steps for grpo) to train, 1..5000 (default: %(default)s)",
+        help=f"episodes (optimizer steps for grpo) to train, 1..{MAX_EPISODES} "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--rate",
@@ -379,13 +392,41 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="reconnect when nothing (not even a keepalive) arrives for this long",
     )
+    watch.add_argument(
+        "--scalars",
+        action="store_true",
+        help="with --json: episodes without their detail (motions, completions), numbers "
+        "only; the live view never shows detail, so it always streams them so",
+    )
     watch.set_defaults(handler=cmd_watch)
 
-    plot = commands.add_parser("plot", parents=[common], help="draw a run's learning curve")
+    plot = commands.add_parser(
+        "plot",
+        parents=[common],
+        help="draw a run's learning curve",
+        description="Draw a run's learning curve to a PNG: the reward's range (min..max), its "
+        "rolling mean and the best reward, from the curve the gateway summarises in one bucket "
+        "per pixel column (GetRunCurve), so a run of millions of episodes draws as fast as a "
+        "short one.",
+    )
     plot.add_argument("run_id", metavar="ID")
     plot.add_argument("--out", required=True, metavar="FILE.png", help="where to write the PNG")
     plot.add_argument(
-        "--window", type=_integer, default=None, metavar="N", help="episodes in the rolling mean"
+        "--window",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="episodes in the rolling mean of the reward (default: a twentieth of the run, "
+        "3..50); on a run longer than the plot is wide each point is already the mean of its "
+        "pixel column's episodes, and a window below that changes nothing",
+    )
+    plot.add_argument(
+        "--metrics",
+        type=_names,
+        default=[],
+        metavar="A,B",
+        help="metrics of the run's episodes (e.g. loss) to draw under the reward, their mean "
+        "per bucket, one panel each (default: none)",
     )
     plot.set_defaults(handler=cmd_plot)
 
