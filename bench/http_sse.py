@@ -2,19 +2,23 @@
 
 The gateway runs as its own process (``python -m gateway --http-port 0``, SQLite file store)
 over the scripted fake trainer (in this process; it sends an imitation motion of 60 frames x 11
-joints every 10 episodes, as the real provider does). Two 5000-episode unpaced runs are made
-first. Figures:
+joints every 10 episodes, as the real provider does). Three such 5000-episode unpaced runs are
+made first, and a fourth whose only motion is on its last episode (scalars). Figures:
 
 (a) time to first paint of the run view of the first run in headless Chromium: from navigation
     start to the chart having drawn 5000 points (the page's ``performance.now()`` at that
     drawing); the first load (nothing cached: every motion written to JSON) and the median of
     the next 3 (the HTTP side's event cache holds the motions);
-(b) replay of the second run's 5000 episodes to one client: ``GET /v1/runs/{id}/events``
-    (episodes/s, bytes), first (event cache cold) and median of the next 3, vs ``WatchRun``
-    over gRPC (median of 3, after one that fills the store's page cache), and the ratios;
+(b) replay of a run's 5000 episodes to one client, side by side on the same run: ``WatchRun``
+    over gRPC, ``GET /v1/runs/{id}/events`` cold (the first replay: the HTTP side's event cache
+    holds none of the run) and warm (the median of the next 5, each right after one of the 5
+    ``WatchRun`` replays whose median is shown), in episodes/s, and SSE / ``WatchRun`` for both;
+    first, one ``WatchRun`` replay fills the store's page cache for both. On the second run, on
+    the scalar run, and on the third run with ``?view=scalars`` beside a ``WatchRun`` with
+    ``view=EPISODE_VIEW_SCALARS`` (where the gateway serves that view);
 (c) the gateway's RSS before and with 100 SSE connections open on a live run.
 
-Run: ``.venv/bin/python bench/http_sse.py`` (about half a minute; (a) needs Chromium and
+Run: ``.venv/bin/python bench/http_sse.py`` (about a minute; (a) needs Chromium and
 chromium-driver, and is skipped with a note without them).
 """
 
@@ -38,11 +42,12 @@ import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 import psutil  # noqa: E402
 
-from tests.fakes.fake_trainer import FakeTrainer  # noqa: E402
+from tests.fakes.fake_trainer import FakeTrainer, Script  # noqa: E402
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc  # noqa: E402
 
 EPISODES = 5000
 REPEATS = 3
+REPLAYS = 5
 STREAMS = 100
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 
@@ -98,13 +103,17 @@ async def _wait_state(
             await asyncio.sleep(0.1)
 
 
-async def _sse_replay(session: aiohttp.ClientSession, url: str, run_id: str) -> tuple[float, int]:
-    """Seconds and bytes to read the whole stream (events counted, not decoded)."""
+async def _sse_replay(
+    session: aiohttp.ClientSession, url: str, run_id: str, query: str = ""
+) -> tuple[float, int] | str:
+    """Seconds and bytes to read the whole stream (events counted, not decoded); or the error
+    the gateway answered."""
     start = time.perf_counter()
     size = episodes = 0
     tail = b""
-    async with session.get(f"{url}/v1/runs/{run_id}/events") as reply:
-        assert reply.status == 200
+    async with session.get(f"{url}/v1/runs/{run_id}/events{query}") as reply:
+        if reply.status != 200:
+            return f"HTTP {reply.status}: {(await reply.json())['error']['message']}"
         async for chunk in reply.content.iter_any():
             size += len(chunk)
             window = tail + chunk
@@ -115,18 +124,66 @@ async def _sse_replay(session: aiohttp.ClientSession, url: str, run_id: str) -> 
     return elapsed, size
 
 
-async def _grpc_replay(address: str, run_id: str) -> float:
+async def _grpc_replay(address: str, run_id: str, scalars: bool = False) -> tuple[float, int]:
+    """Seconds to read the whole watch, and how many episodes came with a detail."""
+    view = {"view": 2} if scalars else {}  # EPISODE_VIEW_SCALARS
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
         start = time.perf_counter()
-        episodes = 0
-        call = stub.WatchRun(gateway_service_pb2.WatchRunRequest(run_id=run_id), timeout=120)
-        async for message in call:
+        episodes = []
+        request = gateway_service_pb2.WatchRunRequest(run_id=run_id, **view)
+        async for message in stub.WatchRun(request, timeout=120):
             kind = message.WhichOneof("event")
-            episodes += len(message.batch.episodes) if kind == "batch" else kind == "episode"
+            if kind == "batch":
+                episodes.extend(message.batch.episodes)
+            elif kind == "episode":
+                episodes.append(message.episode)
         elapsed = time.perf_counter() - start
-    assert episodes == EPISODES, episodes
-    return elapsed
+    assert len(episodes) == EPISODES, len(episodes)
+    return elapsed, sum(e.WhichOneof("detail") is not None for e in episodes)
+
+
+async def _side_by_side(
+    session: aiohttp.ClientSession, url: str, address: str, run_id: str, scalars: bool = False
+) -> tuple[float, float, float, int] | str:
+    """Seconds of WatchRun (median), SSE cold, SSE warm (median), and the SSE bytes of one
+    replay; or why they were not measured."""
+    if scalars and "view" not in gateway_service_pb2.WatchRunRequest.DESCRIPTOR.fields_by_name:
+        return "not measured: WatchRunRequest has no view"
+    _, details = await _grpc_replay(address, run_id, scalars)  # the store's page cache, for both
+    if scalars and details:
+        return f"not measured: WatchRun with EPISODE_VIEW_SCALARS sent {details} details"
+    query = "?view=scalars" if scalars else ""
+    cold = await _sse_replay(session, url, run_id, query)
+    if isinstance(cold, str):
+        return f"not measured: SSE answered {cold}"
+    warm, watch = [], []
+    for _ in range(REPLAYS):  # interleaved: both see the same machine
+        watch.append((await _grpc_replay(address, run_id, scalars))[0])
+        replay = await _sse_replay(session, url, run_id, query)
+        assert not isinstance(replay, str), replay
+        warm.append(replay[0])
+    return statistics.median(watch), cold[0], statistics.median(warm), cold[1]
+
+
+def _table(rows: list[tuple[str, tuple[float, float, float, int] | str]]) -> str:
+    def rate(seconds: float) -> str:
+        return f"{EPISODES / seconds:,.0f}/s"
+
+    lines = [
+        f"      {'run':34} {'WatchRun':>11} {'SSE cold':>11} {'SSE warm':>11} "
+        f"{'cold/WR':>8} {'warm/WR':>8} {'SSE MB':>7}"
+    ]
+    for name, result in rows:
+        if isinstance(result, str):
+            lines.append(f"      {name:34} {result}")
+            continue
+        watch, cold, warm, size = result
+        lines.append(
+            f"      {name:34} {rate(watch):>11} {rate(cold):>11} {rate(warm):>11} "
+            f"{watch / cold:>8.3f} {watch / warm:>8.3f} {size / 1e6:>7.2f}"
+        )
+    return "\n".join(lines)
 
 
 def _first_paint(url: str, run_id: str) -> list[float] | str:
@@ -206,12 +263,17 @@ async def main() -> None:
     gateway = psutil.Process(proc.pid)
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-            runs = [await _create(session, url, EPISODES, -1.0) for _ in range(2)]
+            runs = [await _create(session, url, EPISODES, -1.0) for _ in range(3)]
             for run in runs:
                 await _wait_state(session, url, run["id"], "STATE_DONE")
+            # The next Train call: a motion on the last episode only.
+            fake.push(Script(detail_every=EPISODES + 1))
+            scalar_run = await _create(session, url, EPISODES, -1.0)
+            await _wait_state(session, url, scalar_run["id"], "STATE_DONE")
             print(
                 f"http_sse: finished {EPISODES}-episode imitation runs (a motion of 60 frames x "
-                "11 joints every 10 episodes), the gateway in its own process, SQLite file store"
+                "11 joints every 10 episodes, or on the last only), the gateway in its own "
+                "process, SQLite file store"
             )
             paint = await asyncio.to_thread(_first_paint, url, runs[0]["id"])
             if isinstance(paint, str):
@@ -222,18 +284,21 @@ async def main() -> None:
                     f"drawn): first load {paint[0]:.0f} ms; then {statistics.median(paint[1:]):.0f}"
                     f" ms (median of {REPEATS}: " + ", ".join(f"{t:.0f}" for t in paint[1:]) + ")"
                 )
-            run_id = runs[1]["id"]
-            await _grpc_replay(address, run_id)  # the store's page cache, for both
-            sse = [await _sse_replay(session, url, run_id) for _ in range(REPEATS + 1)]
-            grpc_s = statistics.median([await _grpc_replay(address, run_id) for _ in range(3)])
-            cold_s = sse[0][0]
-            warm_s = statistics.median(t for t, _ in sse[1:])
+            rows = [
+                ("motion every 10th", await _side_by_side(session, url, address, runs[1]["id"])),
+                (
+                    "scalars (motion on the last only)",
+                    await _side_by_side(session, url, address, scalar_run["id"]),
+                ),
+                (
+                    "motion every 10th, view=scalars",
+                    await _side_by_side(session, url, address, runs[2]["id"], scalars=True),
+                ),
+            ]
             print(
-                f"  (b) replay of {EPISODES} episodes to one client ({sse[0][1] / 1e6:.1f} MB of "
-                f"events): SSE first {cold_s * 1000:.0f} ms = {EPISODES / cold_s:,.0f} "
-                f"episodes/s, then {warm_s * 1000:.0f} ms = {EPISODES / warm_s:,.0f} episodes/s;"
-                f" gRPC WatchRun {grpc_s * 1000:.0f} ms = {EPISODES / grpc_s:,.0f} episodes/s;"
-                f" SSE / gRPC throughput {grpc_s / cold_s:.3f} first, {grpc_s / warm_s:.3f} then"
+                f"  (b) replay of {EPISODES} episodes to one client, episodes/s (WatchRun and SSE "
+                f"warm: median of {REPLAYS}, interleaved; SSE cold: the first replay)\n"
+                + _table(rows)
             )
             live = await _create(session, url, EPISODES, 2.0)
             await _wait_state(session, url, live["id"], "STATE_RUNNING", episode=10)

@@ -12,7 +12,11 @@ The stream is the core's watch (``RunRegistry.watch``, the one behind ``WatchRun
 
 It resumes after ``Last-Event-ID`` (what ``EventSource`` sends when it reconnects), else after
 ``?after=N`` (default 0: from the first episode): a reconnect continues after the last episode it
-saw, exactly once. A replayed batch (up to 256 episodes) goes out in one write.
+saw, exactly once.
+
+Each episode's event is written once and kept in an ``EventCache`` shared by every stream, so
+a replay of a history already sent (a reload, a second page) costs little more than its writes:
+a replayed batch (up to 256 episodes) goes out in one write.
 
 Errors before the first byte (unknown run, bad ``after``) are answered like every other call
 (``gateway.http.errors``); once the stream has begun, an error or a gateway shutdown ends it, and
@@ -66,45 +70,67 @@ def episode_event(frame: bytes) -> bytes:
     return f"id: {episode.episode}\nevent: episode\ndata: {episode_json(episode)}\n\n".encode()
 
 
-class EventCache:
-    """The events of large episodes, shared by every stream of the HTTP side.
+#: What one cache entry holds beyond the contents of its frame and its event: the headers of
+#: the two ``bytes`` objects (33 bytes each) and the entry's slot and link in the
+#: ``OrderedDict``; 130-180 bytes in all, measured (``tests/http/test_sse_cache.py``), rounded up.
+ENTRY_OVERHEAD = 256
+#: The event cache's default budget: about four 5000-episode imitation runs (a motion every
+#: 10th episode: ~8 MiB of frames and events each).
+EVENT_CACHE_BYTES = 32 << 20
 
-    Writing a motion detail (660 floats) costs about 0.3 ms, most of a replay's time; a run's
-    history is replayed to every page that opens it, again on every reload. An event is a pure
-    function of its frame's bytes, so the cache maps frame bytes to event bytes (equal bytes hit
-    even when the history was read again from the store), least recently used first out, within
-    a byte budget. Frames smaller than ``min_frame_bytes`` cost little to write and are not kept.
+
+class EventCache:
+    """The ``episode`` events of frames, written once and shared by every stream of the HTTP side.
+
+    An event is a pure function of its frame's bytes, and a run's history is replayed to every
+    page that opens it, again on every reload, and sent live to every page watching it. So the
+    cache maps frame bytes to event bytes: equal bytes hit, whichever history (a live run's log,
+    a page of a finished run read again from the store) and view (full or scalars: different
+    frames) they come from. Writing costs ~6 us for a scalar episode and ~0.2 ms for one with a
+    motion; a hit costs a lookup (the frame's hash is kept by the ``bytes`` object).
+
+    Memory: at most ``budget_bytes`` for frames, events and ``ENTRY_OVERHEAD`` per entry, least
+    recently used first out; an entry larger than the budget is written and not kept. Frames are
+    counted though the core usually holds the same objects (its log or page cache), so the bound
+    holds when the core has let them go.
 
     Args:
-        budget_bytes: Frames and events kept, in bytes.
-        min_frame_bytes: Smaller frames are written each time.
+        budget_bytes: What the entries may hold, in bytes.
     """
 
-    def __init__(self, budget_bytes: int = 32 << 20, min_frame_bytes: int = 1024) -> None:
+    def __init__(self, budget_bytes: int = EVENT_CACHE_BYTES) -> None:
         self._budget = budget_bytes
-        self._min = min_frame_bytes
         self._entries: OrderedDict[bytes, bytes] = OrderedDict()
         self.size = 0
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def events(self, frames: Sequence[bytes]) -> bytes:
         """One ``episode`` event per frame, as one byte string."""
+        entries = self._entries
+        get, touch = entries.get, entries.move_to_end
         out = []
         for frame in frames:
-            if len(frame) < self._min:
-                out.append(episode_event(frame))
-                continue
-            event = self._entries.get(frame)
+            event = get(frame)
             if event is None:
-                event = episode_event(frame)
-                self._entries[frame] = event
-                self.size += len(frame) + len(event)
-                while self.size > self._budget:
-                    old_frame, old_event = self._entries.popitem(last=False)
-                    self.size -= len(old_frame) + len(old_event)
+                event = self._write(frame)
             else:
-                self._entries.move_to_end(frame)
+                touch(frame)
             out.append(event)
         return b"".join(out)
+
+    def _write(self, frame: bytes) -> bytes:
+        event = episode_event(frame)
+        cost = len(frame) + len(event) + ENTRY_OVERHEAD
+        if cost > self._budget:
+            return event
+        self._entries[frame] = event
+        self.size += cost
+        while self.size > self._budget:
+            old_frame, old_event = self._entries.popitem(last=False)
+            self.size -= len(old_frame) + len(old_event) + ENTRY_OVERHEAD
+        return event
 
 
 def _message_event(name: str, message: Any) -> bytes:

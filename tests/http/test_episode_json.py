@@ -1,5 +1,6 @@
 """``episode_json`` writes the protobuf JSON mapping of ``Episode``: json_format reads back the
-same message, and the JSON equals json_format's own but for the digits of float32 angles."""
+same message, the JSON equals json_format's own but for the digits of float32 angles, and its
+timestamps are ``Timestamp.ToJsonString``'s, valid or not."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import math
 import struct
 
-from google.protobuf import json_format
+import pytest
+from google.protobuf import json_format, timestamp_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,19 +21,28 @@ from trainwire.v1 import episode_pb2
 doubles = st.floats(allow_nan=True, allow_infinity=True)
 float32s = st.floats(width=32, allow_nan=False, allow_infinity=False)
 texts = st.text(max_size=40)
+SECONDS_MIN, SECONDS_MAX = -62135596800, 253402300799  # what Timestamp.ToJsonString takes
+#: Nanoseconds that take 0, 3, 6 and 9 fractional digits.
+nanos = st.one_of(
+    st.just(0),
+    st.integers(0, 999).map(lambda n: n * 1_000_000),
+    st.integers(0, 999_999).map(lambda n: n * 1000),
+    st.integers(0, 999_999_999),
+)
 
 
 @st.composite
-def episodes(draw: st.DrawFn) -> episode_pb2.Episode:
+def episodes(draw: st.DrawFn, numbers: st.SearchStrategy[float] = doubles) -> episode_pb2.Episode:
     episode = episode_pb2.Episode(
         episode=draw(st.integers(0, 2**63 - 1)),
-        reward=draw(doubles),
-        best_reward=draw(doubles),
+        reward=draw(numbers),
+        best_reward=draw(numbers),
         done=draw(st.booleans()),
-        metrics=draw(st.dictionaries(texts, doubles, max_size=4)),
+        metrics=draw(st.dictionaries(texts, numbers, max_size=4)),
     )
     if draw(st.booleans()):
-        episode.produce_time.FromNanoseconds(draw(st.integers(0, 4_000_000_000 * 10**9)))
+        episode.produce_time.seconds = draw(st.integers(SECONDS_MIN, SECONDS_MAX))
+        episode.produce_time.nanos = draw(nanos)
     kind = draw(st.sampled_from(["none", "imitation", "grpo"]))
     if kind == "imitation":
         episode.imitation.frame_count = draw(st.integers(0, 240))
@@ -73,6 +84,47 @@ def test_the_json_is_the_protobuf_mapping(episode: episode_pb2.Episode) -> None:
             _float32(a) for a in theirs["imitation"].pop("angles")
         ]
     assert _same(ours, theirs), (ours, theirs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(episodes(st.floats(allow_nan=False, allow_infinity=True)))
+def test_json_format_reads_back_the_same_message(episode: episode_pb2.Episode) -> None:
+    assert json_format.Parse(episode_json(episode), episode_pb2.Episode()) == episode
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(SECONDS_MIN, SECONDS_MAX), nanos)
+def test_timestamps_are_written_as_json_format_writes_them(seconds: int, nanos: int) -> None:
+    stamp = timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos)
+    assert module._timestamp(stamp) == stamp.ToJsonString()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "nanos"), [(SECONDS_MIN - 1, 0), (SECONDS_MAX + 1, 0), (0, -1), (0, 10**9)]
+)
+def test_an_invalid_timestamp_fails_as_in_json_format(seconds: int, nanos: int) -> None:
+    stamp = timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos)
+    with pytest.raises(ValueError):
+        stamp.ToJsonString()
+    with pytest.raises(ValueError):
+        module._timestamp(stamp)
+
+
+@pytest.mark.parametrize(
+    "angles",
+    [
+        [0.0, -0.0, 1e-45, -1e-45, 1.17549435e-38, 1e37, 9.99999968e37],
+        [3.40282347e38, -3.40282347e38, 1e38, 0.5],  # near FLT_MAX: written exactly
+        [math.inf, -math.inf, 1.0],  # the contract forbids them; the mapping does not
+        [math.sin(i) for i in range(240 * 32)],  # the contract's largest motion
+    ],
+)
+def test_motions_read_back_the_same(angles: list[float]) -> None:
+    episode = episode_pb2.Episode(episode=1)
+    episode.imitation.angles.extend(angles)
+    episode.imitation.frame_count = 1
+    episode.imitation.joint_count = len(angles)
+    assert json_format.Parse(episode_json(episode), episode_pb2.Episode()) == episode
 
 
 def test_the_fake_trainers_stream_reads_back_identically() -> None:

@@ -1,5 +1,6 @@
 """``GET /v1/runs/{id}/events`` read with a strict parser: replay, resume exactly once
-(``Last-Event-ID``, ``?after``), keepalives, the end, cuts, and coalesced writes."""
+(``Last-Event-ID``, ``?after``), keepalives, the end, cuts, coalesced writes,
+and a second replay served from the event cache."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from gateway.core.history import encode_frame
 from gateway.http import sse
-from tests.fakes.fake_trainer import FakeTrainer, Script, valid_episodes
+from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import collect
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from tests.http.conftest import Http, http_gateway
@@ -192,26 +192,21 @@ async def test_a_replay_goes_out_in_few_writes(
     assert writes <= 2000 // 256 + 4, writes
 
 
-def test_the_event_cache_serves_equal_frames_within_its_budget(
-    monkeypatch: pytest.MonkeyPatch,
+async def test_a_second_replay_is_the_same_bytes_without_writing_an_event(
+    http: Http, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    frames = [encode_frame(e.SerializeToString()) for e in valid_episodes(100, detail_every=10)]
-    large = [f for f in frames if len(f) >= 1024]
-    assert len(large) == 10
-    written = b"".join(sse.episode_event(f) for f in frames)
-    budget = 3 * max(len(f) + len(sse.episode_event(f)) for f in large)  # 3 motions
-    cache = sse.EventCache(budget_bytes=budget)
-    assert cache.events(frames) == written
-    assert 0 < cache.size <= budget
-    calls: list[bytes] = []
+    run_id = await finished_run(http, 600)
+    url = events_url(http, run_id)
+    first = await read_stream(http.session, url)
+    written = 0
     encode = sse.episode_event
 
     def counting(frame: bytes) -> bytes:
-        calls.append(frame)
+        nonlocal written
+        written += 1
         return encode(frame)
 
     monkeypatch.setattr(sse, "episode_event", counting)
-    copies = [bytes(bytearray(f)) for f in large[-3:]]  # equal bytes, read again elsewhere
-    assert cache.events(copies) == b"".join(encode(f) for f in copies)
-    assert calls == []  # all three kept: none written again
-    assert cache.events(large[:1]) == encode(large[0]) and calls == large[:1]  # evicted
+    second = await read_stream(http.session, url)
+    assert written == 0
+    assert second.events == first.events and second.numbers == list(range(1, 601))
