@@ -12,15 +12,16 @@ The stream is the core's watch (``RunRegistry.watch``, the one behind ``WatchRun
 
 It resumes after ``Last-Event-ID`` (what ``EventSource`` sends when it reconnects), else after
 ``?after=N`` (default 0: from the first episode): a reconnect continues after the last episode it
-saw, exactly once.
+saw, exactly once. ``?view=scalars`` streams the episodes without their detail (motions,
+completions: numbers only, for curves and tables); ``?view=full``, the default, with it.
 
 Each episode's event is written once and kept in an ``EventCache`` shared by every stream, so
 a replay of a history already sent (a reload, a second page) costs little more than its writes:
 a replayed batch (up to 256 episodes) goes out in one write.
 
-Errors before the first byte (unknown run, bad ``after``) are answered like every other call
-(``gateway.http.errors``); once the stream has begun, an error or a gateway shutdown ends it, and
-the client resumes from its last event id.
+Errors before the first byte (unknown run, bad ``after`` or ``view``) are answered like every
+other call (``gateway.http.errors``); once the stream has begun, an error or a gateway shutdown
+ends it, and the client resumes from its last event id.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -179,6 +181,34 @@ def resume_point(request: web.Request) -> int:
     return _episode_number(request.query.get("after", "0"), "after")
 
 
+#: ``?view=``: what each episode carries, as the core's watch takes it (``scalars``).
+VIEWS = {"full": False, "scalars": True}
+
+
+def scalar_view(request: web.Request) -> bool:
+    """Whether ``?view=scalars`` asks for episodes without their detail (default ``full``).
+
+    Raises:
+        InvalidRequest: another view.
+    """
+    view = request.query.get("view", "full")
+    if view not in VIEWS:
+        raise InvalidRequest(
+            f"view must be one of {', '.join(VIEWS)}, got {view!r}",
+            [FieldViolation("view", f"{view!r}; need one of {', '.join(VIEWS)}")],
+        )
+    return VIEWS[view]
+
+
+@dataclass(frozen=True, slots=True)
+class WatchQuery:
+    """What a stream watches: the run, the episode to resume after, and the view."""
+
+    run_id: str
+    after_episode: int
+    scalars: bool
+
+
 class _Watch:
     """The watch behind a stream; errors are mapped as ``WatchRun`` maps them."""
 
@@ -186,10 +216,9 @@ class _Watch:
         self._core = core
 
     @map_errors
-    async def WatchRun(
-        self, request: gateway_service_pb2.WatchRunRequest, context: Any
-    ) -> AsyncGenerator[WatchEvent, None]:
-        async for event in self._core.watch(request.run_id, request.after_episode):
+    async def WatchRun(self, request: WatchQuery, context: Any) -> AsyncGenerator[WatchEvent, None]:
+        watch = self._core.watch(request.run_id, request.after_episode, scalars=request.scalars)
+        async for event in watch:
             yield event
 
 
@@ -215,9 +244,7 @@ class EventStreams:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/runs/{run_id}/events``."""
         run_id = request.match_info["run_id"]
-        watch_request = gateway_service_pb2.WatchRunRequest(
-            run_id=run_id, after_episode=resume_point(request)
-        )
+        watch_request = WatchQuery(run_id, resume_point(request), scalar_view(request))
         context = HttpContext(request)
         task = asyncio.current_task()
         assert task is not None

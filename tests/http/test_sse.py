@@ -1,5 +1,5 @@
 """``GET /v1/runs/{id}/events`` read with a strict parser: replay, resume exactly once
-(``Last-Event-ID``, ``?after``), keepalives, the end, cuts, coalesced writes,
+(``Last-Event-ID``, ``?after``), the scalar view, keepalives, the end, cuts, coalesced writes,
 and a second replay served from the event cache."""
 
 from __future__ import annotations
@@ -68,9 +68,12 @@ async def test_after_and_last_event_id_resume_exactly_once(http: Http) -> None:
         ("?after=ten", None, "after"),
         ("", {"Last-Event-ID": "x"}, "Last-Event-ID"),
         ("", {"Last-Event-ID": str(1 << 63)}, "Last-Event-ID"),
+        ("?view=summary", None, "view"),
+        ("?view=SCALARS", None, "view"),
+        ("?view=", None, "view"),
     ],
 )
-async def test_a_bad_resume_point_is_400(
+async def test_a_bad_resume_point_or_view_is_400(
     http: Http, query: str, headers: dict[str, str] | None, field: str
 ) -> None:
     run_id = await finished_run(http, 3)
@@ -190,6 +193,29 @@ async def test_a_replay_goes_out_in_few_writes(
     assert stream.numbers == list(range(1, 2001))
     # 2000 episodes in batches of <= 256 (history pages of 256), caught_up and finished.
     assert writes <= 2000 // 256 + 4, writes
+
+
+async def test_the_scalar_view_is_every_episode_without_its_detail(http: Http) -> None:
+    run_id = await finished_run(http, 120)  # a motion every 10th episode
+    full = await read_stream(http.session, events_url(http, run_id, "?view=full"))
+    assert full.episodes == (await read_stream(http.session, events_url(http, run_id))).episodes
+    assert sum(e.HasField("imitation") for e in full.episodes) == 12
+    scalars = await read_stream(http.session, events_url(http, run_id, "?view=scalars&after=5"))
+    assert scalars.numbers == list(range(6, 121))
+    assert scalars.kinds[-2:] == ["caught_up", "finished"]
+    expected = full.episodes[5:]
+    for episode in expected:
+        episode.ClearField("detail")
+    assert scalars.episodes == expected
+
+
+async def test_the_scalar_view_of_a_live_run(http: Http) -> None:
+    run_id = (await http.create(max_episodes=40, episodes_per_second=80))["id"]
+    stream = await read_stream(
+        http.session, events_url(http, run_id, "?view=scalars"), timeout=JOB_TIMEOUT
+    )
+    assert stream.numbers == list(range(1, 41)) and stream.finished is not None
+    assert not any(e.WhichOneof("detail") for e in stream.episodes)
 
 
 async def test_a_second_replay_is_the_same_bytes_without_writing_an_event(
