@@ -3,8 +3,12 @@
 // It talks to the gateway's JSON API (the protobuf JSON mapping: int64 fields arrive as strings,
 // fields at their default are left out) and follows a run over server-sent events. Requests go
 // through `api()` and streams through `eventsUrl()`: the one place each to add a bearer token.
+//
+// The run view draws a run of any length in about the same time: it loads the run's curve in
+// buckets (about one per pixel of the chart), then follows the event stream from the curve's
+// last episode on, adding live episodes to the chart and merging them as they pile up.
 
-import { Avatar, Curve, rollingWindow } from "./draw.js";
+import { Avatar, Curve, CurveBuckets } from "./draw.js";
 
 // -- the API ---------------------------------------------------------------------------------
 
@@ -271,12 +275,13 @@ class RunsView {
 
 // -- run view --------------------------------------------------------------------------------
 
-/** Follows a run's event stream; resumes after the last episode it saw, exactly once. */
+/** Follows a run's event stream after an episode; resumes after the last episode it saw,
+ * exactly once. */
 class RunStream {
-  constructor(runId, handlers) {
+  constructor(runId, after, handlers) {
     this.runId = runId;
     this.handlers = handlers;
-    this.last = 0; // the last episode accepted
+    this.last = after; // the last episode accepted
     this.reconnects = 0;
     this.gaps = 0;
     this.duplicates = 0;
@@ -358,11 +363,20 @@ class RunView {
     return Math.min(20, Math.max(0.1, Number((10 ** Number($("#speed").value)).toPrecision(2))));
   }
 
-  async start(runId) {
+  /**
+   * Opens a run.
+   * @param {string} runId
+   * @param {number} since performance.now() when the view was asked for (0: the page's load)
+   */
+  async start(runId, since) {
+    const opened = (this.opened = {}); // this opening, until the next start or stop
     this.runId = runId;
     this.run = null;
     this.final = false;
-    this.pendingMotion = null;
+    this.pendingMotion = null; // [detail, episode] of the latest episode with a motion
+    this.completionsEpisode = 0;
+    this.latest = 0; // the latest episode the stream brought
+    this.zoom = null; // the zoom asked for last, while the chart shows a range
     this.timer = null;
     $("#run-view").hidden = false;
     $("#run-title").textContent = runId;
@@ -375,22 +389,51 @@ class RunView {
     $("#metrics").replaceChildren();
     this.counter(0);
     const curveNode = $("#curve");
-    Object.assign(curveNode.dataset, { episodes: "0", last: "0", gaps: "0", duplicates: "0" });
+    Object.assign(curveNode.dataset, { first: "0", episodes: "0", last: "0", gaps: "0", duplicates: "0" });
+    delete curveNode.dataset.points; // set again by the first drawing, with data-first-paint-ms
+    delete curveNode.dataset.firstPaintMs;
+    this.width = Curve.bucketsFor(curveNode);
+    const path = `/v1/runs/${encodeURIComponent(runId)}`;
+    // The run and its curve at once: the first drawing waits for the slower, not for both.
+    const curveReply = api("GET", `${path}/curve?buckets=${this.width}`);
+    curveReply.catch(() => {}); // awaited below, unless the run turns out not to exist
     let run;
     try {
-      run = (await api("GET", `/v1/runs/${encodeURIComponent(runId)}`)).run;
+      run = (await api("GET", path)).run;
     } catch (err) {
       $("#run-title").textContent = "Run not found";
       this.showError(err.message);
       return;
     }
-    if (this.runId !== runId) return; // left meanwhile
-    this.curve = new Curve(curveNode, rollingWindow(num(run.config && run.config.maxEpisodes)));
-    $("#curve-note").textContent = `rolling mean of ${this.curve.window}`;
+    if (this.opened !== opened) return; // left meanwhile
     this.update(run);
     if (run.task && run.task.imitation) this.loadAvatar(runId);
     if (run.task && run.task.grpo) $("#completions-card").hidden = false;
-    this.stream = new RunStream(runId, {
+    let failed = null;
+    try {
+      this.buckets = CurveBuckets.fromReply(await curveReply);
+    } catch (err) {
+      this.buckets = new CurveBuckets(); // the live episodes still draw
+      failed = err;
+    }
+    if (this.opened !== opened) return;
+    this.curve = new Curve(curveNode, {
+      onZoom: (first, last) => this.zoomTo(first, last),
+      onReset: () => this.zoomOut(),
+      since,
+    });
+    this.curve.show(this.buckets);
+    if (failed) $("#curve-note").textContent = `cannot load the curve: ${failed.message}`;
+    else this.curveNote();
+    const covered = this.buckets.lastEpisode || num(run.episode);
+    this.counter(covered);
+    if (covered) {
+      $("#stat-reward").textContent = fixed(num(run.reward));
+      $("#stat-best").textContent = fixed(num(run.bestReward));
+    }
+    // The stream starts at the curve's last episode, which the chart already has: the one
+    // episode replayed brings its reward, metrics and detail to the rest of the view.
+    this.stream = new RunStream(runId, Math.max(0, covered - 1), {
       episode: (episode, n) => this.episode(episode, n),
       caughtUp: () => {},
       finished: (final) => {
@@ -407,13 +450,54 @@ class RunView {
 
   stop() {
     this.runId = null;
+    this.opened = this.zoom = null;
     clearInterval(this.timer);
     if (this.stream) this.stream.close();
     if (this.curve) this.curve.destroy();
     if (this.avatar) this.avatar.destroy();
-    this.stream = this.curve = this.avatar = null;
+    this.stream = this.curve = this.avatar = this.buckets = null;
     link.set("idle", 0);
     $("#run-view").hidden = true;
+  }
+
+  /** Shows episodes first..last in finer buckets (a drag across the chart). While zoomed in,
+   * live episodes go on into the whole run's buckets, drawn again on zooming out. */
+  async zoomTo(first, last) {
+    const zoom = (this.zoom = { first, last });
+    $("#curve-note").textContent = `loading episodes ${first}\u2013${last}\u2026`;
+    const query = `buckets=${this.width}&firstEpisode=${first}&lastEpisode=${last}`;
+    try {
+      const reply = await api("GET", `/v1/runs/${encodeURIComponent(this.runId)}/curve?${query}`);
+      if (this.zoom !== zoom || !this.curve) return; // zoomed elsewhere or out meanwhile
+      this.curve.show(CurveBuckets.fromReply(reply));
+      this.curveNote();
+    } catch (err) {
+      if (this.zoom !== zoom || !this.curve) return;
+      this.zoom = null; // the chart still shows the whole run, and follows it again
+      this.curve.changed();
+      $("#curve-note").textContent = `cannot zoom in: ${err.message}`;
+    }
+  }
+
+  /** Shows the whole run again (a double click on the chart). */
+  zoomOut() {
+    if (!this.zoom || !this.curve) return;
+    this.zoom = null;
+    this.curve.show(this.buckets);
+    this.curveNote();
+  }
+
+  /** What the chart shows and how to change it. */
+  curveNote() {
+    const shown = this.curve.shown;
+    if (!shown.length && !this.zoom) {
+      $("#curve-note").textContent = "no episodes yet";
+      return;
+    }
+    const per = shown.length ? (shown.lastEpisode - shown.firstEpisode + 1) / shown.length : 1;
+    const what = per < 1.5 ? "one point per episode" : `band: min\u2013max of ~${Math.round(per)} episodes, line: their mean`;
+    const how = this.zoom ? `episodes ${shown.firstEpisode}\u2013${shown.lastEpisode}, double-click to zoom out` : "drag to zoom in";
+    $("#curve-note").textContent = `${what} \u00b7 ${how}`;
   }
 
   async loadAvatar(runId) {
@@ -423,7 +507,7 @@ class RunView {
       this.avatar = new Avatar($("#avatar"), motion.rig, motion.clip);
       if (this.pendingMotion) this.avatar.setLearned(...this.pendingMotion);
       $("#avatar-card").hidden = false;
-      $("#avatar-note").textContent = this.pendingMotion ? `episode ${this.pendingMotion[1]}` : "no learned motion yet";
+      this.motionNote(this.latest);
     } catch (err) {
       $("#avatar-note").textContent = `no avatar: ${err.message}`;
     }
@@ -437,24 +521,56 @@ class RunView {
   }
 
   episode(episode, n) {
-    this.curve.push(n, num(episode.reward), num(episode.bestReward));
+    if (n > this.buckets.lastEpisode) {
+      this.buckets.add(n, num(episode.reward), num(episode.bestReward));
+      const merge = this.buckets.length > 4 * this.width;
+      if (merge) this.buckets.compact(this.width);
+      if (!this.zoom) {
+        this.curve.changed();
+        if (merge || this.buckets.length === 1) this.curveNote();
+      }
+    }
+    this.latest = n;
     this.counter(n);
     $("#stat-reward").textContent = fixed(num(episode.reward));
     $("#stat-best").textContent = fixed(num(episode.bestReward));
+    // A long run keeps the detail of a sample of its episodes. For one without, the avatar and
+    // the completions keep the latest they have, under that episode's number, and say that
+    // this one kept none: never another episode's detail shown as this one's.
     if (episode.imitation) {
       this.pendingMotion = [episode.imitation, n];
-      if (this.avatar) {
-        this.avatar.setLearned(episode.imitation, n);
-        $("#avatar-note").textContent = `episode ${n}`;
-      }
+      if (this.avatar) this.avatar.setLearned(episode.imitation, n);
     }
+    if (this.avatar) this.motionNote(n);
     if (episode.grpo) this.completions(episode.grpo.sampleCompletions || [], n);
+    else if (this.run && this.run.task && this.run.task.grpo) this.completionsNote(n);
     if (episode.metrics) this.metrics(episode.metrics);
+  }
+
+  /** The avatar's note: which episode's motion it shows, if the latest episode kept none. */
+  motionNote(latest) {
+    const shown = this.pendingMotion ? this.pendingMotion[1] : 0;
+    let note = shown ? `episode ${shown}` : "no learned motion yet";
+    if (latest && shown !== latest) {
+      note = `episode ${latest}: no motion kept for this episode` + (shown ? ` (showing episode ${shown})` : "");
+    }
+    $("#avatar-note").textContent = note;
   }
 
   completions(texts, n) {
     $("#completions").replaceChildren(...texts.map((text) => el("li", {}, el("pre", { textContent: text }))));
-    $("#completions-note").textContent = `episode ${n}`;
+    this.completionsEpisode = n;
+    this.completionsNote(n);
+  }
+
+  /** The completions' note: which episode they are from, if the latest episode kept none. */
+  completionsNote(latest) {
+    const shown = this.completionsEpisode;
+    let note = `episode ${shown}`;
+    if (shown !== latest) {
+      note = `episode ${latest}: no completions kept for this episode` + (shown ? ` (showing episode ${shown})` : "");
+    }
+    $("#completions-note").textContent = note;
   }
 
   metrics(metrics) {
@@ -532,12 +648,13 @@ const runsView = new RunsView();
 const runView = new RunView();
 let current = null;
 
-function route() {
+function route(event) {
   if (current) current.stop();
   const match = location.hash.match(/^#\/runs\/([^/]+)$/);
   if (match) {
     current = runView;
-    runView.start(decodeURIComponent(match[1]));
+    // The page's first view counts from the navigation that loaded it (performance.now()'s 0).
+    runView.start(decodeURIComponent(match[1]), event ? performance.now() : 0);
   } else {
     current = runsView;
     runsView.start();
