@@ -7,7 +7,7 @@ may read or write is refused. A presented token is hashed and compared with ever
 in constant time (``hmac.compare_digest``, no early exit).
 
 Roles are ordered, each including the one before (``RPC_ROLES``): ``viewer`` reads (GetRun,
-ListRuns, WatchRun, ListCheckpoints, DownloadCheckpoint: a model is read like its run),
+ListRuns, WatchRun, GetRunCurve, ListCheckpoints, DownloadCheckpoint: a model is read like its run),
 ``operator`` also drives runs (CreateRun, PauseRun, ResumeRun, StopRun, SetRunSpeed),
 ``admin`` also deletes (DeleteRun). Health is open; reflection, and anything not
 named, needs ``viewer`` (a GatewayService RPC missing from the table needs ``admin``).
@@ -83,6 +83,7 @@ RPC_ROLES: dict[str, Role] = {
     "WatchRun": Role.VIEWER,
     "ListCheckpoints": Role.VIEWER,
     "DownloadCheckpoint": Role.VIEWER,
+    "GetRunCurve": Role.VIEWER,
     "CreateRun": Role.OPERATOR,
     "PauseRun": Role.OPERATOR,
     "ResumeRun": Role.OPERATOR,

@@ -9,6 +9,7 @@ import time
 
 from google.protobuf import timestamp_pb2
 
+from gateway.core.curve import Bucket
 from gateway.core.errors import InvalidRequest
 from gateway.core.history import encode_batch
 from gateway.core.registry import (
@@ -46,6 +47,19 @@ def checkpoint_to_proto(record: CheckpointRecord | CheckpointSaved) -> episode_p
     )
     message.create_time.FromNanoseconds(record.create_time)
     return message
+
+
+def bucket_to_proto(bucket: Bucket) -> gateway_service_pb2.CurveBucket:
+    """The ``CurveBucket`` message of a curve's bucket."""
+    return gateway_service_pb2.CurveBucket(
+        first_episode=bucket.first,
+        last_episode=bucket.last,
+        reward_min=bucket.reward_min,
+        reward_max=bucket.reward_max,
+        reward_mean=bucket.reward_mean,
+        best_reward=bucket.best_reward,
+        metrics_mean=bucket.metrics_mean,
+    )
 
 
 def run_to_proto(
@@ -100,6 +114,26 @@ def view_from_proto(view: int) -> int:
     if view in (gateway_service_pb2.RUN_VIEW_BASIC, gateway_service_pb2.RUN_VIEW_FULL):
         return view
     raise InvalidRequest(f"unknown view {view}", [FieldViolation("view", f"unknown view {view}")])
+
+
+def scalars_from_proto(view: int, run_id: str) -> bool:
+    """Whether a ``WatchRun`` asks for episodes without detail (``EpisodeView``).
+
+    Raises:
+        InvalidRequest: an unknown view number.
+    """
+    if view == gateway_service_pb2.EPISODE_VIEW_SCALARS:
+        return True
+    if view in (
+        gateway_service_pb2.EPISODE_VIEW_UNSPECIFIED,
+        gateway_service_pb2.EPISODE_VIEW_FULL,
+    ):
+        return False
+    raise InvalidRequest(
+        f"watch of run {run_id!r}: unknown view {view}",
+        [FieldViolation("view", f"unknown view {view}; need EPISODE_VIEW_FULL or _SCALARS")],
+        run_id,
+    )
 
 
 def run_spec_from_proto(request: gateway_service_pb2.CreateRunRequest) -> RunSpec:

@@ -110,8 +110,25 @@ class GatewayServicer:
             # Checked here, not by a wrapping generator: every message of a watch would pay
             # for one more generator layer.
             raise request.error()
-        async for event in self._core.watch(request.run_id, request.after_episode):
+        scalars = convert.scalars_from_proto(request.view, request.run_id)
+        async for event in self._core.watch(request.run_id, request.after_episode, scalars):
             yield convert.watch_event_to_wire(event)
+
+    @map_errors
+    async def GetRunCurve(
+        self, request: pb.GetRunCurveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetRunCurveResponse:
+        """A run's curve as contiguous buckets (see ``gateway.core.curve``)."""
+        buckets, last = await self._core.curve(
+            request.run_id,
+            request.buckets,
+            list(request.metrics),
+            request.first_episode,
+            request.last_episode,
+        )
+        return pb.GetRunCurveResponse(
+            buckets=[convert.bucket_to_proto(b) for b in buckets], last_episode=last
+        )
 
     @map_errors
     async def ListCheckpoints(
@@ -190,6 +207,7 @@ UNARY_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "SetRunSpeed": (pb.SetRunSpeedRequest, pb.SetRunSpeedResponse),
     "DeleteRun": (pb.DeleteRunRequest, pb.DeleteRunResponse),
     "ListCheckpoints": (pb.ListCheckpointsRequest, pb.ListCheckpointsResponse),
+    "GetRunCurve": (pb.GetRunCurveRequest, pb.GetRunCurveResponse),
 }
 
 

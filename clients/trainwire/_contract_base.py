@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from trainwire.v1 import episode_pb2
 
-MAX_EPISODES = 5000
+MAX_EPISODES = 10_000_000
 #: The most checkpoints a run may keep (``TrainConfig.keep_checkpoints``).
 MAX_KEEP_CHECKPOINTS = 100
 MAX_FRAMES = 240

@@ -45,6 +45,8 @@ from typing import Protocol
 
 from gateway.core.checkpoints import CheckpointFiles, keep_of, record_of, resume_points
 from gateway.core.credit import CreditWindow, lead_for
+from gateway.core.curve import CurveBuilder
+from gateway.core.details import DetailRetention
 from gateway.core.ending import Ending, end_of, log_end
 from gateway.core.errors import StoreUnavailable
 from gateway.core.feed import Inbox, TrainerFeed
@@ -124,6 +126,8 @@ class DriverContext:
     unsaved: Callable[[TrainingRun], None]
     #: The checkpoint store's files (None: checkpoints are recorded, never deleted).
     checkpoint_files: CheckpointFiles | None = None
+    #: Drops cached history pages of ``(run_id, first, last)`` (their details were dropped).
+    forget_pages: Callable[[str, int, int], None] = lambda run_id, first, last: None
 
 
 class RunDriver:
@@ -140,11 +144,22 @@ class RunDriver:
         self.run = run
         self._ctx = ctx
         self.kind = task_kind(run.task)
-        self.log = EpisodeLog(run.id, ctx.settings.live_coalesce_s, ctx.clock)
+        self.log = EpisodeLog(
+            run.id, ctx.settings.live_coalesce_s, ctx.clock, ctx.settings.live_episodes
+        )
         self.pacer = Pacer(run.episodes_per_second, run.speed, ctx.clock)
         self.credit = CreditWindow(run.config.max_episodes)
         self.publisher = Publisher(
             run, self.log, self.pacer, ctx.store, ctx.observer, self._maybe_grant
+        )
+        self.publisher.details = DetailRetention(
+            run,
+            self.kind,
+            ctx.store,
+            ctx.spawn,
+            ctx.forget_pages,
+            ctx.settings.live_episodes,
+            ctx.settings.details_per_run,
         )
         self.inbox = Inbox()
         self.feed: TrainerFeed | None = None
@@ -229,12 +244,14 @@ class RunDriver:
         self.pending_detail = f"starting on {trainer}"
         self.task = asyncio.create_task(self._drive(None), name=f"gateway-run-{self.run.id}")
 
-    def reattach(self, frames: list[bytes]) -> None:
-        """Continues a RUNNING or PAUSED run after a gateway restart: its committed history
-        ``frames`` goes back into the log and the stream re-attaches to the trainer's job.
-        (What a previous gateway received and did not publish is gone with it: the run has
-        received through its published episode.)"""
-        self.log.frames.extend(frames)
+    def reattach(self, frames: list[bytes], curve: CurveBuilder) -> None:
+        """Continues a RUNNING or PAUSED run after a gateway restart: the live tail of its
+        committed history (``frames``) goes back into the log, its curve's open blocks into the
+        publisher, and the stream re-attaches to the trainer's job. (What a previous gateway
+        received and did not publish is gone with it: the run has received through its
+        published episode.)"""
+        self.log.restore(self.run.episode, frames)
+        self.publisher.curve = curve
         self.run.trainer_episode = self.run.episode
         if self.run.parked:
             # No job to re-attach to: resume places it again.
@@ -874,6 +891,8 @@ class RunDriver:
         self._ctx.on_end(self)
         self._ended.set()
         self.log.close()
+        if self.publisher.details is not None:
+            self._ctx.spawn(self.publisher.details.finish(), f"gateway-details-{run.id}")
         if run.trainer or self._trainer:
             self._ctx.scheduler.run_ended(run.trainer or self._trainer)
         log_end(run)

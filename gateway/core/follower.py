@@ -126,6 +126,9 @@ class Follower:
             return
         changed = run.state is not self.run.state
         self.run = run
+        if not self.log.last_episode and run.episode > self.log.keep:
+            # Only the live tail is held; what is older is read through the page cache.
+            self.log.base = run.episode - self.log.keep
         first = last = self.log.last_episode
         while run.episode > last:
             upto = min(run.episode, last + READ_CHUNK)

@@ -27,7 +27,8 @@ _EPISODE_TAG = b"\x0a"  # field 1, wire type 2: WatchRunResponse.episode / Episo
 _BATCH_TAG = b"\x2a"  # field 5, wire type 2: WatchRunResponse.batch
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """The protobuf varint of ``value``."""
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -36,9 +37,52 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+#: ``Episode.detail``'s fields (10: imitation, 11: grpo); they serialize after every other field.
+_DETAIL_FIELDS = frozenset({10, 11})
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def detail_offset(data: bytes) -> int:
+    """Where the ``detail`` field of a serialized ``Episode`` begins (``len(data)`` when it has
+    none, or when ``data`` is not an episode): the episode's numbers are ``data[:offset]``."""
+    i = 0
+    end = len(data)
+    try:
+        while i < end:
+            start = i
+            key, i = _read_varint(data, i)
+            if key >> 3 in _DETAIL_FIELDS:
+                return start
+            wire = key & 7
+            if wire == 0:
+                _, i = _read_varint(data, i)
+            elif wire == 1:
+                i += 8
+            elif wire == 2:
+                length, i = _read_varint(data, i)
+                i += length
+            elif wire == 5:
+                i += 4
+            else:
+                return end
+    except IndexError:
+        return end
+    return end
+
+
 def encode_frame(episode_bytes: bytes) -> bytes:
     """The frame of a serialized ``Episode`` (see the module docstring)."""
-    return _EPISODE_TAG + _varint(len(episode_bytes)) + episode_bytes
+    return _EPISODE_TAG + varint(len(episode_bytes)) + episode_bytes
 
 
 def frame_payload(frame: bytes) -> bytes:
@@ -52,7 +96,7 @@ def frame_payload(frame: bytes) -> bytes:
 def encode_batch(frames: Sequence[bytes]) -> bytes:
     """A serialized ``WatchRunResponse`` whose ``batch`` holds these frames' episodes."""
     body = b"".join(frames)
-    return _BATCH_TAG + _varint(len(body)) + body
+    return _BATCH_TAG + varint(len(body)) + body
 
 
 def batch_end(
@@ -94,12 +138,28 @@ def split_batches(
         lo = hi
 
 
-class EpisodeLog:
-    """The published history of one active run, and the wake-up of watchers waiting on it.
+#: Episodes an active run keeps in memory (its live tail); between one and two times this many
+#: are held. Older episodes are read from the store through the page cache.
+LIVE_EPISODES = 2048
 
-    ``frames[i]`` is episode ``i + 1``. Only committed episodes are appended. Waiting watchers
-    each park one future in ``_waiters``; a wake-up resolves them all and empties the set, and
-    a watcher that goes away removes its own future, so nothing outlives a watcher.
+
+def scalar_frame(frame: bytes) -> bytes:
+    """The frame of the same episode without its detail (the same object when it has none)."""
+    payload = frame_payload(frame)
+    at = detail_offset(payload)
+    return frame if at == len(payload) else encode_frame(payload[:at])
+
+
+class EpisodeLog:
+    """The live tail of one active run's published history, and the wake-up of watchers
+    waiting on it.
+
+    It holds the frames of episodes ``base + 1 .. last_episode`` (at most ``2 x keep``; the
+    older ones are in the store), in two views: ``frames`` with their detail and
+    ``scalar_frames`` without (the same objects where an episode has no detail). Only committed
+    episodes are appended. Waiting watchers each park one future in ``_waiters``; a wake-up
+    resolves them all and empties the set, and a watcher that goes away removes its own
+    future, so nothing outlives a watcher.
 
     Publications wake watchers at most once per *wake window*: when episodes arrive faster than
     that, the ones in between go out together (one batch per watcher instead of one message
@@ -114,17 +174,21 @@ class EpisodeLog:
         run_id: The run.
         min_wake_interval: Minimum seconds between two publication wake-ups (0: every one).
         clock: Monotonic clock in seconds.
+        keep: Episodes kept in memory at least (``LIVE_EPISODES``).
     """
 
     __slots__ = (
         "_clock",
+        "_keep",
         "_last_wake",
         "_min_wake_interval",
         "_timer",
         "_waiters",
+        "base",
         "closed",
         "frames",
         "run_id",
+        "scalar_frames",
         "watchers",
     )
 
@@ -133,10 +197,14 @@ class EpisodeLog:
         run_id: str,
         min_wake_interval: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        keep: int = LIVE_EPISODES,
     ) -> None:
         self.run_id = run_id
+        self.base = 0
         self.frames: list[bytes] = []
+        self.scalar_frames: list[bytes] = []
         self.closed = False
+        self._keep = keep
         self._waiters: set[asyncio.Future[None]] = set()
         self._min_wake_interval = min_wake_interval
         self._clock = clock
@@ -147,16 +215,37 @@ class EpisodeLog:
     @property
     def last_episode(self) -> int:
         """The last published episode (0 before the first)."""
-        return len(self.frames)
+        return self.base + len(self.frames)
 
     @property
     def waiter_count(self) -> int:
         """How many watchers are parked (for tests and metrics)."""
         return len(self._waiters)
 
-    def publish(self, frames: Sequence[bytes]) -> None:
-        """Appends committed frames and wakes the waiting watchers (see the class docstring)."""
-        self.frames.extend(frames)
+    @property
+    def keep(self) -> int:
+        """Episodes it holds at least (once it has them)."""
+        return self._keep
+
+    def view(self, scalars: bool) -> list[bytes]:
+        """The frames held (episode ``base + 1`` first), with or without detail."""
+        return self.scalar_frames if scalars else self.frames
+
+    def restore(self, last_episode: int, frames: Sequence[bytes]) -> None:
+        """Fills an empty log with the committed tail ``frames`` ending at ``last_episode``
+        (after a gateway restart, or for a replica that follows the run)."""
+        assert not self.frames, "restore() fills an empty log"
+        self.base = last_episode - len(frames)
+        self._append(frames, [scalar_frame(f) for f in frames])
+
+    def publish(
+        self, frames: Sequence[bytes], scalar_frames: Sequence[bytes] | None = None
+    ) -> None:
+        """Appends committed frames (and their scalar views, computed when not given) and
+        wakes the waiting watchers (see the class docstring)."""
+        if scalar_frames is None:
+            scalar_frames = [scalar_frame(f) for f in frames]
+        self._append(frames, scalar_frames)
         if self._timer is not None:
             return  # a wake-up is already scheduled; it will carry these frames too
         window = min(self._min_wake_interval, self.watchers * WAKE_WINDOW_PER_WATCHER)
@@ -165,6 +254,16 @@ class EpisodeLog:
             self.wake()
         else:
             self._timer = asyncio.get_running_loop().call_later(delay, self.wake)
+
+    def _append(self, frames: Sequence[bytes], scalar_frames: Sequence[bytes]) -> None:
+        self.frames.extend(frames)
+        self.scalar_frames.extend(scalar_frames)
+        excess = len(self.frames) - self._keep
+        if excess > self._keep:
+            # New lists: a watcher slicing the old ones keeps what it holds.
+            self.frames = self.frames[excess:]
+            self.scalar_frames = self.scalar_frames[excess:]
+            self.base += excess
 
     def close(self) -> None:
         """Marks the history complete (the run finished) and wakes every watcher."""
@@ -199,35 +298,41 @@ class EpisodeLog:
 
 
 class PageCache:
-    """A byte-bounded LRU of history pages of finished runs, shared by all watchers.
+    """A byte-bounded LRU of history pages read from the store (finished runs, and the history
+    of active runs older than their live tail), shared by all watchers.
 
     Page ``k`` of a run holds the frames of episodes ``k*PAGE_EPISODES + 1`` onwards (at most
-    ``PAGE_EPISODES``). Concurrent misses on one page share a single load.
+    ``PAGE_EPISODES``), in one view (with detail, or without: ``scalars``). Concurrent misses on
+    one page share a single load.
 
     Args:
-        loader: Loads ``(run_id, first, last)`` -> serialized episodes from the store.
+        loader: Loads ``(run_id, first, last, scalars)`` -> serialized episodes from the store.
         max_bytes: Capacity; 0 disables caching.
     """
 
     def __init__(
         self,
-        loader: Callable[[str, int, int], Awaitable[list[bytes]]],
+        loader: Callable[[str, int, int, bool], Awaitable[list[bytes]]],
         max_bytes: int,
     ) -> None:
         self._loader = loader
         self._max_bytes = max_bytes
         self._bytes = 0
-        self._pages: OrderedDict[tuple[str, int], tuple[bytes, ...]] = OrderedDict()
-        self._loading: dict[tuple[str, int], asyncio.Future[tuple[bytes, ...]]] = {}
+        self._pages: OrderedDict[tuple[str, int, bool], tuple[bytes, ...]] = OrderedDict()
+        self._loading: dict[tuple[str, int, bool], asyncio.Future[tuple[bytes, ...]]] = {}
 
     @property
     def size_bytes(self) -> int:
         """Bytes of frames cached now."""
         return self._bytes
 
-    async def page(self, run_id: str, index: int, last_episode: int) -> tuple[bytes, ...]:
-        """Frames of page ``index`` of a finished run whose last episode is ``last_episode``."""
-        key = (run_id, index)
+    async def page(
+        self, run_id: str, index: int, last_episode: int, scalars: bool = False, final: bool = True
+    ) -> tuple[bytes, ...]:
+        """Frames of page ``index`` of a run whose episodes through ``last_episode`` are
+        committed (``final``: and no more will be; otherwise a page that is not full is not
+        cached, it may grow)."""
+        key = (run_id, index, scalars)
         cached = self._pages.get(key)
         if cached is not None:
             self._pages.move_to_end(key)
@@ -240,7 +345,7 @@ class PageCache:
         try:
             first = index * PAGE_EPISODES + 1
             last = min(last_episode, first + PAGE_EPISODES - 1)
-            data = await self._loader(run_id, first, last)
+            data = await self._loader(run_id, first, last, scalars)
             frames = tuple(encode_frame(d) for d in data)
         except BaseException as exc:
             future.set_exception(exc)
@@ -250,11 +355,11 @@ class PageCache:
             del self._loading[key]
         future.set_result(frames)
         # Only a complete page is cached: a short read means the run was deleted meanwhile.
-        if len(frames) == last - first + 1:
+        if len(frames) == last - first + 1 and (final or len(frames) == PAGE_EPISODES):
             self._put(key, frames)
         return frames
 
-    def _put(self, key: tuple[str, int], frames: tuple[bytes, ...]) -> None:
+    def _put(self, key: tuple[str, int, bool], frames: tuple[bytes, ...]) -> None:
         size = sum(len(f) for f in frames)
         if size > self._max_bytes:
             return
@@ -264,8 +369,14 @@ class PageCache:
             _, old = self._pages.popitem(last=False)
             self._bytes -= sum(len(f) for f in old)
 
-    def forget(self, run_id: str) -> None:
-        """Drops every page of a run (it was deleted)."""
-        for key in [k for k in self._pages if k[0] == run_id]:
+    def forget(self, run_id: str, first: int = 1, last: int | None = None) -> None:
+        """Drops the pages of a run (it was deleted), or those holding episodes
+        ``first..last`` (their details were dropped)."""
+        lo = (first - 1) // PAGE_EPISODES
+        hi = None if last is None else (last - 1) // PAGE_EPISODES
+        stale = [
+            k for k in self._pages if k[0] == run_id and lo <= k[1] and (hi is None or k[1] <= hi)
+        ]
+        for key in stale:
             frames = self._pages.pop(key)
             self._bytes -= sum(len(f) for f in frames)

@@ -14,8 +14,10 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+from gateway.core.curve import CurveBuilder
+from gateway.core.details import DetailRetention
 from gateway.core.feed import Inbox
-from gateway.core.history import EpisodeLog, encode_frame
+from gateway.core.history import EpisodeLog, encode_frame, varint
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
 from gateway.core.runs import RunState, TrainingRun
@@ -60,8 +62,13 @@ class Publisher:
         self._control = asyncio.Event()
         # Set by every commit of this run's episodes.
         self._committed = asyncio.Event()
-        # Handed to the store, awaiting commit: (episode, reward, best_reward, frame).
-        self._pending: deque[tuple[int, float, float, bytes]] = deque()
+        # Handed to the store, awaiting commit: (episode, reward, best_reward, frame, scalar
+        # frame).
+        self._pending: deque[tuple[int, float, float, bytes, bytes]] = deque()
+        #: The run's curve blocks (``restore_builder`` after a restart or a takeover).
+        self.curve = CurveBuilder(run.episode)
+        #: Which details the store keeps (told of every commit); None: all of them.
+        self.details: DetailRetention | None = None
         self._error: BaseException | None = None
 
     def controlled(self) -> None:
@@ -118,9 +125,21 @@ class Publisher:
         # and a watcher can compare what it got with any replay byte for byte.
         data = episode.SerializeToString(deterministic=True)
         n = episode.episode
-        self._pending.append((n, episode.reward, episode.best_reward, encode_frame(data)))
+        frame = encode_frame(data)
+        kind = episode.WhichOneof("detail")
+        if kind is None:
+            detail_at, scalars = -1, frame
+        else:
+            # The detail field serializes last: its tag (one byte), its length, its message.
+            size = getattr(episode, kind).ByteSize()
+            detail_at = len(data) - 1 - len(varint(size)) - size
+            scalars = encode_frame(data[:detail_at])
+        self._pending.append((n, episode.reward, episode.best_reward, frame, scalars))
         self._pacer.published()
-        record = EpisodeRecord(self._run.id, n, episode.reward, episode.best_reward, data)
+        blocks = self.curve.add(n, episode.reward, episode.best_reward, episode.metrics)
+        record = EpisodeRecord(
+            self._run.id, n, episode.reward, episode.best_reward, data, detail_at, blocks
+        )
         self._store.append_episode(record, self._committed_one)
 
     def _committed_one(self, error: BaseException | None) -> None:
@@ -137,9 +156,11 @@ class Publisher:
             self._error = error
             self._control.set()
             return
-        n, reward, best, frame = self._pending.popleft()
+        n, reward, best, frame, scalars = self._pending.popleft()
         self._run.record_episode(n, reward, best)
-        self._log.publish((frame,))
+        self._log.publish((frame,), (scalars,))
+        if self.details is not None:
+            self.details.committed(n, reward, scalars is not frame)
         self._observer.episodes_published(self._run.id, 1)
         self._on_commit_hook()
 

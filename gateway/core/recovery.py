@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from gateway.core.curve import restore_builder
 from gateway.core.driver import RunDriver
 from gateway.core.history import encode_frame
 from gateway.core.observer import Observer
@@ -55,6 +56,9 @@ class Recovery:
         self._make_driver = make_driver
         self._now = now
 
+    async def _read_scalars(self, run_id: str, first: int, last: int) -> list[bytes]:
+        return await self._store.read_episodes(run_id, first, last, True)
+
     async def recover(self, run: TrainingRun) -> None:
         """Brings back one run this gateway drives now."""
         driver = self._make_driver(run, True)
@@ -68,12 +72,14 @@ class Recovery:
             )
             self._scheduler.enqueue(driver)
             return
-        data = await self._store.read_episodes(run.id, 1, run.episode)
-        if len(data) != run.episode:
+        first = max(1, run.episode - driver.log.keep + 1)
+        data = await self._store.read_episodes(run.id, first, run.episode)
+        if len(data) != run.episode - first + 1:
             _LOGGER.error(
-                "run %s: %d of %d episodes in the store; cannot continue it",
+                "run %s: %d of episodes %d..%d in the store; cannot continue it",
                 run.id,
                 len(data),
+                first,
                 run.episode,
                 extra={"run_id": run.id},
             )
@@ -83,10 +89,13 @@ class Recovery:
         frames = [encode_frame(d) for d in data]
         if data and episode_pb2.Episode.FromString(data[-1]).done:
             # The done episode was committed before the gateway stopped: the run is complete.
-            driver.log.frames.extend(frames)
+            driver.log.restore(run.episode, frames)
             run.complete(self._now())
             await driver.finalize()
             return
+        curve = await restore_builder(
+            run.id, run.episode, self._store.read_curve_blocks, self._read_scalars
+        )
         _LOGGER.info(
             "run %s: re-attaching to its job on %s after episode %d (%s)",
             run.id,
@@ -95,7 +104,7 @@ class Recovery:
             run.state.name,
             extra={"run_id": run.id, "event": "reattaching"},
         )
-        driver.reattach(frames)
+        driver.reattach(frames, curve)
 
 
 class UnsavedEnds:

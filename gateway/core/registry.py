@@ -26,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from gateway.core.catalog import RunCatalog, RunSpec, require_run_id
 from gateway.core.checkpoints import CheckpointFiles, CheckpointReads
 from gateway.core.controls import Action, apply, refuse
+from gateway.core.curve import Bucket
+from gateway.core.curves import RunCurves
 from gateway.core.driver import DriverContext, RunDriver
 from gateway.core.errors import InvalidRequest
 from gateway.core.history import PageCache
@@ -118,6 +120,7 @@ class RunRegistry:
                 wall_clock,
             )
         )
+        self._pages = PageCache(store.read_episodes, int(settings.history_cache_mb * (1 << 20)))
         self._ctx = DriverContext(
             settings=settings,
             store=store,
@@ -131,9 +134,10 @@ class RunRegistry:
             spawn=self._spawn,
             unsaved=self.unsaved.remember,
             checkpoint_files=checkpoint_files,
+            forget_pages=self._pages.forget,
         )
         self._checkpoint_files = checkpoint_files
-        self._pages = PageCache(store.read_episodes, int(settings.history_cache_mb * (1 << 20)))
+        self._curves = RunCurves(store, self.get)
         self.catalog = RunCatalog(
             settings,
             store,
@@ -224,10 +228,23 @@ class RunRegistry:
             )
         return await self.checkpoints.open(run_id, episode)
 
-    def watch(self, run_id: str, after_episode: int) -> AsyncIterator[WatchEvent]:
-        """Streams a run's history after ``after_episode``, then its live episodes; see
-        ``Watches.watch``."""
-        return self._watches.watch(run_id, after_episode)
+    async def curve(
+        self,
+        run_id: str,
+        buckets: int,
+        metrics: Sequence[str],
+        first_episode: int = 0,
+        last_episode: int = 0,
+    ) -> tuple[list[Bucket], int]:
+        """A run's curve as buckets, and its last committed episode; see ``RunCurves.curve``."""
+        return await self._curves.curve(run_id, buckets, metrics, first_episode, last_episode)
+
+    def watch(
+        self, run_id: str, after_episode: int, scalars: bool = False
+    ) -> AsyncIterator[WatchEvent]:
+        """Streams a run's history after ``after_episode``, then its live episodes, with their
+        detail or without (``scalars``); see ``Watches.watch``."""
+        return self._watches.watch(run_id, after_episode, scalars)
 
     # -- controls ----------------------------------------------------------------------------
 

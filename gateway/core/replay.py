@@ -1,7 +1,8 @@
 """Watching runs: replay of the history, then live episodes, keepalives and the end.
 
-A watcher of an active run walks the run's in-memory ``EpisodeLog`` with its own cursor (an
-int); nothing is queued per watcher. Batches adapt to the watcher (``BatchSizer``): small while
+A watcher of an active run walks the run's in-memory ``EpisodeLog`` (its live tail) with its own
+cursor (an int), and reads what is older than the tail from the store through the page cache;
+nothing is queued per watcher. Batches adapt to the watcher (``BatchSizer``): small while
 its writes are slow, larger while they are quick, never over ``MAX_BATCH_BYTES``, so a watcher
 that stopped reading holds at most one small message (and gRPC's copy of it).
 
@@ -137,21 +138,54 @@ class Replay:
         state: Callable[[], RunState],
         final: Callable[[], TrainingRun],
         after_episode: int,
+        scalars: bool = False,
     ) -> AsyncIterator[WatchEvent]:
-        """Watches an active run through its log.
+        """Watches an active run through its log (and the store, for what is older than the
+        log's live tail).
 
         Args:
             log: The run's published history.
             state: The run's state now (for keepalives).
             final: The run as it ended (called once the log is closed).
             after_episode: Resume after this episode.
+            scalars: Episodes without their detail.
         """
         log.watchers += 1
         try:
-            async for event in self._walk(log, state, final, after_episode):
+            async for event in self._walk(log, state, final, after_episode, scalars):
                 yield event
         finally:
             log.watchers -= 1
+
+    async def _chunk(
+        self, log: EpisodeLog, cursor: int, upto: int, scalars: bool
+    ) -> tuple[Sequence[bytes], bool]:
+        """Frames of episodes ``cursor + 1`` onwards, at most through ``upto``: from the live
+        tail, else a page from the store; and whether they came from the store."""
+        if cursor >= log.base:
+            frames = log.view(scalars)
+            return frames[cursor - log.base : upto - log.base], False
+        index = cursor // PAGE_EPISODES
+        page = await self._pages.page(log.run_id, index, upto, scalars, final=False)
+        first = index * PAGE_EPISODES
+        chunk = page[cursor - first : upto - first]
+        if not chunk:
+            raise RunNotFound(log.run_id)  # its history is gone from the store
+        return chunk, True
+
+    async def _send(
+        self, log: EpisodeLog, cursor: int, upto: int, scalars: bool, sizer: BatchSizer
+    ) -> AsyncIterator[EpisodeFrames]:
+        """Episodes ``cursor + 1 .. upto`` in batches sized for the watcher."""
+        run_id = log.run_id
+        while cursor < upto:
+            self._check_closing(run_id, cursor)
+            chunk, stored = await self._chunk(log, cursor, upto, scalars)
+            for lo, hi in sizer.batches(chunk, 0, len(chunk)):
+                began = self._clock()
+                yield EpisodeFrames(chunk[lo:hi], stored or hi - lo > 1)
+                sizer.wrote(self._clock() - began)
+            cursor += len(chunk)
 
     async def _walk(
         self,
@@ -159,17 +193,15 @@ class Replay:
         state: Callable[[], RunState],
         final: Callable[[], TrainingRun],
         after_episode: int,
+        scalars: bool,
     ) -> AsyncIterator[WatchEvent]:
         run_id = log.run_id
-        frames = log.frames  # the list only grows; a finished run's log stays readable
         cursor = after_episode
         attach = log.last_episode
         sizer = BatchSizer(self._clock)
-        for lo, hi in sizer.batches(frames, cursor, attach):
-            self._check_closing(run_id, lo)
-            began = self._clock()
-            yield EpisodeFrames(frames[lo:hi], True)
-            sizer.wrote(self._clock() - began)
+        async for event in self._send(log, cursor, attach, scalars, sizer):
+            event = EpisodeFrames(event.frames, True)
+            yield event
         # The run's real last episode, even when after_episode is beyond it.
         yield CaughtUp(attach)
         cursor = max(cursor, attach)
@@ -180,10 +212,8 @@ class Replay:
             if visible > cursor:
                 # A watcher that fell behind (slow network, unpaced run) gets its backlog in
                 # batches rather than one message per episode.
-                for lo, hi in sizer.batches(frames, cursor, visible):
-                    began = self._clock()
-                    yield EpisodeFrames(frames[lo:hi], hi - lo > 1)
-                    sizer.wrote(self._clock() - began)
+                async for event in self._send(log, cursor, visible, scalars, sizer):
+                    yield event
                 cursor = visible
                 last_sent = self._clock()
                 continue
@@ -197,7 +227,9 @@ class Replay:
                 continue
             await log.wait(remaining)
 
-    async def finished(self, run: TrainingRun, after_episode: int) -> AsyncIterator[WatchEvent]:
+    async def finished(
+        self, run: TrainingRun, after_episode: int, scalars: bool = False
+    ) -> AsyncIterator[WatchEvent]:
         """Watches a finished run from the store."""
         cursor = after_episode
         last = run.episode
@@ -205,7 +237,7 @@ class Replay:
         while cursor < last:
             self._check_closing(run.id, cursor)
             index = cursor // PAGE_EPISODES
-            page = await self._pages.page(run.id, index, last)
+            page = await self._pages.page(run.id, index, last, scalars)
             first = index * PAGE_EPISODES  # episode number before the page's first
             expected = min(last, first + PAGE_EPISODES) - first
             if len(page) < expected:

@@ -33,6 +33,10 @@ class CoreSettings:
             latest checkpoint before it fails.
         checkpoint_call_timeout_s: Deadline of a ``CancelJob`` that waits for a final
             checkpoint (stop, park): writing a model takes a while.
+        live_episodes: Episodes of an active run held in memory (its live tail, between one
+            and two times this many); older ones are read from the store.
+        details_per_run: About how many episode details a long run keeps by its stride
+            (``gateway.core.details``).
     """
 
     trainers: tuple[str, ...] = ("127.0.0.1:50052",)
@@ -49,6 +53,8 @@ class CoreSettings:
     park_after_s: float = 60.0
     max_restarts: int = 3
     checkpoint_call_timeout_s: float = 300.0
+    live_episodes: int = 2048
+    details_per_run: int = 10_000
 
 
 #: The defaults, for the edge's flags.

@@ -42,8 +42,11 @@ class Watches:
         self._get_run = get_run
         self._observer = observer
 
-    async def watch(self, run_id: str, after_episode: int) -> AsyncIterator[WatchEvent]:
-        """Streams a run's history after ``after_episode``, then its live episodes.
+    async def watch(
+        self, run_id: str, after_episode: int, scalars: bool = False
+    ) -> AsyncIterator[WatchEvent]:
+        """Streams a run's history after ``after_episode``, then its live episodes (without
+        their detail: ``scalars``).
 
         Raises:
             InvalidRequest: empty run id or negative after_episode.
@@ -66,17 +69,19 @@ class Watches:
             driver = self._table.driving(run_id)
             if driver is not None:
                 view = self._ownership.view(driver)
-                events = self._replay.active(driver.log, lambda: view().state, view, after_episode)
+                events = self._replay.active(
+                    driver.log, lambda: view().state, view, after_episode, scalars
+                )
             else:
                 run = await self._get_run(run_id)
                 follower = self._ownership.follow(run)
                 if follower is None:
-                    events = self._replay.finished(run, after_episode)
+                    events = self._replay.finished(run, after_episode, scalars)
                 else:  # another replica drives it: follow it in the store
                     await follower.ready()
                     f = follower
                     events = self._replay.active(
-                        f.log, lambda: f.run.state, f.snapshot, after_episode
+                        f.log, lambda: f.run.state, f.snapshot, after_episode, scalars
                     )
             async for event in events:
                 if type(event) is EpisodeFrames:  # one call per message, not per episode

@@ -16,6 +16,8 @@ message is the body, the JSON grpcurl shows.
 ``GET /v1/runs/{run_id}/checkpoints/{episode}:download``
                                             DownloadCheckpoint: the tar itself
                                             (``application/x-tar``; episode 0: the latest)
+``GET /v1/runs/{run_id}/curve``             GetRunCurve (``?buckets=&metrics=a,b&firstEpisode=
+                                            &lastEpisode=``; metrics comma-separated)
 ``GET /v1/runs/{run_id}/motion``            an imitation run's rig and target clip
 ``GET /v1/motions``                         the built-in rigs and clips
 ==========================================  ==================================================
@@ -148,6 +150,7 @@ class JsonApi:
             web.post(run + ":setSpeed", self.set_speed),
             web.get(run + "/checkpoints", self.list_checkpoints),
             web.get(run + "/checkpoints/{episode:[0-9]+}:download", self.download_checkpoint),
+            web.get(run + "/curve", self.get_run_curve),
             web.get(run + "/motion", self.run_motion),
             web.get("/v1/motions", self.motions),
         ]
@@ -205,6 +208,21 @@ class JsonApi:
         """ListCheckpoints."""
         message = pb.ListCheckpointsRequest(run_id=request.match_info["run_id"])
         return await self._call(self._servicer.ListCheckpoints, message, request)
+
+    async def get_run_curve(self, request: web.Request) -> web.Response:
+        """GetRunCurve; ``metrics`` is one comma-separated parameter."""
+        if len(set(request.query)) != len(request.query):
+            raise _bad("query", f"a query parameter is repeated: {request.query_string}")
+        query = dict(request.query)
+        metrics = query.pop("metrics", "")
+        message = pb.GetRunCurveRequest()
+        try:
+            json_format.ParseDict(query, message)
+        except json_format.ParseError as exc:
+            raise _bad("query", f"bad query parameters for GetRunCurveRequest: {exc}") from None
+        message.metrics.extend(m.strip() for m in metrics.split(",") if m.strip())
+        message.run_id = request.match_info["run_id"]
+        return await self._call(self._servicer.GetRunCurve, message, request)
 
     async def download_checkpoint(self, request: web.Request) -> web.StreamResponse:
         """DownloadCheckpoint, as the tar file itself: headers once the checkpoint is found

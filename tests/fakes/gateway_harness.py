@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from gateway.config import GatewayConfig
+from gateway.core.trainers import TrainerConnector
 from gateway.server import Gateway
 from tests.fakes.waiting import TIMEOUT, until
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
@@ -94,8 +95,12 @@ async def wait_state(
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(trainers: tuple[str, ...], **overrides: Any) -> AsyncIterator[Client]:
-    """A gateway on 127.0.0.1:0 (in-memory store unless ``db`` is given), stopped on exit."""
+async def running_gateway(
+    trainers: tuple[str, ...], connector: TrainerConnector | None = None, **overrides: Any
+) -> AsyncIterator[Client]:
+    """A gateway on 127.0.0.1:0 (in-memory store unless ``db`` is given), stopped on exit;
+    ``connector`` reaches its trainers (gRPC by default; ``MemoryConnector`` for trainers on
+    the gateway's own loop)."""
     settings: dict[str, Any] = {
         "port": 0,
         "trainers": trainers,
@@ -109,7 +114,7 @@ async def running_gateway(trainers: tuple[str, ...], **overrides: Any) -> AsyncI
         "trainer_call_timeout_s": 2.0,
     }
     settings.update(overrides)
-    gateway = Gateway(GatewayConfig(**settings))
+    gateway = Gateway(GatewayConfig(**settings), connector=connector)
     port = await gateway.start()
     address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(address)

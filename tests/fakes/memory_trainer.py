@@ -130,6 +130,8 @@ class JobScript:
         episode_s: Seconds the provider takes per episode (0: as fast as its grant allows).
         checkpoints_fail: Every checkpoint write fails (a full disk): the stream reports
             ``CheckpointFailed`` instead.
+        detail_every: Episodes whose number is a multiple of this (and the last) carry a
+            motion of ``detail_shape`` (frames, joints); 0: no episode does.
     """
 
     fail_after: int | None = None
@@ -144,6 +146,8 @@ class JobScript:
     lose_stream_after: int | None = None
     episode_s: float = 0.0
     checkpoints_fail: bool = False
+    detail_every: int = 0
+    detail_shape: tuple[int, int] = (4, 3)
 
 
 class MemoryJob:
@@ -252,7 +256,11 @@ class MemoryJob:
     def _produce_one(self) -> None:
         n = self.last_produced + 1
         self._best = max(self._best, reward_of(n))
-        episode = make_episode(n, self._best, n == self.max_episodes, detail=False)
+        last = n == self.max_episodes
+        every = self.script.detail_every
+        detail = bool(every) and (last or n % every == 0)
+        frames, joints = self.script.detail_shape
+        episode = make_episode(n, self._best, last, detail, frames, joints)
         self.produced.append(episode)
         every = self.config.checkpoint_every
         if every and (n % every == 0 or episode.done):

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import looptime
 import pytest
 
+from gateway.core.curve import CurveBlock
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import CheckpointRecord, EpisodeRecord, Store
 
@@ -192,8 +193,22 @@ class InFlightStore:
     ) -> list[TrainingRun]:
         return await self._call(lambda: self.inner.list_runs(state, before_seq, limit))
 
-    async def read_episodes(self, run_id: str, first: int, last: int) -> list[bytes]:
-        return await self._call(lambda: self.inner.read_episodes(run_id, first, last))
+    async def read_episodes(
+        self, run_id: str, first: int, last: int, scalars: bool = False
+    ) -> list[bytes]:
+        return await self._call(lambda: self.inner.read_episodes(run_id, first, last, scalars))
+
+    async def read_curve_blocks(
+        self, run_id: str, spans: Sequence[tuple[int, int, int]]
+    ) -> list[CurveBlock]:
+        return await self._call(lambda: self.inner.read_curve_blocks(run_id, spans))
+
+    async def drop_details(
+        self, run_id: str, first: int, last: int, keep_every: int, keep: Sequence[int]
+    ) -> int:
+        return await self._call(
+            lambda: self.inner.drop_details(run_id, first, last, keep_every, keep)
+        )
 
     async def delete_run(self, run_id: str) -> None:
         await self._call(lambda: self.inner.delete_run(run_id))

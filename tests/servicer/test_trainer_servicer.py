@@ -125,7 +125,7 @@ def test_full_stream_ends_ok_and_is_contract_clean() -> None:
 
 def test_invalid_request_is_invalid_argument_with_bad_request() -> None:
     harness = Harness(FakeProvider())
-    request = imitation_request("run-7", max_episodes=9000)
+    request = imitation_request("run-7", max_episodes=10_000_001)
     request.task.imitation.clip_name = "moonwalk"
     responses, (metadata, code, details) = take_all(harness.train(request))
     assert responses == []

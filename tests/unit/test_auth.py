@@ -32,6 +32,7 @@ def test_every_gateway_rpc_has_a_role_and_the_table_is_the_issues() -> None:
         "WatchRun",
         "ListCheckpoints",
         "DownloadCheckpoint",
+        "GetRunCurve",
     }
     assert {r for r, role in RPC_ROLES.items() if role is Role.ADMIN} == {"DeleteRun"}
     assert required_role(f"/{GATEWAY}/NewRpcNobodyListed") is Role.ADMIN  # fails safe

@@ -149,15 +149,15 @@ def test_json_is_the_protobuf_json_mapping_with_default_options() -> None:
 
 def test_error_lines() -> None:
     bad = tc.InvalidArgument(
-        "invalid run: config.max_episodes: 0; need 1..5000",
+        "invalid run: config.max_episodes: 0; need 1..10000000",
         field_violations=[
-            FieldViolation("config.max_episodes", "0; need 1..5000"),
+            FieldViolation("config.max_episodes", "0; need 1..10000000"),
             FieldViolation("task.imitation.group_size", "1; need 2..1024"),
         ],
     )
     lines = _format.error_lines(bad, "h:1", 10)
     assert lines == [
-        "error: INVALID_ARGUMENT: invalid run: config.max_episodes: 0; need 1..5000",
+        "error: INVALID_ARGUMENT: invalid run: config.max_episodes: 0; need 1..10000000",
         "  task.imitation.group_size: 1; need 2..1024",
     ]
     down = tc.Unavailable("failed to connect to all addresses")
@@ -168,7 +168,7 @@ def test_error_lines() -> None:
     assert "within 2.5 s; see --timeout" in _format.error_lines(slow, "h:1", 2.5)[0]
     # Without server details: a google.rpc.Status of its code and message.
     assert json.loads(_format.error_json(bad)) == {
-        "error": {"code": 3, "message": "invalid run: config.max_episodes: 0; need 1..5000"}
+        "error": {"code": 3, "message": "invalid run: config.max_episodes: 0; need 1..10000000"}
     }
     detail_lines = _format.error_detail_lines(bad)
     assert detail_lines[0] == "  grpc code: INVALID_ARGUMENT (3)"

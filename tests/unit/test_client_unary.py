@@ -163,7 +163,7 @@ def test_bad_request_details_become_field_violations(
 ) -> None:
     violations = [
         contract.FieldViolation("task.imitation.group_size", "1; need 2..1024"),
-        contract.FieldViolation("config.max_episodes", "0; need 1..5000"),
+        contract.FieldViolation("config.max_episodes", "0; need 1..10000000"),
     ]
     message = "invalid run: " + contract.describe_violations(violations)
     trailing = _rich(

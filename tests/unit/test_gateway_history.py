@@ -12,9 +12,11 @@ from gateway.core.history import (
     MAX_BATCH_BYTES,
     EpisodeLog,
     PageCache,
+    detail_offset,
     encode_batch,
     encode_frame,
     frame_payload,
+    scalar_frame,
     split_batches,
 )
 from gateway.core.replay import SMALLEST_BATCH_BYTES, BatchSizer
@@ -78,7 +80,7 @@ async def test_log_wakes_every_waiter_and_forgets_them() -> None:
     waiters = [asyncio.create_task(log.wait(10)) for _ in range(50)]
     await asyncio.sleep(0)
     assert log.waiter_count == 50
-    log.publish([b"a"])
+    log.publish([b"a"], [b"a"])
     await asyncio.gather(*waiters)
     assert log.waiter_count == 0
     assert log.last_episode == 1
@@ -105,11 +107,11 @@ async def test_publications_inside_the_wake_window_are_coalesced() -> None:
     # A window of seconds, not tenths: the assertions hold on a loaded machine.
     log = EpisodeLog("r1", min_wake_interval=3.0)
     log.watchers = 100_000  # window = min(3, 100000 x 0.2 ms) = 3 s
-    log.publish([b"1"])  # first publication: woken at once
+    log.publish([b"1"], [b"1"])  # first publication: woken at once
     waiter = asyncio.create_task(log.wait(30))
     await asyncio.sleep(0)
-    log.publish([b"2"])
-    log.publish([b"3"])
+    log.publish([b"2"], [b"2"])
+    log.publish([b"3"], [b"3"])
     await asyncio.sleep(0.01)
     assert not waiter.done()  # held for the window
     await asyncio.wait_for(waiter, 20)
@@ -121,10 +123,10 @@ async def test_publications_inside_the_wake_window_are_coalesced() -> None:
 async def test_a_single_watcher_is_not_delayed() -> None:
     log = EpisodeLog("r1", min_wake_interval=60.0)
     log.watchers = 1  # window 0.2 ms, not the 60 s bound
-    log.publish([b"1"])
+    log.publish([b"1"], [b"1"])
     waiter = asyncio.create_task(log.wait(120))
     await asyncio.sleep(0.01)
-    log.publish([b"2"])
+    log.publish([b"2"], [b"2"])
     await asyncio.wait_for(waiter, 20)
 
 
@@ -133,7 +135,7 @@ async def test_page_cache_shares_loads_and_evicts_by_bytes() -> None:
     loads: list[tuple[str, int, int]] = []
     gate = asyncio.Event()
 
-    async def loader(run_id: str, first: int, last: int) -> list[bytes]:
+    async def loader(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
         loads.append((run_id, first, last))
         await gate.wait()
         return episodes[first - 1 : last]
@@ -157,12 +159,58 @@ async def test_page_cache_shares_loads_and_evicts_by_bytes() -> None:
 
 
 async def test_page_cache_does_not_keep_a_short_page() -> None:
-    async def loader(run_id: str, first: int, last: int) -> list[bytes]:
+    async def loader(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
         return [b"e"] * 3  # the run was deleted half way
 
     cache = PageCache(loader, max_bytes=1 << 20)
     assert len(await cache.page("r", 0, 10)) == 3
     assert cache.size_bytes == 0
+
+
+async def test_page_cache_keeps_a_growing_page_of_an_active_run_only_once_full() -> None:
+    episodes = [e.SerializeToString() for e in valid_episodes(300)]
+
+    async def loader(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
+        return episodes[first - 1 : last]
+
+    cache = PageCache(loader, max_bytes=1 << 20)
+    assert len(await cache.page("r", 0, 100, final=False)) == 100
+    assert cache.size_bytes == 0  # episodes 101..256 are still to come
+    assert len(await cache.page("r", 0, 300, final=False)) == 256
+    full = cache.size_bytes
+    assert full > 0
+    assert len(await cache.page("r", 1, 300, scalars=True)) == 44  # a finished run's last page
+    cache.forget("r", 1, 256)  # their details were dropped: page 0 goes, page 1 stays
+    assert 0 < cache.size_bytes < full
+
+
+def test_the_detail_offset_splits_an_episode_into_its_numbers_and_its_detail() -> None:
+    for episode in valid_episodes(30, detail_every=3):
+        data = episode.SerializeToString(deterministic=True)
+        at = detail_offset(data)
+        numbers = episode_pb2.Episode.FromString(data[:at])
+        assert not numbers.HasField("imitation") and numbers.reward == episode.reward
+        assert (at < len(data)) == episode.HasField("imitation")
+        assert episode_pb2.Episode.FromString(data[:at] + data[at:]) == episode
+    assert detail_offset(b"not an episode \xff\xff") == len(b"not an episode \xff\xff")
+
+
+async def test_the_live_tail_stays_bounded_and_numbers_stay_right() -> None:
+    log = EpisodeLog("r1", keep=100)
+    frames = [encode_frame(e.SerializeToString()) for e in valid_episodes(1000, detail_every=5)]
+    for frame in frames:
+        log.publish([frame])
+    assert log.last_episode == 1000
+    assert 100 <= len(log.frames) <= 200 and log.base == 1000 - len(log.frames)
+    assert log.frames == frames[log.base :]
+    with_detail = [f for f in log.frames if len(scalar_frame(f)) < len(f)]
+    assert with_detail and all(
+        not episode_pb2.Episode.FromString(frame_payload(f)).HasField("imitation")
+        for f in log.scalar_frames
+    )
+    restored = EpisodeLog("r1", keep=100)
+    restored.restore(1000, frames[-150:])
+    assert restored.base == 850 and restored.last_episode == 1000
 
 
 def test_episode_roundtrip_of_valid_stream_is_byte_stable() -> None:

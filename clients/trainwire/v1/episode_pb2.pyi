@@ -179,7 +179,9 @@ class TrainConfig(_message.Message):
     CHECKPOINT_EVERY_FIELD_NUMBER: _builtins.int
     KEEP_CHECKPOINTS_FIELD_NUMBER: _builtins.int
     max_episodes: _builtins.int
-    """Number of episodes (imitation) or optimizer steps (grpo), 1..5000."""
+    """Number of episodes (imitation) or optimizer steps (grpo),
+    1..10000000.
+    """
     seed: _builtins.int
     """Seed for every random number generator the run uses; same seed, same
     task and same device give the same episode stream.

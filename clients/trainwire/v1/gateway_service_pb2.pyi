@@ -55,6 +55,34 @@ RUN_VIEW_FULL: RunView.ValueType  # 2
 """Everything, as GetRun returns it."""
 Global___RunView: _TypeAlias = RunView  # noqa: Y015
 
+class _EpisodeView:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EpisodeViewEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EpisodeView.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    EPISODE_VIEW_UNSPECIFIED: _EpisodeView.ValueType  # 0
+    """The default: EPISODE_VIEW_FULL."""
+    EPISODE_VIEW_FULL: _EpisodeView.ValueType  # 1
+    """Every episode with its detail where the gateway kept it (a long run keeps
+    the detail of a sample of its episodes: see the README, "Long runs").
+    """
+    EPISODE_VIEW_SCALARS: _EpisodeView.ValueType  # 2
+    """Every episode without its detail: numbers only, for curves and tables."""
+
+class EpisodeView(_EpisodeView, metaclass=_EpisodeViewEnumTypeWrapper):
+    """How much of each episode a watch streams."""
+
+EPISODE_VIEW_UNSPECIFIED: EpisodeView.ValueType  # 0
+"""The default: EPISODE_VIEW_FULL."""
+EPISODE_VIEW_FULL: EpisodeView.ValueType  # 1
+"""Every episode with its detail where the gateway kept it (a long run keeps
+the detail of a sample of its episodes: see the README, "Long runs").
+"""
+EPISODE_VIEW_SCALARS: EpisodeView.ValueType  # 2
+"""Every episode without its detail: numbers only, for curves and tables."""
+Global___EpisodeView: _TypeAlias = EpisodeView  # noqa: Y015
+
 @_typing.final
 class Run(_message.Message):
     """A training run, as the gateway owns it."""
@@ -265,7 +293,7 @@ class CreateRunRequest(_message.Message):
 
     @_builtins.property
     def config(self) -> _episode_pb2.TrainConfig:
-        """How long to train and the seed; max_episodes 1..5000."""
+        """How long to train and the seed; max_episodes 1..10000000."""
 
     def __init__(
         self,
@@ -661,19 +689,23 @@ class WatchRunRequest(_message.Message):
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     AFTER_EPISODE_FIELD_NUMBER: _builtins.int
+    VIEW_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run id."""
     after_episode: _builtins.int
     """Resume after this episode; 0 replays from the first episode."""
+    view: Global___EpisodeView.ValueType
+    """What each episode carries; unspecified means EPISODE_VIEW_FULL."""
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
         after_episode: _builtins.int = ...,
+        view: Global___EpisodeView.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_episode", b"after_episode", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_episode", b"after_episode", "run_id", b"run_id", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -910,3 +942,147 @@ class DownloadCheckpointResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_content) -> _WhichOneofReturnType_content | None: ...
 
 Global___DownloadCheckpointResponse: _TypeAlias = DownloadCheckpointResponse  # noqa: Y015
+
+@_typing.final
+class GetRunCurveRequest(_message.Message):
+    """Asks for a run's curve."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    BUCKETS_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
+    FIRST_EPISODE_FIELD_NUMBER: _builtins.int
+    LAST_EPISODE_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run."""
+    buckets: _builtins.int
+    """How many buckets, 1..10000; 0 means 500. Fewer come back when the range
+    holds fewer episodes (one bucket per episode then).
+    """
+    first_episode: _builtins.int
+    """The range to cover, for zooming in: from this episode (0 means 1) ..."""
+    last_episode: _builtins.int
+    """... through this one (0 means the run's last episode; beyond it is cut to
+    it).
+    """
+    @_builtins.property
+    def metrics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Metrics whose per-bucket mean to include (names as in Episode.metrics);
+        none by default.
+        """
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        buckets: _builtins.int = ...,
+        metrics: _abc.Iterable[_builtins.str] | None = ...,
+        first_episode: _builtins.int = ...,
+        last_episode: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "first_episode", b"first_episode", "last_episode", b"last_episode", "metrics", b"metrics", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRunCurveRequest: _TypeAlias = GetRunCurveRequest  # noqa: Y015
+
+@_typing.final
+class GetRunCurveResponse(_message.Message):
+    """A run's curve."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUCKETS_FIELD_NUMBER: _builtins.int
+    LAST_EPISODE_FIELD_NUMBER: _builtins.int
+    last_episode: _builtins.int
+    """The run's last committed episode (0 before the first)."""
+    @_builtins.property
+    def buckets(self) -> _containers.RepeatedCompositeFieldContainer[Global___CurveBucket]:
+        """Contiguous, in order, covering the requested range exactly once."""
+
+    def __init__(
+        self,
+        *,
+        buckets: _abc.Iterable[Global___CurveBucket] | None = ...,
+        last_episode: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "last_episode", b"last_episode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRunCurveResponse: _TypeAlias = GetRunCurveResponse  # noqa: Y015
+
+@_typing.final
+class CurveBucket(_message.Message):
+    """The episodes first_episode..last_episode of a run, summarised."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetricsMeanEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    FIRST_EPISODE_FIELD_NUMBER: _builtins.int
+    LAST_EPISODE_FIELD_NUMBER: _builtins.int
+    REWARD_MIN_FIELD_NUMBER: _builtins.int
+    REWARD_MAX_FIELD_NUMBER: _builtins.int
+    REWARD_MEAN_FIELD_NUMBER: _builtins.int
+    BEST_REWARD_FIELD_NUMBER: _builtins.int
+    METRICS_MEAN_FIELD_NUMBER: _builtins.int
+    first_episode: _builtins.int
+    """The bucket's first episode."""
+    last_episode: _builtins.int
+    """The bucket's last episode."""
+    reward_min: _builtins.float
+    """The smallest reward in the bucket."""
+    reward_max: _builtins.float
+    """The largest reward in the bucket."""
+    reward_mean: _builtins.float
+    """The mean reward of the bucket."""
+    best_reward: _builtins.float
+    """The run's best reward at the bucket's last episode (Episode.best_reward)."""
+    @_builtins.property
+    def metrics_mean(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The mean of each requested metric over the bucket's episodes that have it
+        (a metric no episode of the bucket has is left out).
+        """
+
+    def __init__(
+        self,
+        *,
+        first_episode: _builtins.int = ...,
+        last_episode: _builtins.int = ...,
+        reward_min: _builtins.float = ...,
+        reward_max: _builtins.float = ...,
+        reward_mean: _builtins.float = ...,
+        best_reward: _builtins.float = ...,
+        metrics_mean: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_reward", b"best_reward", "first_episode", b"first_episode", "last_episode", b"last_episode", "metrics_mean", b"metrics_mean", "reward_max", b"reward_max", "reward_mean", b"reward_mean", "reward_min", b"reward_min"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CurveBucket: _TypeAlias = CurveBucket  # noqa: Y015

@@ -100,6 +100,11 @@ class GatewayServiceStub(object):
                 request_serializer=trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointResponse.FromString,
                 _registered_method=True)
+        self.GetRunCurve = channel.unary_unary(
+                '/trainwire.v1.GatewayService/GetRunCurve',
+                request_serializer=trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer(object):
@@ -275,6 +280,24 @@ class GatewayServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRunCurve(self, request, context):
+        """A run's reward curve as contiguous buckets covering first_episode ..
+        last_episode exactly once (the whole run by default): each bucket holds
+        the reward's min, max and mean, the running best at its end and the mean
+        of each requested metric. Computed from aggregates the gateway keeps as
+        episodes are committed, in time that does not grow with the run's length,
+        so a ten-million-episode run draws as fast as a short one.
+
+        Status codes:
+        OK                the buckets (none before the first episode).
+        INVALID_ARGUMENT  bad run_id, buckets outside 0..10000, a negative or
+        inverted episode range, a bad metric name.
+        NOT_FOUND         no such run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -332,6 +355,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.DownloadCheckpoint,
                     request_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointRequest.FromString,
                     response_serializer=trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointResponse.SerializeToString,
+            ),
+            'GetRunCurve': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunCurve,
+                    request_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -642,6 +670,33 @@ class GatewayService(object):
             '/trainwire.v1.GatewayService/DownloadCheckpoint',
             trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointRequest.SerializeToString,
             trainwire_dot_v1_dot_gateway__service__pb2.DownloadCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunCurve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.GatewayService/GetRunCurve',
+            trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveRequest.SerializeToString,
+            trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -161,6 +161,20 @@ class GatewayServiceStub:
       DATA_LOSS         the stored checkpoint no longer matches its digest.
       UNAVAILABLE       the checkpoint store cannot be read.
     """
+    GetRunCurve: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.GetRunCurveRequest, _gateway_service_pb2.GetRunCurveResponse]
+    """A run's reward curve as contiguous buckets covering first_episode ..
+    last_episode exactly once (the whole run by default): each bucket holds
+    the reward's min, max and mean, the running best at its end and the mean
+    of each requested metric. Computed from aggregates the gateway keeps as
+    episodes are committed, in time that does not grow with the run's length,
+    so a ten-million-episode run draws as fast as a short one.
+
+    Status codes:
+      OK                the buckets (none before the first episode).
+      INVALID_ARGUMENT  bad run_id, buckets outside 0..10000, a negative or
+                        inverted episode range, a bad metric name.
+      NOT_FOUND         no such run.
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -292,6 +306,20 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
                         message lists the ones there are).
       DATA_LOSS         the stored checkpoint no longer matches its digest.
       UNAVAILABLE       the checkpoint store cannot be read.
+    """
+    GetRunCurve: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.GetRunCurveRequest, _gateway_service_pb2.GetRunCurveResponse]  # type: ignore[assignment]
+    """A run's reward curve as contiguous buckets covering first_episode ..
+    last_episode exactly once (the whole run by default): each bucket holds
+    the reward's min, max and mean, the running best at its end and the mean
+    of each requested metric. Computed from aggregates the gateway keeps as
+    episodes are committed, in time that does not grow with the run's length,
+    so a ten-million-episode run draws as fast as a short one.
+
+    Status codes:
+      OK                the buckets (none before the first episode).
+      INVALID_ARGUMENT  bad run_id, buckets outside 0..10000, a negative or
+                        inverted episode range, a bad metric name.
+      NOT_FOUND         no such run.
     """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -487,6 +515,26 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
                             message lists the ones there are).
           DATA_LOSS         the stored checkpoint no longer matches its digest.
           UNAVAILABLE       the checkpoint store cannot be read.
+        """
+
+    @_abc_1.abstractmethod
+    def GetRunCurve(
+        self,
+        request: _gateway_service_pb2.GetRunCurveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.GetRunCurveResponse, _abc.Awaitable[_gateway_service_pb2.GetRunCurveResponse]]:
+        """A run's reward curve as contiguous buckets covering first_episode ..
+        last_episode exactly once (the whole run by default): each bucket holds
+        the reward's min, max and mean, the running best at its end and the mean
+        of each requested metric. Computed from aggregates the gateway keeps as
+        episodes are committed, in time that does not grow with the run's length,
+        so a ten-million-episode run draws as fast as a short one.
+
+        Status codes:
+          OK                the buckets (none before the first episode).
+          INVALID_ARGUMENT  bad run_id, buckets outside 0..10000, a negative or
+                            inverted episode range, a bad metric name.
+          NOT_FOUND         no such run.
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.core.curve import CurveBlock
 from gateway.core.runs import RunState, TrainingRun
 
 _LOGGER = logging.getLogger(__name__)
@@ -42,13 +43,32 @@ STORE_MESSAGE = "The gateway could not save this run's history (disk full or not
 
 @dataclass(frozen=True, slots=True)
 class EpisodeRecord:
-    """One published episode: its number, the run's counters after it, and its bytes."""
+    """One published episode: its number, the run's counters after it, its bytes, and the
+    curve blocks it completed (``gateway.core.curve``).
+
+    The store keeps the episode's numbers (``data[:detail_at]``) apart from its detail
+    (``data[detail_at:]``, the ``Episode.detail`` field, which serializes last), so that a
+    watch of the numbers only reads no detail and a long run can drop the detail of most of its
+    episodes (``drop_details``). ``detail_at`` -1 means the episode has no detail.
+    """
 
     run_id: str
     episode: int
     reward: float
     best_reward: float
     data: bytes
+    detail_at: int = -1
+    blocks: tuple[CurveBlock, ...] = ()
+
+    @property
+    def scalars(self) -> bytes:
+        """The episode without its detail."""
+        return self.data if self.detail_at < 0 else self.data[: self.detail_at]
+
+    @property
+    def detail(self) -> bytes | None:
+        """The serialized detail field, or None."""
+        return None if self.detail_at < 0 else self.data[self.detail_at :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,8 +273,29 @@ class Store(Protocol):
         """Runs newest first, optionally in one state, created before ``before_seq``."""
         ...
 
-    async def read_episodes(self, run_id: str, first: int, last: int) -> list[bytes]:
-        """The stored bytes of episodes ``first..last`` (inclusive), in order."""
+    async def read_episodes(
+        self, run_id: str, first: int, last: int, scalars: bool = False
+    ) -> list[bytes]:
+        """The stored bytes of episodes ``first..last`` (inclusive), in order: with the detail
+        the store kept, or without any (``scalars``)."""
+        ...
+
+    async def read_curve_blocks(
+        self, run_id: str, spans: Sequence[tuple[int, int, int]]
+    ) -> list[CurveBlock]:
+        """The stored curve blocks of ``(level, first_index, last_index)`` spans."""
+        ...
+
+    async def drop_details(
+        self, run_id: str, first: int, last: int, keep_every: int, keep: Sequence[int]
+    ) -> int:
+        """Drops the detail of episodes ``first..last`` except those whose number is a multiple
+        of ``keep_every`` or in ``keep``; returns how many it dropped.
+
+        Raises:
+            NotOwner: another gateway replica owns the run (PostgreSQL); nothing is written.
+            StoreWriteFailed: the database cannot be written.
+        """
         ...
 
     async def delete_run(self, run_id: str) -> None:

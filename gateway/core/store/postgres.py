@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
+from gateway.core.curve import CurveBlock
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store.base import (
     CheckpointRecord,
@@ -161,6 +162,8 @@ class PostgresStore(PostgresDatabase):
 
         async def go(conn: psycopg.AsyncConnection) -> None:
             await conn.execute("DELETE FROM episodes WHERE run_id=%s", (run_id,))
+            await conn.execute("DELETE FROM details WHERE run_id=%s", (run_id,))
+            await conn.execute("DELETE FROM curve WHERE run_id=%s", (run_id,))
             await conn.execute("DELETE FROM checkpoints WHERE run_id=%s", (run_id,))
             await conn.execute("DELETE FROM runs WHERE id=%s", (run_id,))
             await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"d:{run_id}"))
@@ -318,19 +321,70 @@ class PostgresStore(PostgresDatabase):
 
     # -- episodes ----------------------------------------------------------------------------
 
-    async def read_episodes(self, run_id: str, first: int, last: int) -> list[bytes]:
-        """The stored bytes of episodes ``first..last`` (inclusive), in order."""
+    async def read_episodes(
+        self, run_id: str, first: int, last: int, scalars: bool = False
+    ) -> list[bytes]:
+        """The stored bytes of episodes ``first..last`` (inclusive), in order, with their kept
+        detail or without (``scalars``)."""
+        query = (
+            "SELECT data FROM episodes WHERE run_id=%s AND episode BETWEEN %s AND %s "
+            "ORDER BY episode"
+            if scalars
+            else "SELECT e.data, d.detail FROM episodes e LEFT JOIN details d "
+            "ON d.run_id = e.run_id AND d.episode = e.episode "
+            "WHERE e.run_id=%s AND e.episode BETWEEN %s AND %s ORDER BY e.episode"
+        )
 
         async def go(conn: psycopg.AsyncConnection) -> list[bytes]:
             async with conn.cursor(binary=True) as cur:
-                await cur.execute(
-                    "SELECT data FROM episodes WHERE run_id=%s AND episode BETWEEN %s AND %s "
-                    "ORDER BY episode",
-                    (run_id, first, last),
-                )
-                return [bytes(row[0]) for row in await cur.fetchall()]
+                await cur.execute(query, (run_id, first, last))
+                rows = await cur.fetchall()
+            if scalars:
+                return [bytes(row[0]) for row in rows]
+            return [bytes(d) if x is None else bytes(d) + bytes(x) for d, x in rows]
 
         return await self.read(go)
+
+    async def read_curve_blocks(
+        self, run_id: str, spans: Sequence[tuple[int, int, int]]
+    ) -> list[CurveBlock]:
+        """The stored curve blocks of ``(level, first_index, last_index)`` spans."""
+
+        async def go(conn: psycopg.AsyncConnection) -> list[CurveBlock]:
+            out: list[CurveBlock] = []
+            for level, lo, hi in spans:
+                cur = await conn.execute(
+                    "SELECT level, block, count, reward_min, reward_max, reward_sum, best_end, "
+                    "metrics FROM curve WHERE run_id=%s AND level=%s AND block BETWEEN %s AND "
+                    "%s ORDER BY block",
+                    (run_id, level, lo, hi),
+                )
+                out.extend(CurveBlock(*row) for row in await cur.fetchall())
+            return out
+
+        return await self.read(go)
+
+    async def drop_details(
+        self, run_id: str, first: int, last: int, keep_every: int, keep: Sequence[int]
+    ) -> int:
+        """Drops details of a range (see ``Store.drop_details``), fenced by the run's owner.
+
+        Raises:
+            NotOwner: another replica owns the run; nothing is written.
+            StoreWriteFailed: the database cannot be written.
+        """
+
+        async def go(conn: psycopg.AsyncConnection) -> int:
+            if not await self._lock_owned(conn, run_id):
+                return 0
+            cur = await conn.execute(
+                "DELETE FROM details WHERE run_id=%s AND episode BETWEEN %s AND %s "
+                "AND episode %% %s <> 0 AND NOT (episode = ANY(%s::int[]))",
+                (run_id, first, last, max(1, keep_every), list(keep)),
+            )
+            return cur.rowcount
+
+        return await self.write(go)
 
     def append_episode(
         self, record: EpisodeRecord, callback: Callable[[BaseException | None], None]

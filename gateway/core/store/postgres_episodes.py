@@ -24,6 +24,7 @@ import psycopg
 
 from gateway.core.store.base import EpisodeRecord, NotOwner, StoreWriteFailed
 from gateway.core.store.postgres_db import CHANNEL, PostgresDatabase
+from gateway.core.store.postgres_schema import INSERT_CURVE, curve_columns
 
 # The store's logger: these lines were logged as ``gateway.core.store.postgres``.
 _LOGGER = logging.getLogger("gateway.core.store.postgres")
@@ -140,8 +141,23 @@ class GroupCommit:
                 "INSERT INTO episodes (run_id, episode, data) "
                 "SELECT * FROM unnest(%s::text[], %s::int[], %s::bytea[]) "
                 "ON CONFLICT DO NOTHING",
-                ([r.run_id for r in rows], [r.episode for r in rows], [r.data for r in rows]),
+                ([r.run_id for r in rows], [r.episode for r in rows], [r.scalars for r in rows]),
             )
+            details = [r for r in rows if r.detail_at >= 0]
+            if details:
+                await conn.execute(
+                    "INSERT INTO details (run_id, episode, detail) "
+                    "SELECT * FROM unnest(%s::text[], %s::int[], %s::bytea[]) "
+                    "ON CONFLICT DO NOTHING",
+                    (
+                        [r.run_id for r in details],
+                        [r.episode for r in details],
+                        [r.detail for r in details],
+                    ),
+                )
+            blocks = [(r.run_id, b) for r in rows for b in r.blocks]
+            if blocks:
+                await conn.execute(INSERT_CURVE, curve_columns(blocks))
             await conn.execute(
                 "SELECT pg_notify(%s, 'e:' || id) FROM unnest(%s::text[]) AS id",
                 (CHANNEL, sorted(owned)),

@@ -19,6 +19,11 @@ Versions (``MIGRATIONS[v - 1]`` takes a database from ``v - 1`` to ``v``):
 3. Checkpoints: a run's ``checkpoint_episode`` (the largest recorded checkpoint), ``restarts``
    and ``parked``; ``checkpoints`` holds one record per complete checkpoint, keyed on (run,
    episode).
+4. Long runs: ``episodes.data`` holds an episode without its detail and ``details`` the
+   details (none: the episode has none, or it was dropped; a dropped detail is a deleted row,
+   whose space vacuum gives back to the table); ``curve`` holds the complete curve blocks of
+   every run (``gateway.core.curve``). The migration splits every stored episode and computes
+   the blocks of every run (``_split_and_backfill``).
 
 A migration runs in one transaction under an advisory lock, so replicas started together with
 ``--migrate`` migrate once, and a failed migration leaves the database as it was.
@@ -26,13 +31,20 @@ A migration runs in one transaction under an advisory lock, so replicas started 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import psycopg
+from google.protobuf.message import DecodeError
 from psycopg import sql
 
+from gateway.core.curve import CurveBlock, CurveBuilder
+from gateway.core.history import detail_offset
 from gateway.core.store.base import DatabaseProblem, SchemaOutdated
+from trainwire.v1 import episode_pb2
 
 APPLICATION = "trainwire"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: ``pg_advisory_xact_lock`` key of schema changes ("TWIR").
 MIGRATION_LOCK = 0x54574952
 
@@ -94,7 +106,93 @@ _V3 = (
         PRIMARY KEY (run_id, episode)
     )""",
 )
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
+_V4 = (
+    """CREATE TABLE details (
+        run_id TEXT NOT NULL,
+        episode INTEGER NOT NULL,
+        detail BYTEA NOT NULL,
+        PRIMARY KEY (run_id, episode)
+    )""",
+    "ALTER TABLE details ALTER COLUMN detail SET STORAGE EXTERNAL",
+    """CREATE TABLE curve (
+        run_id TEXT NOT NULL,
+        level SMALLINT NOT NULL,
+        block BIGINT NOT NULL,
+        count BIGINT NOT NULL,
+        reward_min DOUBLE PRECISION NOT NULL,
+        reward_max DOUBLE PRECISION NOT NULL,
+        reward_sum DOUBLE PRECISION NOT NULL,
+        best_end DOUBLE PRECISION NOT NULL,
+        metrics TEXT NOT NULL,
+        PRIMARY KEY (run_id, level, block)
+    )""",
+)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
+
+#: Inserts curve blocks given as arrays of their columns.
+INSERT_CURVE = (
+    "INSERT INTO curve (run_id, level, block, count, reward_min, reward_max, reward_sum, "
+    "best_end, metrics) SELECT * FROM unnest(%s::text[], %s::smallint[], %s::bigint[], "
+    "%s::bigint[], %s::float8[], %s::float8[], %s::float8[], %s::float8[], %s::text[]) "
+    "ON CONFLICT DO NOTHING"
+)
+
+
+def curve_columns(rows: Sequence[tuple[str, CurveBlock]]) -> tuple[list[Any], ...]:
+    """``INSERT_CURVE``'s arrays for ``(run_id, block)`` rows."""
+    return (
+        [r for r, _ in rows],
+        [b.level for _, b in rows],
+        [b.index for _, b in rows],
+        [b.count for _, b in rows],
+        [b.reward_min for _, b in rows],
+        [b.reward_max for _, b in rows],
+        [b.reward_sum for _, b in rows],
+        [b.best_end for _, b in rows],
+        [b.metrics for _, b in rows],
+    )
+
+
+async def _split_and_backfill(conn: psycopg.AsyncConnection) -> None:
+    """Version 4's data: every episode split from its detail, every run's curve blocks."""
+    async with conn.cursor(binary=True) as cur:
+        await cur.execute("SELECT run_id, episode, data FROM episodes ORDER BY run_id, episode")
+        rows = await cur.fetchall()
+    split: list[tuple[str, int, bytes, bytes]] = []
+    blocks: list[tuple[str, CurveBlock]] = []
+    builder: CurveBuilder | None = None
+    current = None
+    for run_id, number, raw in rows:
+        data = bytes(raw)
+        if run_id != current:
+            current, builder = run_id, CurveBuilder()
+        at = detail_offset(data)
+        if at < len(data):
+            split.append((run_id, number, data[:at], data[at:]))
+        if builder is None:
+            continue
+        try:
+            episode = episode_pb2.Episode.FromString(data)
+            done = builder.add(number, episode.reward, episode.best_reward, episode.metrics)
+        except (DecodeError, ValueError):
+            builder = None  # not episodes (or a gap): the run gets no curve
+            continue
+        blocks.extend((run_id, b) for b in done)
+    async with conn.cursor() as cur:
+        await cur.executemany(
+            "UPDATE episodes SET data=%s WHERE run_id=%s AND episode=%s",
+            [(d, r, n) for r, n, d, _ in split],
+        )
+        await cur.executemany(
+            "INSERT INTO details (run_id, episode, detail) VALUES (%s, %s, %s)",
+            [(r, n, x) for r, n, _, x in split],
+        )
+    if blocks:
+        await conn.execute(INSERT_CURVE, curve_columns(blocks))
+
+
+#: Data steps of a migration, after its statements: ``DATA_MIGRATIONS[v]`` for version ``v``.
+DATA_MIGRATIONS = {4: _split_and_backfill}
 
 
 async def _tables(conn: psycopg.AsyncConnection) -> list[str]:
@@ -158,6 +256,8 @@ async def upgrade(
         for version in range(found + 1, target + 1):
             for statement in MIGRATIONS[version - 1]:
                 await conn.execute(sql.SQL(statement))  # type: ignore[arg-type]
+            if version in DATA_MIGRATIONS and found > 0:
+                await DATA_MIGRATIONS[version](conn)
         if target > found:
             await conn.execute(
                 "INSERT INTO trainwire_meta (key, value) VALUES ('application', %s), "

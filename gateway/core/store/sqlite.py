@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.core.curve import CurveBlock
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store.base import (
     CheckpointRecord,
@@ -23,10 +24,13 @@ from gateway.core.store.base import (
     EpisodeRecord,
     StoreWriteFailed,
 )
-from gateway.core.store.sqlite_schema import check, upgrade
+from gateway.core.store.sqlite_schema import INSERT_CURVE, check, curve_rows, upgrade
 from trainwire.v1 import episode_pb2
 
 _LOGGER = logging.getLogger(__name__)
+
+#: The page size of a new database (an existing one keeps its own).
+PAGE_SIZE = 16384
 
 #: What the write probe writes: room for a few hundred episodes before the store is trusted again.
 PROBE_BYTES = 256 << 10
@@ -170,6 +174,10 @@ class SqliteStore:
         try:
             # Checked before anything is set: a refused database is left exactly as it was.
             self.found_version = check(self._conn, path, migrate)
+            if self.found_version == 0:
+                # A new database: 16 KiB pages hold six motions of a few KiB each, where 4 KiB
+                # pages would hold one and leave the rest of the page empty.
+                self._conn.execute(f"PRAGMA page_size={PAGE_SIZE}")
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             # Checkpoints (which fsync) run on the store thread's checkpointer, not inside a
@@ -294,11 +302,18 @@ class SqliteStore:
         """Appends episodes and moves each run's counters to its last appended episode."""
         self._conn.executemany(
             "INSERT INTO episodes (run_id, episode, data) VALUES (?,?,?)",
-            [(r.run_id, r.episode, r.data) for r in records],
+            [(r.run_id, r.episode, r.scalars) for r in records],
         )
+        details = [(r.run_id, r.episode, r.detail) for r in records if r.detail_at >= 0]
+        if details:
+            self._conn.executemany(
+                "INSERT INTO details (run_id, episode, detail) VALUES (?,?,?)", details
+            )
         last: dict[str, EpisodeRecord] = {}
         for r in records:
             last[r.run_id] = r
+            if r.blocks:
+                self._conn.executemany(INSERT_CURVE, curve_rows(r.run_id, r.blocks))
         self._conn.executemany(
             "UPDATE runs SET episode=?, reward=?, best_reward=? WHERE id=?",
             [(r.episode, r.reward, r.best_reward, r.run_id) for r in last.values()],
@@ -337,17 +352,59 @@ class SqliteStore:
         ).fetchall()
         return [_run_from_row(r) for r in rows]
 
-    def read_episodes(self, run_id: str, first: int, last: int) -> list[bytes]:
-        """The stored bytes of episodes ``first..last`` (inclusive), in order."""
+    def read_episodes(
+        self, run_id: str, first: int, last: int, scalars: bool = False
+    ) -> list[bytes]:
+        """The stored bytes of episodes ``first..last`` (inclusive), in order, with their kept
+        detail or without (``scalars``)."""
+        if scalars:
+            rows = self._conn.execute(
+                "SELECT data FROM episodes WHERE run_id=? AND episode BETWEEN ? AND ? "
+                "ORDER BY episode",
+                (run_id, first, last),
+            ).fetchall()
+            return [r[0] for r in rows]
         rows = self._conn.execute(
-            "SELECT data FROM episodes WHERE run_id=? AND episode BETWEEN ? AND ? ORDER BY episode",
+            "SELECT e.data, d.detail FROM episodes e LEFT JOIN details d "
+            "ON d.run_id = e.run_id AND d.episode = e.episode "
+            "WHERE e.run_id=? AND e.episode BETWEEN ? AND ? ORDER BY e.episode",
             (run_id, first, last),
         ).fetchall()
-        return [r[0] for r in rows]
+        return [data if detail is None else data + detail for data, detail in rows]
+
+    def read_curve_blocks(
+        self, run_id: str, spans: Sequence[tuple[int, int, int]]
+    ) -> list[CurveBlock]:
+        """The stored curve blocks of ``(level, first_index, last_index)`` spans."""
+        out: list[CurveBlock] = []
+        for level, lo, hi in spans:
+            rows = self._conn.execute(
+                "SELECT level, block, count, reward_min, reward_max, reward_sum, best_end, "
+                "metrics FROM curve WHERE run_id=? AND level=? AND block BETWEEN ? AND ? "
+                "ORDER BY block",
+                (run_id, level, lo, hi),
+            )
+            out.extend(CurveBlock(*row) for row in rows)
+        return out
+
+    def drop_details(
+        self, run_id: str, first: int, last: int, keep_every: int, keep: Sequence[int]
+    ) -> int:
+        """Drops the detail of episodes ``first..last`` but multiples of ``keep_every`` and
+        ``keep``; returns how many."""
+        kept = ",".join(str(int(k)) for k in keep) or "0"
+        cur = self._conn.execute(
+            "DELETE FROM details WHERE run_id=? AND episode BETWEEN ? AND ? "
+            f"AND episode % ? != 0 AND episode NOT IN ({kept})",
+            (run_id, first, last, max(1, keep_every)),
+        )
+        return cur.rowcount
 
     def delete_run(self, run_id: str) -> None:
         """Deletes a run, its history and its checkpoint records."""
         self._conn.execute("DELETE FROM episodes WHERE run_id=?", (run_id,))
+        self._conn.execute("DELETE FROM details WHERE run_id=?", (run_id,))
+        self._conn.execute("DELETE FROM curve WHERE run_id=?", (run_id,))
         self._conn.execute("DELETE FROM checkpoints WHERE run_id=?", (run_id,))
         self._conn.execute("DELETE FROM runs WHERE id=?", (run_id,))
 

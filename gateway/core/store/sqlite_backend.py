@@ -15,6 +15,7 @@ import sqlite3
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from gateway.core.curve import CurveBlock
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store.base import (
     CheckpointRecord,
@@ -176,9 +177,30 @@ class SqliteBackend(WritableStore):
         """Runs newest first, optionally in one state, created before ``before_seq``."""
         return await self._call(SqliteStore.list_runs, state, before_seq, limit)
 
-    async def read_episodes(self, run_id: str, first: int, last: int) -> list[bytes]:
-        """The stored bytes of episodes ``first..last`` (inclusive), in order."""
-        return await self._call(SqliteStore.read_episodes, run_id, first, last)
+    async def read_episodes(
+        self, run_id: str, first: int, last: int, scalars: bool = False
+    ) -> list[bytes]:
+        """The stored bytes of episodes ``first..last`` (inclusive), in order (see
+        ``Store.read_episodes``)."""
+        return await self._call(SqliteStore.read_episodes, run_id, first, last, scalars)
+
+    async def read_curve_blocks(
+        self, run_id: str, spans: Sequence[tuple[int, int, int]]
+    ) -> list[CurveBlock]:
+        """The stored curve blocks of ``(level, first_index, last_index)`` spans."""
+        return await self._call(SqliteStore.read_curve_blocks, run_id, tuple(spans))
+
+    async def drop_details(
+        self, run_id: str, first: int, last: int, keep_every: int, keep: Sequence[int]
+    ) -> int:
+        """Drops details of a range (see ``Store.drop_details``).
+
+        Raises:
+            StoreWriteFailed: the database cannot be written.
+        """
+        return await self._write(
+            SqliteStore.drop_details, run_id, first, last, keep_every, tuple(keep)
+        )
 
     async def count_by_state(self) -> dict[RunState, int]:
         """How many runs are in each state."""

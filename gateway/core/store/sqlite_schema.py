@@ -15,6 +15,13 @@ Versions:
 3. Checkpoints: ``runs`` gains ``checkpoint_episode`` (the largest recorded checkpoint),
    ``restarts`` and ``parked``; ``checkpoints`` holds one record per complete checkpoint,
    keyed on (run, episode).
+4. Long runs: ``episodes.data`` holds an episode without its detail and ``details`` the
+   details (none: the episode has none, or it was dropped), so a scalar watch reads no detail
+   and a long run drops most details (``gateway.core.details``). ``details`` is a rowid table:
+   a detail of a few KiB fits in its page, where a ``WITHOUT ROWID`` row that large would spill
+   into an overflow page of its own and waste most of it. ``curve`` holds the complete curve
+   blocks of every run (``gateway.core.curve``), keyed on (run, level, block). The migration
+   splits every stored episode and computes the blocks of every run.
 
 A database at an older version is migrated only when asked (``migrate=True``): a migration runs
 in one transaction (every step from its version to the latest), so a failed one leaves the
@@ -24,12 +31,19 @@ database as it was.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from itertools import groupby
+from typing import Any
 
+from google.protobuf.message import DecodeError
+
+from gateway.core.curve import CurveBlock, CurveBuilder
+from gateway.core.history import detail_offset
 from gateway.core.store.base import DatabaseProblem, SchemaOutdated
+from trainwire.v1 import episode_pb2
 
 APPLICATION_ID = 0x54574952  # "TWIR"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _RUNS = """
 CREATE TABLE runs (
@@ -73,6 +87,26 @@ CREATE TABLE checkpoints (
     sha256 TEXT NOT NULL,
     PRIMARY KEY (run_id, episode)
 ) WITHOUT ROWID"""
+_DETAILS = """
+CREATE TABLE details (
+    run_id TEXT NOT NULL,
+    episode INTEGER NOT NULL,
+    detail BLOB NOT NULL,
+    PRIMARY KEY (run_id, episode)
+)"""
+_CURVE = """
+CREATE TABLE curve (
+    run_id TEXT NOT NULL,
+    level INTEGER NOT NULL,
+    block INTEGER NOT NULL,
+    count INTEGER NOT NULL,
+    reward_min REAL NOT NULL,
+    reward_max REAL NOT NULL,
+    reward_sum REAL NOT NULL,
+    best_end REAL NOT NULL,
+    metrics TEXT NOT NULL,
+    PRIMARY KEY (run_id, level, block)
+) WITHOUT ROWID"""
 _INDEX = "CREATE INDEX IF NOT EXISTS runs_state ON runs (state, seq)"
 _META = "CREATE TABLE IF NOT EXISTS gateway_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 
@@ -80,6 +114,30 @@ _META = "CREATE TABLE IF NOT EXISTS gateway_meta (key TEXT PRIMARY KEY, value TE
 _V1_RUN_COLUMNS = frozenset(
     {"seq", "id", "request_id", "state", "task", "config", "episode", "best_reward", "trainer"}
 )
+
+
+INSERT_CURVE = (
+    "INSERT OR REPLACE INTO curve (run_id, level, block, count, reward_min, reward_max, "
+    "reward_sum, best_end, metrics) VALUES (?,?,?,?,?,?,?,?,?)"
+)
+
+
+def curve_rows(run_id: str, blocks: Iterable[CurveBlock]) -> list[tuple[Any, ...]]:
+    """The rows of ``INSERT_CURVE`` for a run's blocks."""
+    return [
+        (
+            run_id,
+            b.level,
+            b.index,
+            b.count,
+            b.reward_min,
+            b.reward_max,
+            b.reward_sum,
+            b.best_end,
+            b.metrics,
+        )
+        for b in blocks
+    ]
 
 
 def _tables(conn: sqlite3.Connection) -> set[str]:
@@ -165,8 +223,10 @@ def _create(conn: sqlite3.Connection) -> None:
     conn.execute(_RUNS)
     conn.execute(_INDEX)
     conn.execute(_EPISODES_V2.format(name="episodes"))
+    conn.execute(_DETAILS)
     conn.execute(_CHECKPOINTS)
     conn.execute(_META)
+    conn.execute(_CURVE)
 
 
 def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
@@ -196,8 +256,41 @@ def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
     conn.execute(_CHECKPOINTS)
 
 
+def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
+    conn.execute(_DETAILS)
+    conn.execute(_CURVE)
+    rows = conn.execute("SELECT run_id, episode, data FROM episodes ORDER BY run_id, episode")
+    split = []
+    blocks = []
+    for run_id, episodes in groupby(rows, key=lambda row: row[0]):
+        builder: CurveBuilder | None = CurveBuilder()
+        for _, number, data in episodes:
+            at = detail_offset(data)
+            if at < len(data):
+                split.append((run_id, number, data[:at], data[at:]))
+            if builder is None:
+                continue
+            try:
+                episode = episode_pb2.Episode.FromString(data)
+                done = builder.add(number, episode.reward, episode.best_reward, episode.metrics)
+            except (DecodeError, ValueError):
+                builder = None  # not episodes (or a gap): the run gets no curve
+                continue
+            blocks.extend(curve_rows(run_id, done))
+    conn.executemany(
+        "UPDATE episodes SET data=? WHERE run_id=? AND episode=?",
+        [(d, r, n) for r, n, d, _ in split],
+    )
+    conn.executemany(
+        "INSERT INTO details (run_id, episode, detail) VALUES (?,?,?)",
+        [(r, n, x) for r, n, _, x in split],
+    )
+    conn.executemany(INSERT_CURVE, blocks)
+
+
 #: ``MIGRATIONS[v]`` takes a database from version ``v - 1`` to ``v``.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     2: _migrate_1_to_2,
     3: _migrate_2_to_3,
+    4: _migrate_3_to_4,
 }

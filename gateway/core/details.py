@@ -1,0 +1,146 @@
+"""Which episodes of a long run keep their detail (motions, completions) in the store.
+
+Every episode keeps its numbers (reward, best reward, metrics, time) for ever. Details are what
+make a long run large (an imitation motion is 2.6-31 KiB, a GRPO step's completions up to
+32 KiB), so a run keeps the detail of:
+
+- every episode whose number is a multiple of its *detail stride*, ``ceil(max_episodes /
+  details_per_run)`` (``CoreSettings.details_per_run``, 10,000): a run of up to 10,000
+  episodes keeps every detail its trainer sent, a 1M-episode run one in every 100 episodes
+  (about 10,000 details whatever its length);
+- its last episode;
+- every checkpoint's episode (the recorded ones, and every multiple of ``checkpoint_every``,
+  so a downloaded model has the motion it made);
+- the best: the episode with the highest reward among those with detail, in each stretch of
+  episodes thinned at once, so the run's best motion stays whatever comes after it.
+
+The others are dropped once they are two live tails (``CoreSettings.live_episodes``, 2048)
+behind the last committed episode (after the live tail, which watchers read from memory with
+every detail), a chunk of that many at a time, and all at once when the run ends. Live watchers
+see every detail a trainer sent; a replay of older history sees the kept ones, and an episode
+whose detail was dropped comes without one (never made up). After a gateway restart the thinning
+goes on from the live tail: at most one chunk of the previous gateway's episodes keeps all its
+details.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+from gateway.core.runs import TrainingRun
+from gateway.core.store import NotOwner, Store, StoreWriteFailed
+
+_LOGGER = logging.getLogger("gateway.core.driver")
+
+#: Checkpoint every this many episodes when a run's config says 0 (the providers' defaults, as
+#: ``TrainConfig.checkpoint_every`` documents them).
+PROVIDER_CHECKPOINT_EVERY = {"imitation": 500, "grpo": 50}
+
+
+def detail_stride(max_episodes: int, details_per_run: int) -> int:
+    """Every this many episodes keep their detail (see the module docstring)."""
+    return max(1, math.ceil(max_episodes / details_per_run))
+
+
+class DetailRetention:
+    """Drops the details a run does not keep, as it goes (see the module docstring).
+
+    Args:
+        run: The run.
+        kind: Its task's kind (for the provider's checkpoint interval).
+        store: Where its episodes are.
+        spawn: Runs a background task.
+        forget_pages: Drops cached history pages of ``(run_id, first, last)``.
+        live_episodes: The live tail's length: details are dropped twice that far behind, a
+            chunk of twice that many at a time.
+        details_per_run: Sets the stride.
+    """
+
+    def __init__(
+        self,
+        run: TrainingRun,
+        kind: str,
+        store: Store,
+        spawn: Callable[..., None],
+        forget_pages: Callable[[str, int, int], None],
+        live_episodes: int,
+        details_per_run: int,
+    ) -> None:
+        self._run = run
+        self._store = store
+        self._spawn = spawn
+        self._forget_pages = forget_pages
+        self.stride = detail_stride(run.config.max_episodes, details_per_run)
+        self._window = self._chunk = 2 * live_episodes
+        self._checkpoint_every = run.config.checkpoint_every or PROVIDER_CHECKPOINT_EVERY.get(
+            kind, 0
+        )
+        #: Episodes through this one are thinned (or were, by a previous gateway).
+        self.thinned = max(0, run.episode - self._window)
+        self._best: tuple[float, int] | None = None  # of the stretch not thinned yet
+        self._busy = False
+
+    @property
+    def active(self) -> bool:
+        """Whether this run drops anything (a run of up to ``DETAILS_PER_RUN`` episodes keeps
+        every detail)."""
+        return self.stride > 1
+
+    def committed(self, episode: int, reward: float, has_detail: bool) -> None:
+        """An episode was committed; thins a chunk once one is far enough behind."""
+        if not self.active:
+            return
+        if has_detail and episode > self.thinned and (self._best is None or reward > self._best[0]):
+            self._best = (reward, episode)
+        if not self._busy and episode - self._window - self.thinned >= self._chunk:
+            last = self.thinned + self._chunk
+            self._busy = True
+            self._spawn(self._thin(last, keep_last=False), f"gateway-details-{self._run.id}")
+
+    async def finish(self) -> None:
+        """Thins what is left of a run that ended (its last episode keeps its detail)."""
+        if self.active and not self._busy and self._run.episode > self.thinned:
+            self._busy = True
+            await self._thin(self._run.episode, keep_last=True)
+
+    async def _thin(self, last: int, keep_last: bool) -> None:
+        first = self.thinned + 1
+        try:
+            keep = set()
+            if self._best is not None and first <= self._best[1] <= last:
+                keep.add(self._best[1])
+            if keep_last:
+                keep.add(last)
+            for record in await self._store.list_checkpoints(self._run.id):
+                if first <= record.episode <= last:
+                    keep.add(record.episode)
+            every = self._checkpoint_every
+            if every:
+                keep.update(range(math.ceil(first / every) * every, last + 1, every))
+            dropped = await self._store.drop_details(
+                self._run.id, first, last, self.stride, sorted(keep)
+            )
+            self._forget_pages(self._run.id, first, last)
+            self.thinned = last
+            if self._best is not None and self._best[1] <= last:
+                self._best = None
+            _LOGGER.debug(
+                "run %s: dropped the details of %d of episodes %d..%d",
+                self._run.id,
+                dropped,
+                first,
+                last,
+                extra={"run_id": self._run.id},
+            )
+        except (NotOwner, StoreWriteFailed) as exc:
+            # Kept for now: a later chunk (or the run's end) covers them again.
+            _LOGGER.warning(
+                "run %s: could not drop old details (%s)",
+                self._run.id,
+                exc,
+                extra={"run_id": self._run.id},
+            )
+        finally:
+            self._busy = False
