@@ -14,13 +14,18 @@ make a long run large (an imitation motion is 2.6-31 KiB, a GRPO step's completi
 - the best: the episode with the highest reward among those with detail, in each stretch of
   episodes thinned at once, so the run's best motion stays whatever comes after it.
 
-The others are dropped once they are two live tails (``CoreSettings.live_episodes``, 2048)
-behind the last committed episode (after the live tail, which watchers read from memory with
-every detail), a chunk of that many at a time, and all at once when the run ends. Live watchers
+The first three are known when an episode is committed, and its detail is stored for good
+(``EpisodeRecord.keep_detail``). The others are stored as *recent* and settled once they are two
+live tails (``CoreSettings.live_episodes``, 2048) behind the last committed episode (after the
+live tail, which watchers read from memory with every detail), a chunk of at least that many at
+a time, and all at once when the run ends: the best and the recorded checkpoints (a park or a
+stop writes one at any episode) are kept, the others dropped. Recent details are stored apart,
+so dropping a range of them frees whole pages for the next ones, and the store stays about as
+large as what is kept. Live watchers
 see every detail a trainer sent; a replay of older history sees the kept ones, and an episode
 whose detail was dropped comes without one (never made up). After a gateway restart the thinning
-goes on from the live tail: at most one chunk of the previous gateway's episodes keeps all its
-details.
+settles what the previous gateway left recent at its first chunk, without knowing that stretch's
+best.
 """
 
 from __future__ import annotations
@@ -77,8 +82,9 @@ class DetailRetention:
         self._checkpoint_every = run.config.checkpoint_every or PROVIDER_CHECKPOINT_EVERY.get(
             kind, 0
         )
-        #: Episodes through this one are thinned (or were, by a previous gateway).
-        self.thinned = max(0, run.episode - self._window)
+        #: Episodes through this one are settled (0 after a restart: the first chunk settles
+        #: what a previous gateway left recent, a quick delete of few rows).
+        self.thinned = 0
         self._best: tuple[float, int] | None = None  # of the stretch not thinned yet
         self._busy = False
 
@@ -88,16 +94,28 @@ class DetailRetention:
         every detail)."""
         return self.stride > 1
 
+    def keeps(self, episode: int, done: bool) -> bool:
+        """Whether an episode's detail is kept for good when it is committed (the others are
+        recent until settled)."""
+        return (
+            not self.active
+            or done
+            or episode % self.stride == 0
+            or bool(self._checkpoint_every and episode % self._checkpoint_every == 0)
+        )
+
     def committed(self, episode: int, reward: float, has_detail: bool) -> None:
-        """An episode was committed; thins a chunk once one is far enough behind."""
+        """An episode was committed; settles a chunk once one is far enough behind."""
         if not self.active:
             return
         if has_detail and episode > self.thinned and (self._best is None or reward > self._best[0]):
             self._best = (reward, episode)
         if not self._busy and episode - self._window - self.thinned >= self._chunk:
-            last = self.thinned + self._chunk
             self._busy = True
-            self._spawn(self._thin(last, keep_last=False), f"gateway-details-{self._run.id}")
+            self._spawn(
+                self._thin(episode - self._window, keep_last=False),
+                f"gateway-details-{self._run.id}",
+            )
 
     async def finish(self) -> None:
         """Thins what is left of a run that ended (its last episode keeps its detail)."""
@@ -116,12 +134,7 @@ class DetailRetention:
             for record in await self._store.list_checkpoints(self._run.id):
                 if first <= record.episode <= last:
                     keep.add(record.episode)
-            every = self._checkpoint_every
-            if every:
-                keep.update(range(math.ceil(first / every) * every, last + 1, every))
-            dropped = await self._store.drop_details(
-                self._run.id, first, last, self.stride, sorted(keep)
-            )
+            dropped = await self._store.settle_details(self._run.id, first, last, sorted(keep))
             self._forget_pages(self._run.id, first, last)
             self.thinned = last
             if self._best is not None and self._best[1] <= last:

@@ -137,8 +137,9 @@ class Publisher:
         self._pending.append((n, episode.reward, episode.best_reward, frame, scalars))
         self._pacer.published()
         blocks = self.curve.add(n, episode.reward, episode.best_reward, episode.metrics)
+        keep = self.details is None or self.details.keeps(n, episode.done)
         record = EpisodeRecord(
-            self._run.id, n, episode.reward, episode.best_reward, data, detail_at, blocks
+            self._run.id, n, episode.reward, episode.best_reward, data, detail_at, blocks, keep
         )
         self._store.append_episode(record, self._committed_one)
 

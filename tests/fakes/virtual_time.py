@@ -203,12 +203,8 @@ class InFlightStore:
     ) -> list[CurveBlock]:
         return await self._call(lambda: self.inner.read_curve_blocks(run_id, spans))
 
-    async def drop_details(
-        self, run_id: str, first: int, last: int, keep_every: int, keep: Sequence[int]
-    ) -> int:
-        return await self._call(
-            lambda: self.inner.drop_details(run_id, first, last, keep_every, keep)
-        )
+    async def settle_details(self, run_id: str, first: int, last: int, keep: Sequence[int]) -> int:
+        return await self._call(lambda: self.inner.settle_details(run_id, first, last, keep))
 
     async def delete_run(self, run_id: str) -> None:
         await self._call(lambda: self.inner.delete_run(run_id))

@@ -49,7 +49,10 @@ class EpisodeRecord:
     The store keeps the episode's numbers (``data[:detail_at]``) apart from its detail
     (``data[detail_at:]``, the ``Episode.detail`` field, which serializes last), so that a
     watch of the numbers only reads no detail and a long run can drop the detail of most of its
-    episodes (``drop_details``). ``detail_at`` -1 means the episode has no detail.
+    episodes. ``detail_at`` -1 means the episode has no detail. A detail is kept for good when
+    ``keep_detail`` says so, otherwise it is *recent* until ``settle_details`` keeps or drops
+    it (``gateway.core.details``): recent details live apart, so dropping a range of them
+    frees whole pages for what comes next.
     """
 
     run_id: str
@@ -59,6 +62,7 @@ class EpisodeRecord:
     data: bytes
     detail_at: int = -1
     blocks: tuple[CurveBlock, ...] = ()
+    keep_detail: bool = True
 
     @property
     def scalars(self) -> bytes:
@@ -286,11 +290,9 @@ class Store(Protocol):
         """The stored curve blocks of ``(level, first_index, last_index)`` spans."""
         ...
 
-    async def drop_details(
-        self, run_id: str, first: int, last: int, keep_every: int, keep: Sequence[int]
-    ) -> int:
-        """Drops the detail of episodes ``first..last`` except those whose number is a multiple
-        of ``keep_every`` or in ``keep``; returns how many it dropped.
+    async def settle_details(self, run_id: str, first: int, last: int, keep: Sequence[int]) -> int:
+        """Settles the recent details of episodes ``first..last``: those of ``keep`` are kept
+        for good, the others dropped; returns how many it dropped.
 
         Raises:
             NotOwner: another gateway replica owns the run (PostgreSQL); nothing is written.

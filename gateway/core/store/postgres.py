@@ -163,6 +163,7 @@ class PostgresStore(PostgresDatabase):
         async def go(conn: psycopg.AsyncConnection) -> None:
             await conn.execute("DELETE FROM episodes WHERE run_id=%s", (run_id,))
             await conn.execute("DELETE FROM details WHERE run_id=%s", (run_id,))
+            await conn.execute("DELETE FROM recent_details WHERE run_id=%s", (run_id,))
             await conn.execute("DELETE FROM curve WHERE run_id=%s", (run_id,))
             await conn.execute("DELETE FROM checkpoints WHERE run_id=%s", (run_id,))
             await conn.execute("DELETE FROM runs WHERE id=%s", (run_id,))
@@ -330,8 +331,9 @@ class PostgresStore(PostgresDatabase):
             "SELECT data FROM episodes WHERE run_id=%s AND episode BETWEEN %s AND %s "
             "ORDER BY episode"
             if scalars
-            else "SELECT e.data, d.detail FROM episodes e LEFT JOIN details d "
-            "ON d.run_id = e.run_id AND d.episode = e.episode "
+            else "SELECT e.data, coalesce(d.detail, r.detail) FROM episodes e "
+            "LEFT JOIN details d ON d.run_id = e.run_id AND d.episode = e.episode "
+            "LEFT JOIN recent_details r ON r.run_id = e.run_id AND r.episode = e.episode "
             "WHERE e.run_id=%s AND e.episode BETWEEN %s AND %s ORDER BY e.episode"
         )
 
@@ -364,10 +366,9 @@ class PostgresStore(PostgresDatabase):
 
         return await self.read(go)
 
-    async def drop_details(
-        self, run_id: str, first: int, last: int, keep_every: int, keep: Sequence[int]
-    ) -> int:
-        """Drops details of a range (see ``Store.drop_details``), fenced by the run's owner.
+    async def settle_details(self, run_id: str, first: int, last: int, keep: Sequence[int]) -> int:
+        """Keeps or drops the recent details of a range (see ``Store.settle_details``), fenced
+        by the run's owner.
 
         Raises:
             NotOwner: another replica owns the run; nothing is written.
@@ -377,12 +378,17 @@ class PostgresStore(PostgresDatabase):
         async def go(conn: psycopg.AsyncConnection) -> int:
             if not await self._lock_owned(conn, run_id):
                 return 0
-            cur = await conn.execute(
-                "DELETE FROM details WHERE run_id=%s AND episode BETWEEN %s AND %s "
-                "AND episode %% %s <> 0 AND NOT (episode = ANY(%s::int[]))",
-                (run_id, first, last, max(1, keep_every), list(keep)),
+            moved = await conn.execute(
+                "INSERT INTO details (run_id, episode, detail) SELECT run_id, episode, detail "
+                "FROM recent_details WHERE run_id=%s AND episode BETWEEN %s AND %s "
+                "AND episode = ANY(%s::int[]) ON CONFLICT DO NOTHING",
+                (run_id, first, last, list(keep)),
             )
-            return cur.rowcount
+            cur = await conn.execute(
+                "DELETE FROM recent_details WHERE run_id=%s AND episode BETWEEN %s AND %s",
+                (run_id, first, last),
+            )
+            return cur.rowcount - moved.rowcount
 
         return await self.write(go)
 

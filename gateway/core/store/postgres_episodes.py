@@ -29,6 +29,14 @@ from gateway.core.store.postgres_schema import INSERT_CURVE, curve_columns
 # The store's logger: these lines were logged as ``gateway.core.store.postgres``.
 _LOGGER = logging.getLogger("gateway.core.store.postgres")
 
+#: Inserts details kept for good (True) or recent ones (False), given as arrays.
+_INSERT_DETAILS = {
+    True: "INSERT INTO details (run_id, episode, detail) SELECT * FROM "
+    "unnest(%s::text[], %s::int[], %s::bytea[]) ON CONFLICT DO NOTHING",
+    False: "INSERT INTO recent_details (run_id, episode, detail) SELECT * FROM "
+    "unnest(%s::text[], %s::int[], %s::bytea[]) ON CONFLICT DO NOTHING",
+}
+
 #: The most episodes one group commit takes.
 MAX_BATCH = 4096
 
@@ -143,12 +151,12 @@ class GroupCommit:
                 "ON CONFLICT DO NOTHING",
                 ([r.run_id for r in rows], [r.episode for r in rows], [r.scalars for r in rows]),
             )
-            details = [r for r in rows if r.detail_at >= 0]
-            if details:
+            for keep, insert in _INSERT_DETAILS.items():
+                details = [r for r in rows if r.detail_at >= 0 and r.keep_detail is keep]
+                if not details:
+                    continue
                 await conn.execute(
-                    "INSERT INTO details (run_id, episode, detail) "
-                    "SELECT * FROM unnest(%s::text[], %s::int[], %s::bytea[]) "
-                    "ON CONFLICT DO NOTHING",
+                    insert,
                     (
                         [r.run_id for r in details],
                         [r.episode for r in details],

@@ -19,11 +19,11 @@ Versions (``MIGRATIONS[v - 1]`` takes a database from ``v - 1`` to ``v``):
 3. Checkpoints: a run's ``checkpoint_episode`` (the largest recorded checkpoint), ``restarts``
    and ``parked``; ``checkpoints`` holds one record per complete checkpoint, keyed on (run,
    episode).
-4. Long runs: ``episodes.data`` holds an episode without its detail and ``details`` the
-   details (none: the episode has none, or it was dropped; a dropped detail is a deleted row,
-   whose space vacuum gives back to the table); ``curve`` holds the complete curve blocks of
-   every run (``gateway.core.curve``). The migration splits every stored episode and computes
-   the blocks of every run (``_split_and_backfill``).
+4. Long runs: ``episodes.data`` holds an episode without its detail, ``details`` the details
+   kept for good and ``recent_details`` those not settled yet (as SQLite's version 4; a
+   dropped detail is a deleted row, whose space vacuum gives back to the table); ``curve``
+   holds the complete curve blocks of every run (``gateway.core.curve``). The migration splits
+   every stored episode and computes the blocks of every run (``_split_and_backfill``).
 
 A migration runs in one transaction under an advisory lock, so replicas started together with
 ``--migrate`` migrate once, and a failed migration leaves the database as it was.
@@ -114,6 +114,13 @@ _V4 = (
         PRIMARY KEY (run_id, episode)
     )""",
     "ALTER TABLE details ALTER COLUMN detail SET STORAGE EXTERNAL",
+    """CREATE TABLE recent_details (
+        run_id TEXT NOT NULL,
+        episode INTEGER NOT NULL,
+        detail BYTEA NOT NULL,
+        PRIMARY KEY (run_id, episode)
+    )""",
+    "ALTER TABLE recent_details ALTER COLUMN detail SET STORAGE EXTERNAL",
     """CREATE TABLE curve (
         run_id TEXT NOT NULL,
         level SMALLINT NOT NULL,

@@ -304,11 +304,16 @@ class SqliteStore:
             "INSERT INTO episodes (run_id, episode, data) VALUES (?,?,?)",
             [(r.run_id, r.episode, r.scalars) for r in records],
         )
-        details = [(r.run_id, r.episode, r.detail) for r in records if r.detail_at >= 0]
-        if details:
-            self._conn.executemany(
-                "INSERT INTO details (run_id, episode, detail) VALUES (?,?,?)", details
-            )
+        for table, keep in (("details", True), ("recent_details", False)):
+            details = [
+                (r.run_id, r.episode, r.detail)
+                for r in records
+                if r.detail_at >= 0 and r.keep_detail is keep
+            ]
+            if details:
+                self._conn.executemany(
+                    f"INSERT INTO {table} (run_id, episode, detail) VALUES (?,?,?)", details
+                )
         last: dict[str, EpisodeRecord] = {}
         for r in records:
             last[r.run_id] = r
@@ -365,8 +370,9 @@ class SqliteStore:
             ).fetchall()
             return [r[0] for r in rows]
         rows = self._conn.execute(
-            "SELECT e.data, d.detail FROM episodes e LEFT JOIN details d "
-            "ON d.run_id = e.run_id AND d.episode = e.episode "
+            "SELECT e.data, coalesce(d.detail, r.detail) FROM episodes e "
+            "LEFT JOIN details d ON d.run_id = e.run_id AND d.episode = e.episode "
+            "LEFT JOIN recent_details r ON r.run_id = e.run_id AND r.episode = e.episode "
             "WHERE e.run_id=? AND e.episode BETWEEN ? AND ? ORDER BY e.episode",
             (run_id, first, last),
         ).fetchall()
@@ -387,23 +393,27 @@ class SqliteStore:
             out.extend(CurveBlock(*row) for row in rows)
         return out
 
-    def drop_details(
-        self, run_id: str, first: int, last: int, keep_every: int, keep: Sequence[int]
-    ) -> int:
-        """Drops the detail of episodes ``first..last`` but multiples of ``keep_every`` and
-        ``keep``; returns how many."""
+    def settle_details(self, run_id: str, first: int, last: int, keep: Sequence[int]) -> int:
+        """Keeps the recent details of ``keep`` among episodes ``first..last`` for good and
+        drops the others; returns how many it dropped."""
         kept = ",".join(str(int(k)) for k in keep) or "0"
-        cur = self._conn.execute(
-            "DELETE FROM details WHERE run_id=? AND episode BETWEEN ? AND ? "
-            f"AND episode % ? != 0 AND episode NOT IN ({kept})",
-            (run_id, first, last, max(1, keep_every)),
+        moved = self._conn.execute(
+            "INSERT OR IGNORE INTO details (run_id, episode, detail) SELECT run_id, episode, "
+            "detail FROM recent_details WHERE run_id=? AND episode BETWEEN ? AND ? "
+            f"AND episode IN ({kept})",
+            (run_id, first, last),
         )
-        return cur.rowcount
+        cur = self._conn.execute(
+            "DELETE FROM recent_details WHERE run_id=? AND episode BETWEEN ? AND ?",
+            (run_id, first, last),
+        )
+        return cur.rowcount - moved.rowcount
 
     def delete_run(self, run_id: str) -> None:
         """Deletes a run, its history and its checkpoint records."""
         self._conn.execute("DELETE FROM episodes WHERE run_id=?", (run_id,))
         self._conn.execute("DELETE FROM details WHERE run_id=?", (run_id,))
+        self._conn.execute("DELETE FROM recent_details WHERE run_id=?", (run_id,))
         self._conn.execute("DELETE FROM curve WHERE run_id=?", (run_id,))
         self._conn.execute("DELETE FROM checkpoints WHERE run_id=?", (run_id,))
         self._conn.execute("DELETE FROM runs WHERE id=?", (run_id,))

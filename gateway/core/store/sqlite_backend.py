@@ -190,17 +190,13 @@ class SqliteBackend(WritableStore):
         """The stored curve blocks of ``(level, first_index, last_index)`` spans."""
         return await self._call(SqliteStore.read_curve_blocks, run_id, tuple(spans))
 
-    async def drop_details(
-        self, run_id: str, first: int, last: int, keep_every: int, keep: Sequence[int]
-    ) -> int:
-        """Drops details of a range (see ``Store.drop_details``).
+    async def settle_details(self, run_id: str, first: int, last: int, keep: Sequence[int]) -> int:
+        """Keeps or drops the recent details of a range (see ``Store.settle_details``).
 
         Raises:
             StoreWriteFailed: the database cannot be written.
         """
-        return await self._write(
-            SqliteStore.drop_details, run_id, first, last, keep_every, tuple(keep)
-        )
+        return await self._write(SqliteStore.settle_details, run_id, first, last, tuple(keep))
 
     async def count_by_state(self) -> dict[RunState, int]:
         """How many runs are in each state."""

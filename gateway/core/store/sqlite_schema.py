@@ -15,13 +15,14 @@ Versions:
 3. Checkpoints: ``runs`` gains ``checkpoint_episode`` (the largest recorded checkpoint),
    ``restarts`` and ``parked``; ``checkpoints`` holds one record per complete checkpoint,
    keyed on (run, episode).
-4. Long runs: ``episodes.data`` holds an episode without its detail and ``details`` the
-   details (none: the episode has none, or it was dropped), so a scalar watch reads no detail
-   and a long run drops most details (``gateway.core.details``). ``details`` is a rowid table:
-   a detail of a few KiB fits in its page, where a ``WITHOUT ROWID`` row that large would spill
-   into an overflow page of its own and waste most of it. ``curve`` holds the complete curve
-   blocks of every run (``gateway.core.curve``), keyed on (run, level, block). The migration
-   splits every stored episode and computes the blocks of every run.
+4. Long runs: ``episodes.data`` holds an episode without its detail, ``details`` the details
+   kept for good and ``recent_details`` those not settled yet (none: the episode has none, or
+   it was dropped), so a scalar watch reads no detail and a long run drops most details
+   (``gateway.core.details``) by deleting ranges of ``recent_details``, which frees whole pages
+   for the next ones. Both are rowid tables: a detail of a few KiB fits in its page, where a
+   ``WITHOUT ROWID`` row that large would spill into an overflow page of its own. ``curve``
+   holds the complete curve blocks of every run (``gateway.core.curve``), keyed on (run, level,
+   block). The migration splits every stored episode and computes the blocks of every run.
 
 A database at an older version is migrated only when asked (``migrate=True``): a migration runs
 in one transaction (every step from its version to the latest), so a failed one leaves the
@@ -88,7 +89,7 @@ CREATE TABLE checkpoints (
     PRIMARY KEY (run_id, episode)
 ) WITHOUT ROWID"""
 _DETAILS = """
-CREATE TABLE details (
+CREATE TABLE {name} (
     run_id TEXT NOT NULL,
     episode INTEGER NOT NULL,
     detail BLOB NOT NULL,
@@ -223,7 +224,8 @@ def _create(conn: sqlite3.Connection) -> None:
     conn.execute(_RUNS)
     conn.execute(_INDEX)
     conn.execute(_EPISODES_V2.format(name="episodes"))
-    conn.execute(_DETAILS)
+    conn.execute(_DETAILS.format(name="details"))
+    conn.execute(_DETAILS.format(name="recent_details"))
     conn.execute(_CHECKPOINTS)
     conn.execute(_META)
     conn.execute(_CURVE)
@@ -257,7 +259,8 @@ def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
 
 
 def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
-    conn.execute(_DETAILS)
+    conn.execute(_DETAILS.format(name="details"))
+    conn.execute(_DETAILS.format(name="recent_details"))
     conn.execute(_CURVE)
     rows = conn.execute("SELECT run_id, episode, data FROM episodes ORDER BY run_id, episode")
     split = []
