@@ -17,9 +17,11 @@ from gateway.core.runs import RunState
 from gateway.core.store import DatabaseProblem, NotOwner, PostgresStore, SchemaOutdated
 from gateway.core.store.postgres_leases import Leases, notifications
 from gateway.core.store.postgres_schema import SCHEMA_VERSION, upgrade
+from tests.fakes.episodes import valid_episodes
 from tests.fakes.gateway_harness import ROOT
 from tests.fakes.waiting import TIMEOUT, until
 from tests.store.test_store_contract import append, checkpoint, listed, make_run, records
+from trainwire.v1 import episode_pb2
 
 
 async def version_of(url: str) -> int:
@@ -305,3 +307,33 @@ async def test_a_checkpoint_is_announced(postgres_url: str) -> None:
         await until(lambda: len(heard) >= 3, "3 notifications")
         await asyncio.sleep(0.1)
         assert heard == [("c", "n"), ("r", "n"), ("r", "n")]
+
+
+async def test_a_database_before_long_runs_splits_its_details_and_gets_its_curve(
+    postgres_url: str,
+) -> None:
+    await make_old(postgres_url, version=3)
+    episodes = list(valid_episodes(40, detail_every=6))
+    whole = [e.SerializeToString(deterministic=True) for e in episodes]
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+        await conn.execute("DELETE FROM episodes")
+        async with conn.cursor() as cur:
+            await cur.executemany(
+                "INSERT INTO episodes VALUES ('old', %s, %s)",
+                [(n, data) for n, data in enumerate(whole, 1)],
+            )
+    store = PostgresStore(postgres_url, "a", migrate=True)
+    await store.start()
+    try:
+        assert await version_of(postgres_url) == SCHEMA_VERSION
+        assert await store.read_episodes("old", 1, 40) == whole  # byte for byte
+        scalars = await store.read_episodes("old", 1, 40, scalars=True)
+        assert not any(episode_pb2.Episode.FromString(d).HasField("imitation") for d in scalars)
+        blocks = await store.read_curve_blocks("old", [(1, 0, 9), (2, 0, 1)])
+        assert [(b.level, b.index) for b in blocks] == [(1, i) for i in range(10)] + [
+            (2, 0),
+            (2, 1),
+        ]
+        assert blocks[-1].count == 16 and blocks[-1].best_end == episodes[31].best_reward
+    finally:
+        await store.close()

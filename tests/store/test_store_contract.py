@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.core.curve import CurveBuilder
+from gateway.core.history import detail_offset
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import (
     CheckpointRecord,
@@ -413,3 +415,45 @@ async def test_checkpoint_records_survive_a_reopen(opener: Opener) -> None:
         assert await checkpoint_episode(again, "a") == 3
     finally:
         await again.close()
+
+
+async def test_details_are_kept_apart_settled_and_curve_blocks_read_back(store: Store) -> None:
+    await store.insert_run(make_run("a"))
+    builder = CurveBuilder()
+    recs = []
+    for e in valid_episodes(40, detail_every=4):
+        data = e.SerializeToString(deterministic=True)
+        at = detail_offset(data)
+        blocks = builder.add(e.episode, e.reward, e.best_reward, e.metrics)
+        recs.append(
+            EpisodeRecord(
+                "a",
+                e.episode,
+                e.reward,
+                e.best_reward,
+                data,
+                at if at < len(data) else -1,
+                blocks,
+                keep_detail=e.episode % 8 == 0 or e.done,
+            )
+        )
+    assert await append(store, recs) == [None] * 40
+    whole = [r.data for r in recs]
+    assert await store.read_episodes("a", 1, 40) == whole
+    assert await store.read_episodes("a", 1, 40, scalars=True) == [r.scalars for r in recs]
+    # Recent details (episodes 4, 12, 20, 28, 36): 20 kept for good, the others dropped.
+    assert await store.settle_details("a", 1, 30, [20, 25]) == 3
+    after = await store.read_episodes("a", 1, 40)
+    with_detail = {n for n, d in enumerate(after, 1) if d != recs[n - 1].scalars}
+    assert with_detail == {8, 16, 20, 24, 32, 36, 40}
+    assert all(after[n - 1] == whole[n - 1] for n in with_detail)  # never altered, only gone
+    blocks = await store.read_curve_blocks("a", [(1, 0, 9), (2, 1, 5)])
+    assert [(b.level, b.index) for b in blocks] == [(1, i) for i in range(10)] + [(2, 1)]
+    assert blocks[-1] == carried_block(recs, 2, 1)
+    await store.delete_run("a")
+    assert await store.read_curve_blocks("a", [(1, 0, 9)]) == []
+
+
+def carried_block(recs: list[EpisodeRecord], level: int, index: int) -> object:
+    """The block of ``level``/``index`` as the records carried it."""
+    return next(b for r in recs for b in r.blocks if (b.level, b.index) == (level, index))

@@ -18,6 +18,7 @@ from gateway.core.store import (
     SqliteStore,
 )
 from gateway.core.store.sqlite_schema import APPLICATION_ID, SCHEMA_VERSION
+from tests.fakes.episodes import valid_episodes
 from trainwire.v1 import episode_pb2
 
 #: The first release's schema, as it wrote it (no application id, no user_version).
@@ -298,4 +299,53 @@ def test_runs_keep_their_request_fingerprint(tmp_path: Path) -> None:
     store.insert_run(run)
     found = store.find_request("k")
     assert found is not None and found.request_hash == "abc123"
+    store.close()
+
+
+def v3_database(path: Path, episodes: list[episode_pb2.Episode]) -> None:
+    """A database as version 3 wrote it: whole episodes (detail included) in ``episodes``, no
+    details tables, no curve."""
+    store = SqliteStore(str(path))
+    store.insert_run(
+        TrainingRun(
+            id="long",
+            task=episode_pb2.TrainTask(),
+            config=episode_pb2.TrainConfig(max_episodes=len(episodes)),
+        )
+    )
+    store.close()
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "DROP TABLE details; DROP TABLE recent_details; DROP TABLE curve; PRAGMA user_version=3;"
+    )
+    conn.executemany(
+        "INSERT INTO episodes (run_id, episode, data) VALUES ('long', ?, ?)",
+        [(e.episode, e.SerializeToString(deterministic=True)) for e in episodes],
+    )
+    conn.execute("UPDATE runs SET episode=?, state=4 WHERE id='long'", (len(episodes),))
+    conn.commit()
+    conn.close()
+
+
+def test_a_database_before_long_runs_splits_its_details_and_gets_its_curve(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "v3.sqlite3"
+    episodes = list(valid_episodes(70, detail_every=7))
+    v3_database(path, episodes)
+    with pytest.raises(SchemaOutdated, match="schema is version 3"):
+        SqliteStore(str(path))
+    store = SqliteStore(str(path), migrate=True)
+    assert store.found_version == 3
+    whole = [e.SerializeToString(deterministic=True) for e in episodes]
+    assert store.read_episodes("long", 1, 70) == whole  # byte for byte
+    scalars = [episode_pb2.Episode.FromString(d) for d in store.read_episodes("long", 1, 70, True)]
+    assert not any(e.HasField("imitation") for e in scalars)
+    assert [e.reward for e in scalars] == [e.reward for e in episodes]
+    blocks = store.read_curve_blocks("long", [(1, 0, 16), (2, 0, 3), (3, 0, 0)])
+    assert [(b.level, b.index) for b in blocks] == (
+        [(1, i) for i in range(17)] + [(2, i) for i in range(4)] + [(3, 0)]
+    )
+    top = blocks[-1]
+    assert top.count == 64 and top.reward_max == max(e.reward for e in episodes[:64])
     store.close()
