@@ -8,7 +8,8 @@ in constant time (``hmac.compare_digest``, no early exit).
 
 Roles are ordered, each including the one before (``RPC_ROLES``): ``viewer`` reads (GetRun,
 ListRuns, WatchRun, GetRunCurve, ListCheckpoints, DownloadCheckpoint: a model is read like its run),
-``operator`` also drives runs (CreateRun, PauseRun, ResumeRun, StopRun, SetRunSpeed),
+``operator`` also drives runs (CreateRun, PauseRun, ResumeRun, StopRun, SetRunSpeed,
+UpdateRun),
 ``admin`` also deletes (DeleteRun). Health is open; reflection, and anything not
 named, needs ``viewer`` (a GatewayService RPC missing from the table needs ``admin``).
 
@@ -89,6 +90,7 @@ RPC_ROLES: dict[str, Role] = {
     "ResumeRun": Role.OPERATOR,
     "StopRun": Role.OPERATOR,
     "SetRunSpeed": Role.OPERATOR,
+    "UpdateRun": Role.OPERATOR,
     "DeleteRun": Role.ADMIN,
 }
 

@@ -87,7 +87,11 @@ def run_to_proto(
         checkpoint_episode=run.checkpoint_episode,
         restarts=run.restarts,
         parked=run.parked,
+        labels=run.labels,
     )
+    if run.fork_run_id:
+        message.fork_from.run_id = run.fork_run_id
+        message.fork_from.episode = run.fork_episode
     if run.create_time:
         message.create_time.FromNanoseconds(run.create_time)
     if run.start_time:
@@ -136,6 +140,38 @@ def scalars_from_proto(view: int, run_id: str) -> bool:
     )
 
 
+#: The fields ``UpdateRun`` may change, by their mask path.
+UPDATABLE_FIELDS = ("display_name", "labels")
+
+
+def update_from_proto(
+    request: gateway_service_pb2.UpdateRunRequest,
+) -> tuple[str | None, dict[str, str] | None]:
+    """The display name and labels an ``UpdateRun`` sets (None: left as they are).
+
+    Raises:
+        InvalidRequest: a mask path other than display_name and labels.
+    """
+    paths = list(request.update_mask.paths) or list(UPDATABLE_FIELDS)
+    if paths == ["*"]:
+        paths = list(UPDATABLE_FIELDS)
+    bad = [p for p in paths if p not in UPDATABLE_FIELDS]
+    if bad:
+        run_id = request.run.id
+        raise InvalidRequest(
+            f"cannot update run {run_id!r}: update_mask path {bad[0]!r} is not one of "
+            f"{', '.join(UPDATABLE_FIELDS)}",
+            [
+                FieldViolation("update_mask.paths", f"{p!r}; only display_name and labels")
+                for p in bad
+            ],
+            run_id,
+        )
+    name = request.run.display_name if "display_name" in paths else None
+    labels = dict(request.run.labels) if "labels" in paths else None
+    return name, labels
+
+
 def run_spec_from_proto(request: gateway_service_pb2.CreateRunRequest) -> RunSpec:
     """A validated ``RunSpec`` from a ``CreateRunRequest``.
 
@@ -162,6 +198,9 @@ def run_spec_from_proto(request: gateway_service_pb2.CreateRunRequest) -> RunSpe
         request_id=request.request_id,
         display_name=request.display_name,
         request_hash=request_fingerprint(request),
+        labels=dict(request.labels),
+        fork_run_id=request.fork_from.run_id if request.HasField("fork_from") else "",
+        fork_episode=request.fork_from.episode,
     )
 
 

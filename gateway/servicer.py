@@ -115,6 +115,15 @@ class GatewayServicer:
             yield convert.watch_event_to_wire(event)
 
     @map_errors
+    async def UpdateRun(
+        self, request: pb.UpdateRunRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateRunResponse:
+        """Sets a run's display_name and/or labels, as its update_mask says."""
+        name, labels = convert.update_from_proto(request)
+        run = await self._core.update(request.run.id, name, labels)
+        return pb.UpdateRunResponse(run=convert.run_to_proto(run))
+
+    @map_errors
     async def GetRunCurve(
         self, request: pb.GetRunCurveRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetRunCurveResponse:
@@ -208,6 +217,7 @@ UNARY_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "DeleteRun": (pb.DeleteRunRequest, pb.DeleteRunResponse),
     "ListCheckpoints": (pb.ListCheckpointsRequest, pb.ListCheckpointsResponse),
     "GetRunCurve": (pb.GetRunCurveRequest, pb.GetRunCurveResponse),
+    "UpdateRun": (pb.UpdateRunRequest, pb.UpdateRunResponse),
 }
 
 

@@ -11,7 +11,8 @@ This module depends on protobuf and the generated messages only (no grpc calls, 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 
 from google.rpc import error_details_pb2
 
@@ -379,6 +380,58 @@ def check_episode_rate(rate: float, field: str = "episodes_per_second") -> list[
     ]
 
 
+#: The most labels a run may have.
+MAX_LABELS = 64
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+_LABEL_PREFIX = re.compile(
+    r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*"
+)
+
+
+def _label_key_problem(key: str) -> str:
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _LABEL_PREFIX.fullmatch(prefix)):
+        return "its prefix must be a DNS subdomain (lowercase, at most 253 characters)"
+    if not _LABEL_NAME.fullmatch(name):
+        return (
+            "its name must be 1-63 of A-Z a-z 0-9 _ . -, starting and ending with a letter or digit"
+        )
+    return ""
+
+
+def check_labels(labels: Mapping[str, str], field: str = "labels") -> list[FieldViolation]:
+    """Validates labels as Kubernetes does (see ``Run.labels``); every violation names the
+    key (``labels[key]``)."""
+    out: list[FieldViolation] = []
+    if len(labels) > MAX_LABELS:
+        out.append(FieldViolation(field, f"{len(labels)} labels; at most {MAX_LABELS}"))
+    for key in sorted(labels):
+        shown = key if key.isprintable() and len(key) <= 80 else repr(key[:80])
+        problem = _label_key_problem(key)
+        if problem:
+            out.append(FieldViolation(f"{field}[{shown}]", f"bad key {shown!r}: {problem}"))
+            continue
+        value = labels[key]
+        if value and not _LABEL_NAME.fullmatch(value):
+            out.append(
+                FieldViolation(
+                    f"{field}[{shown}]",
+                    f"bad value {value[:80]!r}: at most 63 of A-Z a-z 0-9 _ . -, starting and "
+                    "ending with a letter or digit (or empty)",
+                )
+            )
+    return out
+
+
+def check_display_name(name: str, field: str = "display_name") -> list[FieldViolation]:
+    """Validates a display name (at most ``MAX_DISPLAY_NAME_LENGTH`` printable characters)."""
+    if len(name) > MAX_DISPLAY_NAME_LENGTH:
+        return [FieldViolation(field, f"{len(name)} characters; at most {MAX_DISPLAY_NAME_LENGTH}")]
+    if not name.isprintable():
+        return [FieldViolation(field, "contains control characters (newlines, escapes)")]
+    return []
+
+
 def check_create_run(req: gateway_service_pb2.CreateRunRequest) -> list[FieldViolation]:
     """Validates a ``CreateRunRequest``; returns every violation (empty when valid)."""
     out = check_task(req.task, req.config)
@@ -397,17 +450,16 @@ def check_create_run(req: gateway_service_pb2.CreateRunRequest) -> list[FieldVio
         )
     elif not req.request_id.isprintable():
         out.append(FieldViolation("request_id", "contains control characters"))
-    if len(req.display_name) > MAX_DISPLAY_NAME_LENGTH:
-        out.append(
-            FieldViolation(
-                "display_name",
-                f"{len(req.display_name)} characters; at most {MAX_DISPLAY_NAME_LENGTH}",
+    out.extend(check_display_name(req.display_name))
+    out.extend(check_labels(req.labels))
+    if req.HasField("fork_from"):
+        out.extend(check_run_id(req.fork_from.run_id, "fork_from.run_id"))
+        if req.fork_from.episode < 0:
+            out.append(
+                FieldViolation(
+                    "fork_from.episode", f"{req.fork_from.episode}; need >= 0 (0: the latest)"
+                )
             )
-        )
-    elif not req.display_name.isprintable():
-        out.append(
-            FieldViolation("display_name", "contains control characters (newlines, escapes)")
-        )
     return out
 
 

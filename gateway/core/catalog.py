@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from gateway.core.driver import RunDriver
 from gateway.core.errors import (
@@ -29,7 +29,14 @@ from gateway.core.scheduler import Scheduler
 from gateway.core.settings import CoreSettings
 from gateway.core.store import STORE_MESSAGE, DuplicateRequest, Store, StoreWriteFailed
 from gateway.core.table import RunTable
-from trainwire.contract import FieldViolation, check_run_id, display_run_id, task_kind
+from trainwire.contract import (
+    FieldViolation,
+    check_display_name,
+    check_labels,
+    check_run_id,
+    display_run_id,
+    task_kind,
+)
 from trainwire.v1 import episode_pb2
 
 _LOGGER = logging.getLogger("gateway.core.registry")
@@ -52,6 +59,10 @@ class RunSpec:
     #: The fingerprint of the request (without its request_id): the same request_id with
     #: another fingerprint is a reused key, not a retry.
     request_hash: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    #: Fork from this run's checkpoint (``fork_episode``, 0: its latest); "" : from scratch.
+    fork_run_id: str = ""
+    fork_episode: int = 0
 
 
 def _check_same_request(request_id: str, run: TrainingRun, spec: RunSpec) -> None:
@@ -167,6 +178,11 @@ class RunCatalog:
         return current
 
     async def _insert(self, spec: RunSpec) -> TrainingRun:
+        if spec.fork_run_id:
+            raise InvalidRequest(
+                "fork_from: this gateway cannot fork runs yet",
+                [FieldViolation("fork_from", "forking is not available on this gateway")],
+            )
         if not self._store.writable:
             raise StoreUnavailable(f"cannot create a run: {STORE_MESSAGE}")
         limit = self._settings.max_pending
@@ -187,6 +203,7 @@ class RunCatalog:
             request_id=spec.request_id,
             creator=spec.creator,
             request_hash=spec.request_hash,
+            labels=dict(spec.labels),
         )
         try:
             run.seq = await self._store.insert_run(run)
@@ -244,6 +261,45 @@ class RunCatalog:
         more = len(rows) > limit
         runs = [self.current(r) for r in rows[:limit]]
         return runs, (runs[-1].seq if more else None)
+
+    async def update(
+        self, run_id: str, display_name: str | None, labels: Mapping[str, str] | None
+    ) -> TrainingRun:
+        """Sets a run's display name and/or labels (None: left as they are), active or finished;
+        returns the run as updated.
+
+        Raises:
+            InvalidRequest: a bad run id, display name or label.
+            RunNotFound: no such run.
+            StoreUnavailable: the database cannot be written.
+        """
+        require_run_id(run_id)
+        violations = []
+        if display_name is not None:
+            violations += check_display_name(display_name, "run.display_name")
+        if labels is not None:
+            violations += check_labels(labels, "run.labels")
+        if violations:
+            raise InvalidRequest(
+                f"cannot update run {run_id!r}: {violations[0].field}: {violations[0].description}",
+                violations,
+                run_id,
+            )
+        current = await self.get(run_id)
+        name = current.display_name if display_name is None else display_name
+        new_labels = dict(current.labels if labels is None else labels)
+        try:
+            found = await self._store.update_metadata(run_id, name, new_labels)
+        except StoreWriteFailed:
+            raise StoreUnavailable(f"cannot update run {run_id!r}: {STORE_MESSAGE}") from None
+        if not found:
+            raise RunNotFound(run_id)
+        driver = self._table.get(run_id)
+        if driver is not None:
+            driver.run.display_name = name
+            driver.run.labels = new_labels
+        _LOGGER.info("run %s updated", run_id, extra={"run_id": run_id, "event": "updated"})
+        return await self.get(run_id)
 
     async def delete(self, run_id: str) -> TrainingRun:
         """Deletes a finished run and its history; returns the run as it was.

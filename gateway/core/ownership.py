@@ -311,6 +311,17 @@ class LeasedOwnership:
         finally:
             del self._applying[run_id]
 
+    async def refresh_metadata(self, run_id: str) -> None:
+        """Another replica changed the display name or labels of a run driven here: the
+        driver's run takes them from the store (``update_run`` never writes them)."""
+        driver = self._table.driving(run_id)
+        if driver is None:
+            return
+        stored = await self._store.get_run(run_id)
+        if stored is not None:
+            driver.run.display_name = stored.display_name
+            driver.run.labels = stored.labels
+
     async def _apply_once(self, run_id: str) -> None:
         driver = self._table.driving(run_id)
         if driver is None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from gateway.core.catalog import RunCatalog, RunSpec, require_run_id
 from gateway.core.checkpoints import CheckpointFiles, CheckpointReads
@@ -188,6 +188,12 @@ class RunRegistry:
     ) -> tuple[list[TrainingRun], int | None]:
         """A page of runs, newest first; see ``RunCatalog.list_runs``."""
         return await self.catalog.list_runs(page_size, before_seq, state)
+
+    async def update(
+        self, run_id: str, display_name: str | None, labels: Mapping[str, str] | None
+    ) -> TrainingRun:
+        """Sets a run's display name and/or labels; see ``RunCatalog.update``."""
+        return await self.catalog.update(run_id, display_name, labels)
 
     async def delete(self, run_id: str) -> TrainingRun:
         """Deletes a finished run and its checkpoints; see ``RunCatalog.delete``."""

@@ -86,6 +86,10 @@ class ReplicaHost(Protocol):
         """The run changed in the store (wakes whoever follows it)."""
         ...
 
+    async def refresh_metadata(self, run_id: str) -> None:
+        """Another replica changed the name or labels of a run this replica owns."""
+        ...
+
 
 class SharedReplicas:
     """This replica among the others on one PostgreSQL database (see the module docstring).
@@ -204,6 +208,9 @@ class SharedReplicas:
         elif kind == "x":
             if run_id in host.owned_runs():
                 self._spawn(host.apply_controls(run_id), f"gateway-control-{run_id}")
+        elif kind == "m":
+            if run_id in host.owned_runs():
+                self._spawn(host.refresh_metadata(run_id), f"gateway-metadata-{run_id}")
         elif kind == "a":
             event = self._applied.get(run_id)
             if event is not None:

@@ -84,6 +84,11 @@ class TrainingRun:
         restarts: How often the gateway re-placed it from a checkpoint after its trainer died.
         parked: Paused with its job ended and its slot freed; resuming places it again from
             its checkpoint.
+        labels: Labels for people and searches (validated; replaced whole, never mutated in
+            place, so a snapshot keeps its own).
+        fork_run_id: The run it was forked from ("" when trained from scratch).
+        fork_episode: The checkpoint episode it was forked from: its episodes are numbered
+            from ``fork_episode + 1`` (0 when not a fork).
     """
 
     id: str
@@ -110,6 +115,9 @@ class TrainingRun:
     checkpoint_episode: int = 0
     restarts: int = 0
     parked: bool = False
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    fork_run_id: str = ""
+    fork_episode: int = 0
 
     def snapshot(self) -> TrainingRun:
         """A copy that later transitions do not change (task and config are shared, read-only)."""

@@ -9,6 +9,8 @@ message is the body, the JSON grpcurl shows.
 ``GET /v1/runs``                            ListRuns (``?pageSize=&pageToken=&state=&view=``)
 ``POST /v1/runs``                           CreateRun (body: ``CreateRunRequest``)
 ``GET /v1/runs/{run_id}``                   GetRun
+``PATCH /v1/runs/{run_id}``                 UpdateRun (body: the ``Run`` fields to set;
+                                            ``?updateMask=display_name,labels``)
 ``DELETE /v1/runs/{run_id}``                DeleteRun
 ``POST /v1/runs/{run_id}:pause``            PauseRun (``:resume``, ``:stop`` alike)
 ``POST /v1/runs/{run_id}:setSpeed``         SetRunSpeed (body ``{"speed": 2}``)
@@ -143,6 +145,7 @@ class JsonApi:
             web.get("/v1/runs", self.list_runs),
             web.post("/v1/runs", self.create_run),
             web.get(run, self.get_run),
+            web.patch(run, self.update_run),
             web.delete(run, self.delete_run),
             web.post(run + ":pause", self.pause_run),
             web.post(run + ":resume", self.resume_run),
@@ -178,6 +181,18 @@ class JsonApi:
         """GetRun."""
         message = pb.GetRunRequest(run_id=request.match_info["run_id"])
         return await self._call(self._servicer.GetRun, message, request)
+
+    async def update_run(self, request: web.Request) -> web.Response:
+        """UpdateRun: the body is the run's fields, ``updateMask`` (comma-separated) says
+        which to set (all of display_name and labels when absent)."""
+        unknown = set(request.query) - {"updateMask", "update_mask"}
+        if unknown:
+            raise _bad("query", f"unknown query parameter {sorted(unknown)[0]!r}")
+        body = await from_body(request, pb.Run, id=request.match_info["run_id"])
+        message = pb.UpdateRunRequest(run=body)
+        mask = request.query.get("updateMask", request.query.get("update_mask", ""))
+        message.update_mask.paths.extend(p.strip() for p in mask.split(",") if p.strip())
+        return await self._call(self._servicer.UpdateRun, message, request)
 
     async def delete_run(self, request: web.Request) -> web.Response:
         """DeleteRun."""

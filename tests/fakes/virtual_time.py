@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -205,6 +205,11 @@ class InFlightStore:
 
     async def settle_details(self, run_id: str, first: int, last: int, keep: Sequence[int]) -> int:
         return await self._call(lambda: self.inner.settle_details(run_id, first, last, keep))
+
+    async def update_metadata(
+        self, run_id: str, display_name: str, labels: Mapping[str, str]
+    ) -> bool:
+        return await self._call(lambda: self.inner.update_metadata(run_id, display_name, labels))
 
     async def delete_run(self, run_id: str) -> None:
         await self._call(lambda: self.inner.delete_run(run_id))

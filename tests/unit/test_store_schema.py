@@ -318,6 +318,10 @@ def v3_database(path: Path, episodes: list[episode_pb2.Episode]) -> None:
     conn.executescript(
         "DROP TABLE details; DROP TABLE recent_details; DROP TABLE curve; PRAGMA user_version=3;"
     )
+    for column in ("labels", "fork_run_id", "fork_episode", "kind", "clip", "model"):
+        conn.execute(f"ALTER TABLE runs DROP COLUMN {column}")
+    conn.execute("ALTER TABLE runs DROP COLUMN learning_rate")
+    conn.execute("ALTER TABLE runs DROP COLUMN seed")
     conn.executemany(
         "INSERT INTO episodes (run_id, episode, data) VALUES ('long', ?, ?)",
         [(e.episode, e.SerializeToString(deterministic=True)) for e in episodes],

@@ -7,6 +7,7 @@ paces publication and replays every run to any number of watchers.
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import field_mask_pb2 as _field_mask_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
@@ -138,6 +139,26 @@ class Run(_message.Message):
     STATE_ERROR: Run.State.ValueType  # 6
     """Failed; error_message says why."""
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
@@ -160,6 +181,8 @@ class Run(_message.Message):
     CHECKPOINT_EPISODE_FIELD_NUMBER: _builtins.int
     RESTARTS_FIELD_NUMBER: _builtins.int
     PARKED_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    FORK_FROM_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The run id, assigned by the gateway."""
     state: Global___Run.State.ValueType
@@ -227,6 +250,20 @@ class Run(_message.Message):
     def end_time(self) -> _timestamp_pb2.Timestamp:
         """When the run finished (unset while active)."""
 
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Labels for people and searches (Kubernetes label rules: at most 64; a
+        key is an optional DNS-subdomain prefix and "/" and a name of at most 63
+        of [A-Za-z0-9_.-], starting and ending alphanumeric; a value at most 63
+        of the same, may be empty).
+        """
+
+    @_builtins.property
+    def fork_from(self) -> Global___ForkSource:
+        """The run and checkpoint this run was forked from (unset: trained from
+        scratch). A fork's episodes are numbered from fork_from.episode + 1.
+        """
+
     def __init__(
         self,
         *,
@@ -252,14 +289,42 @@ class Run(_message.Message):
         checkpoint_episode: _builtins.int = ...,
         restarts: _builtins.int = ...,
         parked: _builtins.bool = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        fork_from: Global___ForkSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "create_time", b"create_time", "end_time", b"end_time", "start_time", b"start_time", "task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "create_time", b"create_time", "end_time", b"end_time", "fork_from", b"fork_from", "start_time", b"start_time", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_reward", b"best_reward", "checkpoint_episode", b"checkpoint_episode", "config", b"config", "create_time", b"create_time", "creator", b"creator", "display_name", b"display_name", "end_time", b"end_time", "episode", b"episode", "episodes_per_second", b"episodes_per_second", "error_message", b"error_message", "id", b"id", "parked", b"parked", "request_id", b"request_id", "restarts", b"restarts", "reward", b"reward", "speed", b"speed", "start_time", b"start_time", "state", b"state", "state_detail", b"state_detail", "task", b"task", "trainer", b"trainer", "trainer_episode", b"trainer_episode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_reward", b"best_reward", "checkpoint_episode", b"checkpoint_episode", "config", b"config", "create_time", b"create_time", "creator", b"creator", "display_name", b"display_name", "end_time", b"end_time", "episode", b"episode", "episodes_per_second", b"episodes_per_second", "error_message", b"error_message", "fork_from", b"fork_from", "id", b"id", "labels", b"labels", "parked", b"parked", "request_id", b"request_id", "restarts", b"restarts", "reward", b"reward", "speed", b"speed", "start_time", b"start_time", "state", b"state", "state_detail", b"state_detail", "task", b"task", "trainer", b"trainer", "trainer_episode", b"trainer_episode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Run: _TypeAlias = Run  # noqa: Y015
+
+@_typing.final
+class ForkSource(_message.Message):
+    """Where a fork starts: a run and one of its checkpoints."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    EPISODE_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run."""
+    episode: _builtins.int
+    """The episode of one of its checkpoints; 0 means its latest."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        episode: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSource: _TypeAlias = ForkSource  # noqa: Y015
 
 @_typing.final
 class CreateRunRequest(_message.Message):
@@ -267,12 +332,34 @@ class CreateRunRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TASK_FIELD_NUMBER: _builtins.int
     CONFIG_FIELD_NUMBER: _builtins.int
     SPEED_FIELD_NUMBER: _builtins.int
     EPISODES_PER_SECOND_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    FORK_FROM_FIELD_NUMBER: _builtins.int
     speed: _builtins.float
     """Speed multiplier; 0 means 1.0; finite values are clamped to 0.1..20."""
     episodes_per_second: _builtins.float
@@ -295,6 +382,18 @@ class CreateRunRequest(_message.Message):
     def config(self) -> _episode_pb2.TrainConfig:
         """How long to train and the seed; max_episodes 1..10000000."""
 
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Labels (see Run.labels)."""
+
+    @_builtins.property
+    def fork_from(self) -> Global___ForkSource:
+        """Start from another run's checkpoint (its weights and training state)
+        instead of from scratch: the same task kind and model; hyperparameters,
+        seed and max_episodes may differ. The new run's episodes are numbered
+        from the checkpoint's episode + 1, so the curves line up.
+        """
+
     def __init__(
         self,
         *,
@@ -304,10 +403,12 @@ class CreateRunRequest(_message.Message):
         episodes_per_second: _builtins.float = ...,
         request_id: _builtins.str = ...,
         display_name: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        fork_from: Global___ForkSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "fork_from", b"fork_from", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "display_name", b"display_name", "episodes_per_second", b"episodes_per_second", "request_id", b"request_id", "speed", b"speed", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "display_name", b"display_name", "episodes_per_second", b"episodes_per_second", "fork_from", b"fork_from", "labels", b"labels", "request_id", b"request_id", "speed", b"speed", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -393,6 +494,8 @@ class ListRunsRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     VIEW_FIELD_NUMBER: _builtins.int
+    FILTER_FIELD_NUMBER: _builtins.int
+    ORDER_BY_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """Maximum runs in the page, 0..1000; 0 means 50."""
     page_token: _builtins.str
@@ -403,6 +506,14 @@ class ListRunsRequest(_message.Message):
     """Only runs in this state; STATE_UNSPECIFIED means all."""
     view: Global___RunView.ValueType
     """How much of each run to return; unspecified means RUN_VIEW_BASIC."""
+    filter: _builtins.str
+    """AIP-160 filter, e.g. `state = STATE_DONE AND best_reward > 0.8 AND
+    labels.team = "vision"` (see the README, "Experiments", for the fields).
+    """
+    order_by: _builtins.str
+    """AIP-132 order, e.g. `best_reward desc, create_time`; empty means newest
+    first.
+    """
     def __init__(
         self,
         *,
@@ -410,10 +521,12 @@ class ListRunsRequest(_message.Message):
         page_token: _builtins.str = ...,
         state: Global___Run.State.ValueType = ...,
         view: Global___RunView.ValueType = ...,
+        filter: _builtins.str = ...,
+        order_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "state", b"state", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "order_by", b"order_by", "page_size", b"page_size", "page_token", b"page_token", "state", b"state", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -421,7 +534,7 @@ Global___ListRunsRequest: _TypeAlias = ListRunsRequest  # noqa: Y015
 
 @_typing.final
 class ListRunsResponse(_message.Message):
-    """A page of runs, newest first."""
+    """A page of runs, newest first unless order_by says otherwise."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1086,3 +1199,57 @@ class CurveBucket(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CurveBucket: _TypeAlias = CurveBucket  # noqa: Y015
+
+@_typing.final
+class UpdateRunRequest(_message.Message):
+    """Changes a run's name and labels."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    UPDATE_MASK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def run(self) -> Global___Run:
+        """The run: its id names it; the fields of update_mask are set from it."""
+
+    @_builtins.property
+    def update_mask(self) -> _field_mask_pb2.FieldMask:
+        """display_name and/or labels; empty means both."""
+
+    def __init__(
+        self,
+        *,
+        run: Global___Run | None = ...,
+        update_mask: _field_mask_pb2.FieldMask | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "update_mask", b"update_mask"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "update_mask", b"update_mask"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateRunRequest: _TypeAlias = UpdateRunRequest  # noqa: Y015
+
+@_typing.final
+class UpdateRunResponse(_message.Message):
+    """The updated run."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def run(self) -> Global___Run:
+        """The run."""
+
+    def __init__(
+        self,
+        *,
+        run: Global___Run | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateRunResponse: _TypeAlias = UpdateRunResponse  # noqa: Y015

@@ -105,6 +105,11 @@ class GatewayServiceStub(object):
                 request_serializer=trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveRequest.SerializeToString,
                 response_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveResponse.FromString,
                 _registered_method=True)
+        self.UpdateRun = channel.unary_unary(
+                '/trainwire.v1.GatewayService/UpdateRun',
+                request_serializer=trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer(object):
@@ -298,6 +303,23 @@ class GatewayServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateRun(self, request, context):
+        """Changes a run's display_name and labels (AIP-134): the paths of
+        update_mask say which; an empty mask means both. Works on any run,
+        finished ones too.
+
+        Status codes:
+        OK                the run as updated.
+        INVALID_ARGUMENT  a path other than display_name and labels, a bad
+        label key or value (the message names it), a bad
+        display_name.
+        NOT_FOUND         no such run.
+        PERMISSION_DENIED the caller's role is below operator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -360,6 +382,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.GetRunCurve,
                     request_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveRequest.FromString,
                     response_serializer=trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveResponse.SerializeToString,
+            ),
+            'UpdateRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateRun,
+                    request_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -697,6 +724,33 @@ class GatewayService(object):
             '/trainwire.v1.GatewayService/GetRunCurve',
             trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveRequest.SerializeToString,
             trainwire_dot_v1_dot_gateway__service__pb2.GetRunCurveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.GatewayService/UpdateRun',
+            trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunRequest.SerializeToString,
+            trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -175,6 +175,19 @@ class GatewayServiceStub:
                         inverted episode range, a bad metric name.
       NOT_FOUND         no such run.
     """
+    UpdateRun: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.UpdateRunRequest, _gateway_service_pb2.UpdateRunResponse]
+    """Changes a run's display_name and labels (AIP-134): the paths of
+    update_mask say which; an empty mask means both. Works on any run,
+    finished ones too.
+
+    Status codes:
+      OK                the run as updated.
+      INVALID_ARGUMENT  a path other than display_name and labels, a bad
+                        label key or value (the message names it), a bad
+                        display_name.
+      NOT_FOUND         no such run.
+      PERMISSION_DENIED the caller's role is below operator.
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -320,6 +333,19 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
       INVALID_ARGUMENT  bad run_id, buckets outside 0..10000, a negative or
                         inverted episode range, a bad metric name.
       NOT_FOUND         no such run.
+    """
+    UpdateRun: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.UpdateRunRequest, _gateway_service_pb2.UpdateRunResponse]  # type: ignore[assignment]
+    """Changes a run's display_name and labels (AIP-134): the paths of
+    update_mask say which; an empty mask means both. Works on any run,
+    finished ones too.
+
+    Status codes:
+      OK                the run as updated.
+      INVALID_ARGUMENT  a path other than display_name and labels, a bad
+                        label key or value (the message names it), a bad
+                        display_name.
+      NOT_FOUND         no such run.
+      PERMISSION_DENIED the caller's role is below operator.
     """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -535,6 +561,25 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
           INVALID_ARGUMENT  bad run_id, buckets outside 0..10000, a negative or
                             inverted episode range, a bad metric name.
           NOT_FOUND         no such run.
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateRun(
+        self,
+        request: _gateway_service_pb2.UpdateRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.UpdateRunResponse, _abc.Awaitable[_gateway_service_pb2.UpdateRunResponse]]:
+        """Changes a run's display_name and labels (AIP-134): the paths of
+        update_mask say which; an empty mask means both. Works on any run,
+        finished ones too.
+
+        Status codes:
+          OK                the run as updated.
+          INVALID_ARGUMENT  a path other than display_name and labels, a bad
+                            label key or value (the message names it), a bad
+                            display_name.
+          NOT_FOUND         no such run.
+          PERMISSION_DENIED the caller's role is below operator.
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -254,6 +254,17 @@ class Store(Protocol):
 
         Raises:
             NotOwner: another gateway replica owns the run (PostgreSQL).
+        """
+        ...
+
+    async def update_metadata(
+        self, run_id: str, display_name: str, labels: Mapping[str, str]
+    ) -> bool:
+        """Sets a run's display name and labels (any replica may: they are the user's, not the
+        owner's, and ``update_run`` never writes them); False when there is no such run.
+
+        Raises:
+            StoreWriteFailed: the database cannot be written.
         """
         ...
 

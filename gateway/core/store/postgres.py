@@ -22,7 +22,7 @@ either waits for them or makes them write nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -40,7 +40,7 @@ from gateway.core.store.base import (
 from gateway.core.store.postgres_db import CHANNEL, PostgresDatabase, is_postgres_url, safe_url
 from gateway.core.store.postgres_episodes import GroupCommit
 from gateway.core.store.postgres_schema import SCHEMA_VERSION
-from gateway.core.store.sqlite import _RUN_COLUMNS, _run_from_row, _run_values
+from gateway.core.store.sqlite import _RUN_COLUMNS, _run_from_row, _run_values, labels_json
 
 
 class PostgresStore(PostgresDatabase):
@@ -156,6 +156,28 @@ class PostgresStore(PostgresDatabase):
                 raise NotOwner(run.id)
 
         await self.write(go)
+
+    async def update_metadata(
+        self, run_id: str, display_name: str, labels: Mapping[str, str]
+    ) -> bool:
+        """Sets a run's display name and labels (any replica) and announces it (``m``: the
+        owner copies them into the run it drives); False when there is no such run.
+
+        Raises:
+            StoreWriteFailed: the database cannot be written.
+        """
+
+        async def go(conn: psycopg.AsyncConnection) -> bool:
+            cur = await conn.execute(
+                "UPDATE runs SET display_name=%s, labels=%s WHERE id=%s RETURNING id",
+                (display_name, labels_json(labels), run_id),
+            )
+            if await cur.fetchone() is None:
+                return False
+            await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"m:{run_id}"))
+            return True
+
+        return await self.write(go)
 
     async def delete_run(self, run_id: str) -> None:
         """Deletes a run, its history and its checkpoint records."""

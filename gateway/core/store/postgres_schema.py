@@ -24,6 +24,9 @@ Versions (``MIGRATIONS[v - 1]`` takes a database from ``v - 1`` to ``v``):
    dropped detail is a deleted row, whose space vacuum gives back to the table); ``curve``
    holds the complete curve blocks of every run (``gateway.core.curve``). The migration splits
    every stored episode and computes the blocks of every run (``_split_and_backfill``).
+5. Experiments: ``runs`` gains ``labels`` (JSON text), ``fork_run_id`` and ``fork_episode``,
+   and the columns searches read of the task and config (``kind``, ``clip``, ``model``,
+   ``learning_rate``, ``seed``; ``_fill_search_columns`` fills them in), as SQLite's version 5.
 
 A migration runs in one transaction under an advisory lock, so replicas started together with
 ``--migrate`` migrate once, and a failed migration leaves the database as it was.
@@ -41,10 +44,11 @@ from psycopg import sql
 from gateway.core.curve import CurveBlock, CurveBuilder
 from gateway.core.history import detail_offset
 from gateway.core.store.base import DatabaseProblem, SchemaOutdated
+from gateway.core.store.sqlite_schema import task_search_values
 from trainwire.v1 import episode_pb2
 
 APPLICATION = "trainwire"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: ``pg_advisory_xact_lock`` key of schema changes ("TWIR").
 MIGRATION_LOCK = 0x54574952
 
@@ -134,7 +138,18 @@ _V4 = (
         PRIMARY KEY (run_id, level, block)
     )""",
 )
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
+_V5 = (
+    """ALTER TABLE runs
+        ADD COLUMN labels TEXT NOT NULL DEFAULT '{}',
+        ADD COLUMN fork_run_id TEXT NOT NULL DEFAULT '',
+        ADD COLUMN fork_episode BIGINT NOT NULL DEFAULT 0,
+        ADD COLUMN kind TEXT NOT NULL DEFAULT '',
+        ADD COLUMN clip TEXT NOT NULL DEFAULT '',
+        ADD COLUMN model TEXT NOT NULL DEFAULT '',
+        ADD COLUMN learning_rate DOUBLE PRECISION NOT NULL DEFAULT 0,
+        ADD COLUMN seed BIGINT NOT NULL DEFAULT 0""",
+)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5)
 
 #: Inserts curve blocks given as arrays of their columns.
 INSERT_CURVE = (
@@ -198,8 +213,19 @@ async def _split_and_backfill(conn: psycopg.AsyncConnection) -> None:
         await conn.execute(INSERT_CURVE, curve_columns(blocks))
 
 
+async def _fill_search_columns(conn: psycopg.AsyncConnection) -> None:
+    """Version 5's data: the search columns of every run."""
+    cur = await conn.execute("SELECT id, task, config FROM runs")
+    rows = await cur.fetchall()
+    async with conn.cursor() as update:
+        await update.executemany(
+            "UPDATE runs SET kind=%s, clip=%s, model=%s, learning_rate=%s, seed=%s WHERE id=%s",
+            [(*task_search_values(bytes(t), bytes(c)), run_id) for run_id, t, c in rows],
+        )
+
+
 #: Data steps of a migration, after its statements: ``DATA_MIGRATIONS[v]`` for version ``v``.
-DATA_MIGRATIONS = {4: _split_and_backfill}
+DATA_MIGRATIONS = {4: _split_and_backfill, 5: _fill_search_columns}
 
 
 async def _tables(conn: psycopg.AsyncConnection) -> list[str]:

@@ -9,11 +9,12 @@ process (``kill -9``); a power loss may lose the last commits, never corrupt the
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.core.curve import CurveBlock
@@ -24,7 +25,13 @@ from gateway.core.store.base import (
     EpisodeRecord,
     StoreWriteFailed,
 )
-from gateway.core.store.sqlite_schema import INSERT_CURVE, check, curve_rows, upgrade
+from gateway.core.store.sqlite_schema import (
+    INSERT_CURVE,
+    check,
+    curve_rows,
+    search_values,
+    upgrade,
+)
 from trainwire.v1 import episode_pb2
 
 _LOGGER = logging.getLogger(__name__)
@@ -39,7 +46,8 @@ PROBE_BYTES = 256 << 10
 _RUN_COLUMNS = (
     "seq, id, request_id, state, error_message, speed, episodes_per_second, episode, reward, "
     "best_reward, task, config, create_time, start_time, end_time, display_name, trainer, "
-    "trainer_episode, creator, request_hash, checkpoint_episode, restarts, parked"
+    "trainer_episode, creator, request_hash, checkpoint_episode, restarts, parked, labels, "
+    "fork_run_id, fork_episode, kind, clip, model, learning_rate, seed"
 )
 
 
@@ -93,6 +101,11 @@ def _checkpoint(conn: sqlite3.Connection) -> tuple[int, int, int]:
     return int(busy), int(frames), int(copied)
 
 
+def labels_json(labels: Mapping[str, str]) -> str:
+    """Labels as the ``labels`` column holds them (JSON, keys sorted)."""
+    return json.dumps(dict(labels), sort_keys=True, separators=(",", ":"))
+
+
 def _run_values(run: TrainingRun) -> tuple[Any, ...]:
     """A run's row in the order of ``_RUN_COLUMNS`` without ``seq`` (the inverse of
     ``_run_from_row``), for an INSERT or a COPY."""
@@ -119,6 +132,10 @@ def _run_values(run: TrainingRun) -> tuple[Any, ...]:
         run.checkpoint_episode,
         run.restarts,
         run.parked,
+        labels_json(run.labels),
+        run.fork_run_id,
+        run.fork_episode,
+        *search_values(run.task, run.config),
     )
 
 
@@ -149,6 +166,9 @@ def _run_from_row(row: Sequence[Any]) -> TrainingRun:
         checkpoint_episode=row[20],
         restarts=row[21],
         parked=bool(row[22]),
+        labels=json.loads(row[23]) if row[23] else {},
+        fork_run_id=row[24],
+        fork_episode=row[25],
     )
 
 
@@ -266,8 +286,7 @@ class SqliteStore:
     def insert_run(self, run: TrainingRun) -> int:
         """Inserts a new run; returns its creation sequence number."""
         cur = self._conn.execute(
-            f"INSERT INTO runs ({_RUN_COLUMNS}) "
-            "VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (NULL{',?' * (_RUN_COLUMNS.count(','))})",
             _run_values(run),
         )
         seq = cur.lastrowid
@@ -297,6 +316,14 @@ class SqliteStore:
                 run.id,
             ),
         )
+
+    def update_metadata(self, run_id: str, display_name: str, labels: Mapping[str, str]) -> bool:
+        """Sets a run's display name and labels; False when there is no such run."""
+        cur = self._conn.execute(
+            "UPDATE runs SET display_name=?, labels=? WHERE id=?",
+            (display_name, labels_json(labels), run_id),
+        )
+        return cur.rowcount > 0
 
     def append_episodes(self, records: Sequence[EpisodeRecord]) -> None:
         """Appends episodes and moves each run's counters to its last appended episode."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from gateway.core.curve import CurveBlock
@@ -149,6 +149,16 @@ class SqliteBackend(WritableStore):
             StoreWriteFailed: the database cannot be written.
         """
         await self._write(SqliteStore.delete_checkpoints, run_id, tuple(episodes))
+
+    async def update_metadata(
+        self, run_id: str, display_name: str, labels: Mapping[str, str]
+    ) -> bool:
+        """Sets a run's display name and labels; False when there is no such run.
+
+        Raises:
+            StoreWriteFailed: the database cannot be written.
+        """
+        return await self._write(SqliteStore.update_metadata, run_id, display_name, dict(labels))
 
     def append_episode(
         self, record: EpisodeRecord, callback: Callable[[BaseException | None], None]

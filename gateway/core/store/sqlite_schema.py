@@ -23,6 +23,9 @@ Versions:
    ``WITHOUT ROWID`` row that large would spill into an overflow page of its own. ``curve``
    holds the complete curve blocks of every run (``gateway.core.curve``), keyed on (run, level,
    block). The migration splits every stored episode and computes the blocks of every run.
+5. Experiments: ``runs`` gains ``labels`` (JSON), ``fork_run_id`` and ``fork_episode`` (the
+   lineage of a fork), and the columns searches read of the task and config (``kind``,
+   ``clip``, ``model``, ``learning_rate``, ``seed``; the migration fills them in).
 
 A database at an older version is migrated only when asked (``migrate=True``): a migration runs
 in one transaction (every step from its version to the latest), so a failed one leaves the
@@ -44,7 +47,7 @@ from gateway.core.store.base import DatabaseProblem, SchemaOutdated
 from trainwire.v1 import episode_pb2
 
 APPLICATION_ID = 0x54574952  # "TWIR"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _RUNS = """
 CREATE TABLE runs (
@@ -70,8 +73,27 @@ CREATE TABLE runs (
     request_hash TEXT NOT NULL DEFAULT '',
     checkpoint_episode INTEGER NOT NULL DEFAULT 0,
     restarts INTEGER NOT NULL DEFAULT 0,
-    parked INTEGER NOT NULL DEFAULT 0
+    parked INTEGER NOT NULL DEFAULT 0,
+    labels TEXT NOT NULL DEFAULT '{}',
+    fork_run_id TEXT NOT NULL DEFAULT '',
+    fork_episode INTEGER NOT NULL DEFAULT 0,
+    kind TEXT NOT NULL DEFAULT '',
+    clip TEXT NOT NULL DEFAULT '',
+    model TEXT NOT NULL DEFAULT '',
+    learning_rate REAL NOT NULL DEFAULT 0,
+    seed INTEGER NOT NULL DEFAULT 0
 )"""
+#: The columns version 5 added to ``runs``.
+_V5_RUN_COLUMNS = (
+    "labels TEXT NOT NULL DEFAULT '{}'",
+    "fork_run_id TEXT NOT NULL DEFAULT ''",
+    "fork_episode INTEGER NOT NULL DEFAULT 0",
+    "kind TEXT NOT NULL DEFAULT ''",
+    "clip TEXT NOT NULL DEFAULT ''",
+    "model TEXT NOT NULL DEFAULT ''",
+    "learning_rate REAL NOT NULL DEFAULT 0",
+    "seed INTEGER NOT NULL DEFAULT 0",
+)
 _EPISODES_V2 = """
 CREATE TABLE {name} (
     run_id TEXT NOT NULL,
@@ -121,6 +143,29 @@ INSERT_CURVE = (
     "INSERT OR REPLACE INTO curve (run_id, level, block, count, reward_min, reward_max, "
     "reward_sum, best_end, metrics) VALUES (?,?,?,?,?,?,?,?,?)"
 )
+
+
+def task_search_values(task: bytes, config: bytes) -> tuple[str, str, str, float, int]:
+    """The search columns of a stored task and config (``search_values``), tolerant of bytes
+    that do not parse (an empty task)."""
+    try:
+        parsed_task = episode_pb2.TrainTask.FromString(task)
+        parsed_config = episode_pb2.TrainConfig.FromString(config)
+    except DecodeError:
+        return "", "", "", 0.0, 0
+    return search_values(parsed_task, parsed_config)
+
+
+def search_values(
+    task: episode_pb2.TrainTask, config: episode_pb2.TrainConfig
+) -> tuple[str, str, str, float, int]:
+    """The columns searches read of a run's task and config (written with it, never read
+    back): kind, clip, model, learning rate, seed."""
+    kind = task.WhichOneof("kind") or ""
+    imitation, grpo = task.imitation, task.grpo
+    clip = imitation.clip_name or (imitation.clip.name if imitation.HasField("clip") else "")
+    rate = imitation.learning_rate if kind == "imitation" else grpo.learning_rate
+    return kind, clip, grpo.model_path, rate, config.seed
 
 
 def curve_rows(run_id: str, blocks: Iterable[CurveBlock]) -> list[tuple[Any, ...]]:
@@ -291,9 +336,20 @@ def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
     conn.executemany(INSERT_CURVE, blocks)
 
 
+def _migrate_4_to_5(conn: sqlite3.Connection) -> None:
+    for ddl in _V5_RUN_COLUMNS:
+        conn.execute(f"ALTER TABLE runs ADD COLUMN {ddl}")
+    rows = conn.execute("SELECT id, task, config FROM runs").fetchall()
+    conn.executemany(
+        "UPDATE runs SET kind=?, clip=?, model=?, learning_rate=?, seed=? WHERE id=?",
+        [(*task_search_values(task, config), run_id) for run_id, task, config in rows],
+    )
+
+
 #: ``MIGRATIONS[v]`` takes a database from version ``v - 1`` to ``v``.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     2: _migrate_1_to_2,
     3: _migrate_2_to_3,
     4: _migrate_3_to_4,
+    5: _migrate_4_to_5,
 }
