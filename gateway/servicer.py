@@ -52,6 +52,12 @@ class GatewayServicer:
         self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListRunsResponse:
         """Lists runs, newest first."""
+        if request.filter or request.order_by:
+            field = "filter" if request.filter else "order_by"
+            raise InvalidRequest(
+                f"ListRuns: {field} is not available on this gateway yet",
+                [FieldViolation(field, "not available on this gateway yet")],
+            )
         view = convert.view_from_proto(request.view)
         runs, next_seq = await self._core.list_runs(
             request.page_size,
