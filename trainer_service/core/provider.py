@@ -154,7 +154,7 @@ class TrainJob:
     Attributes:
         run_id: The gateway's run id (for logs and error messages).
         task: The validated task (its kind matches the provider).
-        config: The validated config (``max_episodes`` in 1..5000, ``seed``).
+        config: The validated config (``max_episodes`` in 1..10,000,000, ``seed``).
         device: The torch device string, ``"cpu"`` or ``"cuda:0"``.
         data_root: The first data root: relative task paths (models, datasets) resolve against
             it.
