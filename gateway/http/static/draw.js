@@ -1,18 +1,26 @@
-// The pictures of a run: its learning curve (uPlot) and, for imitation runs, the avatar (canvas).
+// The pictures of runs: a run's learning curve and several runs' curves overlaid (uPlot) and,
+// for imitation runs, the avatar (canvas).
 //
-// The curve draws buckets of episodes (`CurveBuckets`): per bucket a band from the smallest to
-// the largest reward, the mean reward as a line and the running best reward. However long the
-// run, the chart holds a bounded number of buckets: the gateway summarises the history
-// (GET /v1/runs/{id}/curve) and live episodes are merged once they pile up. Its element
-// carries, after every drawing:
+// A curve draws buckets of episodes (`CurveBuckets`): per bucket a band from the smallest to
+// the largest reward, the mean reward as a line and the running best reward, or the mean of
+// one metric of the episodes. However long the run, the chart holds a bounded number of
+// buckets: the gateway summarises the history (GET /v1/runs/{id}/curve) and live episodes are
+// merged once they pile up. A forked run's chart also draws its parent's curve up to the fork
+// point, dimmed, and a run's chart marks where a hyperparameter changed. The run chart's
+// element carries, after every drawing:
 //
 //   data-first, data-episodes  the first and the last episode the chart covers (data-last
 //                              repeats data-episodes);
 //   data-points                how many buckets it draws;
+//   data-metric                what it draws: "reward" or a metric's name;
+//   data-metric-points         the buckets with a value of that (the reward: all of them);
+//   data-parent-points         the parent's buckets drawn (0 unless a fork);
+//   data-markers               the hyperparameter changes marked;
 //   data-first-paint-ms        milliseconds from opening the view to its first drawing (set once);
 //   data-drawn-at              performance.now() of the latest drawing,
 //
-// so people and tests can check it.
+// and the comparison chart's `data-runs` (runs with a point drawn), `data-points` (points drawn
+// in all) and `data-metric`, so people and tests can check them.
 
 import uPlot from "./vendor/uplot/uPlot.esm.js";
 
@@ -21,16 +29,26 @@ const COLOURS = {
   edge: "#93c5fd",
   mean: "#2563eb",
   best: "#f59e0b",
+  parent: "rgba(100, 116, 139, 0.45)",
   target: "#cbd5e1",
   learned: "#2563eb",
 };
 
+/** Colours of the runs a comparison overlays, in order (then again). */
+export const RUN_COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777", "#4b5563", "#65a30d"];
+
+/** The metrics a run's episodes carry its live hyperparameters in. */
+export const HYPERPARAMETERS = ["learning_rate", "temperature", "beta"];
+
 const fmt = (digits) => (u, v) => (v == null ? "\u2013" : v.toFixed(digits));
+const sig = (u, v) => (v == null ? "\u2013" : Number(v).toPrecision(4));
+const GRID = { stroke: "#eef0f3" };
 
 /**
  * Contiguous buckets of a run's episodes, in order, as parallel arrays: a bucket covers
- * episodes first[i]..last[i] and holds their smallest, largest and mean reward and the running
- * best reward at its last episode (a CurveBucket of the gateway's API).
+ * episodes first[i]..last[i] and holds their smallest, largest and mean reward, the running
+ * best reward at its last episode (a CurveBucket of the gateway's API) and, in `metrics`, a
+ * column per metric of the episodes' means (null where a bucket has none).
  */
 export class CurveBuckets {
   constructor() {
@@ -40,6 +58,7 @@ export class CurveBuckets {
     this.max = [];
     this.mean = [];
     this.best = [];
+    this.metrics = {};
   }
 
   /** Buckets of a GetRunCurveResponse in the protobuf JSON mapping (int64 fields are strings,
@@ -49,7 +68,7 @@ export class CurveBuckets {
     for (const b of reply.buckets || []) {
       const first = Number(b.firstEpisode || 0);
       const [min, max, mean, best] = [b.rewardMin, b.rewardMax, b.rewardMean, b.bestReward].map((v) => Number(v || 0));
-      buckets.push(first, Number(b.lastEpisode || first), min, max, mean, best);
+      buckets.push(first, Number(b.lastEpisode || first), min, max, mean, best, b.metricsMean);
     }
     return buckets;
   }
@@ -68,28 +87,48 @@ export class CurveBuckets {
     return this.length ? this.last[this.length - 1] : 0;
   }
 
-  push(first, last, min, max, mean, best) {
+  push(first, last, min, max, mean, best, metrics = {}) {
+    const n = this.length;
     this.first.push(first);
     this.last.push(last);
     this.min.push(min);
     this.max.push(max);
     this.mean.push(mean);
     this.best.push(best);
+    for (const [name, value] of Object.entries(metrics || {})) {
+      if (!this.metrics[name]) this.metrics[name] = new Array(n).fill(null);
+      this.metrics[name].push(Number(value));
+    }
+    for (const column of Object.values(this.metrics)) if (column.length === n) column.push(null);
   }
 
-  /** Appends one episode as a bucket of its own. */
-  add(episode, reward, best) {
-    this.push(episode, episode, reward, reward, reward, best);
+  /** Appends one episode (its reward, running best and metrics) as a bucket of its own. */
+  add(episode, reward, best, metrics) {
+    this.push(episode, episode, reward, reward, reward, best, metrics);
+  }
+
+  /** Appends the buckets of `other` that follow this one's last episode (the live episodes a
+   * fresh curve from the gateway does not cover yet). */
+  appendAfter(other) {
+    const names = Object.keys(other.metrics);
+    for (let i = 0; i < other.length; i += 1) {
+      if (other.first[i] <= this.lastEpisode) continue;
+      const metrics = {};
+      for (const name of names) if (other.metrics[name][i] != null) metrics[name] = other.metrics[name][i];
+      this.push(other.first[i], other.last[i], other.min[i], other.max[i], other.mean[i], other.best[i], metrics);
+    }
   }
 
   /**
    * Merges neighbours so that about `target` buckets remain (at most 2 * target + 1): a bucket
    * absorbs the next while both together span no more than the covered range / target
-   * episodes. Means are weighted by episodes; the best is the later bucket's.
+   * episodes. Means are weighted by episodes (a metric's by the episodes of the buckets that
+   * have it); the best is the later bucket's.
    */
   compact(target) {
     const n = this.length;
     if (!n) return;
+    const metrics = Object.values(this.metrics);
     const span = Math.ceil((this.lastEpisode - this.firstEpisode + 1) / Math.max(1, target));
     let w = 0; // buckets kept so far; bucket w - 1 is the one growing
     for (let r = 0; r < n; r += 1) {
@@ -98,29 +137,88 @@ export class CurveBuckets {
       if (w && this.last[r] - this.first[open] + 1 <= span) {
         const had = this.last[open] - this.first[open] + 1;
         this.mean[open] = (this.mean[open] * had + this.mean[r] * size) / (had + size);
+        for (const column of metrics) {
+          if (column[open] == null) column[open] = column[r];
+          else if (column[r] != null) column[open] = (column[open] * had + column[r] * size) / (had + size);
+        }
         this.last[open] = this.last[r];
         this.min[open] = Math.min(this.min[open], this.min[r]);
         this.max[open] = Math.max(this.max[open], this.max[r]);
         this.best[open] = this.best[r];
       } else {
-        this.first[w] = this.first[r];
-        this.last[w] = this.last[r];
-        this.min[w] = this.min[r];
-        this.max[w] = this.max[r];
-        this.mean[w] = this.mean[r];
-        this.best[w] = this.best[r];
+        for (const column of [this.first, this.last, this.min, this.max, this.mean, this.best, ...metrics]) column[w] = column[r];
         w += 1;
       }
     }
-    for (const column of [this.first, this.last, this.min, this.max, this.mean, this.best]) column.length = w;
+    for (const column of [this.first, this.last, this.min, this.max, this.mean, this.best, ...metrics]) column.length = w;
+  }
+
+  /** Each bucket's middle episode, where the charts draw it. */
+  middles() {
+    return this.first.map((f, i) => (f + this.last[i]) / 2);
   }
 
   /** The columns uPlot draws: each bucket at its middle episode; reward min, max, mean, best.
    * Copies, so that buckets added before the next drawing never show half-way in the chart. */
   columns() {
-    const x = this.first.map((f, i) => (f + this.last[i]) / 2);
-    return [x, this.min.slice(), this.max.slice(), this.mean.slice(), this.best.slice()];
+    return [this.middles(), this.min.slice(), this.max.slice(), this.mean.slice(), this.best.slice()];
   }
+
+  /** The means of a metric ("" or "reward": the reward's), null where a bucket has none. */
+  values(metric) {
+    if (!metric || metric === "reward") return this.mean.slice();
+    const column = this.metrics[metric];
+    return column ? column.slice() : new Array(this.length).fill(null);
+  }
+}
+
+const same = (a, b) => Math.abs(a - b) <= 1e-9 * Math.max(Math.abs(a), Math.abs(b), 1e-300);
+const between = (a, m, c) => !same(a, m) && !same(m, c) && (a < m) === (m < c);
+
+/**
+ * Where a run's hyperparameters changed, from the means of their metrics per bucket: a
+ * change between two buckets happened at the later one's first episode; a bucket whose mean
+ * lies between its neighbours' holds the change somewhere inside it.
+ * @param {CurveBuckets} buckets
+ * @param {string[]} names the metrics to look at
+ * @returns {{name: string, from: number, to: number, first: number, last: number}[]} the
+ *   changes, in episode order: from one value to the next, within episodes first..last
+ */
+export function hyperparameterChanges(buckets, names = HYPERPARAMETERS) {
+  const changes = [];
+  for (const name of names) {
+    const column = buckets.metrics[name];
+    if (!column) continue;
+    const next = (i) => {
+      for (let j = i + 1; j < column.length; j += 1) if (column[j] != null) return j;
+      return -1;
+    };
+    let prev = -1; // the last bucket with a value
+    for (let i = 0; i < column.length; i += 1) {
+      if (column[i] == null) continue;
+      if (prev >= 0 && !same(column[prev], column[i])) {
+        const after = next(i);
+        const inside = buckets.last[i] > buckets.first[i];
+        if (inside && after >= 0 && between(column[prev], column[i], column[after])) {
+          changes.push({ name, from: column[prev], to: column[after], first: buckets.first[i], last: buckets.last[i] });
+          prev = i = after;
+          continue;
+        }
+        const unsure = inside && after < 0; // the last bucket: the change may be anywhere in it
+        const first = buckets.first[i];
+        changes.push({ name, from: column[prev], to: column[i], first, last: unsure ? buckets.last[i] : first });
+      }
+      prev = i;
+    }
+  }
+  return changes.sort((a, b) => a.first - b.first);
+}
+
+/** A change's words, for its marker's tooltip. */
+export function changeText(change) {
+  const values = `${change.name} ${Number(change.from).toPrecision(4)} \u2192 ${Number(change.to).toPrecision(4)}`;
+  if (change.first === change.last) return `${values} from episode ${change.first}`;
+  return `${values} between episodes ${change.first} and ${change.last}`;
 }
 
 export class Curve {
@@ -129,39 +227,53 @@ export class Curve {
    * (`onZoom(first, last)`), a double click for the whole run again (`onReset()`): what to draw
    * then is the caller's to fetch and `show`.
    * @param {HTMLElement} el where the chart goes
-   * @param {{onZoom: function(number, number), onReset: function(), since: number}} options
-   *   `since`: the performance.now() the view opened at, for data-first-paint-ms
+   * @param {{onZoom: function(number, number), onReset: function(), since: number,
+   *   metric: string, parentLabel: string}} options
+   *   `since`: the performance.now() the view opened at, for data-first-paint-ms; `metric`:
+   *   the metric to draw ("": the reward); `parentLabel`: a fork's parent run's legend (a fork's
+   *   chart draws the parent's curve before its own; "": not a fork)
    */
-  constructor(el, { onZoom, onReset, since = 0 }) {
+  constructor(el, { onZoom, onReset, since = 0, metric = "", parentLabel = "" }) {
     this.el = el;
     this.since = since;
+    this.metric = metric;
     this.shown = new CurveBuckets();
+    this.fork = Boolean(parentLabel);
+    this.parent = null; // the parent's buckets up to the fork point, drawn before the run's
+    this.changes = [];
+    this._offset = 0; // the parent's buckets come first in the chart's columns
     this._frame = 0; // a drawing requested for the next animation frame
+    const series = metric
+      ? [{ label: metric, stroke: COLOURS.mean, width: 2, value: sig, points: { show: false } }]
+      : [
+          { label: "min", stroke: COLOURS.edge, width: 1, value: fmt(3), points: { show: false } },
+          { label: "max", stroke: COLOURS.edge, width: 1, value: fmt(3), points: { show: false } },
+          { label: "mean", stroke: COLOURS.mean, width: 2, value: fmt(3), points: { show: false } },
+          { label: "best", stroke: COLOURS.best, width: 2, value: fmt(3), points: { show: false } },
+        ];
     const opts = {
       width: Math.max(300, el.clientWidth),
       height: 320,
       scales: { x: { time: false } },
       series: [
         { label: "episodes", value: (u, v, s, i) => this._episodes(i) },
-        { label: "min", stroke: COLOURS.edge, width: 1, value: fmt(3), points: { show: false } },
-        { label: "max", stroke: COLOURS.edge, width: 1, value: fmt(3), points: { show: false } },
-        { label: "mean", stroke: COLOURS.mean, width: 2, value: fmt(3), points: { show: false } },
-        { label: "best", stroke: COLOURS.best, width: 2, value: fmt(3), points: { show: false } },
+        ...series,
+        ...(this.fork ? [{ label: parentLabel, stroke: COLOURS.parent, width: 2, value: metric ? sig : fmt(3), points: { show: false } }] : []),
       ],
-      bands: [{ series: [2, 1], fill: COLOURS.band }],
+      bands: metric ? [] : [{ series: [2, 1], fill: COLOURS.band }],
       axes: [
-        { label: "episode", grid: { stroke: "#eef0f3" } },
-        { label: "reward", grid: { stroke: "#eef0f3" }, size: 56 },
+        { label: "episode", grid: GRID },
+        { label: metric || "reward", grid: GRID, size: 64 },
       ],
       cursor: { drag: { x: true, y: false, setScale: false } },
       legend: { live: true },
       hooks: {
-        draw: [() => this._drawn()],
+        draw: [(u) => this._drawn(u)],
         setSelect: [(u) => this._selected(u, onZoom)],
       },
     };
     el.replaceChildren();
-    this.plot = new uPlot(opts, this.shown.columns(), el);
+    this.plot = new uPlot(opts, this._columns(), el);
     this._reset = () => onReset();
     this.plot.over.addEventListener("dblclick", this._reset);
     this._resize = new ResizeObserver(() => {
@@ -175,36 +287,98 @@ export class Curve {
     return Math.min(10000, Math.max(50, Math.round(el.clientWidth)));
   }
 
-  /** Draws these buckets (uPlot draws once the current task's code is done, in a microtask). */
-  show(buckets) {
+  /**
+   * Draws these buckets (uPlot draws once the current task's code is done, in a microtask).
+   * @param {CurveBuckets} buckets the run's
+   * @param {CurveBuckets | null} parent a fork's parent's, up to the fork point
+   */
+  show(buckets, parent = null) {
     this.shown = buckets;
+    this.parent = parent;
     cancelAnimationFrame(this._frame);
     this._frame = 0;
-    this.plot.setData(buckets.columns());
+    this.plot.setData(this._columns());
   }
 
   /** Draws the shown buckets again at the next animation frame, after they grew: live
    * episodes arrive faster than frames. */
   changed() {
-    if (!this._frame) this._frame = requestAnimationFrame(() => this.show(this.shown));
+    if (!this._frame) this._frame = requestAnimationFrame(() => this.show(this.shown, this.parent));
   }
 
-  /** The legend's text for bucket i: its episode or its range of episodes. */
+  /** The chart's columns: the parent's buckets (before the fork) then the run's, each series
+   * null where the other's buckets are. */
+  _columns() {
+    const b = this.shown;
+    const own = this.metric ? [b.values(this.metric)] : b.columns().slice(1);
+    const x = b.middles();
+    const p = this.parent;
+    const cut = p ? p.middles().filter((m) => !x.length || m < b.firstEpisode).length : 0;
+    this._offset = cut;
+    this.changes = hyperparameterChanges(b);
+    const pad = (n) => new Array(n).fill(null);
+    if (!this.fork) return [x, ...own];
+    if (!cut) return [x, ...own, pad(x.length)];
+    return [
+      [...p.middles().slice(0, cut), ...x],
+      ...own.map((column) => [...pad(cut), ...column]),
+      [...p.values(this.metric).slice(0, cut), ...pad(x.length)],
+    ];
+  }
+
+  /** The legend's text for column i: its episode or its range of episodes. */
   _episodes(i) {
-    const { first, last } = this.shown;
-    if (i == null || i >= first.length) return "\u2013";
-    return first[i] === last[i] ? String(first[i]) : `${first[i]}\u2013${last[i]}`;
+    if (i == null) return "\u2013";
+    const own = i >= this._offset;
+    const { first, last } = own ? this.shown : this.parent;
+    const j = own ? i - this._offset : i;
+    if (j >= first.length) return "\u2013";
+    const range = first[j] === last[j] ? String(first[j]) : `${first[j]}\u2013${last[j]}`;
+    return own ? range : `${range} (parent)`;
   }
 
-  _drawn() {
+  _drawn(u) {
     const b = this.shown;
     const data = this.el.dataset;
     data.first = String(b.firstEpisode);
     data.episodes = data.last = String(b.lastEpisode);
     data.points = String(b.length);
+    data.metric = this.metric || "reward";
+    data.metricPoints = String(b.values(this.metric).filter((v) => v != null).length);
+    data.parentPoints = String(this._offset);
+    data.markers = String(this.changes.length);
+    this._mark(u);
     const now = performance.now();
     if (data.firstPaintMs === undefined) data.firstPaintMs = (now - this.since).toFixed(1);
     data.drawnAt = now.toFixed(1);
+  }
+
+  /** A vertical marker over the plot at each hyperparameter change, its words as a tooltip.
+   * Markers of the same change are moved, not made again: a tooltip stays open while live
+   * episodes redraw the chart. */
+  _mark(u) {
+    const old = new Map([...u.over.querySelectorAll(".hp-marker")].map((node) => [node.dataset.key, node]));
+    for (const change of this.changes) {
+      const text = changeText(change);
+      const key = `${change.name} ${change.first} ${change.last} ${text}`;
+      let marker = old.get(key);
+      old.delete(key);
+      if (!marker) {
+        marker = document.createElement("div");
+        marker.className = "hp-marker";
+        Object.assign(marker.dataset, { key, name: change.name, episode: String(change.first), from: String(change.from), to: String(change.to) });
+        const handle = document.createElement("span");
+        handle.className = "hp-handle";
+        handle.title = text;
+        handle.setAttribute("aria-label", text);
+        marker.append(handle);
+        u.over.append(marker);
+      }
+      const x = u.valToPos((change.first + change.last) / 2, "x");
+      marker.hidden = !(x >= 0 && x <= u.over.clientWidth);
+      marker.style.left = `${x}px`;
+    }
+    for (const node of old.values()) node.remove();
   }
 
   _selected(u, onZoom) {
@@ -220,6 +394,90 @@ export class Curve {
     cancelAnimationFrame(this._frame);
     this._resize.disconnect();
     this.plot.over.removeEventListener("dblclick", this._reset);
+    this.plot.destroy();
+  }
+}
+
+/**
+ * Several runs' curves on one chart: per run the mean of the reward or of one metric per
+ * bucket, in the run's colour, at the episodes it covers (a fork's start after its fork point).
+ */
+export class CompareChart {
+  /**
+   * @param {HTMLElement} el where the chart goes
+   * @param {{runs: {label: string, colour: string}[], metric: string,
+   *   onCursor: function(string, (number|null)[])}} options `onCursor`: the episode under the
+   *   mouse and each run's value there (null: none there), or "" when it leaves
+   */
+  constructor(el, { runs, metric = "", onCursor = () => {} }) {
+    this.el = el;
+    this.metric = metric;
+    this.runs = runs;
+    this.buckets = runs.map(() => new CurveBuckets());
+    this.x = [];
+    const opts = {
+      width: Math.max(300, el.clientWidth),
+      height: 360,
+      scales: { x: { time: false } },
+      series: [
+        {},
+        ...runs.map((run) => ({ label: run.label, stroke: run.colour, width: 2, spanGaps: true, value: sig, points: { show: false } })),
+      ],
+      axes: [
+        { label: "episode", grid: GRID },
+        { label: metric || "reward", grid: GRID, size: 64 },
+      ],
+      legend: { show: false },
+      hooks: {
+        draw: [() => this._drawn()],
+        setCursor: [
+          (u) => {
+            const i = u.cursor.idx;
+            if (i == null) onCursor("", runs.map(() => null));
+            else onCursor(String(Math.round(this.x[i])), runs.map((_, k) => u.data[k + 1][i]));
+          },
+        ],
+      },
+    };
+    el.replaceChildren();
+    this.plot = new uPlot(opts, this._columns(), el);
+    this._resize = new ResizeObserver(() => this.plot.setSize({ width: Math.max(300, el.clientWidth), height: 360 }));
+    this._resize.observe(el);
+  }
+
+  /** Draws the runs' buckets (in the order of the runs given; null: none yet). */
+  show(buckets) {
+    this.buckets = buckets.map((b) => b || new CurveBuckets());
+    this.plot.setData(this._columns());
+  }
+
+  /** One x column for all runs (every bucket's middle episode, in order) and per run its
+   * values there, null at the other runs' buckets (the line spans them). */
+  _columns() {
+    const at = new Map();
+    for (const b of this.buckets) for (const m of b.middles()) at.set(m, 0);
+    this.x = [...at.keys()].sort((a, b) => a - b);
+    this.x.forEach((m, i) => at.set(m, i));
+    const columns = this.buckets.map((b) => {
+      const column = new Array(this.x.length).fill(null);
+      const values = b.values(this.metric);
+      b.middles().forEach((m, i) => (column[at.get(m)] = values[i]));
+      return column;
+    });
+    return [this.x.slice(), ...columns];
+  }
+
+  _drawn() {
+    const counts = this.buckets.map((b) => b.values(this.metric).filter((v) => v != null).length);
+    const data = this.el.dataset;
+    data.metric = this.metric || "reward";
+    data.runs = String(counts.filter(Boolean).length);
+    data.points = String(counts.reduce((a, b) => a + b, 0));
+    data.drawnAt = performance.now().toFixed(1);
+  }
+
+  destroy() {
+    this._resize.disconnect();
     this.plot.destroy();
   }
 }
