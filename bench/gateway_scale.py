@@ -13,7 +13,10 @@ socket, under a temporary directory that is deleted at the end); gateways run as
     the fill, a gateway's start until it answers ListRuns, ListRuns p50/p99 (first page of
     50), GetRun p99 (random runs), and a late watcher's time to its first episode on a run with
     5000 episodes: finished (the store's pages, cold cache) and, with replicas, one driven by
-    another replica (a follower reads the history from the shared tables).
+    another replica (a follower reads the history from the shared tables). Searches: ListRuns
+    p50/p99 with ``FILTER`` (about one run in ten matches: the runs differ in state, best
+    reward and a ``team`` label), newest first and ordered by best reward, its first page and
+    its fifth (through page tokens).
 
 Run: ``.venv/bin/python bench/gateway_scale.py`` (a few minutes; the fill dominates).
 ``BENCH_RUNS`` and ``BENCH_EPISODES_PER_RUN`` shrink (c) for a quick look.
@@ -55,6 +58,8 @@ BIG = 5000
 WATCHERS = 100
 INGEST_RUNS, INGEST_EPISODES, WINDOW = 8, 2500, 256
 SAMPLES = 300
+FILTER = 'state = STATE_DONE AND best_reward > 0.5 AND labels.team = "a"'
+ORDER = "best_reward desc"
 REPEATS = 5  # replays measured per setup (the median is printed)
 WATCH = "/trainwire.v1.GatewayService/WatchRun"
 
@@ -86,7 +91,16 @@ def _run(run_id: str, episodes: int, state: RunState = RunState.DONE) -> Trainin
 
 
 def _fill_runs() -> list[TrainingRun]:
-    runs = [_run(f"r{i:05d}", EPISODES_PER_RUN) for i in range(RUNS)]
+    rnd = random.Random(23)
+    runs = []
+    for i in range(RUNS):
+        # Finished states only: a gateway would recover an active one at its start.
+        state = rnd.choices([RunState.DONE, RunState.STOPPED, RunState.ERROR], [8, 1, 1])[0]
+        run = _run(f"r{i:05d}", EPISODES_PER_RUN, state)
+        run.best_reward = rnd.random()
+        run.reward = run.best_reward * rnd.random()
+        run.labels = {"team": "abcd"[i % 4], "sweep": str(i % 25)}
+        runs.append(run)
     return [*runs, _run("big-done", BIG), _run("big-live", BIG, RunState.RUNNING)]
 
 
@@ -251,12 +265,30 @@ async def latencies(address: str, run_ids: list[str]) -> dict[str, float]:
             began = time.perf_counter()
             await stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=30)
             gets.append(time.perf_counter() - began)
+        searches: dict[str, list[float]] = {}
+        for key, request, skip in (
+            ("filter", pb.ListRunsRequest(page_size=50, filter=FILTER), 0),
+            ("ordered", pb.ListRunsRequest(page_size=50, filter=FILTER, order_by=ORDER), 0),
+            ("page5", pb.ListRunsRequest(page_size=50, filter=FILTER, order_by=ORDER), 4),
+        ):
+            for _ in range(skip):  # the token of the page measured
+                request.page_token = (await stub.ListRuns(request, timeout=30)).next_page_token
+            times = searches[key] = []
+            for _ in range(SAMPLES):
+                began = time.perf_counter()
+                reply = await stub.ListRuns(request, timeout=30)
+                times.append(time.perf_counter() - began)
+                assert len(reply.runs) == 50, key
     q = statistics.quantiles
-    return {
+    figures = {
         "list_p50": statistics.median(lists),
         "list_p99": q(lists, n=100)[98],
         "get_p99": q(gets, n=100)[98],
     }
+    for key, times in searches.items():
+        figures[f"{key}_p50"] = statistics.median(times)
+        figures[f"{key}_p99"] = q(times, n=100)[98]
+    return figures
 
 
 async def first_episode(address: str, run_id: str) -> float:
@@ -370,6 +402,12 @@ async def run_all(tmp: Path, server: str) -> None:
         ("list_p50", "ListRuns p50 (page of 50)"),
         ("list_p99", "ListRuns p99"),
         ("get_p99", "GetRun p99"),
+        ("filter_p50", "ListRuns filtered p50 (FILTER, newest)"),
+        ("filter_p99", "ListRuns filtered p99"),
+        ("ordered_p50", "  ... order_by best_reward desc p50"),
+        ("ordered_p99", "  ... order_by best_reward desc p99"),
+        ("page5_p50", "  ... ordered, 5th page p50"),
+        ("page5_p99", "  ... ordered, 5th page p99"),
         ("late_done", "late watcher, first episode (finished)"),
     ):
         print(f"    {label:<42} {_ms(sq[key])}   {_ms(pg[key])}")
@@ -377,6 +415,7 @@ async def run_all(tmp: Path, server: str) -> None:
         f"    {'late watcher, first episode (driven by':<42} {'n/a':>11}   {_ms(pg['late_live'])}"
         "\n      another replica: a follower)"
     )
+    print(f"    FILTER = {FILTER}")
     del a_start
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import time
 
@@ -26,11 +24,9 @@ from gateway.core.trainers import CheckpointSaved
 from trainwire.contract import FieldViolation, check_create_run, describe_violations
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
-_TOKEN_PREFIX = b"runs/v1/"
 #: The largest CreateRunRequest accepted (the gRPC server lets larger ones through, up to its
 #: own limit, so they get this clear answer).
 MAX_CREATE_REQUEST_BYTES = 1 << 20
-_SEQ_LIMIT = 1 << 63
 
 
 def timestamp_from_ns(ns: int) -> timestamp_pb2.Timestamp:
@@ -227,35 +223,6 @@ def state_from_proto(state: int) -> RunState | None:
         raise InvalidRequest(
             f"unknown state {state}", [FieldViolation("state", f"unknown state {state}")]
         ) from None
-
-
-def page_token_from_seq(seq: int | None) -> str:
-    """The opaque page token for the page after ``seq`` ("" for none)."""
-    if seq is None:
-        return ""
-    return base64.urlsafe_b64encode(_TOKEN_PREFIX + str(seq).encode()).decode()
-
-
-def seq_from_page_token(token: str) -> int | None:
-    """The cursor in a page token (None for "").
-
-    Raises:
-        InvalidRequest: a token this gateway did not issue.
-    """
-    if not token:
-        return None
-    try:
-        raw = base64.urlsafe_b64decode(token.encode())
-        if raw.startswith(_TOKEN_PREFIX):
-            seq = int(raw[len(_TOKEN_PREFIX) :])
-            if 0 < seq < _SEQ_LIMIT:
-                return seq
-    except (binascii.Error, ValueError):
-        pass
-    raise InvalidRequest(
-        "page_token is not a token from a previous ListRuns response",
-        [FieldViolation("page_token", "not a token from a previous ListRuns response")],
-    )
 
 
 def watch_event_to_wire(event: WatchEvent) -> bytes | gateway_service_pb2.WatchRunResponse:

@@ -51,22 +51,17 @@ class GatewayServicer:
     async def ListRuns(
         self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListRunsResponse:
-        """Lists runs, newest first."""
-        if request.filter or request.order_by:
-            field = "filter" if request.filter else "order_by"
-            raise InvalidRequest(
-                f"ListRuns: {field} is not available on this gateway yet",
-                [FieldViolation(field, "not available on this gateway yet")],
-            )
+        """Lists the runs a filter finds, newest first unless order_by says otherwise."""
         view = convert.view_from_proto(request.view)
-        runs, next_seq = await self._core.list_runs(
+        runs, token = await self._core.list_runs(
             request.page_size,
-            convert.seq_from_page_token(request.page_token),
+            request.page_token,
             convert.state_from_proto(request.state),
+            request.filter,
+            request.order_by,
         )
         return pb.ListRunsResponse(
-            runs=[convert.run_to_proto(r, view) for r in runs],
-            next_page_token=convert.page_token_from_seq(next_seq),
+            runs=[convert.run_to_proto(r, view) for r in runs], next_page_token=token
         )
 
     @map_errors

@@ -168,11 +168,20 @@ class GatewayClient:
         state: RunState = Run.State.STATE_UNSPECIFIED,
         page_size: int = 0,
         page_token: str = "",
+        filter: str = "",
+        order_by: str = "",
         timeout: float | None = None,
     ) -> gateway_service_pb2.ListRunsResponse:
-        """Returns one page of runs, newest first (``ListRuns``)."""
+        """Returns one page of runs (``ListRuns``): those ``filter`` finds (AIP-160, e.g.
+        ``'state = STATE_DONE AND labels.team = "vision"'``), newest first unless ``order_by``
+        says otherwise (AIP-132, e.g. ``"best_reward desc"``). A token goes with the filter and
+        order it was issued for. A malformed filter raises ``InvalidArgument``."""
         request = gateway_service_pb2.ListRunsRequest(
-            page_size=page_size, page_token=page_token, state=state
+            page_size=page_size,
+            page_token=page_token,
+            state=state,
+            filter=filter,
+            order_by=order_by,
         )
         response: gateway_service_pb2.ListRunsResponse = await self._unary(
             self._stub.ListRuns, request, timeout
@@ -185,14 +194,22 @@ class GatewayClient:
         state: RunState = Run.State.STATE_UNSPECIFIED,
         limit: int | None = None,
         page_size: int = 0,
+        filter: str = "",
+        order_by: str = "",
         timeout: float | None = None,
     ) -> list[Run]:
-        """Returns runs, newest first, following page tokens until ``limit`` runs or the end."""
+        """Returns the runs ``filter`` finds in ``order_by``'s order (newest first by default;
+        see ``list_runs_page``), following page tokens until ``limit`` runs or the end."""
         runs: list[Run] = []
         token = ""
         while True:
             page = await self.list_runs_page(
-                state=state, page_size=page_size, page_token=token, timeout=timeout
+                state=state,
+                page_size=page_size,
+                page_token=token,
+                filter=filter,
+                order_by=order_by,
+                timeout=timeout,
             )
             runs.extend(page.runs)
             token = page.next_page_token

@@ -26,6 +26,7 @@ from gateway.core.pacing import clamp_speed
 from gateway.core.recovery import UnsavedEnds
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
+from gateway.core.search import run_query
 from gateway.core.settings import CoreSettings
 from gateway.core.store import STORE_MESSAGE, DuplicateRequest, Store, StoreWriteFailed
 from gateway.core.table import RunTable
@@ -244,12 +245,22 @@ class RunCatalog:
         return self.current(run)
 
     async def list_runs(
-        self, page_size: int, before_seq: int | None, state: RunState | None
-    ) -> tuple[list[TrainingRun], int | None]:
-        """A page of runs, newest first, and the cursor of the next page (None on the last).
+        self,
+        page_size: int,
+        page_token: str,
+        state: RunState | None,
+        filter_text: str = "",
+        order_by: str = "",
+    ) -> tuple[list[TrainingRun], str]:
+        """A page of the runs a search finds (newest first unless ``order_by`` says
+        otherwise) and the token of the next page ("" on the last).
+
+        The filter and order read the store's committed values (``gateway.core.search``);
+        each run found is then returned as ``current`` has it, which may differ for a moment
+        (a pause shows before the store has it).
 
         Raises:
-            InvalidRequest: page_size out of 0..1000.
+            InvalidRequest: page_size out of 0..1000; a bad filter, order_by or page_token.
         """
         if not 0 <= page_size <= MAX_PAGE_SIZE:
             raise InvalidRequest(
@@ -257,10 +268,9 @@ class RunCatalog:
                 [FieldViolation("page_size", f"{page_size}; need 0..{MAX_PAGE_SIZE}")],
             )
         limit = page_size or DEFAULT_PAGE_SIZE
-        rows = await self._store.list_runs(state, before_seq, limit + 1)
-        more = len(rows) > limit
-        runs = [self.current(r) for r in rows[:limit]]
-        return runs, (runs[-1].seq if more else None)
+        query = run_query(filter_text, order_by, state, page_token, limit)
+        page = await self._store.list_runs(query)
+        return [self.current(r) for r in page.runs], query.page_token(page.after)
 
     async def update(
         self, run_id: str, display_name: str | None, labels: Mapping[str, str] | None

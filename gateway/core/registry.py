@@ -184,10 +184,16 @@ class RunRegistry:
         return await self.catalog.get(run_id)
 
     async def list_runs(
-        self, page_size: int, before_seq: int | None, state: RunState | None
-    ) -> tuple[list[TrainingRun], int | None]:
-        """A page of runs, newest first; see ``RunCatalog.list_runs``."""
-        return await self.catalog.list_runs(page_size, before_seq, state)
+        self,
+        page_size: int,
+        page_token: str,
+        state: RunState | None,
+        filter_text: str = "",
+        order_by: str = "",
+    ) -> tuple[list[TrainingRun], str]:
+        """A page of the runs a search finds and the next page's token; see
+        ``RunCatalog.list_runs``."""
+        return await self.catalog.list_runs(page_size, page_token, state, filter_text, order_by)
 
     async def update(
         self, run_id: str, display_name: str | None, labels: Mapping[str, str] | None

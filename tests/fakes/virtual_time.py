@@ -48,6 +48,7 @@ import pytest
 
 from gateway.core.curve import CurveBlock
 from gateway.core.runs import RunState, TrainingRun
+from gateway.core.search import RunPage, RunQuery
 from gateway.core.store import CheckpointRecord, EpisodeRecord, Store
 
 T = TypeVar("T")
@@ -188,10 +189,8 @@ class InFlightStore:
     async def find_request(self, request_id: str) -> TrainingRun | None:
         return await self._call(lambda: self.inner.find_request(request_id))
 
-    async def list_runs(
-        self, state: RunState | None, before_seq: int | None, limit: int
-    ) -> list[TrainingRun]:
-        return await self._call(lambda: self.inner.list_runs(state, before_seq, limit))
+    async def list_runs(self, query: RunQuery) -> RunPage:
+        return await self._call(lambda: self.inner.list_runs(query))
 
     async def read_episodes(
         self, run_id: str, first: int, last: int, scalars: bool = False

@@ -9,26 +9,24 @@ store thread, PostgreSQL's fencing and schema) have tests of their own.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 from gateway.core.curve import CurveBuilder
 from gateway.core.history import detail_offset
 from gateway.core.runs import RunState, TrainingRun
+from gateway.core.search import RunPage, RunQuery
 from gateway.core.store import (
     CheckpointRecord,
     DuplicateRequest,
     EpisodeRecord,
     Store,
-    open_store,
 )
 from tests.fakes.fake_trainer import valid_episodes
 from tests.fakes.waiting import TIMEOUT
+from tests.store.conftest import Opener
 from trainwire.v1 import episode_pb2
-
-Opener = Callable[[], Store]
 
 
 def make_run(run_id: str, request_id: str = "", episodes: int = 50) -> TrainingRun:
@@ -55,26 +53,6 @@ def records(run_id: str, count: int) -> list[EpisodeRecord]:
         )
         for e in valid_episodes(count)
     ]
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
-    """Opens (not starts) a store on one database per test; every call opens the same one."""
-    if request.param == "sqlite":
-        db = str(tmp_path / "db.sqlite3")
-    else:
-        db = request.getfixturevalue("postgres_url")
-    return lambda: open_store(db)
-
-
-@pytest.fixture
-async def store(opener: Opener) -> AsyncIterator[Store]:
-    s = opener()
-    await s.start()
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 def checkpoint(run_id: str, episode: int, digest: str = "") -> CheckpointRecord:
@@ -205,14 +183,16 @@ async def test_list_is_newest_first_with_a_cursor_and_a_state_filter(store: Stor
         if i % 2:
             run.stop(1)
             await store.update_run(run)
-    page = await store.list_runs(None, None, 3)
-    assert [r.id for r in page] == ["r6", "r5", "r4"]
-    page = await store.list_runs(None, page[-1].seq, 3)
-    assert [r.id for r in page] == ["r3", "r2", "r1"]
-    assert [r.id for r in await store.list_runs(None, page[-1].seq, 3)] == ["r0"]
-    stopped = await store.list_runs(RunState.STOPPED, None, 10)
-    assert [r.id for r in stopped] == ["r5", "r3", "r1"]
-    assert await store.list_runs(RunState.DONE, None, 10) == []
+    page = await store.list_runs(RunQuery(limit=3))
+    assert [r.id for r in page.runs] == ["r6", "r5", "r4"]
+    assert page.after == (page.runs[-1].seq,)
+    page = await store.list_runs(RunQuery(after=page.after, limit=3))
+    assert [r.id for r in page.runs] == ["r3", "r2", "r1"]
+    last = await store.list_runs(RunQuery(after=page.after, limit=3))
+    assert ([r.id for r in last.runs], last.after) == (["r0"], None)
+    stopped = await store.list_runs(RunQuery(RunState.STOPPED, limit=10))
+    assert [r.id for r in stopped.runs] == ["r5", "r3", "r1"]
+    assert await store.list_runs(RunQuery(RunState.DONE)) == RunPage([], None)
 
 
 async def test_delete_removes_the_run_and_its_history(store: Store) -> None:
@@ -389,7 +369,7 @@ async def test_restarts_parked_and_the_checkpoint_are_read_back_everywhere(
     loaded = await store.get_run("a")
     assert loaded is not None
     assert (loaded.checkpoint_episode, loaded.restarts, loaded.parked) == (5, 2, True)
-    listed_runs = {r.id: r for r in await store.list_runs(None, None, 10)}
+    listed_runs = {r.id: r for r in (await store.list_runs(RunQuery(limit=10))).runs}
     assert listed_runs["a"] == loaded
     assert (listed_runs["b"].restarts, listed_runs["b"].parked) == (0, False)
     active = {r.id: r for r in await store.active_runs()}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gateway.core.runs import RunState, TrainingRun
+from gateway.core.search import RunQuery
 from gateway.core.store import (
     CheckpointRecord,
     EpisodeRecord,
@@ -107,11 +108,12 @@ def test_list_is_newest_first_with_cursor_and_filter(store: SqliteStore) -> None
         store.insert_run(run)
         if i % 2:
             store.update_run(run)
-    page = store.list_runs(None, None, 3)
-    assert [r.id for r in page] == ["r6", "r5", "r4"]
-    page = store.list_runs(None, page[-1].seq, 3)
-    assert [r.id for r in page] == ["r3", "r2", "r1"]
-    assert [r.id for r in store.list_runs(RunState.STOPPED, None, 10)] == ["r5", "r3", "r1"]
+    page = store.list_runs(RunQuery(limit=3))
+    assert [r.id for r in page.runs] == ["r6", "r5", "r4"]
+    page = store.list_runs(RunQuery(after=page.after, limit=3))
+    assert [r.id for r in page.runs] == ["r3", "r2", "r1"]
+    stopped = store.list_runs(RunQuery(RunState.STOPPED, limit=10)).runs
+    assert [r.id for r in stopped] == ["r5", "r3", "r1"]
 
 
 def test_delete_removes_run_and_history(store: SqliteStore) -> None:

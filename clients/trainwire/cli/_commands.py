@@ -87,14 +87,17 @@ def cmd_create_grpo(client: GatewayClient, args: argparse.Namespace, out: Output
 
 
 def cmd_list(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
-    runs = client.list_runs(state=args.state, limit=args.limit or None)
+    runs = client.list_runs(
+        state=args.state, limit=args.limit or None, filter=args.filter, order_by=args.order_by
+    )
     if out.json:
         out.result("", _format.to_dict(gateway_service_pb2.ListRunsResponse(runs=runs)))
     elif runs:
         out.result(_format.runs_table(runs), None)
     else:
         which = f" in state {state_name(args.state)}" if args.state else ""
-        out.info(f"no runs{which}")
+        found = " found by the filter" if args.filter else ""
+        out.info(f"no runs{which}{found}")
     return EXIT_OK
 
 

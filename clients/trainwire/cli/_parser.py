@@ -315,6 +315,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--state", type=_state, default=0, help="only runs in this state (e.g. running, done)"
     )
     listing.add_argument(
+        "--filter",
+        default="",
+        metavar="EXPR",
+        help="only runs this AIP-160 filter finds, e.g. 'state = STATE_DONE AND best_reward "
+        "> 0.8 AND labels.team = vision' (the fields: README, Searching runs)",
+    )
+    listing.add_argument(
+        "--order-by",
+        default="",
+        metavar="KEYS",
+        help='sort by these fields (AIP-132), e.g. "best_reward desc, create_time" '
+        "(default: newest first)",
+    )
+    listing.add_argument(
         "--limit", type=_non_negative_int, default=0, metavar="N", help="at most N runs"
     )
     listing.set_defaults(handler=cmd_list)

@@ -34,6 +34,7 @@ from typing import Protocol
 
 from gateway.core.curve import CurveBlock
 from gateway.core.runs import RunState, TrainingRun
+from gateway.core.search import RunPage, RunQuery
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -282,10 +283,9 @@ class Store(Protocol):
         """The run created with this request id, or None."""
         ...
 
-    async def list_runs(
-        self, state: RunState | None, before_seq: int | None, limit: int
-    ) -> list[TrainingRun]:
-        """Runs newest first, optionally in one state, created before ``before_seq``."""
+    async def list_runs(self, query: RunQuery) -> RunPage:
+        """A page of the runs a search finds, in its order, after ``query.after`` (reading
+        the committed values: ``gateway.core.search``)."""
         ...
 
     async def read_episodes(

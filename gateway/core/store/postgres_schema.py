@@ -26,7 +26,8 @@ Versions (``MIGRATIONS[v - 1]`` takes a database from ``v - 1`` to ``v``):
    every stored episode and computes the blocks of every run (``_split_and_backfill``).
 5. Experiments: ``runs`` gains ``labels`` (JSON text), ``fork_run_id`` and ``fork_episode``,
    and the columns searches read of the task and config (``kind``, ``clip``, ``model``,
-   ``learning_rate``, ``seed``; ``_fill_search_columns`` fills them in), as SQLite's version 5.
+   ``learning_rate``, ``seed``; ``_fill_search_columns`` fills them in), as SQLite's version 5,
+   with the indexes of searches (best reward, creation time, and a GIN index of the labels).
 
 A migration runs in one transaction under an advisory lock, so replicas started together with
 ``--migrate`` migrate once, and a failed migration leaves the database as it was.
@@ -148,6 +149,11 @@ _V5 = (
         ADD COLUMN model TEXT NOT NULL DEFAULT '',
         ADD COLUMN learning_rate DOUBLE PRECISION NOT NULL DEFAULT 0,
         ADD COLUMN seed BIGINT NOT NULL DEFAULT 0""",
+    # Searches: the orders asked for most walk an index; label filters (jsonb @> and ?, as
+    # gateway.core.store.search_sql writes them) read the GIN index.
+    "CREATE INDEX runs_best_reward ON runs (best_reward, seq)",
+    "CREATE INDEX runs_create_time ON runs (create_time, seq)",
+    "CREATE INDEX runs_labels ON runs USING gin ((labels::jsonb))",
 )
 MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5)
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from gateway.core.curve import CurveBlock
 from gateway.core.runs import RunState, TrainingRun
+from gateway.core.search import RunPage, RunQuery
 from gateway.core.store.base import (
     CheckpointRecord,
     DuplicateRequest,
@@ -181,11 +182,9 @@ class SqliteBackend(WritableStore):
         """The run created with this request id, or None."""
         return await self._call(SqliteStore.find_request, request_id)
 
-    async def list_runs(
-        self, state: RunState | None, before_seq: int | None, limit: int
-    ) -> list[TrainingRun]:
-        """Runs newest first, optionally in one state, created before ``before_seq``."""
-        return await self._call(SqliteStore.list_runs, state, before_seq, limit)
+    async def list_runs(self, query: RunQuery) -> RunPage:
+        """A page of the runs a search finds, in its order (see ``Store.list_runs``)."""
+        return await self._call(SqliteStore.list_runs, query)
 
     async def read_episodes(
         self, run_id: str, first: int, last: int, scalars: bool = False
