@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
 import grpc
 
-from trainwire.builders import Run, RunState
+from trainwire.builders import (
+    ForkFrom,
+    Run,
+    RunState,
+    create_run_request,
+    update_run_request,
+)
 from trainwire.checkpoints import TarDownload
 from trainwire.client import (
     DEFAULT_IDLE_TIMEOUT,
@@ -138,16 +144,21 @@ class GatewayClient:
         episodes_per_second: float = 0.0,
         request_id: str = "",
         display_name: str = "",
+        labels: Mapping[str, str] | None = None,
+        fork_from: ForkFrom | None = None,
         timeout: float | None = None,
     ) -> Run:
-        """Creates a run (``CreateRun``); see the sync client's ``create_run``."""
-        request = gateway_service_pb2.CreateRunRequest(
-            task=task,
-            config=config,
+        """Creates a run (``CreateRun``), from scratch or forked from another run's
+        checkpoint; see the sync client's ``create_run``."""
+        request = create_run_request(
+            task,
+            config,
             speed=speed,
             episodes_per_second=episodes_per_second,
             request_id=request_id,
             display_name=display_name,
+            labels=labels,
+            fork_from=fork_from,
         )
         response: gateway_service_pb2.CreateRunResponse = await self._unary(
             self._stub.CreateRun, request, timeout
@@ -222,6 +233,19 @@ class GatewayClient:
         response = await self._unary(method, request, timeout)
         run: Run = response.run
         return run
+
+    async def update_run(
+        self,
+        run_id: str,
+        *,
+        display_name: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Run:
+        """Renames and/or relabels a run (``UpdateRun``, a field mask of the fields given;
+        ``labels`` replaces the whole set); see the sync client's ``update_run``."""
+        request = update_run_request(run_id, display_name=display_name, labels=labels)
+        return await self._control(self._stub.UpdateRun, request, timeout)
 
     async def pause_run(self, run_id: str, *, timeout: float | None = None) -> Run:
         """Pauses a running run (``PauseRun``); a no-op on a paused run."""

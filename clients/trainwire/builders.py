@@ -1,11 +1,22 @@
 """Request builders: ``TrainTask`` and ``TrainConfig`` without touching protobuf oneofs by hand,
-and the ``Run.State`` names people type and read."""
+the requests both clients send (``CreateRun``, ``UpdateRun``), checked here against the contract
+before they leave, and the ``Run.State`` names people type and read."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
+from google.protobuf import field_mask_pb2
+
+from trainwire.contract import (
+    FieldViolation,
+    check_display_name,
+    check_labels,
+    check_run_id,
+    display_run_id,
+)
+from trainwire.errors import InvalidRequest
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 if TYPE_CHECKING:
@@ -13,18 +24,25 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TERMINAL_STATES",
+    "ForkFrom",
     "Run",
     "RunState",
+    "create_run_request",
+    "fork_source",
     "grpo_task",
     "imitation_task",
     "parse_state",
     "state_name",
     "train_config",
+    "update_run_request",
 ]
 
 Run = gateway_service_pb2.Run
 #: A ``Run.State`` value (an int at run time).
 RunState: TypeAlias = "gateway_service_pb2.Run.State.ValueType"
+#: Where a fork starts: a ``ForkSource``, or ``(run_id, episode)`` (episode 0: the latest
+#: checkpoint), or a run id alone (its latest checkpoint).
+ForkFrom: TypeAlias = "gateway_service_pb2.ForkSource | tuple[str, int] | str"
 
 #: The states a run never leaves.
 TERMINAL_STATES: frozenset[RunState] = frozenset(
@@ -137,6 +155,104 @@ def train_config(
         seed=seed,
         checkpoint_every=checkpoint_every,
         keep_checkpoints=keep_checkpoints,
+    )
+
+
+def fork_source(fork_from: ForkFrom) -> gateway_service_pb2.ForkSource:
+    """``fork_from`` as a ``ForkSource`` message (see ``ForkFrom``)."""
+    if isinstance(fork_from, gateway_service_pb2.ForkSource):
+        return fork_from
+    if isinstance(fork_from, str):
+        return gateway_service_pb2.ForkSource(run_id=fork_from)
+    run_id, episode = fork_from
+    return gateway_service_pb2.ForkSource(run_id=run_id, episode=episode)
+
+
+def _quoted(run_id: str) -> str:
+    """``'abc'`` for a valid run id (as the gateway's messages quote it), else a short safe
+    prefix of it."""
+    return display_run_id(run_id) if check_run_id(run_id) else repr(run_id)
+
+
+def _refuse(message: str, violations: Sequence[FieldViolation]) -> None:
+    if violations:
+        first = violations[0]
+        raise InvalidRequest(
+            f"{message}: {first.field}: {first.description}", field_violations=violations
+        )
+
+
+def create_run_request(
+    task: episode_pb2.TrainTask,
+    config: episode_pb2.TrainConfig | None = None,
+    *,
+    speed: float = 0.0,
+    episodes_per_second: float = 0.0,
+    request_id: str = "",
+    display_name: str = "",
+    labels: Mapping[str, str] | None = None,
+    fork_from: ForkFrom | None = None,
+) -> gateway_service_pb2.CreateRunRequest:
+    """A ``CreateRunRequest`` (see ``GatewayClient.create_run``); its labels and fork source
+    checked as the gateway checks them.
+
+    Raises:
+        InvalidRequest: a bad label or fork source (every one in ``field_violations``).
+    """
+    request = gateway_service_pb2.CreateRunRequest(
+        task=task,
+        config=config,
+        speed=speed,
+        episodes_per_second=episodes_per_second,
+        request_id=request_id,
+        display_name=display_name,
+        labels=dict(labels or {}),
+    )
+    violations = check_labels(request.labels)
+    if fork_from is not None:
+        request.fork_from.CopyFrom(fork_source(fork_from))
+        violations += check_run_id(request.fork_from.run_id, "fork_from.run_id")
+        if request.fork_from.episode < 0:
+            violations.append(
+                FieldViolation(
+                    "fork_from.episode",
+                    f"{request.fork_from.episode}; need >= 0 (0: the latest checkpoint)",
+                )
+            )
+    _refuse("cannot create the run", violations)
+    return request
+
+
+def update_run_request(
+    run_id: str,
+    *,
+    display_name: str | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> gateway_service_pb2.UpdateRunRequest:
+    """An ``UpdateRunRequest`` whose field mask names exactly the fields given (``None``: left
+    as they are); ``labels`` replaces the run's whole label set (``{}`` removes them all).
+
+    Raises:
+        ValueError: neither ``display_name`` nor ``labels`` (an empty mask would set both).
+        InvalidRequest: a bad run id, display name, label key or value, checked as the gateway
+            checks them (every one in ``field_violations``).
+    """
+    if display_name is None and labels is None:
+        raise ValueError("give display_name, labels or both to update")
+    run = gateway_service_pb2.Run(id=run_id)
+    paths = []
+    violations = check_run_id(run_id, "run.id")
+    if display_name is not None:
+        run.display_name = display_name
+        paths.append("display_name")
+        violations += check_display_name(display_name, "run.display_name")
+    if labels is not None:
+        run.labels.update(labels)
+        paths.append("labels")
+        violations += check_labels(run.labels, "run.labels")
+    _refuse(f"cannot update run {_quoted(run_id)}", violations)
+    return gateway_service_pb2.UpdateRunRequest(
+        run=run, update_mask=field_mask_pb2.FieldMask(paths=paths)
     )
 
 

@@ -17,7 +17,7 @@ It depends on grpcio, grpcio-status and protobuf only (no torch, no rich).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,17 @@ import grpc
 
 from trainwire.builders import (
     TERMINAL_STATES,
+    ForkFrom,
     Run,
     RunState,
+    create_run_request,
+    fork_source,
     grpo_task,
     imitation_task,
     parse_state,
     state_name,
     train_config,
+    update_run_request,
 )
 from trainwire.checkpoints import TarDownload
 from trainwire.errors import (
@@ -101,6 +105,7 @@ __all__ = [
     "EpisodeViewValue",
     "ErrorReason",
     "FailedPrecondition",
+    "ForkFrom",
     "GatewayClient",
     "IllegalTransition",
     "Internal",
@@ -128,6 +133,7 @@ __all__ = [
     "WatchEvent",
     "WatchStream",
     "error_from_rpc",
+    "fork_source",
     "grpo_task",
     "imitation_task",
     "parse_state",
@@ -312,6 +318,8 @@ class GatewayClient:
         episodes_per_second: float = 0.0,
         request_id: str = "",
         display_name: str = "",
+        labels: Mapping[str, str] | None = None,
+        fork_from: ForkFrom | None = None,
         timeout: float | None = None,
     ) -> Run:
         """Creates a run (``CreateRun``); a ``request_id`` seen before returns the same run.
@@ -323,18 +331,30 @@ class GatewayClient:
             episodes_per_second: Base rate; 0 means the gateway's default, negative unpaced.
             request_id: Idempotency key.
             display_name: A name for people.
+            labels: Labels for people and searches (Kubernetes label rules, see ``Run.labels``).
+            fork_from: Start from this checkpoint of another run instead of from scratch:
+                ``(run_id, episode)`` (episode 0: its latest checkpoint), a run id alone, or a
+                ``ForkSource``. ``task`` must have the run's kind and model; its
+                hyperparameters, the seed and ``max_episodes`` may differ. The new run's
+                episodes are numbered from the checkpoint's episode + 1.
             timeout: This call's deadline; the client's default when ``None``.
 
         Raises:
-            InvalidArgument: a bad task, config, speed or rate (see ``field_violations``).
+            InvalidArgument: a bad task, config, speed, rate or label (see
+                ``field_violations``); bad labels and fork sources are refused before
+                anything is sent.
+            TrainwireError: a fork the gateway refuses (no such run or checkpoint, another
+                task kind or model); its message names the reason.
         """
-        request = gateway_service_pb2.CreateRunRequest(
-            task=task,
-            config=config,
+        request = create_run_request(
+            task,
+            config,
             speed=speed,
             episodes_per_second=episodes_per_second,
             request_id=request_id,
             display_name=display_name,
+            labels=labels,
+            fork_from=fork_from,
         )
         return self._control(self._stub.CreateRun, request, timeout)
 
@@ -399,6 +419,30 @@ class GatewayClient:
             token = page.next_page_token
             if not token or (limit is not None and len(runs) >= limit):
                 return runs if limit is None else runs[:limit]
+
+    def update_run(
+        self,
+        run_id: str,
+        *,
+        display_name: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Run:
+        """Renames and/or relabels a run, active or finished (``UpdateRun``); returns it.
+
+        Only what is given changes (the request's field mask names exactly those fields).
+        ``labels`` replaces the run's whole label set: read the run, change its labels and
+        send them back to add or remove some (``{}`` removes them all).
+
+        Raises:
+            ValueError: neither ``display_name`` nor ``labels``.
+            InvalidArgument: a bad display name, label key or value (the field names the key,
+                ``run.labels[key]``); refused before anything is sent.
+            NotFound: no such run.
+            PermissionDenied: the token's role is below operator.
+        """
+        request = update_run_request(run_id, display_name=display_name, labels=labels)
+        return self._control(self._stub.UpdateRun, request, timeout)
 
     def pause_run(self, run_id: str, *, timeout: float | None = None) -> Run:
         """Pauses a running run (``PauseRun``); a no-op on a paused run."""

@@ -8,6 +8,8 @@ functions, so ``import trainwire.render`` works in a bare client install (Pillow
   rolling mean and the best reward, with axes, ticks, labels and a legend, and a panel per
   requested metric; its cost follows the bucket count, not the run's length.
 - ``plot_curve``: the same from a list of episodes (one bucket each).
+- ``plot_overlay``: several runs' curves on one chart, one colour each, with a legend of their
+  names (``trainwire plot RUN RUN...``).
 - ``avatar_strip``: a strip of stick-figure poses sampled across the clip, the learned motion
   drawn over the target clip's poses in another colour.
 - ``avatar_gif``: the same two figures, animated.
@@ -46,6 +48,20 @@ LEARNED = (235, 120, 30)
 PANEL = (245, 246, 250)
 #: The lines of the metric panels, in the order of the metrics asked for (then again).
 METRIC_COLOURS = ((46, 139, 87), (148, 87, 190), (200, 120, 20), (0, 150, 160), (110, 110, 110))
+#: The runs of an overlay, in the order given (then again): Tableau's ten, told apart in print.
+RUN_COLOURS = (
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+)
+_BAND_ALPHA = 56  # of 255: a run's band under another's stays visible
 
 #: A curve's image size without metric panels (width, height).
 CURVE_SIZE = (900, 500)
@@ -265,14 +281,108 @@ def _legend(
     entries: Sequence[tuple[str, tuple[int, int, int]]],
     font: Any,
 ) -> None:
-    """The entries' colours and names in a box in the panel's lower right corner."""
+    """The entries' colours and names in a box in the panel's lower right corner, wide enough
+    for the longest name."""
     right, bottom = panel.left + panel.width, panel.top + panel.height
-    lx, ly = right - 160, bottom - 22 * len(entries) - 10
+    widest = max(draw.textlength(name, font=font) for name, _ in entries)
+    lx, ly = right - max(160, round(widest) + 50), bottom - 22 * len(entries) - 10
     draw.rectangle([lx - 8, ly - 6, right - 8, bottom - 8], fill=BACKGROUND, outline=GRID)
     for i, (name, colour) in enumerate(entries):
         y = ly + 22 * i + 7
         draw.line([(lx, y), (lx + 26, y)], fill=colour, width=3)
         draw.text((lx + 34, y - 8), name, fill=TEXT, font=font)
+
+
+class _Figure:
+    """A curve's image: the reward's plot area, one panel per metric under it, the axis labels
+    and the title; ``plot_buckets`` and ``plot_overlay`` draw into it."""
+
+    def __init__(self, size: tuple[int, int], metrics: int, title: str) -> None:
+        self.image_mod, self.draw_mod, font_mod = _pil()
+        self.width, self.height = size[0], size[1] + METRIC_PANEL_HEIGHT * metrics
+        self.image = self.image_mod.new("RGB", (self.width, self.height), BACKGROUND)
+        self.draw = self.draw_mod.Draw(self.image)
+        self.font = _font(font_mod, 14)
+        self.small = _font(font_mod, 12)
+        self.title = title
+        self.top = 44 if title else 20
+        self.plot_w, self.plot_h = self.width - _LEFT - _RIGHT, size[1] - self.top - _BOTTOM
+
+    def reward_panel(self, x_range: tuple[float, float], y_values: Sequence[float]) -> _Panel:
+        """The reward's plot area, framed, with its rotated axis label."""
+        panel = _Panel(self.draw, (_LEFT, self.top, self.plot_w, self.plot_h), x_range, y_values)
+        panel.frame(self.small)
+        y_label = self.image_mod.new("RGB", (80, 20), BACKGROUND)
+        self.draw_mod.Draw(y_label).text((12, 2), "reward", fill=TEXT, font=self.font)
+        self.image.paste(y_label.rotate(90, expand=True), (4, self.top + self.plot_h // 2 - 40))
+        return panel
+
+    def metric_panel(
+        self,
+        index: int,
+        name: str,
+        x_range: tuple[float, float],
+        series: Sequence[tuple[Sequence[float], Sequence[float | None], tuple[int, int, int]]],
+        note_colour: tuple[int, int, int] | None,
+    ) -> None:
+        """The ``index``-th metric panel: each series (its x values, its values, None where a
+        bucket lacks the metric, and its colour) as a line with gaps, and a note naming the
+        metric (in ``note_colour``; ``TEXT`` when None or when no series has a value)."""
+        known = [v for _, values, _ in series for v in values if v is not None]
+        top = self.top + self.plot_h + index * METRIC_PANEL_HEIGHT
+        box = (_LEFT, top + _METRIC_GAP, self.plot_w, METRIC_PANEL_HEIGHT - _METRIC_GAP)
+        panel = _Panel(self.draw, box, x_range, known)
+        panel.frame(self.small, 3)
+        for xs, values, colour in series:
+            stretches: list[tuple[list[float], list[float]]] = [([], [])]
+            for x, value in zip(xs, values, strict=True):
+                if value is None:
+                    if stretches[-1][0]:
+                        stretches.append(([], []))
+                else:
+                    stretches[-1][0].append(x)
+                    stretches[-1][1].append(value)
+            for line_xs, line_ys in stretches:
+                panel.line(line_xs, line_ys, colour, 2)
+        if known:
+            note = f"{name} (mean)"
+        else:
+            note = f"{name}: no episode has it" if len(series) == 1 else f"{name}: no run has it"
+        at = (panel.left + 8, panel.top + 4)
+        self.draw.rectangle(self.draw.textbbox(at, note, font=self.small), fill=BACKGROUND)
+        colour = note_colour if known and note_colour is not None else TEXT
+        self.draw.text(at, note, fill=colour, font=self.small)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the axis label and the title, then the PNG."""
+        draw, font = self.draw, self.font
+        axis_label = "episode"
+        tw = draw.textlength(axis_label, font=font)
+        draw.text(
+            (_LEFT + self.plot_w / 2 - tw / 2, self.height - 24), axis_label, fill=TEXT, font=font
+        )
+        if self.title:
+            tw = draw.textlength(self.title, font=font)
+            draw.text((self.width / 2 - tw / 2, 14), self.title, fill=TEXT, font=font)
+        self.image.save(path, format="PNG")
+
+
+def _centres(buckets: Sequence[gateway_service_pb2.CurveBucket]) -> list[float]:
+    return [(b.first_episode + b.last_episode) / 2 for b in buckets]
+
+
+def _metric_values(
+    buckets: Sequence[gateway_service_pb2.CurveBucket], name: str
+) -> list[float | None]:
+    return [b.metrics_mean.get(name) for b in buckets]
+
+
+def _window(window: int | None, episodes: int) -> int:
+    if window is None:
+        window = default_window(episodes)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return window
 
 
 def plot_buckets(
@@ -309,84 +419,116 @@ def plot_buckets(
     if not buckets:
         raise ValueError("no episodes to plot")
     first, last = buckets[0].first_episode, buckets[-1].last_episode
-    if window is None:
-        window = default_window(last - first + 1)
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    image_mod, draw_mod, font_mod = _pil()
-    width, height = size[0], size[1] + METRIC_PANEL_HEIGHT * len(metrics)
-    image = image_mod.new("RGB", (width, height), BACKGROUND)
-    draw = draw_mod.Draw(image)
-    font = _font(font_mod, 14)
-    small = _font(font_mod, 12)
-    top = 44 if title else 20
-    plot_w, plot_h = width - _LEFT - _RIGHT, size[1] - top - _BOTTOM
+    window = _window(window, last - first + 1)
+    figure = _Figure(size, len(metrics), title)
     x_range = (float(first), float(last))
 
-    centres = [(b.first_episode + b.last_episode) / 2 for b in buckets]
+    centres = _centres(buckets)
     lows = [b.reward_min for b in buckets]
     highs = [b.reward_max for b in buckets]
     ends = [float(b.last_episode) for b in buckets]
     best = [b.best_reward for b in buckets]
     mean = bucket_means(buckets, window)
-    rewards = _Panel(draw, (_LEFT, top, plot_w, plot_h), x_range, [*lows, *highs, *best])
-    rewards.frame(small)
+    rewards = figure.reward_panel(x_range, [*lows, *highs, *best])
     rewards.band(centres, lows, highs, REWARD)
     rewards.line(centres, mean, MEAN, 3)
     rewards.line(ends, best, BEST, 2)
-    y_label = image_mod.new("RGB", (80, 20), BACKGROUND)
-    draw_mod.Draw(y_label).text((12, 2), "reward", fill=TEXT, font=font)
-    image.paste(y_label.rotate(90, expand=True), (4, top + plot_h // 2 - 40))
     widest = max(_size(b) for b in buckets)
     if widest > window:
         mean_label = f"mean of ~{round((last - first + 1) / len(buckets))}"
     else:
         mean_label = f"mean of {window}"
     _legend(
-        draw,
+        figure.draw,
         rewards,
         [
             ("reward min..max" if widest > 1 else "reward", REWARD),
             (mean_label, MEAN),
             ("best reward", BEST),
         ],
-        small,
+        figure.small,
     )
-
-    panel_top = top + plot_h
     for i, name in enumerate(metrics):
         colour = METRIC_COLOURS[i % len(METRIC_COLOURS)]
-        values = [b.metrics_mean.get(name) for b in buckets]
-        known = [v for v in values if v is not None]
-        box = (_LEFT, panel_top + _METRIC_GAP, plot_w, METRIC_PANEL_HEIGHT - _METRIC_GAP)
-        panel = _Panel(draw, box, x_range, known)
-        panel.frame(small, 3)
-        runs: list[tuple[list[float], list[float]]] = [([], [])]
-        for x, value in zip(centres, values, strict=True):
-            if value is None:
-                if runs[-1][0]:
-                    runs.append(([], []))
-            else:
-                runs[-1][0].append(x)
-                runs[-1][1].append(value)
-        for xs, ys in runs:
-            panel.line(xs, ys, colour, 2)
-        note = f"{name} (mean)" if known else f"{name}: no episode has it"
-        at = (panel.left + 8, panel.top + 4)
-        draw.rectangle(draw.textbbox(at, note, font=small), fill=BACKGROUND)
-        draw.text(at, note, fill=colour if known else TEXT, font=small)
-        panel_top += METRIC_PANEL_HEIGHT
-
-    axis_label = "episode"
-    tw = draw.textlength(axis_label, font=font)
-    draw.text((_LEFT + plot_w / 2 - tw / 2, height - 24), axis_label, fill=TEXT, font=font)
-    if title:
-        tw = draw.textlength(title, font=font)
-        draw.text((width / 2 - tw / 2, 14), title, fill=TEXT, font=font)
-    image.save(path, format="PNG")
+        series = [(centres, _metric_values(buckets, name), colour)]
+        figure.metric_panel(i, name, x_range, series, colour)
+    figure.save(path)
     _LOGGER.debug(
         "wrote the curve of episodes %d..%d in %d buckets to %s", first, last, len(buckets), path
     )
+
+
+def run_colour(index: int) -> tuple[int, int, int]:
+    """The colour of the ``index``-th run of an overlay (``RUN_COLOURS``, then again)."""
+    return RUN_COLOURS[index % len(RUN_COLOURS)]
+
+
+def plot_overlay(
+    curves: Sequence[tuple[str, Sequence[gateway_service_pb2.CurveBucket]]],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "",
+    window: int | None = None,
+    metrics: Sequence[str] = (),
+    size: tuple[int, int] = CURVE_SIZE,
+) -> None:
+    """Draws several runs' curves on one chart to a PNG, one colour each (``run_colour``): each
+    run's reward as a translucent min..max band under its rolling mean, a legend of their
+    names, and one panel per metric with a line per run. Episodes share the x axis, so a fork
+    (numbered from its fork point + 1) lines up with its parent.
+
+    Args:
+        curves: ``(name, buckets)`` per run, in legend order; a run without buckets is left
+            out of the chart but keeps its colour and its legend entry.
+        path: Where to write the PNG.
+        title: A title above the plot.
+        window: Episodes in each rolling mean; ``default_window`` of the longest run's span
+            when ``None``.
+        metrics: Metrics to draw, one panel each.
+        size: Image width, and height without the metric panels.
+
+    Raises:
+        ValueError: no run has a bucket, or a window below 1.
+        ImportError: Pillow is missing.
+    """
+    drawn = [buckets for _, buckets in curves if buckets]
+    if not drawn:
+        raise ValueError("no episodes to plot")
+    first = min(b[0].first_episode for b in drawn)
+    last = max(b[-1].last_episode for b in drawn)
+    window = _window(window, max(b[-1].last_episode - b[0].first_episode + 1 for b in drawn))
+    figure = _Figure(size, len(metrics), title)
+    x_range = (float(first), float(last))
+    lows = [v for b in drawn for v in (x.reward_min for x in b)]
+    highs = [v for b in drawn for v in (x.reward_max for x in b)]
+    rewards = figure.reward_panel(x_range, [*lows, *highs])
+    # Translucent bands first, so every run's mean line stays on top of every band.
+    blend = figure.draw_mod.Draw(figure.image, "RGBA")
+    for i, (_, buckets) in enumerate(curves):
+        if buckets and max(_size(b) for b in buckets) > 1:
+            points = list(zip(_centres(buckets), buckets, strict=True))
+            upper = [rewards.to_px(x, b.reward_max) for x, b in points]
+            lower = [rewards.to_px(x, b.reward_min) for x, b in points]
+            if len(upper) > 1:
+                blend.polygon(upper + lower[::-1], fill=(*run_colour(i), _BAND_ALPHA))
+    for i, (_, buckets) in enumerate(curves):
+        if buckets:
+            rewards.line(_centres(buckets), bucket_means(buckets, window), run_colour(i), 3)
+    _legend(
+        figure.draw,
+        rewards,
+        [(name, run_colour(i)) for i, (name, _) in enumerate(curves)],
+        figure.small,
+    )
+    for m, name in enumerate(metrics):
+        series = [
+            (_centres(buckets), _metric_values(buckets, name), run_colour(i))
+            for i, (_, buckets) in enumerate(curves)
+            if buckets
+        ]
+        figure.metric_panel(m, name, x_range, series, None)
+    figure.save(path)
+    _LOGGER.debug("wrote the curves of %d runs to %s", len(curves), path)
 
 
 def plot_curve(
@@ -625,6 +767,7 @@ def avatar_gif(
 __all__ = [
     "CURVE_SIZE",
     "METRIC_PANEL_HEIGHT",
+    "RUN_COLOURS",
     "avatar_gif",
     "avatar_strip",
     "bucket_means",
@@ -634,5 +777,7 @@ __all__ = [
     "last_motion",
     "plot_buckets",
     "plot_curve",
+    "plot_overlay",
     "rolling_mean",
+    "run_colour",
 ]

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 
-def _created(client: GatewayClient, args: argparse.Namespace, out: Output, run: Run) -> int:
+def created(client: GatewayClient, args: argparse.Namespace, out: Output, run: Run) -> int:
+    """Says a run was created (its id alone with ``--quiet``) and watches it with ``--watch``."""
     if args.quiet and not out.json:
         print(run.id, flush=True)
     else:
@@ -52,8 +53,9 @@ def _create(
         episodes_per_second=args.rate,
         request_id=args.request_id,
         display_name=args.name,
+        labels=dict(args.labels),
     )
-    return _created(client, args, out, run)
+    return created(client, args, out, run)
 
 
 def cmd_create_imitation(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
@@ -170,10 +172,13 @@ def _curve(
 def cmd_plot(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
     from trainwire import render
 
-    run = client.get_run(args.run_id)
-    buckets = _curve(client, args.run_id, render.curve_buckets(), args.metrics)
+    run_ids = list(dict.fromkeys(args.run_ids))
+    if len(run_ids) > 1:
+        return _plot_overlay(client, args, out, run_ids)
+    run = client.get_run(run_ids[0])
+    buckets = _curve(client, run.id, render.curve_buckets(), args.metrics)
     if not buckets:
-        raise CliError(f"run {args.run_id} has no episodes yet; nothing to plot")
+        raise CliError(f"run {run.id} has no episodes yet; nothing to plot")
     title = f"run {run.id} - {_format.task_summary(run)}"
     try:
         render.plot_buckets(
@@ -185,6 +190,46 @@ def cmd_plot(client: GatewayClient, args: argparse.Namespace, out: Output) -> in
     out.result(
         f"wrote {args.out} ({episodes} episodes of run {run.id})",
         {"runId": run.id, "out": args.out, "episodes": episodes},
+    )
+    return EXIT_OK
+
+
+def _plot_overlay(
+    client: GatewayClient, args: argparse.Namespace, out: Output, run_ids: Sequence[str]
+) -> int:
+    """``plot RUN RUN...``: every run's curve on one chart, one colour each."""
+    from trainwire import render
+
+    runs = [client.get_run(run_id) for run_id in run_ids]
+    curves = [_curve(client, run.id, render.curve_buckets(), args.metrics) for run in runs]
+    empty = [run.id for run, buckets in zip(runs, curves, strict=True) if not buckets]
+    if len(empty) == len(runs):
+        raise CliError(f"runs {', '.join(empty)} have no episodes yet; nothing to plot")
+    for run_id in empty:
+        out.info(f"run {run_id} has no episodes yet; it is in the legend only")
+    kinds = {_format.task_summary(run) for run in runs}
+    title = f"{len(runs)} runs - {kinds.pop()}" if len(kinds) == 1 else f"{len(runs)} runs"
+    try:
+        render.plot_overlay(
+            [(_format.run_name(run), buckets) for run, buckets in zip(runs, curves, strict=True)],
+            args.out,
+            title=title,
+            window=args.window,
+            metrics=args.metrics,
+        )
+    except OSError as exc:
+        raise CliError(f"cannot write {args.out}: {exc.strerror or exc}") from exc
+    episodes = [buckets[-1].last_episode if buckets else 0 for buckets in curves]
+    out.result(
+        f"wrote {args.out} (runs "
+        + ", ".join(f"{run.id} ({n} episodes)" for run, n in zip(runs, episodes, strict=True))
+        + ")",
+        {
+            "out": args.out,
+            "runs": [
+                {"runId": run.id, "episodes": n} for run, n in zip(runs, episodes, strict=True)
+            ],
+        },
     )
     return EXIT_OK
 

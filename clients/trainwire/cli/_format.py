@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -63,6 +63,13 @@ def task_summary(run: Run) -> str:
     return "-"
 
 
+def run_name(run: Run) -> str:
+    """What a legend calls a run: ``name (id)`` (the name cut at 40 characters), or its id."""
+    if not run.display_name:
+        return run.id
+    return clean(f"{run.display_name[:40]} ({run.id})")
+
+
 def rate_text(run: Run) -> str:
     """``10/s x 2`` or ``unpaced``."""
     if run.episodes_per_second < 0:
@@ -94,6 +101,17 @@ def run_line(run: Run) -> str:
     return line
 
 
+def labels_text(labels: Mapping[str, str]) -> str:
+    """``team=vision, sweep=lr`` (sorted by key), or ``-``."""
+    return clean(", ".join(f"{k}={labels[k]}" for k in sorted(labels))) or "-"
+
+
+def fork_text(source: gateway_service_pb2.ForkSource) -> str:
+    """``run ID at episode N`` (``its latest checkpoint`` for episode 0)."""
+    where = f"episode {source.episode}" if source.episode else "its latest checkpoint"
+    return clean(f"run {source.run_id} at {where}")
+
+
 def run_details(run: Run) -> str:
     """A ``key: value`` block with everything people look at."""
     rows = [
@@ -112,6 +130,10 @@ def run_details(run: Run) -> str:
         ("started", time_text(run, "start_time")),
         ("ended", time_text(run, "end_time")),
     ]
+    if run.labels:
+        rows.append(("labels", labels_text(run.labels)))
+    if run.HasField("fork_from"):
+        rows.append(("forked from", fork_text(run.fork_from)))
     if run.state_detail:
         rows.append(("detail", clean(run.state_detail)))
     if run.restarts:

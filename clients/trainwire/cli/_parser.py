@@ -25,6 +25,12 @@ from trainwire.cli._commands import (
     cmd_plot,
     cmd_speed,
 )
+from trainwire.cli._experiments import (
+    cmd_compare,
+    cmd_fork,
+    cmd_label,
+    cmd_rename,
+)
 from trainwire.cli._follow import cmd_watch
 from trainwire.cli._output import DEFAULT_GATEWAY, DEFAULT_TIMEOUT
 from trainwire.client import parse_state
@@ -72,6 +78,24 @@ def _positive_int(text: str) -> int:
 def _names(text: str) -> list[str]:
     """``a, b,,c`` as ``["a", "b", "c"]``."""
     return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _label(text: str) -> tuple[str, str]:
+    """``key=value`` (the value may be empty) as ``(key, value)``."""
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def _label_change(text: str) -> tuple[str, str | None]:
+    """``key=value`` sets a label; ``key-`` removes it (``(key, None)``). A label key never
+    ends with ``-``, so the two cannot be confused."""
+    if "=" not in text and text.endswith("-") and len(text) > 1:
+        return text[:-1], None
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither KEY=VALUE (set) nor KEY- (remove)")
+    return _label(text)
 
 
 def _state(text: str) -> int:
@@ -190,6 +214,18 @@ def _run_options(parser: argparse.ArgumentParser, default_episodes: int) -> None
         help="keep the latest K checkpoints, 1..100 (default: 0, i.e. 3)",
     )
     group.add_argument("--name", default="", help="a display name for people (default: none)")
+    group.add_argument(
+        "--label",
+        dest="labels",
+        type=_label,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a label for people and searches, repeatable (Kubernetes label rules: a key is "
+        "an optional DNS-subdomain prefix and '/' and a name of at most 63 of A-Z a-z 0-9 _ . "
+        "-, starting and ending with a letter or digit; a value the same, or empty) "
+        "(default: none)",
+    )
     group.add_argument(
         "--request-id",
         default="",
@@ -369,6 +405,109 @@ def build_parser() -> argparse.ArgumentParser:
     )
     download.set_defaults(handler=cmd_download)
 
+    label = runs_commands.add_parser(
+        "label",
+        parents=[common],
+        help="set or remove a run's labels",
+        description="Set (KEY=VALUE) or remove (KEY-) labels of a run, active or finished; "
+        "the other labels stay. Prints the run.",
+    )
+    label.add_argument("run_id", metavar="ID")
+    label.add_argument(
+        "changes",
+        nargs="+",
+        type=_label_change,
+        metavar="KEY=VALUE|KEY-",
+        help="a label to set, or KEY- to remove one",
+    )
+    label.set_defaults(handler=cmd_label)
+
+    rename = runs_commands.add_parser(
+        "rename", parents=[common], help="change a run's display name"
+    )
+    rename.add_argument("run_id", metavar="ID")
+    rename.add_argument("name", metavar="NAME", help="the new display name ('' removes it)")
+    rename.set_defaults(handler=cmd_rename)
+
+    fork = runs_commands.add_parser(
+        "fork",
+        parents=[common],
+        help="start a new run from a checkpoint of another",
+        description="Create a run that starts from a checkpoint of RUN (its weights and "
+        "training state) with RUN's task, config and labels and the changes given. Its "
+        "episodes are numbered from the checkpoint's episode + 1, so its curve continues "
+        "RUN's. The task kind and model stay RUN's; the gateway refuses a fork it cannot make "
+        "(no such checkpoint, another task) and says why.",
+    )
+    fork.add_argument("run_id", metavar="RUN")
+    fork.add_argument(
+        "--episode",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="the checkpoint's episode (default: 0, RUN's latest; see runs checkpoints)",
+    )
+    changes = fork.add_argument_group("changes (default: RUN's)")
+    changes.add_argument(
+        "--lr",
+        "--learning-rate",
+        dest="learning_rate",
+        type=_number,
+        metavar="X",
+        help="learning rate",
+    )
+    changes.add_argument(
+        "--temperature", type=_number, metavar="T", help="sampling temperature (grpo)"
+    )
+    changes.add_argument("--beta", type=_number, metavar="B", help="KL coefficient (grpo)")
+    changes.add_argument(
+        "--num-generations", type=_integer, metavar="N", help="completions per prompt (grpo)"
+    )
+    changes.add_argument(
+        "--group-size", type=_integer, metavar="N", help="motions per episode (imitation)"
+    )
+    changes.add_argument(
+        "--episodes", type=_positive_int, metavar="N", help="the fork's max_episodes"
+    )
+    changes.add_argument("--seed", type=_integer, metavar="N", help="random seed")
+    changes.add_argument(
+        "--rate",
+        type=_number,
+        metavar="R",
+        help="episodes published per second (negative: unpaced)",
+    )
+    changes.add_argument(
+        "--label",
+        dest="labels",
+        type=_label_change,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE|KEY-",
+        help="set (KEY=VALUE) or remove (KEY-) one of the labels RUN's fork starts with; "
+        "repeatable",
+    )
+    fork.add_argument(
+        "--speed",
+        type=_number,
+        default=0.0,
+        metavar="S",
+        help="playback speed, 0.1..20 (default: 0, i.e. 1)",
+    )
+    fork.add_argument("--name", default="", help="a display name for people (default: none)")
+    fork.add_argument(
+        "--request-id",
+        default="",
+        metavar="ID",
+        help="idempotency key: repeating a fork with it returns the same run (default: none)",
+    )
+    fork.add_argument(
+        "-q", "--quiet", action="store_true", help="print only the new run's id (scripts)"
+    )
+    fork.add_argument(
+        "--watch", action="store_true", help="watch the new run live right after creating it"
+    )
+    fork.set_defaults(handler=cmd_fork)
+
     for name, help_text in (
         ("pause", "pause a running run"),
         ("resume", "resume a paused run"),
@@ -417,13 +556,15 @@ def build_parser() -> argparse.ArgumentParser:
     plot = commands.add_parser(
         "plot",
         parents=[common],
-        help="draw a run's learning curve",
+        help="draw the learning curve of a run, or of several on one chart",
         description="Draw a run's learning curve to a PNG: the reward's range (min..max), its "
         "rolling mean and the best reward, from the curve the gateway summarises in one bucket "
         "per pixel column (GetRunCurve), so a run of millions of episodes draws as fast as a "
-        "short one.",
+        "short one. Given several runs, overlays them, one colour each: each run's range as a "
+        "translucent band under its rolling mean, a legend of their names, a line per run in "
+        "each --metrics panel; a fork's curve continues its parent's.",
     )
-    plot.add_argument("run_id", metavar="ID")
+    plot.add_argument("run_ids", nargs="+", metavar="ID")
     plot.add_argument("--out", required=True, metavar="FILE.png", help="where to write the PNG")
     plot.add_argument(
         "--window",
@@ -443,6 +584,20 @@ def build_parser() -> argparse.ArgumentParser:
         "per bucket, one panel each (default: none)",
     )
     plot.set_defaults(handler=cmd_plot)
+
+    compare = commands.add_parser(
+        "compare",
+        parents=[common],
+        help="compare runs: the config fields that differ, final and best rewards",
+        description="Compare runs: each run's state, last episode, final and best reward, then "
+        "the config fields (task, config, labels, fork lineage) whose values differ between "
+        "them, a column per run ('-': not set in that run).",
+    )
+    compare.add_argument("run_ids", nargs="+", metavar="ID", help="two or more runs")
+    compare.add_argument(
+        "--all", action="store_true", help="every config field, not only those that differ"
+    )
+    compare.set_defaults(handler=cmd_compare)
 
     avatar = commands.add_parser(
         "avatar", parents=[common], help="draw an imitation run's learned motion"

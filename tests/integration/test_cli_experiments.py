@@ -1,0 +1,162 @@
+"""The CLI's experiment commands through its entry point against the real gateway (in-memory
+store, the fake trainer behind it): ``runs create --label``, ``runs label``, ``runs rename``,
+``compare`` and ``plot RUN RUN``."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from PIL import Image
+
+from tests.fakes.live import LiveStack, live_stack
+from tests.fakes.waiting import TIMEOUT
+from trainwire import client as tc
+from trainwire import render
+from trainwire.cli import main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Gateway:
+    """A real gateway, a client to it, and the CLI pointed at it."""
+
+    stack: LiveStack
+    client: tc.GatewayClient
+
+    def cli(self, *argv: str) -> int:
+        return main(["--gateway", self.stack.target, *argv])
+
+    def finished(self, run_id: str) -> tc.Run:
+        final = list(self.client.watch(run_id, after_episode=5000))[-1]
+        assert isinstance(final, tc.Run)
+        return final
+
+
+@pytest.fixture
+def gateway() -> Iterator[Gateway]:
+    with live_stack() as stack, tc.GatewayClient(stack.target, timeout=TIMEOUT) as client:
+        yield Gateway(stack, client)
+
+
+def _create(gw: Gateway, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    base = ("runs", "create", "imitation", "--clip", "wave", "--rate=-1", "-q")
+    assert gw.cli(*base, *argv) == 0
+    return capsys.readouterr().out.strip()
+
+
+def test_labels_are_set_on_create_and_changed_by_label_and_rename(
+    gateway: Gateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = _create(
+        gateway, capsys, "--episodes", "20", "--label", "team=vision", "--label", "sweep=lr"
+    )
+    assert dict(gateway.client.get_run(run_id).labels) == {"team": "vision", "sweep": "lr"}
+    gateway.finished(run_id)  # a finished run is relabelled too
+
+    assert gateway.cli("runs", "label", run_id, "sweep-", "best=yes", "team=nlp") == 0
+    out = capsys.readouterr().out
+    assert "labels:      best=yes, team=nlp" in out
+    assert dict(gateway.client.get_run(run_id).labels) == {"best": "yes", "team": "nlp"}
+
+    assert gateway.cli("runs", "rename", run_id, "high lr") == 0
+    assert "name:        high lr" in capsys.readouterr().out
+    run = gateway.client.get_run(run_id)
+    assert (run.display_name, dict(run.labels)) == ("high lr", {"best": "yes", "team": "nlp"})
+
+    assert gateway.cli("--json", "runs", "label", run_id, "team-") == 0
+    assert json.loads(capsys.readouterr().out)["run"]["labels"] == {"best": "yes"}
+
+    # A bad key is refused by name, the labels left as they were.
+    assert gateway.cli("runs", "label", run_id, "bad_=x") == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: INVALID_ARGUMENT: cannot update run '{run_id}': run.labels[bad_]"
+    )
+    assert dict(gateway.client.get_run(run_id).labels) == {"best": "yes"}
+    assert gateway.cli("runs", "create", "imitation", "--clip", "wave", "--label", "a=b c") == 1
+    assert "labels[a]" in capsys.readouterr().err
+    assert gateway.cli("runs", "label", "no-such-run", "a=b") == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_compare_prints_what_differs_and_each_runs_figures(
+    gateway: Gateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    high = _create(
+        gateway,
+        capsys,
+        "--episodes",
+        "40",
+        "--learning-rate",
+        "0.001",
+        "--label",
+        "sweep=lr",
+        "--name",
+        "high",
+    )
+    low = _create(
+        gateway, capsys, "--episodes", "40", "--learning-rate", "0.0003", "--label", "sweep=lr"
+    )
+    done = [gateway.finished(run_id) for run_id in (high, low)]
+
+    assert gateway.cli("compare", high, low) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["RUN", "NAME", "STATE", "EPISODE", "REWARD", "BEST"]
+    for line, run in zip(lines[1:3], done, strict=True):
+        cells = line.split()
+        assert cells[0] == run.id and cells[2:4] == ["DONE", "40/40"]
+        assert (float(cells[4]), float(cells[5])) == pytest.approx(
+            (run.reward, run.best_reward), rel=1e-5
+        )
+    fields = {line.split()[0]: line.split()[1:] for line in lines[4:]}
+    assert fields["FIELD"] == [high, low]
+    assert fields["task.imitation.learning_rate"] == ["0.001", "0.0003"]
+    assert "labels.sweep" not in fields and "config.max_episodes" not in fields  # the same
+
+    assert gateway.cli("--json", "compare", high, low, "--all") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(r["id"], r["displayName"], r["state"], r["episode"]) for r in data["runs"]] == [
+        (high, "high", "STATE_DONE", 40),
+        (low, "", "STATE_DONE", 40),
+    ]
+    every = {f["field"]: f["values"] for f in data["fields"]}
+    assert every["labels.sweep"] == ["lr", "lr"]
+    assert every["config.max_episodes"] == [40, 40]
+    assert every["task.imitation.learning_rate"] == [0.001, 0.0003]
+
+    assert gateway.cli("compare", high, "no-such-run") == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    assert gateway.cli("compare", high) == 1
+    assert capsys.readouterr().err == f"error: give at least 2 different runs (got {high})\n"
+
+
+def test_plot_overlays_two_runs(
+    gateway: Gateway, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The fake trainer's reward is a function of the episode: runs of different lengths, so
+    # neither mean line hides the other.
+    long = _create(gateway, capsys, "--episodes", "80", "--name", "long")
+    short = _create(gateway, capsys, "--episodes", "30")
+    for run_id in (long, short):
+        gateway.finished(run_id)
+    out = tmp_path / "overlay.png"
+    assert gateway.cli("plot", long, short, "--out", str(out), "--metrics", "loss") == 0
+    assert capsys.readouterr().out.strip() == (
+        f"wrote {out} (runs {long} (80 episodes), {short} (30 episodes))"
+    )
+    image = Image.open(out)
+    width, height = render.CURVE_SIZE
+    assert image.format == "PNG" and image.size == (width, height + render.METRIC_PANEL_HEIGHT)
+    colours = dict((c, n) for n, c in image.convert("RGB").getcolors(1 << 18) or [])
+    assert colours.get(render.run_colour(0), 0) > 300 and colours.get(render.run_colour(1), 0) > 300
+    # One run keeps the single-run look.
+    single = tmp_path / "single.png"
+    assert gateway.cli("plot", long, "--out", str(single)) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {single} (80 episodes of run {long})"
+    drawn = {c for _, c in Image.open(single).convert("RGB").getcolors(1 << 16) or []}
+    assert {render.MEAN, render.BEST, render.REWARD} <= drawn
