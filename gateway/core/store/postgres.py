@@ -355,15 +355,25 @@ class PostgresStore(PostgresDatabase):
             "SELECT data FROM episodes WHERE run_id=%s AND episode BETWEEN %s AND %s "
             "ORDER BY episode"
             if scalars
+            # The range on each joined table too: PostgreSQL does not carry it over from
+            # episodes, and would read every detail of the run for each page.
             else "SELECT e.data, coalesce(d.detail, r.detail) FROM episodes e "
             "LEFT JOIN details d ON d.run_id = e.run_id AND d.episode = e.episode "
+            "AND d.run_id = %(run)s AND d.episode BETWEEN %(first)s AND %(last)s "
             "LEFT JOIN recent_details r ON r.run_id = e.run_id AND r.episode = e.episode "
-            "WHERE e.run_id=%s AND e.episode BETWEEN %s AND %s ORDER BY e.episode"
+            "AND r.run_id = %(run)s AND r.episode BETWEEN %(first)s AND %(last)s "
+            "WHERE e.run_id = %(run)s AND e.episode BETWEEN %(first)s AND %(last)s "
+            "ORDER BY e.episode"
         )
 
         async def go(conn: psycopg.AsyncConnection) -> list[bytes]:
             async with conn.cursor(binary=True) as cur:
-                await cur.execute(query, (run_id, first, last))
+                params: Any = (
+                    (run_id, first, last)
+                    if scalars
+                    else {"run": run_id, "first": first, "last": last}
+                )
+                await cur.execute(query, params)
                 rows = await cur.fetchall()
             if scalars:
                 return [bytes(row[0]) for row in rows]
