@@ -9,7 +9,7 @@ in constant time (``hmac.compare_digest``, no early exit).
 Roles are ordered, each including the one before (``RPC_ROLES``): ``viewer`` reads (GetRun,
 ListRuns, WatchRun, GetRunCurve, ListCheckpoints, DownloadCheckpoint: a model is read like its run),
 ``operator`` also drives runs (CreateRun, PauseRun, ResumeRun, StopRun, SetRunSpeed,
-UpdateRun),
+UpdateRun, SetRunHyperparameters),
 ``admin`` also deletes (DeleteRun). Health is open; reflection, and anything not
 named, needs ``viewer`` (a GatewayService RPC missing from the table needs ``admin``).
 
@@ -91,6 +91,7 @@ RPC_ROLES: dict[str, Role] = {
     "StopRun": Role.OPERATOR,
     "SetRunSpeed": Role.OPERATOR,
     "UpdateRun": Role.OPERATOR,
+    "SetRunHyperparameters": Role.OPERATOR,
     "DeleteRun": Role.ADMIN,
 }
 

@@ -10,6 +10,7 @@ from google.protobuf import timestamp_pb2
 from gateway.core.curve import Bucket
 from gateway.core.errors import InvalidRequest
 from gateway.core.history import encode_batch
+from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.registry import (
     CaughtUp,
     EpisodeFrames,
@@ -245,3 +246,14 @@ def watch_event_to_wire(event: WatchEvent) -> bytes | gateway_service_pb2.WatchR
     if isinstance(event, Finished):
         return gateway_service_pb2.WatchRunResponse(finished=run_to_proto(event.run))
     raise TypeError(f"unknown watch event {event!r}")  # pragma: no cover
+
+
+def hyperparameters_from_proto(
+    request: gateway_service_pb2.SetRunHyperparametersRequest,
+) -> HyperparameterChange:
+    """The change a ``SetRunHyperparametersRequest`` asks for (unset fields stay ``None``)."""
+    return HyperparameterChange(
+        learning_rate=request.learning_rate if request.HasField("learning_rate") else None,
+        temperature=request.temperature if request.HasField("temperature") else None,
+        beta=request.beta if request.HasField("beta") else None,
+    )

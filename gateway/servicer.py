@@ -125,6 +125,15 @@ class GatewayServicer:
         return pb.UpdateRunResponse(run=convert.run_to_proto(run))
 
     @map_errors
+    async def SetRunHyperparameters(
+        self, request: pb.SetRunHyperparametersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetRunHyperparametersResponse:
+        """Changes a live run's hyperparameters from its next optimizer step."""
+        change = convert.hyperparameters_from_proto(request)
+        run = await self._core.set_hyperparameters(request.run_id, change)
+        return pb.SetRunHyperparametersResponse(run=convert.run_to_proto(run))
+
+    @map_errors
     async def GetRunCurve(
         self, request: pb.GetRunCurveRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetRunCurveResponse:
@@ -219,6 +228,7 @@ UNARY_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "ListCheckpoints": (pb.ListCheckpointsRequest, pb.ListCheckpointsResponse),
     "GetRunCurve": (pb.GetRunCurveRequest, pb.GetRunCurveResponse),
     "UpdateRun": (pb.UpdateRunRequest, pb.UpdateRunResponse),
+    "SetRunHyperparameters": (pb.SetRunHyperparametersRequest, pb.SetRunHyperparametersResponse),
 }
 
 

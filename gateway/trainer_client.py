@@ -13,6 +13,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from gateway.convert import checkpoint_to_proto
+from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.trainers import (
     Cancelled,
     Capabilities,
@@ -27,10 +28,13 @@ from gateway.core.trainers import (
     TrainerError,
     TrainerFailed,
     TrainerJobExists,
+    TrainerJobFinished,
     TrainerJobGone,
     TrainerLost,
     TrainerProcessDied,
+    TrainerRefused,
 )
+from trainwire.contract import FieldViolation
 from trainwire.reasons import ERROR_DOMAIN, ErrorReason
 from trainwire.tls import is_name_mismatch, target_host
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
@@ -50,7 +54,8 @@ _LOST_CODES = frozenset(
 
 
 def _rich_details(error: grpc.aio.AioRpcError) -> list[object]:
-    """The unpacked ``LocalizedMessage`` and ``ErrorInfo`` details of a status."""
+    """The unpacked ``LocalizedMessage``, ``ErrorInfo`` and ``BadRequest`` details of a
+    status."""
     found: list[object] = []
     for key, value in error.trailing_metadata() or ():
         if key != _STATUS_DETAILS_KEY or not isinstance(value, bytes):
@@ -60,7 +65,11 @@ def _rich_details(error: grpc.aio.AioRpcError) -> list[object]:
         except Exception:  # malformed details are the trainer's bug, not ours
             return found
         for detail in status.details:
-            for kind in (error_details_pb2.LocalizedMessage, error_details_pb2.ErrorInfo):
+            for kind in (
+                error_details_pb2.LocalizedMessage,
+                error_details_pb2.ErrorInfo,
+                error_details_pb2.BadRequest,
+            ):
                 if detail.Is(kind.DESCRIPTOR):
                     message = kind()
                     detail.Unpack(message)
@@ -142,6 +151,27 @@ def classify(
     if code in _LOST_CODES:
         return TrainerLost(detail)
     return TrainerCrashed(detail)
+
+
+def hyperparameters_error(
+    error: grpc.aio.AioRpcError, address: str, server_name: str | None = None
+) -> TrainerError:
+    """Maps a failed ``SetHyperparameters`` to the core's error kinds: ``INVALID_ARGUMENT`` is
+    ``TrainerRefused`` (its ``LocalizedMessage`` and ``BadRequest``), reason ``JOB_FINISHED``
+    ``TrainerJobFinished``, the rest as ``classify`` says."""
+    if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        details = _rich_details(error)
+        violations = [
+            FieldViolation(v.field, v.description)
+            for d in details
+            if isinstance(d, error_details_pb2.BadRequest)
+            for v in d.field_violations
+        ]
+        text = localized_message(error) or error.details() or "refused by the trainer"
+        return TrainerRefused(failure_detail(error, address, server_name), text, violations)
+    if error_reason(error) == ErrorReason.JOB_FINISHED:
+        return TrainerJobFinished(failure_detail(error, address, server_name))
+    return classify(error, address, server_name)
 
 
 def checkpoint_saved(message: episode_pb2.Checkpoint) -> CheckpointSaved:
@@ -371,6 +401,21 @@ class GrpcTrainerConnector:
             checkpoint=checkpoint_saved(reply.checkpoint) if reply.HasField("checkpoint") else None,
             checkpoint_error=reply.checkpoint_error,
         )
+
+    async def set_hyperparameters(
+        self, address: str, run_id: str, change: HyperparameterChange, timeout: float
+    ) -> None:
+        """Changes a job's hyperparameters from its next optimizer step."""
+        channel, stub = self._open(address)
+        try:
+            await stub.SetHyperparameters(
+                trainer_service_pb2.SetHyperparametersRequest(run_id=run_id, **change.as_dict()),
+                timeout=timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise hyperparameters_error(exc, address, self._server_name) from None
+        finally:
+            self._ended(channel)
 
     async def close(self) -> None:
         """Closes every channel (cancelling calls still open)."""

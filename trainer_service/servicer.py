@@ -13,6 +13,7 @@ from google.protobuf.message import Message
 
 from trainer_service.core.checkpointing import checkpoint_message
 from trainer_service.core.errors import InvalidRequest
+from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.job_stream import StreamEvent
 from trainer_service.core.jobs import Heartbeat, JobRunner
 from trainer_service.status import apply_status, to_status
@@ -48,6 +49,18 @@ def event_to_proto(event: StreamEvent | Heartbeat) -> trainer_service_pb2.TrainR
     if isinstance(event, trainer_service_pb2.Resumed):
         return trainer_service_pb2.TrainResponse(resumed=event)
     return trainer_service_pb2.TrainResponse(checkpoint_failure=event)
+
+
+def hyperparameters_from_proto(
+    request: trainer_service_pb2.SetHyperparametersRequest,
+) -> Hyperparameters:
+    """The change a ``SetHyperparametersRequest`` asks for (unset fields stay ``None``)."""
+    return Hyperparameters(
+        **{
+            name: getattr(request, name) if request.HasField(name) else None
+            for name in ("learning_rate", "temperature", "beta")
+        }
+    )
 
 
 class TrainerServicer:
@@ -113,6 +126,21 @@ class TrainerServicer:
         if final.checkpoint is not None:
             response.checkpoint.CopyFrom(checkpoint_message(final.checkpoint))
         return response
+
+    async def SetHyperparameters(
+        self,
+        request: trainer_service_pb2.SetHyperparametersRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> trainer_service_pb2.SetHyperparametersResponse:
+        """Changes a live job's hyperparameters from its next optimizer step."""
+        try:
+            values, last = self._runner.set_hyperparameters(
+                request.run_id, hyperparameters_from_proto(request)
+            )
+        except Exception as exc:
+            apply_status(context, to_status(exc, request.run_id))
+            return trainer_service_pb2.SetHyperparametersResponse()
+        return trainer_service_pb2.SetHyperparametersResponse(last_episode=last, **values.as_dict())
 
     async def GetCapabilities(
         self,
@@ -190,6 +218,11 @@ METHODS: dict[str, tuple[type[Message], type[Message], bool]] = {
     "CancelJob": (
         trainer_service_pb2.CancelJobRequest,
         trainer_service_pb2.CancelJobResponse,
+        False,
+    ),
+    "SetHyperparameters": (
+        trainer_service_pb2.SetHyperparametersRequest,
+        trainer_service_pb2.SetHyperparametersResponse,
         False,
     ),
     "GetCapabilities": (

@@ -463,6 +463,61 @@ def check_create_run(req: gateway_service_pb2.CreateRunRequest) -> list[FieldVio
     return out
 
 
+#: The hyperparameters a live run of each task kind can change (``SetRunHyperparameters``).
+LIVE_HYPERPARAMETERS: Mapping[str, tuple[str, ...]] = {
+    "imitation": ("learning_rate",),
+    "grpo": ("learning_rate", "temperature", "beta"),
+}
+
+
+#: Each live hyperparameter's range from 0: (whether 0 is allowed, the largest value).
+_HYPERPARAMETER_RANGES: Mapping[str, tuple[bool, float]] = {
+    "learning_rate": (False, 1.0),
+    "temperature": (False, 10.0),
+    "beta": (True, 10.0),
+}
+
+
+def check_hyperparameters(
+    kind: str,
+    learning_rate: float | None = None,
+    temperature: float | None = None,
+    beta: float | None = None,
+    reference_model: bool = True,
+) -> list[FieldViolation]:
+    """Validates a change of a live run's hyperparameters (``None``: left as it is): at least
+    one set, each finite and in its range (learning_rate (0, 1], temperature (0, 10], beta
+    [0, 10]), and each one a run of ``kind`` has (any kind when ``kind`` is ""). Without a
+    ``reference_model`` (a grpo job started with beta 0 builds none) beta must stay 0."""
+    values = {"learning_rate": learning_rate, "temperature": temperature, "beta": beta}
+    given = {name: value for name, value in values.items() if value is not None}
+    if not given:
+        return [FieldViolation("(request)", "set at least one of learning_rate, temperature, beta")]
+    out: list[FieldViolation] = []
+    allowed = LIVE_HYPERPARAMETERS.get(kind)
+    for name, value in given.items():
+        if allowed is not None and name not in allowed:
+            out.append(
+                FieldViolation(name, f"{kind} runs have no {name}; they have {', '.join(allowed)}")
+            )
+            continue
+        low_inclusive, high = _HYPERPARAMETER_RANGES[name]
+        low_ok = value >= 0 if low_inclusive else value > 0
+        if not (math.isfinite(value) and low_ok and value <= high):
+            shown = f"{'[' if low_inclusive else '('}0, {high:g}]"
+            out.append(FieldViolation(name, f"{value}; need a finite value in {shown}"))
+        elif name == "beta" and value > 0 and not reference_model:
+            out.append(
+                FieldViolation(
+                    "beta",
+                    f"{value}; this job started with beta 0 and has no reference model to "
+                    "measure the KL divergence against, so beta stays 0 (fork the run with "
+                    "beta > 0 instead)",
+                )
+            )
+    return out
+
+
 def bad_request(violations: Sequence[FieldViolation]) -> error_details_pb2.BadRequest:
     """Packs field violations into a ``google.rpc.BadRequest`` for status details."""
     return error_details_pb2.BadRequest(

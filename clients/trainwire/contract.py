@@ -61,10 +61,12 @@ from trainwire._contract_base import (
     task_kind,
 )
 from trainwire._contract_requests import (
+    LIVE_HYPERPARAMETERS,
     bad_request,
     check_create_run,
     check_display_name,
     check_episode_rate,
+    check_hyperparameters,
     check_labels,
     check_run_id,
     check_task,
@@ -79,6 +81,7 @@ __all__ = [
     "BUILTIN_RIG_BONES",
     "DEFAULT_GRPO_GENERATIONS",
     "DEFAULT_RIG",
+    "LIVE_HYPERPARAMETERS",
     "MAX_ABS_ANGLE",
     "MAX_BONES",
     "MAX_BONE_LENGTH",
@@ -106,6 +109,7 @@ __all__ = [
     "check_create_run",
     "check_display_name",
     "check_episode_rate",
+    "check_hyperparameters",
     "check_labels",
     "check_run_id",
     "check_task",

@@ -69,6 +69,9 @@ class ErrorReason(StrEnum):
     REATTACHED = "REATTACHED"
     #: The job was cancelled with ``CancelJob`` (``CANCELLED``).
     JOB_CANCELLED = "JOB_CANCELLED"
+    #: The job has trained its last episode or stopped: nothing left to change
+    #: (``FAILED_PRECONDITION``).
+    JOB_FINISHED = "JOB_FINISHED"
 
     # -- trainer providers (with a LocalizedMessage for users) -------------------------------------
     PROVIDER_FAILED = "PROVIDER_FAILED"

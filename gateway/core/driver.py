@@ -48,9 +48,15 @@ from gateway.core.credit import CreditWindow, lead_for
 from gateway.core.curve import CurveBuilder
 from gateway.core.details import DetailRetention
 from gateway.core.ending import Ending, end_of, log_end
-from gateway.core.errors import StoreUnavailable
+from gateway.core.errors import (
+    IllegalTransition,
+    InvalidRequest,
+    StoreUnavailable,
+    TrainerUnavailable,
+)
 from gateway.core.feed import Inbox, TrainerFeed
 from gateway.core.history import EpisodeLog
+from gateway.core.hyperparameters import HyperparameterChange, has_reference_model
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
 from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
@@ -65,6 +71,8 @@ from gateway.core.trainers import (
     TrainerBusy,
     TrainerConnector,
     TrainerError,
+    TrainerJobFinished,
+    TrainerRefused,
 )
 from trainwire.contract import ContractViolation, task_kind
 
@@ -313,6 +321,76 @@ class RunDriver:
             self.run.speed,
             extra={"run_id": self.run.id, "event": "speed"},
         )
+
+    async def set_hyperparameters(self, change: HyperparameterChange) -> None:
+        """Changes the run's hyperparameters from its job's next optimizer step and writes them
+        into its task; a run without a job (parked, or waiting to be placed again) takes them
+        in its task only, and the job placed next trains with them.
+
+        Raises:
+            InvalidRequest: a value the run's kind does not have or its job cannot take.
+            IllegalTransition: the run is not RUNNING or PAUSED, or its job trained its last
+                episode.
+            TrainerUnavailable: its trainer could not be reached (or its job is starting).
+        """
+        run = self.run
+        change.check(run.id, run.task, reference_model=True)
+        if run.state not in (RunState.RUNNING, RunState.PAUSED) or self.finalizing:
+            raise IllegalTransition(
+                f"cannot change the hyperparameters of run {run.id!r}: it is {run.state.name}",
+                run.id,
+            )
+        if run.trainer_episode >= run.config.max_episodes:
+            raise IllegalTransition(
+                f"cannot change the hyperparameters of run {run.id!r}: its trainer has trained "
+                f"its last episode ({run.trainer_episode})",
+                run.id,
+            )
+        if self.task is None or run.parked or self._parking:
+            # No job to tell: the next one starts from the task.
+            change.check(run.id, run.task, has_reference_model(run.task))
+        elif self.placing_again:
+            raise TrainerUnavailable(
+                f"run {run.id!r} is being placed on a trainer again; try again in a moment",
+                run.id,
+            )
+        else:
+            await self._tell_job(change)
+        run.task = change.applied_to(run.task)
+        await self.persist()
+        _LOGGER.info(
+            "run %s: hyperparameters %s (episode %d published, %d trained)",
+            run.id,
+            change.describe(),
+            run.episode,
+            run.trainer_episode,
+            extra={"run_id": run.id, "event": "hyperparameters"},
+        )
+
+    async def _tell_job(self, change: HyperparameterChange) -> None:
+        run = self.run
+        try:
+            await self._ctx.connector.set_hyperparameters(
+                self._trainer, run.id, change, self._ctx.settings.trainer_call_timeout_s
+            )
+        except TrainerRefused as exc:
+            raise InvalidRequest(
+                f"cannot change the hyperparameters of run {run.id!r}: {exc.user_message}",
+                exc.violations,
+                run.id,
+            ) from None
+        except TrainerJobFinished:
+            raise IllegalTransition(
+                f"cannot change the hyperparameters of run {run.id!r}: its trainer has trained "
+                "its last episode",
+                run.id,
+            ) from None
+        except TrainerError as exc:
+            raise TrainerUnavailable(
+                f"run {run.id!r}: its trainer {self._trainer} did not take the new "
+                f"hyperparameters ({exc}); try again",
+                run.id,
+            ) from None
 
     def take_speed(self, speed: float) -> None:
         """Takes the speed another replica stored while this one had the run as a candidate."""

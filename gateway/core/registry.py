@@ -34,8 +34,9 @@ from gateway.core.controls import Action, apply, refuse
 from gateway.core.curve import Bucket
 from gateway.core.curves import RunCurves
 from gateway.core.driver import DriverContext, RunDriver
-from gateway.core.errors import InvalidRequest
+from gateway.core.errors import IllegalTransition, InvalidRequest, TrainerUnavailable
 from gateway.core.history import PageCache
+from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.observer import Observer
 from gateway.core.ownership import LeasedOwnership, Ownership, SoloOwnership
 from gateway.core.recovery import Recovery, UnsavedEnds
@@ -313,6 +314,34 @@ class RunRegistry:
             RunNotFound, IllegalTransition.
         """
         return await self._control(run_id, Action.STOP)
+
+    async def set_hyperparameters(self, run_id: str, change: HyperparameterChange) -> TrainingRun:
+        """Changes a RUNNING or PAUSED run's hyperparameters from its next optimizer step; see
+        ``RunDriver.set_hyperparameters``. Only the replica that drives a run changes it.
+
+        Raises:
+            InvalidRequest, RunNotFound, IllegalTransition, TrainerUnavailable.
+        """
+        require_run_id(run_id)
+        driver = self.table.get(run_id)
+        if driver is not None and driver.owned and driver.finalizing:
+            await driver.ended()  # answered as for the run it is about to be
+            driver = self.table.get(run_id)
+        if driver is not None and driver.owned and not driver.finalizing:
+            await driver.set_hyperparameters(change)
+            return driver.snapshot()
+        run = driver.run if driver is not None else await self.catalog.get(run_id)
+        change.check(run_id, run.task)
+        if run.state not in (RunState.RUNNING, RunState.PAUSED):
+            raise IllegalTransition(
+                f"cannot change the hyperparameters of run {run_id!r}: it is {run.state.name}",
+                run_id,
+            )
+        raise TrainerUnavailable(
+            f"run {run_id!r} is driven by another gateway replica, which alone changes its "
+            "hyperparameters; try again (or ask that replica)",
+            run_id,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 

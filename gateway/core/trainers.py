@@ -1,5 +1,5 @@
-"""What the core needs from a trainer, without grpc: capabilities, an episode stream, grants
-and cancellation.
+"""What the core needs from a trainer, without grpc: capabilities, an episode stream, grants,
+cancellation and live hyperparameters.
 
 ``gateway.trainer_client`` implements ``TrainerConnector`` over gRPC; tests may plug in others.
 A stream yields ``Episode`` messages, ``None`` for heartbeats and the checkpoint events
@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
+from gateway.core.hyperparameters import HyperparameterChange
+from trainwire.contract import FieldViolation
 from trainwire.v1 import episode_pb2
 
 
@@ -59,6 +61,23 @@ class TrainerBrokeContract(TrainerError):
 
 class TrainerCrashed(TrainerError):
     """Any other failure of the trainer."""
+
+
+class TrainerRefused(TrainerError):
+    """The trainer refused a change of a job's hyperparameters (``INVALID_ARGUMENT``): a beta
+    the job cannot take. ``user_message`` says why, ``violations`` name the fields."""
+
+    def __init__(
+        self, detail: str, user_message: str, violations: Sequence[FieldViolation] = ()
+    ) -> None:
+        super().__init__(detail)
+        self.user_message = user_message
+        self.violations = tuple(violations)
+
+
+class TrainerJobFinished(TrainerError):
+    """The job has trained its last episode or stopped (``FAILED_PRECONDITION``
+    ``JOB_FINISHED``): a change of its hyperparameters has no step left to act on."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +205,14 @@ class TrainerConnector(Protocol):
     ) -> Cancelled:
         """Cancels a job (a job that is already gone is fine), at once or, with ``checkpoint``,
         once it wrote a final checkpoint of its last episode. Raises ``TrainerError``."""
+        ...
+
+    async def set_hyperparameters(
+        self, address: str, run_id: str, change: HyperparameterChange, timeout: float
+    ) -> None:
+        """Changes a job's hyperparameters from its next optimizer step. Raises
+        ``TrainerRefused``, ``TrainerJobFinished``, ``TrainerJobGone`` (no such job) or another
+        ``TrainerError``."""
         ...
 
     async def close(self) -> None:

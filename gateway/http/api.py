@@ -14,6 +14,9 @@ message is the body, the JSON grpcurl shows.
 ``DELETE /v1/runs/{run_id}``                DeleteRun
 ``POST /v1/runs/{run_id}:pause``            PauseRun (``:resume``, ``:stop`` alike)
 ``POST /v1/runs/{run_id}:setSpeed``         SetRunSpeed (body ``{"speed": 2}``)
+``POST /v1/runs/{run_id}:setHyperparameters``
+                                            SetRunHyperparameters (body
+                                            ``{"learningRate": 0.01}``)
 ``GET /v1/runs/{run_id}/checkpoints``       ListCheckpoints
 ``GET /v1/runs/{run_id}/checkpoints/{episode}:download``
                                             DownloadCheckpoint: the tar itself
@@ -151,6 +154,7 @@ class JsonApi:
             web.post(run + ":resume", self.resume_run),
             web.post(run + ":stop", self.stop_run),
             web.post(run + ":setSpeed", self.set_speed),
+            web.post(run + ":setHyperparameters", self.set_hyperparameters),
             web.get(run + "/checkpoints", self.list_checkpoints),
             web.get(run + "/checkpoints/{episode:[0-9]+}:download", self.download_checkpoint),
             web.get(run + "/curve", self.get_run_curve),
@@ -218,6 +222,11 @@ class JsonApi:
         """SetRunSpeed."""
         message = await from_body(request, pb.SetRunSpeedRequest, **request.match_info)
         return await self._call(self._servicer.SetRunSpeed, message, request)
+
+    async def set_hyperparameters(self, request: web.Request) -> web.Response:
+        """SetRunHyperparameters."""
+        message = await from_body(request, pb.SetRunHyperparametersRequest, **request.match_info)
+        return await self._call(self._servicer.SetRunHyperparameters, message, request)
 
     async def list_checkpoints(self, request: web.Request) -> web.Response:
         """ListCheckpoints."""

@@ -30,6 +30,7 @@ HTTP_RPCS: dict[tuple[str, str], str] = {
     ("POST", "/v1/runs/{run_id}:resume"): "ResumeRun",
     ("POST", "/v1/runs/{run_id}:stop"): "StopRun",
     ("POST", "/v1/runs/{run_id}:setSpeed"): "SetRunSpeed",
+    ("POST", "/v1/runs/{run_id}:setHyperparameters"): "SetRunHyperparameters",
     ("GET", "/v1/runs/{run_id}/motion"): "GetRun",
     ("GET", "/v1/runs/{run_id}/events"): "WatchRun",
     ("GET", "/v1/runs/{run_id}/checkpoints"): "ListCheckpoints",

@@ -7,7 +7,9 @@ beyond its slots is answered ``RESOURCE_EXHAUSTED`` (``SLOTS_BUSY``). Like the r
 honours grants (``grant_through_episode``, ``Grant``; ``Script.ignore_grants`` turns that off),
 answers ``CancelJob``, and takes re-attaches as the real trainer does while the job's stream is
 still open (that stream ends ``ABORTED``, the new one goes on after ``attach_after_episode``);
-it keeps no detached jobs, so any other re-attach is ``NOT_FOUND``.
+it keeps no detached jobs, so any other re-attach is ``NOT_FOUND``. ``SetHyperparameters``
+is recorded and answered OK for a job with an open stream (``NOT_FOUND`` otherwise), or with
+``hyperparameters_status`` when a test sets one.
 It runs on its own thread pool (sync server), so it
 is independent of the event loop of the gateway under test.
 
@@ -89,6 +91,10 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
         self._ended_by_run: dict[str, threading.Event] = {}
         # run id -> (its script, its first request, the event of the call that streams it)
         self._jobs: dict[str, tuple[Script, trainer_service_pb2.TrainRequest, _Ended]] = {}
+        #: Every SetHyperparameters request, in order.
+        self.hyperparameter_requests: list[trainer_service_pb2.SetHyperparametersRequest] = []
+        #: What SetHyperparameters answers when set (a refusal scripted by the test).
+        self.hyperparameters_status: grpc.Status | None = None
         self.cancelled = 0
         self.active = 0
         self.sent = 0  # episodes sent over all calls
@@ -162,6 +168,25 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
             abort_with(context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND)
         ended.set()
         return trainer_service_pb2.CancelJobResponse()
+
+    def SetHyperparameters(
+        self,
+        request: trainer_service_pb2.SetHyperparametersRequest,
+        context: grpc.ServicerContext,
+    ) -> trainer_service_pb2.SetHyperparametersResponse:
+        with self._cond:
+            self.hyperparameter_requests.append(request)
+            live = request.run_id in self._jobs
+            status = self.hyperparameters_status
+        if status is not None:
+            context.abort_with_status(status)
+        if not live:
+            abort_with(context, grpc.StatusCode.NOT_FOUND, "no such job", ErrorReason.JOB_NOT_FOUND)
+        response = trainer_service_pb2.SetHyperparametersResponse()
+        for name in ("learning_rate", "temperature", "beta"):
+            if request.HasField(name):
+                setattr(response, name, getattr(request, name))
+        return response
 
     def GetCapabilities(
         self, request: trainer_service_pb2.GetCapabilitiesRequest, context: grpc.ServicerContext

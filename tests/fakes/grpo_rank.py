@@ -11,6 +11,10 @@ job's ``task.grpo.model_path`` is the script:
 - ``scripted:step-s=S``: each step takes S seconds;
 - ``scripted:save-fails``: every checkpoint fails as on a full disk.
 
+Its live hyperparameters start at the task's (defaults applied, as the provider reports them);
+a ``HYPER`` changes them, and each step logs the ``learning_rate`` it trained with, as TRL does
+(without a schedule).
+
 A checkpoint (the trainer's ``SAVE``) is one file, ``scripted.json``, written by rank 0: the
 step and the rewards the rank was given.
 """
@@ -47,6 +51,15 @@ class ScriptedTrainer:
         self.step_s = float(script.get("step-s", 0))
         self.save_fails = "save-fails" in parts
         self.step = 0
+        from trainer_service.providers.grpo.hyperparameters import hyperparameters
+
+        self.values = hyperparameters(job.task).as_dict()
+
+    def set_hyperparameters(self, **values: float) -> None:
+        self.values.update(values)
+
+    def sampling_hyperparameters(self) -> dict[str, float]:
+        return {"temperature": self.values["temperature"], "beta": self.values["beta"]}
 
     def save_checkpoint(
         self, directory: pathlib.Path, best_reward: float | None, last_reward: float | None
@@ -68,7 +81,11 @@ class ScriptedTrainer:
                 raise RuntimeError("boom")
             time.sleep(self.step_s)
             state.global_step = self.step = step
-            logs = {"loss": 1.0 / step, "reward": step / 10}
+            logs = {
+                "loss": 1.0 / step,
+                "reward": step / 10,
+                "learning_rate": self.values["learning_rate"],
+            }
             for callback in self.callbacks:
                 control = callback.on_log(None, state, control, logs=logs) or control
             if control.should_training_stop:

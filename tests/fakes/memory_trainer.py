@@ -22,8 +22,16 @@ episode it was taken after. ``cancel_job(checkpoint=True)`` writes one at the jo
 episode. A ``train`` with ``resume_from`` starts from the first candidate in the store that is
 not marked ``corrupt`` and says so first (``Resumed``), numbering on from it.
 
-Every ``train``, ``grant`` and ``cancel_job`` call is recorded with its arguments and the loop
-time it came at (``MemoryConnector.calls``), so tests assert on values, never on log text.
+Live hyperparameters: a job starts with its task's (the providers' defaults applied) and
+``set_hyperparameters`` changes them for the episodes it produces after the call (it refuses as
+the real trainer does: a job that produced its last episode, beta above 0 for a grpo job started
+with beta 0). With ``MemoryTrainer.hyperparameter_metrics`` every episode carries the values it
+was produced with as metrics (``learning_rate``; grpo also ``temperature``, ``beta``), as the
+real providers' do.
+
+Every ``train``, ``grant``, ``cancel_job`` and ``set_hyperparameters`` call is recorded with its
+arguments and the loop time it came at (``MemoryConnector.calls``), so tests assert on values,
+never on log text.
 
 What a job does wrong is scripted per trainer: ``MemoryTrainer.script(JobScript(...))`` queues a
 script that the next new job takes (fail with a provider error, crash, break a contract rule, go
@@ -41,6 +49,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.trainers import (
     Cancelled,
     Capabilities,
@@ -54,11 +63,13 @@ from gateway.core.trainers import (
     TrainerError,
     TrainerFailed,
     TrainerJobExists,
+    TrainerJobFinished,
     TrainerJobGone,
     TrainerLost,
+    TrainerRefused,
 )
 from tests.fakes.episodes import broken, make_episode, reward_of
-from trainwire.contract import task_kind
+from trainwire.contract import check_hyperparameters, describe_violations, task_kind
 from trainwire.v1 import episode_pb2
 
 #: Seconds between two heartbeats of a stream whose job waits (the real trainer's default).
@@ -102,7 +113,37 @@ class CancelCall:
     checkpoint: bool = False
 
 
-Call = TrainCall | GrantCall | CancelCall
+@dataclass(frozen=True)
+class HyperparametersCall:
+    """One ``set_hyperparameters`` call."""
+
+    address: str
+    run_id: str
+    change: HyperparameterChange
+    at: float
+
+
+Call = TrainCall | GrantCall | CancelCall | HyperparametersCall
+
+#: What a job of each kind starts with when its task leaves a value at 0 (the providers').
+DEFAULT_HYPERPARAMETERS = {
+    "imitation": {"learning_rate": 0.03},
+    "grpo": {"learning_rate": 3e-3, "temperature": 1.0, "beta": 0.0},
+}
+
+
+def initial_hyperparameters(task: episode_pb2.TrainTask) -> dict[str, float]:
+    """The live hyperparameters a job of ``task`` starts with, defaults applied."""
+    kind = task_kind(task)
+    values = dict(DEFAULT_HYPERPARAMETERS[kind])
+    if kind == "imitation":
+        values["learning_rate"] = task.imitation.learning_rate or values["learning_rate"]
+    else:
+        grpo = task.grpo
+        values["learning_rate"] = grpo.learning_rate or values["learning_rate"]
+        values["temperature"] = grpo.temperature or values["temperature"]
+        values["beta"] = grpo.beta if grpo.HasField("beta") else 0.0
+    return values
 
 
 # -- what a job does ----------------------------------------------------------------------------
@@ -198,6 +239,12 @@ class MemoryJob:
             self._best = resumed.best_reward
         #: Checkpoint events, in order, each with the episode after which it is sent.
         self.checkpoint_events: list[CheckpointSaved | CheckpointFailed] = []
+        #: The live hyperparameters of the next episode it produces.
+        self.hyperparameters = initial_hyperparameters(task)
+        #: Whether it started with a reference model (grpo: beta above 0).
+        self.reference_model = self.hyperparameters.get("beta", 1.0) > 0
+        #: Each change it took: the last episode produced before it, and the values set.
+        self.hyperparameter_changes: list[tuple[int, dict[str, float]]] = []
         self._changed = asyncio.Event()
         self._stream: MemoryStream | None = None
         self._producer: asyncio.Task[None] | None = None
@@ -261,6 +308,8 @@ class MemoryJob:
         detail = bool(every) and (last or n % every == 0)
         frames, joints = self.script.detail_shape
         episode = make_episode(n, self._best, last, detail, frames, joints)
+        if self.trainer.hyperparameter_metrics:
+            episode.metrics.update(self.hyperparameters)
         self.produced.append(episode)
         every = self.config.checkpoint_every
         if every and (n % every == 0 or episode.done):
@@ -512,6 +561,7 @@ class MemoryTrainer:
     grant_delay_s: float = 0.0
     answer_busy: int = 0
     killed: bool = False
+    hyperparameter_metrics: bool = False
     jobs: dict[str, MemoryJob] = field(default_factory=dict)
     probes: int = 0
     episodes_sent: int = 0
@@ -726,6 +776,30 @@ class MemoryConnector:
         if isinstance(event, CheckpointFailed):
             return Cancelled(job.last_produced, checkpoint_error=event.message)
         return Cancelled(job.last_produced, event)
+
+    def hyperparameter_calls(self, run_id: str) -> list[HyperparametersCall]:
+        """The ``set_hyperparameters`` calls of a run."""
+        return [c for c in self.calls if isinstance(c, HyperparametersCall) and c.run_id == run_id]
+
+    async def set_hyperparameters(
+        self, address: str, run_id: str, change: HyperparameterChange, timeout: float
+    ) -> None:
+        self._record(HyperparametersCall(address, run_id, change, self._now()))
+        trainer = await self._round_trip(address)
+        trainer._check_alive()
+        job = trainer.jobs.get(run_id)
+        if job is None:
+            raise TrainerJobGone(f"trainer {address}: NOT_FOUND: no job of run {run_id}")
+        if job.stopped or job.done:
+            raise TrainerJobFinished(f"trainer {address}: FAILED_PRECONDITION: job finished")
+        violations = check_hyperparameters(
+            job.kind, **change.as_dict(), reference_model=job.reference_model
+        )
+        if violations:
+            message = describe_violations(violations)
+            raise TrainerRefused(f"trainer {address}: INVALID_ARGUMENT", message, violations)
+        job.hyperparameters.update(change.as_dict())
+        job.hyperparameter_changes.append((job.last_produced, change.as_dict()))
 
     async def close(self) -> None:
         """Counts the close; the trainers live on (a restarted gateway reaches them again)."""

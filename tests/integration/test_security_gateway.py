@@ -45,6 +45,7 @@ NEEDS = {
     "ResumeRun": "operator",
     "StopRun": "operator",
     "SetRunSpeed": "operator",
+    "SetRunHyperparameters": "operator",
     "DeleteRun": "admin",
 }
 RANK = {None: 0, "viewer": 1, "operator": 2, "admin": 3}
@@ -57,6 +58,8 @@ def _request(rpc: str) -> object:
         return pb.ListRunsRequest(page_size=5)
     if rpc == "SetRunSpeed":
         return pb.SetRunSpeedRequest(run_id="no-such-run", speed=2.0)
+    if rpc == "SetRunHyperparameters":
+        return pb.SetRunHyperparametersRequest(run_id="no-such-run", learning_rate=0.01)
     return getattr(pb, f"{rpc}Request")(run_id="no-such-run")
 
 
@@ -219,6 +222,7 @@ HTTP_ROUTES = (
     ("POST", "/v1/runs/nope:resume", {}, "ResumeRun"),
     ("POST", "/v1/runs/nope:stop", {}, "StopRun"),
     ("POST", "/v1/runs/nope:setSpeed", {"speed": 2}, "SetRunSpeed"),
+    ("POST", "/v1/runs/nope:setHyperparameters", {"learningRate": 0.01}, "SetRunHyperparameters"),
     ("DELETE", "/v1/runs/nope", None, "DeleteRun"),
 )  # fmt: skip
 

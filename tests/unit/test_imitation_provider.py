@@ -160,6 +160,7 @@ def test_stream_shape_metrics_and_details() -> None:
         "pose_error",
         "policy_std",
         "loss",
+        "learning_rate",
     }
     assert episodes[0].metrics["policy_std"] == pytest.approx(imitation.INITIAL_STD, rel=1e-5)
     assert all(0.0 < e.reward <= 1.0 for e in episodes)

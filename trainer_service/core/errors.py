@@ -14,6 +14,7 @@ Each class carries its status code (a ``grpc.StatusCode`` name: the core imports
 | EpisodesNotHeld | FAILED_PRECONDITION | EPISODES_NOT_HELD |
 | Reattached | ABORTED | REATTACHED |
 | JobCancelled | CANCELLED | JOB_CANCELLED |
+| JobFinished | FAILED_PRECONDITION | JOB_FINISHED |
 | ShuttingDown | UNAVAILABLE | SHUTTING_DOWN |
 
 ``ProviderError`` (a provider's failure, with a message for users) lives in
@@ -149,3 +150,17 @@ class JobCancelled(TrainerError):
 
     def __init__(self, run_id: str) -> None:
         super().__init__(run_id, "the job was cancelled")
+
+
+class JobFinished(TrainerError):
+    """The job has trained its last episode or stopped, so a change of its hyperparameters
+    has no step left to act on (``FAILED_PRECONDITION``)."""
+
+    status_code = "FAILED_PRECONDITION"
+    reason = ErrorReason.JOB_FINISHED
+
+    def __init__(self, run_id: str, last_episode: int) -> None:
+        super().__init__(
+            run_id,
+            f"the job has no optimizer step left to change: it ended at episode {last_episode}",
+        )

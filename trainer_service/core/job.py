@@ -48,9 +48,11 @@ from trainer_service.core.checkpointing import (
 from trainer_service.core.errors import (
     EpisodesNotHeld,
     JobCancelled,
+    JobFinished,
     Reattached,
     ShuttingDown,
 )
+from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.job_stream import Heartbeat, JobEnd, JobStream, StreamEvent
 from trainer_service.core.job_window import EpisodeWindow
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
@@ -150,6 +152,11 @@ class RunningJob:
             waker()
 
     @property
+    def provider(self) -> Any:
+        """The job's provider module."""
+        return self._provider
+
+    @property
     def phase(self) -> str:
         """What the job is doing now (``waiting`` while blocked at its credit)."""
         return "waiting" if self._waiting and not self._stopped else self._phase
@@ -229,6 +236,29 @@ class RunningJob:
             # watches it must not abandon the step in flight or the final checkpoint.
         else:
             self._job.stop_event.set()
+
+    def set_hyperparameters(self, change: Hyperparameters) -> tuple[Hyperparameters, int]:
+        """Asks the provider to train with ``change`` from its next optimizer step; returns
+        the values that step trains with and the last episode produced so far.
+
+        Raises:
+            JobFinished: The job produced its last episode, or stopped.
+        """
+        with self._cond:
+            if self._stopped or self._stop_reason or self._checker.done:
+                raise JobFinished(self.run_id, self._window.produced)
+            values = self._job.hyperparameters.request(change)
+            produced = self._window.produced
+        _LOGGER.info(
+            "run %s: hyperparameters %s from its next optimizer step (produced through "
+            "episode %d; next step trains with %s)",
+            self.run_id,
+            change.describe(),
+            produced,
+            values.describe(),
+            extra={"run_id": self.run_id, "event": "hyperparameters"},
+        )
+        return values, produced
 
     def _resumed_or_plain(self) -> bool:
         """Whether the job's start is decided (it restored, or needed not)."""

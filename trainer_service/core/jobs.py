@@ -17,6 +17,7 @@ released by the job's own thread once its provider has stopped, whatever the out
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import pathlib
@@ -34,6 +35,11 @@ from trainer_service.core.errors import (
     JobNotFound,
     NoFreeSlot,
     ShuttingDown,
+)
+from trainer_service.core.hyperparameters import (
+    Hyperparameters,
+    LiveHyperparameters,
+    same_but_hyperparameters,
 )
 from trainer_service.core.job import RunningJob
 from trainer_service.core.job_stream import Heartbeat, JobStream
@@ -82,6 +88,14 @@ class FinalCheckpoint:
     last_episode: int
     checkpoint: CheckpointInfo | None
     error: str
+
+
+def _initial_hyperparameters(
+    provider: Any, request: trainer_service_pb2.TrainRequest
+) -> Hyperparameters:
+    """What a job of ``request`` starts with, as its provider says (none when it does not)."""
+    initial = getattr(provider, "hyperparameters", None)
+    return initial(request.task) if callable(initial) else Hyperparameters()
 
 
 class JobRunner:
@@ -203,7 +217,10 @@ class JobRunner:
             job = self._live.get(run_id)
             if job is None:
                 raise JobNotFound(run_id)
-            if job.task != request.task or job.config != request.config:
+            # The gateway sends the run's task, with the hyperparameters it changed since.
+            if not same_but_hyperparameters(job.task, request.task) or (
+                job.config != request.config
+            ):
                 raise InvalidRequest(
                     run_id,
                     [contract.FieldViolation("task", "differs from the live job's task/config")],
@@ -244,6 +261,7 @@ class JobRunner:
             set_phase=lambda phase: holder[0].set_phase(phase),
             devices=devices,
             checkpoints=checkpoints if checkpoints is not None else NoCheckpoints(),
+            hyperparameters=LiveHyperparameters(_initial_hyperparameters(provider, request)),
         )
         job = RunningJob(
             train_job,
@@ -313,6 +331,33 @@ class JobRunner:
         with self._cond:
             job = self._find(run_id)
         return job.move_grant(through_episode)
+
+    def set_hyperparameters(
+        self, run_id: str, change: Hyperparameters
+    ) -> tuple[Hyperparameters, int]:
+        """Changes a live job's hyperparameters from its next optimizer step; returns the values
+        that step trains with and the job's last produced episode.
+
+        Raises:
+            InvalidRequest: None set, a value out of range, one the job's kind does not have,
+                or one its provider refuses (beta for a GRPO job without a reference model).
+            JobNotFound: No job of this run is live.
+            JobFinished: The job produced its last episode, or stopped.
+        """
+        with self._cond:
+            job = self._find(run_id)
+        violations = contract.check_hyperparameters(job.kind, **dataclasses.asdict(change))
+        check = getattr(job.provider, "check_hyperparameters", None)
+        if not violations and callable(check):
+            violations = list(check(job.task, change))
+        if violations:
+            raise InvalidRequest(
+                run_id,
+                violations,
+                "The hyperparameters cannot be changed: "
+                + contract.describe_violations(violations),
+            )
+        return job.set_hyperparameters(change)
 
     def cancel_job(self, run_id: str) -> int:
         """Cancels a live job at once (attached or not); returns its last produced episode.

@@ -6,10 +6,13 @@ episodes: ``episode``, ``reward``, ``best_reward``, ``done``, ``metrics``, ``pro
 slot is taken; any violation answers ``INVALID_ARGUMENT``) and optionally
 ``slots_needed(task) -> int`` (slots, i.e. devices, the job takes: one per process it runs; 1
 without it), and ``DEFAULT_CHECKPOINT_EVERY`` (its checkpoint interval when the config leaves
-``checkpoint_every`` at 0). The service pulls ``run``'s generator from a thread it owns, one
-credited episode at a time, and checks every episode against the stream contract before sending
-it; a provider may train in that thread (imitation) or in processes it starts and drives from
-there (grpo).
+``checkpoint_every`` at 0), and optionally ``hyperparameters(task)`` and
+``check_hyperparameters(task, change)`` (its live hyperparameters, see
+``trainer_service.core.hyperparameters``: it takes ``job.hyperparameters``' changes before each
+optimizer step and reports the values each step used as metrics). The service pulls ``run``'s
+generator from a thread it owns, one credited episode at a time, and checks every episode against
+the stream contract before sending it; a provider may train in that thread (imitation) or in
+processes it starts and drives from there (grpo).
 
 This module imports neither grpc nor torch.
 """
@@ -23,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from trainer_service.core.hyperparameters import LiveHyperparameters
 from trainwire.v1 import episode_pb2
 
 __all__ = [
@@ -170,7 +174,10 @@ class TrainJob:
         checkpoints: Where the provider writes checkpoints.
         resume: The checkpoint to continue from (None: from scratch). The provider restores
             the whole training state from it, or raises ``CheckpointUnusable`` before its
-            first episode; its first episode is then ``resume.episode + 1``.
+            first episode; its first episode is then ``resume.episode + 1``. The task's
+            hyperparameters win over those the checkpoint was written with.
+        hyperparameters: Changes of the live hyperparameters asked for while the job runs;
+            the provider takes them before each optimizer step.
     """
 
     run_id: str
@@ -185,6 +192,7 @@ class TrainJob:
     more_data_roots: tuple[pathlib.Path, ...] = ()
     checkpoints: Checkpoints = field(default_factory=NoCheckpoints)
     resume: RestoredCheckpoint | None = None
+    hyperparameters: LiveHyperparameters = field(default_factory=LiveHyperparameters)
 
     @property
     def data_roots(self) -> tuple[pathlib.Path, ...]:

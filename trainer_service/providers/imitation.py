@@ -24,10 +24,15 @@ Checkpoints (``TrainJob.checkpoints``): every ``DEFAULT_CHECKPOINT_EVERY`` episo
 config says otherwise, at the last episode, and as the job stops when a final one is wanted. A
 checkpoint holds ``model.safetensors`` (the policy: ``mean`` and ``log_std``, loadable without
 trainwire), ``training_state.pt`` (Adam's state and the sampling generator's RNG state) and
-``checkpoint.json`` (the rig, the clip, their shape, the task and config, the episode counter
-and the best reward). A job resumed from one continues exactly: its episodes after the
-checkpoint are those of the uninterrupted run with the same seed, bit for bit on the same
-device. A checkpoint of another shape (frames x joints) does not load (``CheckpointUnusable``).
+``checkpoint.json`` (the rig, the clip, their shape, the task and config, the episode counter,
+the best reward and the learning rate in effect). A job resumed from one continues exactly: its
+episodes after the checkpoint are those of the uninterrupted run with the same seed, bit for
+bit on the same device (with the learning rate of its task, which is the run's current one). A
+checkpoint of another shape (frames x joints) does not load (``CheckpointUnusable``). A job
+with another seed than its checkpoint's (a fork's) draws its own noise from there on.
+
+Live hyperparameters (``TrainJob.hyperparameters``): a new learning rate is taken before the
+next optimizer step; every episode carries the rate its step used as ``learning_rate``.
 
 Only this package imports torch.
 """
@@ -46,6 +51,7 @@ import safetensors.torch
 import torch
 from google.protobuf import json_format
 
+from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.provider import (
     CheckpointUnusable,
     EpisodeCounter,
@@ -122,6 +128,7 @@ class StepResult:
         pose_error: Mean keypoint distance of the mean motion, in rig length units.
         policy_std: Mean standard deviation of the policy, in radians.
         loss: The policy-gradient loss of the step.
+        learning_rate: The Adam learning rate the step used.
     """
 
     reward: float
@@ -130,6 +137,7 @@ class StepResult:
     pose_error: float
     policy_std: float
     loss: float
+    learning_rate: float
 
     def metrics(self) -> dict[str, float]:
         """The episode metrics."""
@@ -139,6 +147,7 @@ class StepResult:
             "pose_error": self.pose_error,
             "policy_std": self.policy_std,
             "loss": self.loss,
+            "learning_rate": self.learning_rate,
         }
 
 
@@ -252,7 +261,26 @@ class ImitationLearner:
                 loss.detach(),
             )
         ).tolist()  # one device sync for every number of the step
-        return StepResult(*stats)
+        reward, reward_std, greedy_reward, pose_error, policy_std, step_loss = stats
+        return StepResult(
+            reward,
+            reward_std,
+            greedy_reward,
+            pose_error,
+            policy_std,
+            step_loss,
+            learning_rate=self.learning_rate,
+        )
+
+    @property
+    def learning_rate(self) -> float:
+        """Adam's learning rate (the next step's)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Sets Adam's learning rate from the next step on (its moment estimates stay)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
 
     def mean_motion(self) -> list[float]:
         """The policy's mean motion, frame-major, ``frames x joints`` angles."""
@@ -329,6 +357,11 @@ def _learning_rate(task: episode_pb2.ImitationTask) -> float:
     return task.learning_rate or DEFAULT_LEARNING_RATE
 
 
+def hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:
+    """The live hyperparameters a job of ``task`` starts with: its learning rate."""
+    return Hyperparameters(learning_rate=_learning_rate(task.imitation))
+
+
 def learner_for(task: episode_pb2.ImitationTask, seed: int, device: str) -> ImitationLearner:
     """Builds the learner of a (validated) imitation task."""
     return ImitationLearner(
@@ -371,7 +404,13 @@ def run(job: TrainJob) -> Generator[episode_pb2.Episode, None, None]:
     checkpointed = 0  # the episode of the last checkpoint (or of the one restored)
     if job.resume is not None:
         restored = learner.restore(job.resume.directory)
+        # Adam's state brought the checkpoint's learning rate; the task's is the run's now
+        # (changed while it was parked, or a fork's).
+        learner.set_learning_rate(_learning_rate(task))
         checkpointed = job.resume.episode
+        if restored.get("seed", job.config.seed) != job.config.seed:
+            # A fork with a seed of its own draws its own noise from the fork on.
+            learner.generator.manual_seed(job.config.seed)
         if (restored.get("rig"), restored.get("clip")) != (info["rig"], info["clip"]):
             _LOGGER.info(
                 "run %s: continuing a checkpoint of %r on %r with %r on %r (same shape)",
@@ -402,7 +441,15 @@ def run(job: TrainJob) -> Generator[episode_pb2.Episode, None, None]:
         directory = None
         try:
             directory = job.checkpoints.scratch(episode)
-            learner.save(directory, {**info, "episode": episode, "best_reward": best})
+            learner.save(
+                directory,
+                {
+                    **info,
+                    "episode": episode,
+                    "best_reward": best,
+                    "learning_rate": learner.learning_rate,
+                },
+            )
         except Exception as exc:  # disk full (torch and safetensors raise their own): reported
             job.checkpoints.fail(episode, f"cannot write it locally: {exc}", directory)
             return
@@ -413,6 +460,9 @@ def run(job: TrainJob) -> Generator[episode_pb2.Episode, None, None]:
         while not counter.finished:
             if job.stop_event.is_set():
                 return
+            change = job.hyperparameters.take()
+            if change is not None and change.learning_rate is not None:
+                learner.set_learning_rate(change.learning_rate)
             result = learner.step()
             n = counter.next_episode
             detail = None

@@ -1253,3 +1253,74 @@ class UpdateRunResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UpdateRunResponse: _TypeAlias = UpdateRunResponse  # noqa: Y015
+
+@_typing.final
+class SetRunHyperparametersRequest(_message.Message):
+    """Changes a live run's hyperparameters; unset fields are left as they are."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    BETA_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run."""
+    learning_rate: _builtins.float
+    """Learning rate, in (0, 1] (grpo: the peak of TRL's linear decay; the
+    learning_rate metric is each step's scheduled rate).
+    """
+    temperature: _builtins.float
+    """Sampling temperature (grpo), in (0, 10]."""
+    beta: _builtins.float
+    """KL coefficient (grpo), in [0, 10]."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        learning_rate: _builtins.float | None = ...,
+        temperature: _builtins.float | None = ...,
+        beta: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_learning_rate", b"_learning_rate", "_temperature", b"_temperature", "beta", b"beta", "learning_rate", b"learning_rate", "temperature", b"temperature"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_learning_rate", b"_learning_rate", "_temperature", b"_temperature", "beta", b"beta", "learning_rate", b"learning_rate", "run_id", b"run_id", "temperature", b"temperature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__beta: _TypeAlias = _typing.Literal["beta"]  # noqa: Y015
+    _WhichOneofArgType__beta: _TypeAlias = _typing.Literal["_beta", b"_beta"]  # noqa: Y015
+    _WhichOneofReturnType__learning_rate: _TypeAlias = _typing.Literal["learning_rate"]  # noqa: Y015
+    _WhichOneofArgType__learning_rate: _TypeAlias = _typing.Literal["_learning_rate", b"_learning_rate"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__beta) -> _WhichOneofReturnType__beta | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__learning_rate) -> _WhichOneofReturnType__learning_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+
+Global___SetRunHyperparametersRequest: _TypeAlias = SetRunHyperparametersRequest  # noqa: Y015
+
+@_typing.final
+class SetRunHyperparametersResponse(_message.Message):
+    """The run with its new hyperparameters."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def run(self) -> Global___Run:
+        """The run."""
+
+    def __init__(
+        self,
+        *,
+        run: Global___Run | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetRunHyperparametersResponse: _TypeAlias = SetRunHyperparametersResponse  # noqa: Y015

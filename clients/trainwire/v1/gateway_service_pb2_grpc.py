@@ -36,7 +36,8 @@ class GatewayServiceStub(object):
     role needed (viewer: GetRun, ListRuns, WatchRun,
     ListCheckpoints, DownloadCheckpoint;
     operator: also CreateRun, PauseRun, ResumeRun,
-    StopRun, SetRunSpeed; admin: also DeleteRun).
+    StopRun, SetRunSpeed, SetRunHyperparameters;
+    admin: also DeleteRun).
     """
 
     def __init__(self, channel):
@@ -110,6 +111,11 @@ class GatewayServiceStub(object):
                 request_serializer=trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunRequest.SerializeToString,
                 response_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunResponse.FromString,
                 _registered_method=True)
+        self.SetRunHyperparameters = channel.unary_unary(
+                '/trainwire.v1.GatewayService/SetRunHyperparameters',
+                request_serializer=trainwire_dot_v1_dot_gateway__service__pb2.SetRunHyperparametersRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.SetRunHyperparametersResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer(object):
@@ -123,7 +129,8 @@ class GatewayServiceServicer(object):
     role needed (viewer: GetRun, ListRuns, WatchRun,
     ListCheckpoints, DownloadCheckpoint;
     operator: also CreateRun, PauseRun, ResumeRun,
-    StopRun, SetRunSpeed; admin: also DeleteRun).
+    StopRun, SetRunSpeed, SetRunHyperparameters;
+    admin: also DeleteRun).
     """
 
     def CreateRun(self, request, context):
@@ -320,6 +327,34 @@ class GatewayServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRunHyperparameters(self, request, context):
+        """Changes the hyperparameters of a RUNNING or PAUSED run from its next
+        optimizer step: the learning rate (imitation and grpo), the sampling
+        temperature and beta (grpo). Every episode from then on carries the
+        values in effect as metrics (learning_rate, temperature, beta), so the
+        history records each change exactly where it happened. The trainer may
+        hold episodes it trained ahead of publication (the run's lead): the change
+        shows from the first episode trained after it. A parked run (no job)
+        keeps the values in its task, and the job placed on resume trains with
+        them; a checkpoint records the values in effect.
+
+        Status codes:
+        OK                  the run; its task shows the values now in effect.
+        INVALID_ARGUMENT    none set, a value not finite or out of range, one
+        the run's task kind does not have, or beta above 0
+        for a grpo job without a reference model (one
+        started with beta 0).
+        NOT_FOUND           no such run.
+        FAILED_PRECONDITION the run is PENDING or finished, or its trainer has
+        already trained its last episode.
+        UNAVAILABLE         its trainer could not be reached, or another
+        gateway replica drives the run; try again.
+        PERMISSION_DENIED   the caller's role is below operator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -388,6 +423,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     request_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunRequest.FromString,
                     response_serializer=trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunResponse.SerializeToString,
             ),
+            'SetRunHyperparameters': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRunHyperparameters,
+                    request_deserializer=trainwire_dot_v1_dot_gateway__service__pb2.SetRunHyperparametersRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_gateway__service__pb2.SetRunHyperparametersResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'trainwire.v1.GatewayService', rpc_method_handlers)
@@ -407,7 +447,8 @@ class GatewayService(object):
     role needed (viewer: GetRun, ListRuns, WatchRun,
     ListCheckpoints, DownloadCheckpoint;
     operator: also CreateRun, PauseRun, ResumeRun,
-    StopRun, SetRunSpeed; admin: also DeleteRun).
+    StopRun, SetRunSpeed, SetRunHyperparameters;
+    admin: also DeleteRun).
     """
 
     @staticmethod
@@ -751,6 +792,33 @@ class GatewayService(object):
             '/trainwire.v1.GatewayService/UpdateRun',
             trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunRequest.SerializeToString,
             trainwire_dot_v1_dot_gateway__service__pb2.UpdateRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRunHyperparameters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.GatewayService/SetRunHyperparameters',
+            trainwire_dot_v1_dot_gateway__service__pb2.SetRunHyperparametersRequest.SerializeToString,
+            trainwire_dot_v1_dot_gateway__service__pb2.SetRunHyperparametersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,7 +39,8 @@ class GatewayServiceStub:
                          role needed (viewer: GetRun, ListRuns, WatchRun,
                          ListCheckpoints, DownloadCheckpoint;
                          operator: also CreateRun, PauseRun, ResumeRun,
-                         StopRun, SetRunSpeed; admin: also DeleteRun).
+                         StopRun, SetRunSpeed, SetRunHyperparameters;
+                         admin: also DeleteRun).
     """
 
     @_typing.overload
@@ -188,6 +189,30 @@ class GatewayServiceStub:
       NOT_FOUND         no such run.
       PERMISSION_DENIED the caller's role is below operator.
     """
+    SetRunHyperparameters: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.SetRunHyperparametersRequest, _gateway_service_pb2.SetRunHyperparametersResponse]
+    """Changes the hyperparameters of a RUNNING or PAUSED run from its next
+    optimizer step: the learning rate (imitation and grpo), the sampling
+    temperature and beta (grpo). Every episode from then on carries the
+    values in effect as metrics (learning_rate, temperature, beta), so the
+    history records each change exactly where it happened. The trainer may
+    hold episodes it trained ahead of publication (the run's lead): the change
+    shows from the first episode trained after it. A parked run (no job)
+    keeps the values in its task, and the job placed on resume trains with
+    them; a checkpoint records the values in effect.
+
+    Status codes:
+      OK                  the run; its task shows the values now in effect.
+      INVALID_ARGUMENT    none set, a value not finite or out of range, one
+                          the run's task kind does not have, or beta above 0
+                          for a grpo job without a reference model (one
+                          started with beta 0).
+      NOT_FOUND           no such run.
+      FAILED_PRECONDITION the run is PENDING or finished, or its trainer has
+                          already trained its last episode.
+      UNAVAILABLE         its trainer could not be reached, or another
+                          gateway replica drives the run; try again.
+      PERMISSION_DENIED   the caller's role is below operator.
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -201,7 +226,8 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
                          role needed (viewer: GetRun, ListRuns, WatchRun,
                          ListCheckpoints, DownloadCheckpoint;
                          operator: also CreateRun, PauseRun, ResumeRun,
-                         StopRun, SetRunSpeed; admin: also DeleteRun).
+                         StopRun, SetRunSpeed, SetRunHyperparameters;
+                         admin: also DeleteRun).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -347,6 +373,30 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
       NOT_FOUND         no such run.
       PERMISSION_DENIED the caller's role is below operator.
     """
+    SetRunHyperparameters: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.SetRunHyperparametersRequest, _gateway_service_pb2.SetRunHyperparametersResponse]  # type: ignore[assignment]
+    """Changes the hyperparameters of a RUNNING or PAUSED run from its next
+    optimizer step: the learning rate (imitation and grpo), the sampling
+    temperature and beta (grpo). Every episode from then on carries the
+    values in effect as metrics (learning_rate, temperature, beta), so the
+    history records each change exactly where it happened. The trainer may
+    hold episodes it trained ahead of publication (the run's lead): the change
+    shows from the first episode trained after it. A parked run (no job)
+    keeps the values in its task, and the job placed on resume trains with
+    them; a checkpoint records the values in effect.
+
+    Status codes:
+      OK                  the run; its task shows the values now in effect.
+      INVALID_ARGUMENT    none set, a value not finite or out of range, one
+                          the run's task kind does not have, or beta above 0
+                          for a grpo job without a reference model (one
+                          started with beta 0).
+      NOT_FOUND           no such run.
+      FAILED_PRECONDITION the run is PENDING or finished, or its trainer has
+                          already trained its last episode.
+      UNAVAILABLE         its trainer could not be reached, or another
+                          gateway replica drives the run; try again.
+      PERMISSION_DENIED   the caller's role is below operator.
+    """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     """Creates, controls and streams training runs. Every error message names the
@@ -359,7 +409,8 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
                          role needed (viewer: GetRun, ListRuns, WatchRun,
                          ListCheckpoints, DownloadCheckpoint;
                          operator: also CreateRun, PauseRun, ResumeRun,
-                         StopRun, SetRunSpeed; admin: also DeleteRun).
+                         StopRun, SetRunSpeed, SetRunHyperparameters;
+                         admin: also DeleteRun).
     """
 
     @_abc_1.abstractmethod
@@ -580,6 +631,36 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
                             display_name.
           NOT_FOUND         no such run.
           PERMISSION_DENIED the caller's role is below operator.
+        """
+
+    @_abc_1.abstractmethod
+    def SetRunHyperparameters(
+        self,
+        request: _gateway_service_pb2.SetRunHyperparametersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.SetRunHyperparametersResponse, _abc.Awaitable[_gateway_service_pb2.SetRunHyperparametersResponse]]:
+        """Changes the hyperparameters of a RUNNING or PAUSED run from its next
+        optimizer step: the learning rate (imitation and grpo), the sampling
+        temperature and beta (grpo). Every episode from then on carries the
+        values in effect as metrics (learning_rate, temperature, beta), so the
+        history records each change exactly where it happened. The trainer may
+        hold episodes it trained ahead of publication (the run's lead): the change
+        shows from the first episode trained after it. A parked run (no job)
+        keeps the values in its task, and the job placed on resume trains with
+        them; a checkpoint records the values in effect.
+
+        Status codes:
+          OK                  the run; its task shows the values now in effect.
+          INVALID_ARGUMENT    none set, a value not finite or out of range, one
+                              the run's task kind does not have, or beta above 0
+                              for a grpo job without a reference model (one
+                              started with beta 0).
+          NOT_FOUND           no such run.
+          FAILED_PRECONDITION the run is PENDING or finished, or its trainer has
+                              already trained its last episode.
+          UNAVAILABLE         its trainer could not be reached, or another
+                              gateway replica drives the run; try again.
+          PERMISSION_DENIED   the caller's role is below operator.
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -320,6 +320,98 @@ class CancelJobResponse(_message.Message):
 Global___CancelJobResponse: _TypeAlias = CancelJobResponse  # noqa: Y015
 
 @_typing.final
+class SetHyperparametersRequest(_message.Message):
+    """Changes a live job's hyperparameters; unset fields are left as they are."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    BETA_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run whose job changes."""
+    learning_rate: _builtins.float
+    """Learning rate, in (0, 1]."""
+    temperature: _builtins.float
+    """Sampling temperature (grpo), in (0, 10]."""
+    beta: _builtins.float
+    """KL coefficient (grpo), in [0, 10]."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        learning_rate: _builtins.float | None = ...,
+        temperature: _builtins.float | None = ...,
+        beta: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_learning_rate", b"_learning_rate", "_temperature", b"_temperature", "beta", b"beta", "learning_rate", b"learning_rate", "temperature", b"temperature"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_learning_rate", b"_learning_rate", "_temperature", b"_temperature", "beta", b"beta", "learning_rate", b"learning_rate", "run_id", b"run_id", "temperature", b"temperature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__beta: _TypeAlias = _typing.Literal["beta"]  # noqa: Y015
+    _WhichOneofArgType__beta: _TypeAlias = _typing.Literal["_beta", b"_beta"]  # noqa: Y015
+    _WhichOneofReturnType__learning_rate: _TypeAlias = _typing.Literal["learning_rate"]  # noqa: Y015
+    _WhichOneofArgType__learning_rate: _TypeAlias = _typing.Literal["_learning_rate", b"_learning_rate"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__beta) -> _WhichOneofReturnType__beta | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__learning_rate) -> _WhichOneofReturnType__learning_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+
+Global___SetHyperparametersRequest: _TypeAlias = SetHyperparametersRequest  # noqa: Y015
+
+@_typing.final
+class SetHyperparametersResponse(_message.Message):
+    """The values the job's next optimizer step trains with (defaults applied);
+    a field the job's task kind does not have is unset.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    BETA_FIELD_NUMBER: _builtins.int
+    LAST_EPISODE_FIELD_NUMBER: _builtins.int
+    learning_rate: _builtins.float
+    """Learning rate (grpo: the peak of its linear decay)."""
+    temperature: _builtins.float
+    """Sampling temperature (grpo)."""
+    beta: _builtins.float
+    """KL coefficient (grpo)."""
+    last_episode: _builtins.int
+    """The last episode the job has produced: the change shows in a later one."""
+    def __init__(
+        self,
+        *,
+        learning_rate: _builtins.float | None = ...,
+        temperature: _builtins.float | None = ...,
+        beta: _builtins.float | None = ...,
+        last_episode: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_learning_rate", b"_learning_rate", "_temperature", b"_temperature", "beta", b"beta", "learning_rate", b"learning_rate", "temperature", b"temperature"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_learning_rate", b"_learning_rate", "_temperature", b"_temperature", "beta", b"beta", "last_episode", b"last_episode", "learning_rate", b"learning_rate", "temperature", b"temperature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__beta: _TypeAlias = _typing.Literal["beta"]  # noqa: Y015
+    _WhichOneofArgType__beta: _TypeAlias = _typing.Literal["_beta", b"_beta"]  # noqa: Y015
+    _WhichOneofReturnType__learning_rate: _TypeAlias = _typing.Literal["learning_rate"]  # noqa: Y015
+    _WhichOneofArgType__learning_rate: _TypeAlias = _typing.Literal["_learning_rate", b"_learning_rate"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__beta) -> _WhichOneofReturnType__beta | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__learning_rate) -> _WhichOneofReturnType__learning_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+
+Global___SetHyperparametersResponse: _TypeAlias = SetHyperparametersResponse  # noqa: Y015
+
+@_typing.final
 class TrainResponse(_message.Message):
     """One event of a training stream."""
 

@@ -50,6 +50,11 @@ class TrainerServiceStub(object):
                 request_serializer=trainwire_dot_v1_dot_trainer__service__pb2.CancelJobRequest.SerializeToString,
                 response_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.CancelJobResponse.FromString,
                 _registered_method=True)
+        self.SetHyperparameters = channel.unary_unary(
+                '/trainwire.v1.TrainerService/SetHyperparameters',
+                request_serializer=trainwire_dot_v1_dot_trainer__service__pb2.SetHyperparametersRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.SetHyperparametersResponse.FromString,
+                _registered_method=True)
         self.GetCapabilities = channel.unary_unary(
                 '/trainwire.v1.TrainerService/GetCapabilities',
                 request_serializer=trainwire_dot_v1_dot_trainer__service__pb2.GetCapabilitiesRequest.SerializeToString,
@@ -129,6 +134,31 @@ class TrainerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetHyperparameters(self, request, context):
+        """Changes a live job's hyperparameters from its next optimizer step (the
+        step in flight, if any, finishes with the old ones): the learning rate
+        (imitation and grpo), the sampling temperature and beta (grpo). Each
+        episode carries the values its step used as metrics (learning_rate,
+        temperature, beta). A job placed again from a checkpoint trains with the
+        values of its task, not those the checkpoint was written with (the
+        checkpoint records them).
+
+        Status codes:
+        OK                  the values the job's next step trains with.
+        INVALID_ARGUMENT    bad run_id; none set, a value not finite or out of
+        range, or one the job's task kind does not have
+        (google.rpc.BadRequest); beta above 0 for a grpo
+        job started with beta 0 (it has no reference
+        model).
+        NOT_FOUND           no job of this run_id is live (ErrorInfo
+        JOB_NOT_FOUND).
+        FAILED_PRECONDITION the job has trained its last episode or stopped
+        (ErrorInfo JOB_FINISHED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetCapabilities(self, request, context):
         """Describes what this trainer offers and how busy it is.
 
@@ -156,6 +186,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.CancelJobRequest.FromString,
                     response_serializer=trainwire_dot_v1_dot_trainer__service__pb2.CancelJobResponse.SerializeToString,
+            ),
+            'SetHyperparameters': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetHyperparameters,
+                    request_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.SetHyperparametersRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_trainer__service__pb2.SetHyperparametersResponse.SerializeToString,
             ),
             'GetCapabilities': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCapabilities,
@@ -245,6 +280,33 @@ class TrainerService(object):
             '/trainwire.v1.TrainerService/CancelJob',
             trainwire_dot_v1_dot_trainer__service__pb2.CancelJobRequest.SerializeToString,
             trainwire_dot_v1_dot_trainer__service__pb2.CancelJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetHyperparameters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.TrainerService/SetHyperparameters',
+            trainwire_dot_v1_dot_trainer__service__pb2.SetHyperparametersRequest.SerializeToString,
+            trainwire_dot_v1_dot_trainer__service__pb2.SetHyperparametersResponse.FromString,
             options,
             channel_credentials,
             insecure,

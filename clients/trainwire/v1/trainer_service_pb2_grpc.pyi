@@ -94,6 +94,27 @@ class TrainerServiceStub:
       INVALID_ARGUMENT  bad run_id.
       NOT_FOUND         no job of this run_id is live.
     """
+    SetHyperparameters: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.SetHyperparametersRequest, _trainer_service_pb2.SetHyperparametersResponse]
+    """Changes a live job's hyperparameters from its next optimizer step (the
+    step in flight, if any, finishes with the old ones): the learning rate
+    (imitation and grpo), the sampling temperature and beta (grpo). Each
+    episode carries the values its step used as metrics (learning_rate,
+    temperature, beta). A job placed again from a checkpoint trains with the
+    values of its task, not those the checkpoint was written with (the
+    checkpoint records them).
+
+    Status codes:
+      OK                  the values the job's next step trains with.
+      INVALID_ARGUMENT    bad run_id; none set, a value not finite or out of
+                          range, or one the job's task kind does not have
+                          (google.rpc.BadRequest); beta above 0 for a grpo
+                          job started with beta 0 (it has no reference
+                          model).
+      NOT_FOUND           no job of this run_id is live (ErrorInfo
+                          JOB_NOT_FOUND).
+      FAILED_PRECONDITION the job has trained its last episode or stopped
+                          (ErrorInfo JOB_FINISHED).
+    """
     GetCapabilities: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.GetCapabilitiesRequest, _trainer_service_pb2.GetCapabilitiesResponse]
     """Describes what this trainer offers and how busy it is.
 
@@ -161,6 +182,27 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
                         episode).
       INVALID_ARGUMENT  bad run_id.
       NOT_FOUND         no job of this run_id is live.
+    """
+    SetHyperparameters: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.SetHyperparametersRequest, _trainer_service_pb2.SetHyperparametersResponse]  # type: ignore[assignment]
+    """Changes a live job's hyperparameters from its next optimizer step (the
+    step in flight, if any, finishes with the old ones): the learning rate
+    (imitation and grpo), the sampling temperature and beta (grpo). Each
+    episode carries the values its step used as metrics (learning_rate,
+    temperature, beta). A job placed again from a checkpoint trains with the
+    values of its task, not those the checkpoint was written with (the
+    checkpoint records them).
+
+    Status codes:
+      OK                  the values the job's next step trains with.
+      INVALID_ARGUMENT    bad run_id; none set, a value not finite or out of
+                          range, or one the job's task kind does not have
+                          (google.rpc.BadRequest); beta above 0 for a grpo
+                          job started with beta 0 (it has no reference
+                          model).
+      NOT_FOUND           no job of this run_id is live (ErrorInfo
+                          JOB_NOT_FOUND).
+      FAILED_PRECONDITION the job has trained its last episode or stopped
+                          (ErrorInfo JOB_FINISHED).
     """
     GetCapabilities: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.GetCapabilitiesRequest, _trainer_service_pb2.GetCapabilitiesResponse]  # type: ignore[assignment]
     """Describes what this trainer offers and how busy it is.
@@ -244,6 +286,33 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
                             episode).
           INVALID_ARGUMENT  bad run_id.
           NOT_FOUND         no job of this run_id is live.
+        """
+
+    @_abc_1.abstractmethod
+    def SetHyperparameters(
+        self,
+        request: _trainer_service_pb2.SetHyperparametersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_service_pb2.SetHyperparametersResponse, _abc.Awaitable[_trainer_service_pb2.SetHyperparametersResponse]]:
+        """Changes a live job's hyperparameters from its next optimizer step (the
+        step in flight, if any, finishes with the old ones): the learning rate
+        (imitation and grpo), the sampling temperature and beta (grpo). Each
+        episode carries the values its step used as metrics (learning_rate,
+        temperature, beta). A job placed again from a checkpoint trains with the
+        values of its task, not those the checkpoint was written with (the
+        checkpoint records them).
+
+        Status codes:
+          OK                  the values the job's next step trains with.
+          INVALID_ARGUMENT    bad run_id; none set, a value not finite or out of
+                              range, or one the job's task kind does not have
+                              (google.rpc.BadRequest); beta above 0 for a grpo
+                              job started with beta 0 (it has no reference
+                              model).
+          NOT_FOUND           no job of this run_id is live (ErrorInfo
+                              JOB_NOT_FOUND).
+          FAILED_PRECONDITION the job has trained its last episode or stopped
+                              (ErrorInfo JOB_FINISHED).
         """
 
     @_abc_1.abstractmethod

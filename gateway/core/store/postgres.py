@@ -49,6 +49,7 @@ from gateway.core.store.sqlite import (
     _run_values,
     labels_json,
 )
+from gateway.core.store.sqlite_schema import search_values
 
 
 class PostgresStore(PostgresDatabase):
@@ -130,8 +131,9 @@ class PostgresStore(PostgresDatabase):
             raise
 
     async def update_run(self, run: TrainingRun) -> None:
-        """Writes a run's state, speed, times, trainer, trainer episode, restarts and parked
-        (never its counters nor ``checkpoint_episode``), fenced by its owner, and announces it.
+        """Writes a run's state, speed, times, trainer, trainer episode, restarts, parked and
+        task (with the ``learning_rate`` search column; never its counters nor
+        ``checkpoint_episode``), fenced by its owner, and announces it.
 
         Raises:
             NotOwner: another replica owns the run.
@@ -140,7 +142,8 @@ class PostgresStore(PostgresDatabase):
         async def go(conn: psycopg.AsyncConnection) -> None:
             cur = await conn.execute(
                 "UPDATE runs SET state=%s, error_message=%s, speed=%s, start_time=%s, "
-                "end_time=%s, trainer=%s, trainer_episode=%s, restarts=%s, parked=%s "
+                "end_time=%s, trainer=%s, trainer_episode=%s, restarts=%s, parked=%s, "
+                "task=%s, learning_rate=%s "
                 "WHERE id=%s AND (owner=%s OR owner IS NULL) RETURNING id",
                 (
                     int(run.state),
@@ -152,6 +155,8 @@ class PostgresStore(PostgresDatabase):
                     run.trainer_episode,
                     run.restarts,
                     run.parked,
+                    run.task.SerializeToString(),
+                    search_values(run.task, run.config)[3],
                     run.id,
                     self.replica_id,
                 ),

@@ -310,7 +310,8 @@ class SqliteStore:
         return seq
 
     def update_run(self, run: TrainingRun) -> None:
-        """Writes a run's state, speed, times, trainer, trainer episode, restarts and parked.
+        """Writes a run's state, speed, times, trainer, trainer episode, restarts, parked and
+        task (its live hyperparameters change, with the ``learning_rate`` search column).
 
         The episode counters are not written: ``append_episodes`` owns them, and a snapshot
         taken before the last group commit must not rewind them; nor is
@@ -318,7 +319,8 @@ class SqliteStore:
         """
         self._conn.execute(
             "UPDATE runs SET state=?, error_message=?, speed=?, start_time=?, end_time=?, "
-            "trainer=?, trainer_episode=?, restarts=?, parked=? WHERE id=?",
+            "trainer=?, trainer_episode=?, restarts=?, parked=?, task=?, learning_rate=? "
+            "WHERE id=?",
             (
                 int(run.state),
                 run.error_message,
@@ -329,6 +331,8 @@ class SqliteStore:
                 run.trainer_episode,
                 run.restarts,
                 run.parked,
+                run.task.SerializeToString(),
+                search_values(run.task, run.config)[3],
                 run.id,
             ),
         )
@@ -403,7 +407,7 @@ class SqliteStore:
             "SELECT e.data, coalesce(d.detail, r.detail) FROM episodes e "
             "LEFT JOIN details d ON d.run_id = e.run_id AND d.episode = e.episode "
             "LEFT JOIN recent_details r ON r.run_id = e.run_id AND r.episode = e.episode "
-            "WHERE e.run_id=? AND e.episode BETWEEN ? AND ? ORDER BY e.episode",
+            "WHERE e.run_id=?1 AND e.episode BETWEEN ?2 AND ?3 ORDER BY e.episode",
             (run_id, first, last),
         ).fetchall()
         return [data if detail is None else data + detail for data, detail in rows]

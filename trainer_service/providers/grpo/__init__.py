@@ -6,8 +6,9 @@ GRPOTrainer each of those processes trains (:mod:`.worker`), with the settings o
 :mod:`.settings`, and :mod:`.callback` turns its steps into episodes.
 
 Importing this package is cheap (no torch, trl or transformers): the registry imports it to list
-providers, and :func:`validate` runs before a slot is taken. Neither does :func:`run` import the
-training stack into the trainer: its processes do.
+providers, :func:`validate` runs before a slot is taken, and :func:`hyperparameters` /
+:func:`check_hyperparameters` answer for live changes (:mod:`.hyperparameters`). Neither does
+:func:`run` import the training stack into the trainer: its processes do.
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from trainer_service.providers.grpo.hyperparameters import check_hyperparameters, hyperparameters
 from trainer_service.providers.grpo.validation import validate
 
 if TYPE_CHECKING:
     from trainer_service.core.provider import TrainJob
     from trainwire.v1 import episode_pb2
 
-__all__ = ["DEFAULT_CHECKPOINT_EVERY", "run", "slots_needed", "validate"]
+__all__ = [
+    "DEFAULT_CHECKPOINT_EVERY",
+    "check_hyperparameters",
+    "hyperparameters",
+    "run",
+    "slots_needed",
+    "validate",
+]
 
 #: Optimizer steps between checkpoints when the config leaves ``checkpoint_every`` at 0. The
 #: tiny VLM at the provider's defaults on a 2-core CPU: a step takes 0.37 s, a checkpoint

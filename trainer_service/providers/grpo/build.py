@@ -234,6 +234,57 @@ class LazyGRPOTrainer(GRPOTrainer):
         }
         return checkpoint.save(self, directory, extra)
 
+    # -- live hyperparameters ---------------------------------------------------------------
+
+    def set_hyperparameters(
+        self,
+        learning_rate: float | None = None,
+        temperature: float | None = None,
+        beta: float | None = None,
+    ) -> None:
+        """Trains the next step with these values (``None``: unchanged); called at a step
+        boundary, on every rank alike.
+
+        The learning rate is the peak of the schedule: the scheduler's base rates move, and
+        the optimizer's rates become base x the schedule's current factor, so the decay goes
+        on from the new peak. The temperature changes sampling and the temperature the fused
+        LM head divides the logits by when it scores completions (policy and reference).
+        """
+        if learning_rate is not None:
+            set_learning_rate(self.optimizer, self.lr_scheduler, learning_rate)
+        if temperature is not None:
+            self.temperature = temperature
+            generation_config = getattr(self, "generation_config", None)
+            if generation_config is not None:
+                generation_config.temperature = temperature
+            generation_kwargs = getattr(self, "generation_kwargs", None)
+            if generation_kwargs is not None:
+                generation_kwargs["temperature"] = temperature
+            for model in (self.accelerator.unwrap_model(self.model), self.ref_model):
+                if model is not None:
+                    set_fused_head_temperature(model, temperature)
+        if beta is not None:
+            if beta > 0 and self.ref_model is None:
+                # The trainer refuses this before it reaches a rank (hyperparameters.py).
+                raise ValueError("beta > 0 needs a reference model, and this job has none")
+            self.beta = beta
+
+    def sampling_hyperparameters(self) -> dict[str, float]:
+        """The temperature and beta the next step uses (the episode metrics)."""
+        return {"temperature": float(self.temperature), "beta": float(self.beta)}
+
+    def live_hyperparameters(self) -> dict[str, float]:
+        """Every live hyperparameter (the learning rate as the schedule's peak), as a
+        checkpoint records them."""
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+        base_lrs = getattr(scheduler, "base_lrs", None)
+        optimizer = self.optimizer
+        assert optimizer is not None, "called once training started"
+        rate = base_lrs[0] if base_lrs else optimizer.param_groups[0]["lr"]
+        return {"learning_rate": float(rate), **self.sampling_hyperparameters()}
+
+    # -- resuming ----------------------------------------------------------------------------
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         # The weights were loaded from the checkpoint's model/ when this trainer was built,
         # strictly (Trainer's own load would accept missing tensors with a warning).
@@ -246,6 +297,10 @@ class LazyGRPOTrainer(GRPOTrainer):
             raise CheckpointUnusable(
                 f"its optimizer or scheduler state does not load ({type(exc).__name__}: {exc})"
             ) from exc
+        if checkpoint is not None:
+            # The states bring the learning rate the checkpoint was written with; the task's
+            # is the run's now (changed while it was parked, or a fork's).
+            set_learning_rate(self.optimizer, self.lr_scheduler, self.args.learning_rate)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         try:
@@ -254,6 +309,48 @@ class LazyGRPOTrainer(GRPOTrainer):
             raise CheckpointUnusable(
                 f"its RNG state does not load ({type(exc).__name__}: {exc})"
             ) from exc
+
+
+def set_learning_rate(optimizer: Any, lr_scheduler: Any, learning_rate: float) -> None:
+    """Makes ``learning_rate`` the peak of a running schedule: a ``LambdaLR`` (Trainer's
+    schedules) gets it as its base rates and the optimizer base x its current factor; any other
+    scheduler leaves the optimizer's rates at ``learning_rate``. Rates already equal are left
+    alone (a resumed run continues bit for bit)."""
+    scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate wraps it
+    groups = optimizer.param_groups
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    base_lrs = getattr(scheduler, "base_lrs", None)
+    if lambdas is None or base_lrs is None:
+        for group in groups:
+            group["lr"] = learning_rate
+        return
+    if all(base == learning_rate for base in base_lrs):
+        return
+    scheduler.base_lrs = [learning_rate] * len(base_lrs)
+    for group, factor in zip(groups, lambdas, strict=True):
+        group["initial_lr"] = learning_rate
+        group["lr"] = learning_rate * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]
+
+
+def set_fused_head_temperature(model: Any, temperature: float) -> None:
+    """Sets the temperature TRL's fused LM head divides the logits by (``add_fused_lm_head``
+    keeps it in the patched ``forward``'s closure; without a fused head there is nothing to
+    set).
+
+    Raises:
+        RuntimeError: The model's forward is TRL's fused one but holds no temperature (a TRL
+            this code does not know).
+    """
+    forward = getattr(model, "forward", None)
+    function = getattr(forward, "__func__", forward)
+    code = getattr(function, "__code__", None)
+    if code is None or code.co_name != "_fused_forward":
+        return
+    closure = getattr(function, "__closure__", None)
+    if "temperature" not in code.co_freevars or closure is None:
+        raise RuntimeError("TRL's fused LM head keeps its temperature out of reach")
+    closure[code.co_freevars.index("temperature")].cell_contents = temperature
 
 
 def world_size() -> int:

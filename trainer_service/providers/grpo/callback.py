@@ -16,13 +16,17 @@ step trained on exactly that generation batch, so its episode carries that batch
 latest logged one) and ``metrics["reward_carried"] = 1.0``; steps that generated carry their own
 reward and ``reward_carried = 0.0``. The sample completions follow the same rule (they come from
 the :class:`~.rewards.CompletionTap`, which holds the latest scored batch).
+
+Hyperparameters on every step: ``learning_rate`` (TRL logs the rate the step's optimizer used),
+``temperature`` and ``beta`` (the values the step sampled and weighed the KL with), so a live
+change shows at the step it applied to.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -84,10 +88,15 @@ class EpisodeMaker:
         self.tap = tap
         self.samples = samples
         self.last_reward: float | None = None
+        #: The sampling temperature and beta the step used (``learning_rate`` is in TRL's own
+        #: log record: the step's scheduled rate); None: not reported.
+        self.hyperparameters: Callable[[], Mapping[str, float]] | None = None
 
     def make(self, logs: Mapping[str, Any]) -> episode_pb2.Episode:
         """The next episode from one step's log record."""
         metrics = finite_metrics(logs)
+        if self.hyperparameters is not None:
+            metrics.update(self.hyperparameters())
         reward = metrics.get("reward")
         carried = reward is None
         if reward is not None:

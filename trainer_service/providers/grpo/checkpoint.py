@@ -98,6 +98,7 @@ def save(trainer: Any, directory: pathlib.Path, extra: Mapping[str, Any]) -> int
         epoch=state.global_step // per_epoch,
         batches_done=state.global_step % per_epoch,
         model_fingerprint=str(extra["model_fingerprint"]),
+        hyperparameters=trainer.live_hyperparameters(),
     )
     (directory / files.RECORD).write_text(json.dumps(content, indent=1), encoding="utf-8")
     return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())

@@ -76,8 +76,10 @@ def record(
     epoch: int,
     batches_done: int,
     model_fingerprint: str,
+    hyperparameters: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The content of ``trainwire.json``."""
+    """The content of ``trainwire.json`` (``hyperparameters``: the live ones in effect, for
+    people; a resumed job trains with its task's)."""
     return {
         "format": FORMAT,
         "step": step,
@@ -87,6 +89,7 @@ def record(
         "seed": seed,
         "data_position": {"epoch": epoch, "batches_done": batches_done},
         "model_fingerprint": model_fingerprint,
+        "hyperparameters": dict(hyperparameters or {}),
     }
 
 

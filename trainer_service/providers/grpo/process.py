@@ -8,7 +8,9 @@ the job's producer thread in a new process group led by rank 0. :func:`run` look
 provider to the service's ``RunningJob``: a generator of episodes, pulled one credited episode at
 a time. Each pull sends ``STEP n`` to every rank (:mod:`.wire`) and returns the episode rank 0
 sends back, so a job computes exactly the steps it has credit for; grants, detach/re-attach and
-the contract check are the service's (``trainer_service.core.job``).
+the contract check are the service's (``trainer_service.core.job``). A change of the job's
+hyperparameters (``job.hyperparameters``) goes to every rank as ``HYPER`` right before the
+``STEP`` it applies to.
 
 Stopping (cancel, shutdown, a closed generator): ``STOP`` to every rank (each finishes the step
 in flight, so the stop reaches every rank within one optimizer step), up to
@@ -61,6 +63,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.provider import CheckpointUnusable, ProviderError, TrainJob
 from trainer_service.providers.grpo import checkpoint_files, launch, wire
 from trainer_service.providers.grpo.ranks import Rank, diagnose, peek_exit
@@ -182,6 +185,19 @@ class JobProcesses:
                 )
         self.boundary = step
         return self._episode
+
+    def set_hyperparameters(self, change: Hyperparameters) -> None:
+        """Has every rank train its next step with ``change`` (``HYPER``, sent before that
+        step's ``STEP``: all ranks apply it at the same boundary)."""
+        values = change.as_dict()
+        for rank in self.ranks:
+            rank.channel.send_json(wire.HYPER, values)
+        _LOGGER.info(
+            "run %s: the next step trains with %s",
+            self.job.run_id,
+            change.describe(),
+            extra={"run_id": self.job.run_id},
+        )
 
     def checkpoint(self, step: int, directory: pathlib.Path) -> dict[str, object]:
         """Has the ranks checkpoint step ``step`` (they wait at its end) into ``directory``.
@@ -486,6 +502,9 @@ def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
     try:
         group.start(resume)
         for step in range(start + 1, job.config.max_episodes + 1):
+            change = job.hyperparameters.take()
+            if change is not None:
+                group.set_hyperparameters(change)
             episode = group.step(step)
             if episode is None:
                 return  # stopped

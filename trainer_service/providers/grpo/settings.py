@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from trl import GRPOConfig
 
 from trainer_service.core.provider import ProviderError, TrainJob
+from trainer_service.providers.grpo.hyperparameters import (
+    DEFAULT_LEARNING_RATE,
+    DEFAULT_TEMPERATURE,
+    initial_beta,
+)
 from trainwire.v1 import episode_pb2
 
 # The defaults are the settings that learn (README, "GRPO that learns"; measured by
@@ -24,8 +29,6 @@ DEFAULT_NUM_GENERATIONS = 8
 #: Prompts per optimizer step when batch_size is 0 (batch = this x num_generations).
 DEFAULT_PROMPTS_PER_STEP = 16
 DEFAULT_MAX_COMPLETION_LENGTH = 16
-DEFAULT_LEARNING_RATE = 3e-3
-DEFAULT_TEMPERATURE = 1.0
 DEFAULT_NUM_WORKERS = 2
 # Largest memo: rows of one generation batch; capped so big batches of big images stay bounded.
 _MAX_MEMO_ROWS = 64
@@ -94,7 +97,7 @@ class Settings:
             batch_size=batch_size,
             max_completion_length=task.max_completion_length or DEFAULT_MAX_COMPLETION_LENGTH,
             learning_rate=task.learning_rate or DEFAULT_LEARNING_RATE,
-            beta=task.beta if task.HasField("beta") else 0.0,
+            beta=initial_beta(task),
             temperature=task.temperature or DEFAULT_TEMPERATURE,
             gradient_accumulation_steps=accumulation,
             num_workers=workers,

@@ -13,6 +13,8 @@ so every rank takes the same decision at every step boundary:
 | ``STEP`` | trainer -> rank | the optimizer step the ranks may run next (8-byte int) |
 | ``STOP`` | trainer -> rank | nothing: stop at the next step boundary |
 | ``SAVE`` | trainer -> rank | checkpoint the step just finished (JSON: ``step``, ``directory``) |
+| ``HYPER`` | trainer -> rank | train the next step with these hyperparameters (JSON: any of |
+| | | ``learning_rate``, ``temperature``, ``beta``); sent right before its ``STEP`` |
 | ``PHASE`` | rank -> trainer | what the rank does (UTF-8), for heartbeats |
 | ``BEAT`` | rank -> trainer | nothing: the rank is alive (sent every second) |
 | ``EPISODE`` | rank 0 -> trainer | one serialized ``trainwire.v1.Episode`` |
@@ -42,6 +44,7 @@ __all__ = [
     "END",
     "EPISODE",
     "ERROR",
+    "HYPER",
     "JOB",
     "MAX_MESSAGE",
     "PHASE",
@@ -64,6 +67,7 @@ ERROR = b"X"
 END = b"D"
 SAVE = b"C"
 SAVED = b"W"
+HYPER = b"H"
 
 _STEP = struct.Struct(">q")
 #: Largest message accepted: an episode is at most ~40 KiB, a job spec a few KiB.

@@ -17,7 +17,9 @@ group, each with its own end of the job's channel (``--fd``, see :mod:`.wire`). 
    the same messages, so all ranks run the same steps and stop at the same boundary (a
    ``STOP`` reaches every rank within one optimizer step). Rank 0 sends each step's episode
    before it waits. A ``SAVE`` read while waiting checkpoints the step just finished, on every
-   rank at once (:mod:`.checkpoint`); rank 0 answers ``SAVED``, and the rank waits on. A job
+   rank at once (:mod:`.checkpoint`); rank 0 answers ``SAVED``, and the rank waits on; a
+   ``HYPER`` changes the learning rate, temperature or beta of the next step, on every rank at
+   the same boundary. A job
    spec with ``resume`` builds the trainer from that checkpoint and resumes at its next step;
    a checkpoint that does not load is reported as such (``ERROR`` of kind ``checkpoint``);
 4. reports ``END`` (with the last step it finished) when training returned, or ``ERROR`` (a
@@ -81,6 +83,8 @@ class RankChannel:
         self.finishing = threading.Event()  #: set once the rank is done: EOF is expected
         #: Writes the checkpoint a ``SAVE`` asks for (its JSON payload); set once training can.
         self.on_save: Callable[[Mapping[str, Any]], None] | None = None
+        #: Applies the hyperparameters a ``HYPER`` carries; set once training can.
+        self.on_hyperparameters: Callable[[Mapping[str, float]], None] | None = None
         self._job: queue.Queue[bytes] = queue.Queue(maxsize=1)
         self._controls: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
 
@@ -100,7 +104,7 @@ class RankChannel:
             kind, payload = message
             if kind == wire.JOB:
                 self._job.put(payload)
-            elif kind in (wire.STEP, wire.STOP, wire.SAVE):
+            elif kind in (wire.STEP, wire.STOP, wire.SAVE, wire.HYPER):
                 if kind == wire.STOP:
                     self.stopped.set()
                 self._controls.put(message)
@@ -119,19 +123,25 @@ class RankChannel:
 
     def wait_step(self, step: int) -> bool:
         """Blocks for the next ``STEP`` or ``STOP``: True for ``STEP step``, False for ``STOP``.
-        A ``SAVE`` that comes first is handed to :attr:`on_save`, and the wait goes on.
+        A ``SAVE`` that comes first is handed to :attr:`on_save`, a ``HYPER`` to
+        :attr:`on_hyperparameters`, and the wait goes on.
 
         Raises:
-            RuntimeError: A ``STEP`` for another step, or a ``SAVE`` before training started
-                (the trainer broke the protocol).
+            RuntimeError: A ``STEP`` for another step, or a ``SAVE`` or ``HYPER`` before
+                training started (the trainer broke the protocol).
         """
         while True:
             kind, payload = self._controls.get()
-            if kind != wire.SAVE:
+            if kind == wire.SAVE:
+                if self.on_save is None:
+                    raise RuntimeError("the trainer asked for a checkpoint before training started")
+                self.on_save(dict(json.loads(payload)))
+            elif kind == wire.HYPER:
+                if self.on_hyperparameters is None:
+                    raise RuntimeError("the trainer sent hyperparameters before training started")
+                self.on_hyperparameters(dict(json.loads(payload)))
+            else:
                 break
-            if self.on_save is None:
-                raise RuntimeError("the trainer asked for a checkpoint before training started")
-            self.on_save(dict(json.loads(payload)))
         if kind == wire.STOP:
             return False
         granted = wire.step_of(payload)
@@ -223,6 +233,9 @@ def _train(spec: Mapping[str, Any], channel: RankChannel, build: Callable[..., A
     try:
         trainer = build(job, [gate], output_dir=spec["output_dir"], tap=tap)
         channel.on_save = _checkpoint_writer(trainer, channel, maker, rank)
+        channel.on_hyperparameters = lambda values: trainer.set_hyperparameters(**values)
+        if maker is not None:
+            maker.hyperparameters = trainer.sampling_hyperparameters
         if rank == 0 and trainer.lazy_dataset is not None:
             lazy = trainer.lazy_dataset
 
