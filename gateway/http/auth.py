@@ -25,6 +25,7 @@ HTTP_RPCS: dict[tuple[str, str], str] = {
     ("GET", "/v1/runs"): "ListRuns",
     ("POST", "/v1/runs"): "CreateRun",
     ("GET", "/v1/runs/{run_id}"): "GetRun",
+    ("PATCH", "/v1/runs/{run_id}"): "UpdateRun",
     ("DELETE", "/v1/runs/{run_id}"): "DeleteRun",
     ("POST", "/v1/runs/{run_id}:pause"): "PauseRun",
     ("POST", "/v1/runs/{run_id}:resume"): "ResumeRun",
@@ -32,6 +33,8 @@ HTTP_RPCS: dict[tuple[str, str], str] = {
     ("POST", "/v1/runs/{run_id}:setSpeed"): "SetRunSpeed",
     ("POST", "/v1/runs/{run_id}:setHyperparameters"): "SetRunHyperparameters",
     ("GET", "/v1/runs/{run_id}/motion"): "GetRun",
+    ("GET", "/v1/runs/{run_id}/curve"): "GetRunCurve",
+    ("GET", "/v1/motions"): "ListRuns",  # read like the runs (viewer)
     ("GET", "/v1/runs/{run_id}/events"): "WatchRun",
     ("GET", "/v1/runs/{run_id}/checkpoints"): "ListCheckpoints",
     ("GET", "/v1/runs/{run_id}/checkpoints/{episode}:download"): "DownloadCheckpoint",
@@ -57,7 +60,8 @@ def http_rule(request: web.Request) -> tuple[str, Role | None]:
     label = (
         f"{GATEWAY_SERVICE}/{rpc} ({method} {request.path})" if rpc else f"{method} {request.path}"
     )
-    return label, RPC_ROLES[rpc] if rpc else Role.VIEWER
+    # A data route missing from HTTP_RPCS needs the highest role: a new route fails closed.
+    return label, RPC_ROLES[rpc] if rpc else Role.ADMIN
 
 
 def _refusal(exc: GatewayError) -> web.Response:

@@ -40,12 +40,14 @@ NEEDS = {
     "WatchRun": "viewer",
     "ListCheckpoints": "viewer",
     "DownloadCheckpoint": "viewer",
+    "GetRunCurve": "viewer",
     "CreateRun": "operator",
     "PauseRun": "operator",
     "ResumeRun": "operator",
     "StopRun": "operator",
     "SetRunSpeed": "operator",
     "SetRunHyperparameters": "operator",
+    "UpdateRun": "operator",
     "DeleteRun": "admin",
 }
 RANK = {None: 0, "viewer": 1, "operator": 2, "admin": 3}
@@ -58,6 +60,8 @@ def _request(rpc: str) -> object:
         return pb.ListRunsRequest(page_size=5)
     if rpc == "SetRunSpeed":
         return pb.SetRunSpeedRequest(run_id="no-such-run", speed=2.0)
+    if rpc == "UpdateRun":
+        return pb.UpdateRunRequest(run=pb.Run(id="no-such-run", display_name="x"))
     if rpc == "SetRunHyperparameters":
         return pb.SetRunHyperparametersRequest(run_id="no-such-run", learning_rate=0.01)
     return getattr(pb, f"{rpc}Request")(run_id="no-such-run")
@@ -214,6 +218,8 @@ HTTP_ROUTES = (
     ("POST", "/v1/runs", CREATE_BODY, "CreateRun"),
     ("GET", "/v1/runs/nope", None, "GetRun"),
     ("GET", "/v1/runs/nope/motion", None, "GetRun"),
+    ("GET", "/v1/runs/nope/curve", None, "GetRunCurve"),
+    ("PATCH", "/v1/runs/nope", {"displayName": "x"}, "UpdateRun"),
     ("GET", "/v1/runs/nope/events", None, "WatchRun"),
     ("GET", "/v1/runs/nope/checkpoints", None, "ListCheckpoints"),
     ("GET", "/v1/runs/nope/checkpoints/0:download", None, "DownloadCheckpoint"),
