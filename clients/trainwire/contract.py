@@ -24,7 +24,9 @@ that own them:
   ``ContractViolation``, ``FieldViolation`` and ``task_kind``;
 - ``trainwire._contract_stream``: ``StreamChecker``, the stream rules above;
 - ``trainwire._contract_requests``: request validation (``check_*``, ``bad_request``,
-  ``describe_violations``, ``display_run_id``).
+  ``describe_violations``, ``display_run_id``);
+- ``trainwire._contract_fork``: what a fork may change (``fork_differences``,
+  ``FORK_FIELDS``).
 
 These modules depend on protobuf and the generated messages only (no grpc calls, no torch).
 """
@@ -60,6 +62,7 @@ from trainwire._contract_base import (
     FieldViolation,
     task_kind,
 )
+from trainwire._contract_fork import FORK_FIELDS, fork_differences
 from trainwire._contract_requests import (
     LIVE_HYPERPARAMETERS,
     bad_request,
@@ -81,6 +84,7 @@ __all__ = [
     "BUILTIN_RIG_BONES",
     "DEFAULT_GRPO_GENERATIONS",
     "DEFAULT_RIG",
+    "FORK_FIELDS",
     "LIVE_HYPERPARAMETERS",
     "MAX_ABS_ANGLE",
     "MAX_BONES",
@@ -116,5 +120,6 @@ __all__ = [
     "check_train_request",
     "describe_violations",
     "display_run_id",
+    "fork_differences",
     "task_kind",
 ]

@@ -317,3 +317,45 @@ async def test_cancel_with_checkpoint_of_a_resumed_job_that_trained_nothing(
     wait_for(lambda: job.phase == "waiting", "the restored job at its grant")
     final = runner.cancel_with_checkpoint("run-1", TIMEOUT)
     assert (final.last_episode, final.checkpoint) == (3, store.info("run-1", 3))
+
+
+async def test_a_fork_continues_another_runs_checkpoint_of_the_same_task_only(
+    store: CheckpointStore, tmp_path: pathlib.Path
+) -> None:
+    provider = Checkpointing()
+    runner = runner_with(provider, store, tmp_path)
+    await read_all(runner.start(granted(max_episodes=6)))  # run-1: checkpoints 3, 6
+    assert runner.wait_idle(TIMEOUT)
+
+    # Another learning rate, group size, seed and length: it continues from run-1's state.
+    request = granted("fork-1", max_episodes=9)
+    request.task.imitation.learning_rate = 0.001
+    request.task.imitation.group_size = 4
+    request.config.seed = 99
+    request.resume_from.append(ref("run-1", store, 3))
+    events = await read_all(runner.start(request))
+    assert kinds(events)[:3] == ["r3", "e4", "e5"]
+    assert provider.jobs[-1].resume is not None
+    assert runner.wait_idle(TIMEOUT)
+
+    # Another clip, or a length that ends at the checkpoint: skipped, saying why.
+    other = granted("fork-2", max_episodes=9)
+    other.task.imitation.clip_name = "walk"
+    other.resume_from.append(ref("run-1", store, 3))
+    events = await read_all(runner.start(other))
+    resumed = events[0]
+    assert isinstance(resumed, trainer_service_pb2.Resumed)
+    assert not resumed.HasField("checkpoint")
+    [skipped] = resumed.skipped
+    assert skipped.reason == (
+        "does not fit: it is of another task than this fork's (task.imitation.clip_name: "
+        "'walk'; the checkpoint's task has 'wave'); a fork may change only its "
+        "hyperparameters, seed and max_episodes"
+    )
+    assert runner.wait_idle(TIMEOUT)
+    short = granted("fork-3", max_episodes=6)
+    short.resume_from.append(ref("run-1", store, 6))
+    events = await read_all(runner.start(short))
+    assert events[0].skipped[0].reason == (  # type: ignore[attr-defined]
+        "does not fit: it was taken after episode 6, and this job ends at episode 6"
+    )

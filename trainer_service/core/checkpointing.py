@@ -1,7 +1,8 @@
 """A job's checkpoints: :class:`JobCheckpoints`, the ``Checkpoints`` a provider writes through
 (when, where to write, the commit into the shared store) and the record of what it committed or
-failed to commit, which the job's streams report; and :func:`fetch_candidate`, which brings a
-resume candidate from the store to local disk, verified.
+failed to commit, which the job's streams report; :func:`fetch_candidate`, which brings a
+resume candidate from the store to local disk, verified; and :func:`check_fork`, what a
+candidate of another run (a fork's parent) must share with the job.
 
 A commit never raises: a failed write (disk full, store unreachable) is logged, counted and
 recorded as a failure event, and training goes on. Commits happen in episode order (a provider
@@ -27,7 +28,8 @@ from typing import Any
 from google.protobuf import json_format
 
 from trainer_service.core.observe import JobObserver, NullJobObserver
-from trainer_service.core.provider import RestoredCheckpoint
+from trainer_service.core.provider import CheckpointUnusable, RestoredCheckpoint
+from trainwire.contract import fork_differences
 from trainwire.v1 import episode_pb2, trainer_service_pb2
 from trainwire_ops.checkpoints import (
     CheckpointError,
@@ -228,6 +230,45 @@ def fetch_candidate(
     if info.best_reward is None:
         raise CheckpointError(ref.run_id, episode, "its record holds no best reward")
     return RestoredCheckpoint(directory=dest, episode=episode, best_reward=info.best_reward)
+
+
+def check_fork(
+    store: CheckpointStore,
+    ref: trainer_service_pb2.CheckpointRef,
+    task: episode_pb2.TrainTask,
+    config: episode_pb2.TrainConfig,
+) -> None:
+    """Checks that a candidate of another run (the parent of a fork) fits this job: a job may
+    continue another run's checkpoint with other hyperparameters, seed and ``max_episodes``
+    (``trainwire.contract.fork_differences``), never of another task kind or model, and only
+    to train on after it. A checkpoint whose marker records no task is left to the provider.
+
+    Raises:
+        CheckpointUnusable: It does not fit (``str()`` names the field and both values).
+        CheckpointError: Its marker cannot be read.
+    """
+    episode = ref.checkpoint.episode
+    if episode >= config.max_episodes:
+        raise CheckpointUnusable(
+            f"it was taken after episode {episode}, and this job ends at episode "
+            f"{config.max_episodes}"
+        )
+    recorded = (store.meta(ref.run_id, episode) or {}).get("task")
+    if not isinstance(recorded, dict):
+        return
+    try:
+        parent = json_format.ParseDict(
+            recorded, episode_pb2.TrainTask(), ignore_unknown_fields=True
+        )
+    except json_format.ParseError as exc:
+        raise CheckpointUnusable(f"the task its marker records does not parse: {exc}") from exc
+    differences = fork_differences(parent, task)
+    if differences:
+        first = differences[0]
+        raise CheckpointUnusable(
+            f"it is of another task than this fork's ({first.field}: {first.description}); a "
+            "fork may change only its hyperparameters, seed and max_episodes"
+        )
 
 
 def skip_reason(error: CheckpointError) -> str:

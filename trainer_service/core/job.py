@@ -16,11 +16,13 @@ replaces the first, which ends with ``Reattached``.
 
 A job started with ``resume_from`` first restores (in the producer): each candidate, newest
 first, is fetched and verified (``trainer_service.core.checkpointing``) and handed to the
-provider as ``TrainJob.resume``; a candidate that is missing, damaged or that the provider finds
-``CheckpointUnusable`` before its first episode is skipped, and when none is left the job starts
-from scratch. The job's episodes are numbered from the restored episode + 1; the window and the
-contract checker start there. Streams send ``resumed`` before anything else but heartbeats, and
-each checkpoint event of the job once they have sent its episode (again on a re-attach).
+provider as ``TrainJob.resume``; a candidate that is missing, damaged, of another run that this
+job may not continue (``checkpointing.check_fork``: a fork continues its parent's task with
+other hyperparameters only) or that the provider finds ``CheckpointUnusable`` before its first
+episode is skipped, and when none is left the job starts from scratch. The job's episodes are
+numbered from the restored episode + 1; the window and the contract checker start there.
+Streams send ``resumed`` before anything else but heartbeats, and each checkpoint event of the
+job once they have sent its episode (again on a re-attach).
 
 ``cancel(checkpoint=True)`` (stop, park) asks the provider for a final checkpoint: the job takes
 no more credit, lets the episode in flight finish and be held, then closes the provider's
@@ -42,6 +44,7 @@ from typing import Any
 from trainer_service.core.checkpointing import (
     CheckpointEvent,
     JobCheckpoints,
+    check_fork,
     fetch_candidate,
     skip_reason,
 )
@@ -408,6 +411,9 @@ class RunningJob:
             except CheckpointError as exc:
                 self._skip(skipped, episode, skip_reason(exc))
                 continue
+            except CheckpointUnusable as exc:  # another run's that this job may not continue
+                self._skip(skipped, episode, f"does not fit: {exc}")
+                continue
             with self._cond:
                 self._start_at(episode)
             episodes = self._provider.run(dataclasses.replace(self._job, resume=restored))
@@ -435,6 +441,8 @@ class RunningJob:
                 ref.run_id, ref.checkpoint.episode, "this trainer has no checkpoint store"
             )
         self._phase = "loading"
+        if ref.run_id != self.run_id:  # checked before fetching: a model may be large
+            check_fork(self._checkpoints.store, ref, self.task, self.config)
         dest = self._checkpoints.scratch_root / f"resume-{index}-{ref.checkpoint.episode:012d}"
         restored = fetch_candidate(self._checkpoints.store, ref, dest)
         if ref.run_id == self.run_id:
