@@ -19,6 +19,7 @@ from gateway.core.errors import (
     StoreUnavailable,
     TooManyPending,
 )
+from gateway.core.forks import ForkPoint, fork_point
 from gateway.core.history import PageCache
 from gateway.core.observer import Observer
 from gateway.core.ownership import Ownership
@@ -178,12 +179,26 @@ class RunCatalog:
             current = self._ownership.elsewhere(current)
         return current
 
-    async def _insert(self, spec: RunSpec) -> TrainingRun:
-        if spec.fork_run_id:
+    async def _fork_point(self, spec: RunSpec) -> ForkPoint:
+        """Where a fork starts (see ``gateway.core.forks``).
+
+        Raises:
+            InvalidRequest: no such parent run (``fork_from.run_id`` named: the request is
+                bad, CreateRun's NOT_FOUND would read as the new run's), or a fork it does not
+                allow.
+        """
+        parent_id = spec.fork_run_id
+        try:
+            parent = await self.get(parent_id)
+        except RunNotFound:
             raise InvalidRequest(
-                "fork_from: this gateway cannot fork runs yet",
-                [FieldViolation("fork_from", "forking is not available on this gateway")],
-            )
+                f"cannot fork: there is no run {parent_id!r} (fork_from.run_id)",
+                [FieldViolation("fork_from.run_id", f"no run {parent_id!r}")],
+            ) from None
+        return await fork_point(self._store, parent, spec.task, spec.config, spec.fork_episode)
+
+    async def _insert(self, spec: RunSpec) -> TrainingRun:
+        fork = await self._fork_point(spec) if spec.fork_run_id else None
         if not self._store.writable:
             raise StoreUnavailable(f"cannot create a run: {STORE_MESSAGE}")
         limit = self._settings.max_pending
@@ -206,6 +221,11 @@ class RunCatalog:
             request_hash=spec.request_hash,
             labels=dict(spec.labels),
         )
+        if fork is not None:
+            # Its history starts after the fork episode, with the parent's counters there.
+            run.fork_run_id, run.fork_episode = fork.run_id, fork.episode
+            run.episode = run.trainer_episode = fork.episode
+            run.reward, run.best_reward = fork.reward, fork.best_reward
         try:
             run.seq = await self._store.insert_run(run)
         except StoreWriteFailed:
@@ -218,11 +238,14 @@ class RunCatalog:
         self._observer.run_created(run.id)
         self._observer.run_state_changed(run.id, run.state.name)
         _LOGGER.info(
-            "run %s created (%s, %d episodes, %s)",
+            "run %s created (%s, %d episodes, %s)%s",
             run.id,
             task_kind(run.task),
             run.config.max_episodes,
             "unpaced" if rate < 0 else f"{rate:g} episodes/s x {run.speed:g}",
+            f", forked from run {run.fork_run_id} at episode {run.fork_episode}"
+            if run.fork_run_id
+            else "",
             extra={"run_id": run.id, "event": "created"},
         )
         self._scheduler.enqueue(driver)

@@ -201,12 +201,18 @@ EpisodeReader = Callable[[str, int, int], Awaitable[list[bytes]]]
 
 
 async def restore_builder(
-    run_id: str, last_episode: int, blocks: BlockReader, episodes: EpisodeReader
+    run_id: str,
+    last_episode: int,
+    blocks: BlockReader,
+    episodes: EpisodeReader,
+    origin: int = 0,
 ) -> CurveBuilder:
-    """The builder of a run whose episodes ``1..last_episode`` are stored: its open blocks,
-    read back from at most three stored blocks per level and three episodes."""
-    if last_episode <= 0:
-        return CurveBuilder()
+    """The builder of a run whose episodes ``origin + 1..last_episode`` are stored (``origin``:
+    a fork's fork episode, else 0): its open blocks, read back from at most three stored blocks
+    per level and three episodes. A fork has no block that ends at or before its fork episode
+    (the block around it holds the fork's episodes only)."""
+    if last_episode <= origin:
+        return CurveBuilder(last_episode)
     first_open = last_episode // BASE * BASE + 1
     below = Aggregate()
     for data in await episodes(run_id, first_open, last_episode):
@@ -228,6 +234,8 @@ async def restore_builder(
         for index in range(lo, hi + 1):
             block = stored.get((level - 1, index))
             if block is None:
+                if block_span(level - 1, index)[1] <= origin:
+                    continue  # before the fork: never stored
                 raise LookupError(f"run {run_id}: curve block {level - 1}/{index} is missing")
             agg.merge(block.aggregate(True))
         opened.append(agg)

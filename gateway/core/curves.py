@@ -58,7 +58,8 @@ class RunCurves:
             )
         run = await self._get_run(run_id)
         last = run.episode if last_episode == 0 else min(last_episode, run.episode)
-        first = max(1, first_episode)
+        # A fork's curve starts after its fork episode (the parent's curve has the rest).
+        first = max(1, first_episode, run.fork_episode + 1)
         try:
             got = await read_curve(
                 run_id,

@@ -77,14 +77,16 @@ class DetailRetention:
         self._store = store
         self._spawn = spawn
         self._forget_pages = forget_pages
-        self.stride = detail_stride(run.config.max_episodes, details_per_run)
+        # A fork keeps as many details as a run of its own length (from its fork episode).
+        self.stride = detail_stride(run.config.max_episodes - run.fork_episode, details_per_run)
         self._window = self._chunk = 2 * live_episodes
         self._checkpoint_every = run.config.checkpoint_every or PROVIDER_CHECKPOINT_EVERY.get(
             kind, 0
         )
         #: Episodes through this one are settled (0 after a restart: the first chunk settles
-        #: what a previous gateway left recent, a quick delete of few rows).
-        self.thinned = 0
+        #: what a previous gateway left recent, a quick delete of few rows; a fork has nothing
+        #: before its fork episode).
+        self.thinned = run.fork_episode
         self._best: tuple[float, int] | None = None  # of the stretch not thinned yet
         self._busy = False
 

@@ -55,6 +55,7 @@ from gateway.core.errors import (
     TrainerUnavailable,
 )
 from gateway.core.feed import Inbox, TrainerFeed
+from gateway.core.forks import ForkNotRestored, fork_resume_point
 from gateway.core.history import EpisodeLog
 from gateway.core.hyperparameters import HyperparameterChange, has_reference_model
 from gateway.core.observer import Observer
@@ -153,7 +154,11 @@ class RunDriver:
         self._ctx = ctx
         self.kind = task_kind(run.task)
         self.log = EpisodeLog(
-            run.id, ctx.settings.live_coalesce_s, ctx.clock, ctx.settings.live_episodes
+            run.id,
+            ctx.settings.live_coalesce_s,
+            ctx.clock,
+            ctx.settings.live_episodes,
+            run.fork_episode,
         )
         self.pacer = Pacer(run.episodes_per_second, run.speed, ctx.clock)
         self.credit = CreditWindow(run.config.max_episodes)
@@ -228,7 +233,7 @@ class RunDriver:
         if self.placing_again:
             return (
                 f"{self.pending_detail}, to continue from its latest checkpoint "
-                f"(episode {run.checkpoint_episode}){note}"
+                f"(episode {run.checkpoint_episode or run.fork_episode}){note}"
             )
         if run.state is RunState.RUNNING:
             return (
@@ -556,6 +561,10 @@ class RunDriver:
         resume_from: list[ResumePoint] = []
         if attach_after is None and self.run.trainer_episode:
             resume_from = await self._resume_points()
+            if not resume_from and self.run.fork_run_id:
+                raise ForkNotRestored(
+                    self.run, "that checkpoint is gone (deleted with its run or by its retention)"
+                )
         feed = TrainerFeed(
             self.run,
             self._trainer,
@@ -587,9 +596,12 @@ class RunDriver:
         )
 
     async def _resume_points(self) -> list[ResumePoint]:
-        """The checkpoints the run may continue from, newest first."""
+        """The checkpoints the run may continue from, newest first (a fork's last: the
+        parent's it was forked from)."""
         records = await self._ctx.store.list_checkpoints(self.run.id)
-        return resume_points(records, self.run.trainer_episode)
+        points = resume_points(records, self.run.trainer_episode)
+        fork = await fork_resume_point(self._ctx.store, self.run)
+        return points if fork is None else [*points, fork]
 
     # -- checkpoints (the feed's hooks) --------------------------------------------------------
 
@@ -643,11 +655,19 @@ class RunDriver:
                 )
 
     def resumed(self, resumed: Resumed) -> None:
-        """Notes where a job placed again started from, and what it skipped."""
+        """Notes where a job placed again started from, and what it skipped.
+
+        Raises:
+            ForkNotRestored: a fork's job restored none of its checkpoints (it would train
+                from scratch).
+        """
         run = self.run
         skipped = "; ".join(
             f"skipped the checkpoint at episode {e} ({why})" for e, why in resumed.skipped
         )
+        if run.fork_run_id and not resumed.episode:
+            reasons = "; ".join(f"episode {e}: {why}" for e, why in resumed.skipped)
+            raise ForkNotRestored(run, f"no checkpoint restored ({reasons or 'none given'})")
         start = (
             f"continued from the checkpoint at episode {resumed.episode}"
             if resumed.episode

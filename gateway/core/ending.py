@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from gateway.core.errors import StoreUnavailable
+from gateway.core.forks import ForkNotRestored
 from gateway.core.runs import (
     CONTRACT_MESSAGE,
     INTERRUPTED_MESSAGE,
@@ -60,6 +61,8 @@ class Ending:
 #: Trainer failures: the user message (None: the trainer's own), the label, the log line and
 #: whether the job is cancelled.
 _TRAINER_FAILURES: dict[type[TrainerError], tuple[str | None, str, str, bool]] = {
+    # Its job (if any) would train from scratch what the fork must continue.
+    ForkNotRestored: (None, "fork", "trainer %s could not start the fork: %s", True),
     TrainerProcessDied: (None, "process_died", "a process of the job on %s died: %s", False),
     TrainerFailed: (None, "failed", "trainer %s failed: %s", False),
     TrainerLost: (LOST_MESSAGE, "lost", "trainer %s stopped responding: %s", False),

@@ -57,7 +57,11 @@ class Follower:
         self.run = run
         self._store = store
         self._on_end = on_end
-        self.log = log if log is not None else EpisodeLog(run.id, min_wake_interval, clock)
+        self.log = (
+            log
+            if log is not None
+            else EpisodeLog(run.id, min_wake_interval, clock, origin=run.fork_episode)
+        )
         #: Watchers that hold it (counted before their first await, unlike ``log.watchers``).
         self.users = 0
         self.detail = ""
@@ -126,9 +130,10 @@ class Follower:
             return
         changed = run.state is not self.run.state
         self.run = run
-        if not self.log.last_episode and run.episode > self.log.keep:
+        log = self.log
+        if log.last_episode == log.origin and run.episode - log.origin > log.keep:
             # Only the live tail is held; what is older is read through the page cache.
-            self.log.base = run.episode - self.log.keep
+            log.base = run.episode - log.keep
         first = last = self.log.last_episode
         while run.episode > last:
             upto = min(run.episode, last + READ_CHUNK)

@@ -155,7 +155,7 @@ class EpisodeLog:
     waiting on it.
 
     It holds the frames of episodes ``base + 1 .. last_episode`` (at most ``2 x keep``; the
-    older ones are in the store), in two views: ``frames`` with their detail and
+    older ones, after ``origin``, are in the store), in two views: ``frames`` with their detail and
     ``scalar_frames`` without (the same objects where an episode has no detail). Only committed
     episodes are appended. Waiting watchers each park one future in ``_waiters``; a wake-up
     resolves them all and empties the set, and a watcher that goes away removes its own
@@ -175,6 +175,8 @@ class EpisodeLog:
         min_wake_interval: Minimum seconds between two publication wake-ups (0: every one).
         clock: Monotonic clock in seconds.
         keep: Episodes kept in memory at least (``LIVE_EPISODES``).
+        origin: The episode the run's history starts after: 0, or a fork's fork episode (its
+            first episode is ``origin + 1``).
     """
 
     __slots__ = (
@@ -187,6 +189,7 @@ class EpisodeLog:
         "base",
         "closed",
         "frames",
+        "origin",
         "run_id",
         "scalar_frames",
         "watchers",
@@ -198,9 +201,11 @@ class EpisodeLog:
         min_wake_interval: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         keep: int = LIVE_EPISODES,
+        origin: int = 0,
     ) -> None:
         self.run_id = run_id
-        self.base = 0
+        self.origin = origin
+        self.base = origin
         self.frames: list[bytes] = []
         self.scalar_frames: list[bytes] = []
         self.closed = False
@@ -214,7 +219,7 @@ class EpisodeLog:
 
     @property
     def last_episode(self) -> int:
-        """The last published episode (0 before the first)."""
+        """The last published episode (``origin`` before the first)."""
         return self.base + len(self.frames)
 
     @property
@@ -297,13 +302,20 @@ class EpisodeLog:
             self._waiters.discard(waiter)
 
 
+def page_start(index: int, origin: int = 0) -> int:
+    """The episode before the first of page ``index`` of a run whose history starts after
+    ``origin``."""
+    return max(index * PAGE_EPISODES, origin)
+
+
 class PageCache:
     """A byte-bounded LRU of history pages read from the store (finished runs, and the history
     of active runs older than their live tail), shared by all watchers.
 
     Page ``k`` of a run holds the frames of episodes ``k*PAGE_EPISODES + 1`` onwards (at most
-    ``PAGE_EPISODES``), in one view (with detail, or without: ``scalars``). Concurrent misses on
-    one page share a single load.
+    ``PAGE_EPISODES``), in one view (with detail, or without: ``scalars``); the page of a fork's
+    first episode holds those after its fork episode only (``page_start``). Concurrent misses
+    on one page share a single load.
 
     Args:
         loader: Loads ``(run_id, first, last, scalars)`` -> serialized episodes from the store.
@@ -327,11 +339,18 @@ class PageCache:
         return self._bytes
 
     async def page(
-        self, run_id: str, index: int, last_episode: int, scalars: bool = False, final: bool = True
+        self,
+        run_id: str,
+        index: int,
+        last_episode: int,
+        scalars: bool = False,
+        final: bool = True,
+        origin: int = 0,
     ) -> tuple[bytes, ...]:
         """Frames of page ``index`` of a run whose episodes through ``last_episode`` are
         committed (``final``: and no more will be; otherwise a page that is not full is not
-        cached, it may grow)."""
+        cached, it may grow), and whose history starts after ``origin`` (a fork's episode):
+        the first frame is of episode ``page_start(index, origin) + 1``."""
         key = (run_id, index, scalars)
         cached = self._pages.get(key)
         if cached is not None:
@@ -343,8 +362,8 @@ class PageCache:
         future: asyncio.Future[tuple[bytes, ...]] = asyncio.get_running_loop().create_future()
         self._loading[key] = future
         try:
-            first = index * PAGE_EPISODES + 1
-            last = min(last_episode, first + PAGE_EPISODES - 1)
+            first = page_start(index, origin) + 1
+            last = min(last_episode, (index + 1) * PAGE_EPISODES)
             data = await self._loader(run_id, first, last, scalars)
             frames = tuple(encode_frame(d) for d in data)
         except BaseException as exc:
@@ -355,7 +374,7 @@ class PageCache:
             del self._loading[key]
         future.set_result(frames)
         # Only a complete page is cached: a short read means the run was deleted meanwhile.
-        if len(frames) == last - first + 1 and (final or len(frames) == PAGE_EPISODES):
+        if len(frames) == last - first + 1 and (final or last == (index + 1) * PAGE_EPISODES):
             self._put(key, frames)
         return frames
 

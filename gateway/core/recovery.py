@@ -72,7 +72,7 @@ class Recovery:
             )
             self._scheduler.enqueue(driver)
             return
-        first = max(1, run.episode - driver.log.keep + 1)
+        first = max(run.fork_episode + 1, run.episode - driver.log.keep + 1)
         data = await self._store.read_episodes(run.id, first, run.episode)
         if len(data) != run.episode - first + 1:
             _LOGGER.error(
@@ -94,7 +94,11 @@ class Recovery:
             await driver.finalize()
             return
         curve = await restore_builder(
-            run.id, run.episode, self._store.read_curve_blocks, self._read_scalars
+            run.id,
+            run.episode,
+            self._store.read_curve_blocks,
+            self._read_scalars,
+            run.fork_episode,
         )
         _LOGGER.info(
             "run %s: re-attaching to its job on %s after episode %d (%s)",

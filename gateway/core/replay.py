@@ -10,6 +10,10 @@ A watcher of a finished run reads its history from the store through a page cach
 every watcher. Both send the history that exists at attach time in batches, then ``CaughtUp``
 once, then (active runs) live episodes as they are committed, keepalives while idle, and
 finally the final run.
+
+A fork's history starts after its fork episode (``TrainingRun.fork_episode``,
+``EpisodeLog.origin``): a watch from before it starts there; ``CaughtUp`` and
+``after_episode`` mean what they mean for any run.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from gateway.core.history import (
     EpisodeLog,
     PageCache,
     batch_end,
+    page_start,
 )
 from gateway.core.runs import RunState, TrainingRun
 
@@ -166,8 +171,9 @@ class Replay:
             frames = log.view(scalars)
             return frames[cursor - log.base : upto - log.base], False
         index = cursor // PAGE_EPISODES
-        page = await self._pages.page(log.run_id, index, upto, scalars, final=False)
-        first = index * PAGE_EPISODES
+        origin = log.origin
+        page = await self._pages.page(log.run_id, index, upto, scalars, False, origin)
+        first = page_start(index, origin)
         chunk = page[cursor - first : upto - first]
         if not chunk:
             raise RunNotFound(log.run_id)  # its history is gone from the store
@@ -196,7 +202,8 @@ class Replay:
         scalars: bool,
     ) -> AsyncIterator[WatchEvent]:
         run_id = log.run_id
-        cursor = after_episode
+        # A fork's history starts after its fork episode: a watch from before starts there.
+        cursor = max(after_episode, log.origin)
         attach = log.last_episode
         sizer = BatchSizer(self._clock)
         async for event in self._send(log, cursor, attach, scalars, sizer):
@@ -230,16 +237,17 @@ class Replay:
     async def finished(
         self, run: TrainingRun, after_episode: int, scalars: bool = False
     ) -> AsyncIterator[WatchEvent]:
-        """Watches a finished run from the store."""
-        cursor = after_episode
+        """Watches a finished run from the store (a fork's from after its fork episode)."""
+        origin = run.fork_episode
+        cursor = max(after_episode, origin)
         last = run.episode
         sizer = BatchSizer(self._clock)
         while cursor < last:
             self._check_closing(run.id, cursor)
             index = cursor // PAGE_EPISODES
-            page = await self._pages.page(run.id, index, last, scalars)
-            first = index * PAGE_EPISODES  # episode number before the page's first
-            expected = min(last, first + PAGE_EPISODES) - first
+            page = await self._pages.page(run.id, index, last, scalars, True, origin)
+            first = page_start(index, origin)  # episode number before the page's first
+            expected = min(last, (index + 1) * PAGE_EPISODES) - first
             if len(page) < expected:
                 raise RunNotFound(run.id)  # deleted while being replayed
             for lo, hi in sizer.batches(page, cursor - first, len(page)):

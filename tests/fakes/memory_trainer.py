@@ -20,7 +20,8 @@ and after its done episode into the connector's shared store (``MemoryConnector.
 reachable by every trainer like a shared filesystem), and its stream reports each after the
 episode it was taken after. ``cancel_job(checkpoint=True)`` writes one at the job's last
 episode. A ``train`` with ``resume_from`` starts from the first candidate in the store that is
-not marked ``corrupt`` and says so first (``Resumed``), numbering on from it.
+not marked ``corrupt`` and says so first (``Resumed``), numbering on from it; a candidate may be
+another run's (a fork starts from its parent's checkpoint).
 
 Live hyperparameters: a job starts with its task's (the providers' defaults applied) and
 ``set_hyperparameters`` changes them for the episodes it produces after the call (it refuses as
@@ -91,6 +92,8 @@ class TrainCall:
     attach_after: int | None
     at: float
     resume_from: tuple[int, ...] = ()
+    #: The run of each of ``resume_from`` (a fork's last one is its parent's).
+    resume_runs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -733,6 +736,7 @@ class MemoryConnector:
                 attach_after_episode,
                 self._now(),
                 tuple(p.checkpoint.episode for p in resume_from),
+                tuple(p.run_id for p in resume_from),
             )
         )
         trainer = self.trainers.get(address)

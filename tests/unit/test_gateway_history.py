@@ -16,6 +16,7 @@ from gateway.core.history import (
     encode_batch,
     encode_frame,
     frame_payload,
+    page_start,
     scalar_frame,
     split_batches,
 )
@@ -182,6 +183,26 @@ async def test_page_cache_keeps_a_growing_page_of_an_active_run_only_once_full()
     assert len(await cache.page("r", 1, 300, scalars=True)) == 44  # a finished run's last page
     cache.forget("r", 1, 256)  # their details were dropped: page 0 goes, page 1 stays
     assert 0 < cache.size_bytes < full
+
+
+async def test_page_cache_reads_a_forks_first_page_from_after_its_fork_episode() -> None:
+    episodes = [e.SerializeToString() for e in valid_episodes(600)]
+    loads: list[tuple[int, int]] = []
+
+    async def loader(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
+        loads.append((first, last))
+        return episodes[first - 1 : last]
+
+    cache = PageCache(loader, max_bytes=1 << 20)
+    # A fork at episode 100 that has published through 250: its first page grows to 256.
+    assert page_start(0, 100) == 100 and page_start(1, 100) == 256
+    page = await cache.page("f", 0, 250, final=False, origin=100)
+    assert frame_payload(page[0]) == episodes[100] and len(page) == 150
+    assert cache.size_bytes == 0
+    assert len(await cache.page("f", 0, 600, final=False, origin=100)) == 156
+    assert cache.size_bytes > 0  # complete: through episode 256
+    assert len(await cache.page("f", 0, 600, final=False, origin=100)) == 156
+    assert loads == [(101, 250), (101, 256)]
 
 
 def test_the_detail_offset_splits_an_episode_into_its_numbers_and_its_detail() -> None:
