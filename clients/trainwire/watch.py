@@ -3,6 +3,8 @@
 ``WatchCursor`` is the bookkeeping both clients share (``trainwire.client`` and
 ``trainwire.aio``): the episode to resume after, batches flattened, repeats dropped, a skipped
 episode raised as ``DataLoss``, the ``CaughtUp`` of a resumed stream dropped, and the retry count.
+A forked run's history starts after its fork episode (``Run.fork_from``), so the first episode
+a watch delivers may come after ``after_episode + 1``; from then on each is the previous + 1.
 ``WatchStream`` drives it over sync calls, ``trainwire.aio.AsyncWatchStream`` over ``grpc.aio``
 ones. Which codes resume (``is_retriable``) and how long to wait (``RetryPolicy``) are decided
 here once for both.
@@ -197,6 +199,7 @@ class WatchCursor:
         self.view = view
         self.failures = 0
         self._caught_up_seen = False
+        self._delivered = False  # an episode was: the next must follow it
 
     def request(self) -> gateway_service_pb2.WatchRunRequest:
         """The request of the next stream: resume after the last episode delivered."""
@@ -274,7 +277,7 @@ class WatchCursor:
                 last,
             )
             return False
-        if episode.episode != last + 1:
+        if episode.episode != last + 1 and self._delivered:
             raise DataLoss(
                 f"run {self.run_id}: the watch stream skipped from episode {last} to "
                 f"{episode.episode}"
@@ -282,6 +285,7 @@ class WatchCursor:
         if self.checker is not None:
             self.checker.check(episode)
         self.last_episode = episode.episode
+        self._delivered = True
         return True
 
 

@@ -340,3 +340,17 @@ def test_cancel_from_another_thread_ends_the_iteration_quietly(
     assert _numbers(future.result(timeout=TIMEOUT)) == [1, 2]
     assert stream.cancelled
     assert len(recorder.calls) == 1  # no reconnection after a cancel
+
+
+def test_a_forks_watch_starts_after_its_fork_episode_and_then_allows_no_gap(
+    recorder: RecordingChannel, server: Scripted, pool: ThreadPoolExecutor
+) -> None:
+    # A fork's history starts after its fork episode: the first episode may skip ahead.
+    watcher = Watcher(pool, _client(recorder))
+    server.next_stream(_ep(21, 23), _caught_up(21), _ep(22, 23), _ep(23, 23), _finished())
+    assert _numbers(watcher.result()) == [21, 22, 23]
+    watcher = Watcher(pool, _client(recorder))
+    _, rpc = server.next_stream(_ep(21), _ep(23))
+    with pytest.raises(tc.DataLoss, match="r-1: the watch stream skipped from episode 21 to 23"):
+        watcher.result()
+    rpc.cancelled()
