@@ -30,6 +30,7 @@ from trainwire.builders import (
     Run,
     RunState,
     create_run_request,
+    hyperparameters_request,
     update_run_request,
 )
 from trainwire.checkpoints import TarDownload
@@ -268,6 +269,22 @@ class GatewayClient:
         """Sets a run's playback speed (``SetRunSpeed``); the gateway clamps it to 0.1..20."""
         request = gateway_service_pb2.SetRunSpeedRequest(run_id=run_id, speed=speed)
         return await self._control(self._stub.SetRunSpeed, request, timeout)
+
+    async def set_run_hyperparameters(
+        self,
+        run_id: str,
+        *,
+        learning_rate: float | None = None,
+        temperature: float | None = None,
+        beta: float | None = None,
+        timeout: float | None = None,
+    ) -> Run:
+        """Changes a live run's hyperparameters (``SetRunHyperparameters``); see the sync
+        client's ``set_run_hyperparameters``."""
+        request = hyperparameters_request(
+            run_id, learning_rate=learning_rate, temperature=temperature, beta=beta
+        )
+        return await self._control(self._stub.SetRunHyperparameters, request, timeout)
 
     async def delete_run(self, run_id: str, *, timeout: float | None = None) -> Run:
         """Deletes a finished run and its history (``DeleteRun``); returns it as it was."""

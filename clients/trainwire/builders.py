@@ -12,6 +12,7 @@ from google.protobuf import field_mask_pb2
 from trainwire.contract import (
     FieldViolation,
     check_display_name,
+    check_hyperparameters,
     check_labels,
     check_run_id,
     display_run_id,
@@ -30,6 +31,7 @@ __all__ = [
     "create_run_request",
     "fork_source",
     "grpo_task",
+    "hyperparameters_request",
     "imitation_task",
     "parse_state",
     "state_name",
@@ -253,6 +255,32 @@ def update_run_request(
     _refuse(f"cannot update run {_quoted(run_id)}", violations)
     return gateway_service_pb2.UpdateRunRequest(
         run=run, update_mask=field_mask_pb2.FieldMask(paths=paths)
+    )
+
+
+def hyperparameters_request(
+    run_id: str,
+    *,
+    learning_rate: float | None = None,
+    temperature: float | None = None,
+    beta: float | None = None,
+) -> gateway_service_pb2.SetRunHyperparametersRequest:
+    """A ``SetRunHyperparametersRequest`` that sets exactly the values given (``None``: left as
+    it is), each checked against its range as the gateway checks it (which of them the run's
+    task kind has, the gateway checks).
+
+    Raises:
+        ValueError: no value given.
+        InvalidRequest: a value that is not finite or out of its range.
+    """
+    if learning_rate is None and temperature is None and beta is None:
+        raise ValueError("give learning_rate, temperature or beta to set")
+    violations = check_hyperparameters(
+        "", learning_rate=learning_rate, temperature=temperature, beta=beta
+    )
+    _refuse(f"cannot set the hyperparameters of run {_quoted(run_id)}", violations)
+    return gateway_service_pb2.SetRunHyperparametersRequest(
+        run_id=run_id, learning_rate=learning_rate, temperature=temperature, beta=beta
     )
 
 

@@ -31,6 +31,7 @@ from trainwire.builders import (
     create_run_request,
     fork_source,
     grpo_task,
+    hyperparameters_request,
     imitation_task,
     parse_state,
     state_name,
@@ -463,6 +464,41 @@ class GatewayClient:
         """Sets a run's playback speed (``SetRunSpeed``); the gateway clamps it to 0.1..20."""
         request = gateway_service_pb2.SetRunSpeedRequest(run_id=run_id, speed=speed)
         return self._control(self._stub.SetRunSpeed, request, timeout)
+
+    def set_run_hyperparameters(
+        self,
+        run_id: str,
+        *,
+        learning_rate: float | None = None,
+        temperature: float | None = None,
+        beta: float | None = None,
+        timeout: float | None = None,
+    ) -> Run:
+        """Changes a RUNNING or PAUSED run's hyperparameters from its next optimizer step
+        (``SetRunHyperparameters``); ``None`` leaves a value as it is. Returns the run, its
+        task holding the values now in effect. Every episode trained from then on carries
+        them as metrics (``learning_rate``, ``temperature``, ``beta``).
+
+        Args:
+            run_id: The run.
+            learning_rate: Learning rate, in (0, 1] (imitation and grpo).
+            temperature: Sampling temperature, in (0, 10] (grpo).
+            beta: KL coefficient, in [0, 10] (grpo; above 0 only for a job started with one).
+            timeout: This call's deadline; the client's default when ``None``.
+
+        Raises:
+            ValueError: no value given.
+            InvalidArgument: a value not finite or out of range (refused before anything is
+                sent), or one the run's task kind does not have.
+            NotFound: no such run.
+            FailedPrecondition: the run is PENDING or finished.
+            Unavailable: its trainer could not be reached; try again.
+            PermissionDenied: the token's role is below operator.
+        """
+        request = hyperparameters_request(
+            run_id, learning_rate=learning_rate, temperature=temperature, beta=beta
+        )
+        return self._control(self._stub.SetRunHyperparameters, request, timeout)
 
     def delete_run(self, run_id: str, *, timeout: float | None = None) -> Run:
         """Deletes a finished run and its history (``DeleteRun``); returns it as it was."""

@@ -1,22 +1,28 @@
 """The CLI's experiment commands through its entry point against the real gateway (in-memory
-store, the fake trainer behind it): ``runs create --label``, ``runs label``, ``runs rename``,
-``compare`` and ``plot RUN RUN``."""
+store): ``runs create --label``, ``runs label``, ``runs rename``, ``compare`` and ``plot RUN RUN``
+with the fake trainer behind it; ``set`` with the real imitation trainer (a process on the
+CPU, writing checkpoints to a directory the gateway reads)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
 import pytest
 from PIL import Image
 
+from tests.fakes.gateway_harness import running_gateway, trainer_process
 from tests.fakes.live import LiveStack, live_stack
-from tests.fakes.waiting import TIMEOUT
+from tests.fakes.waiting import TIMEOUT, wait_for
+from tests.fakes.watch_faults import ThreadedServer
 from trainwire import client as tc
 from trainwire import render
 from trainwire.cli import main
+from trainwire.v1 import episode_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -160,3 +166,84 @@ def test_plot_overlays_two_runs(
     assert capsys.readouterr().out.strip() == f"wrote {single} (80 episodes of run {long})"
     drawn = {c for _, c in Image.open(single).convert("RGB").getcolors(1 << 16) or []}
     assert {render.MEAN, render.BEST, render.REWARD} <= drawn
+
+
+# -- set: the real imitation trainer (a process, on the CPU) writing checkpoints ---------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def trainer(checkpoints: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("trainer") / "trainer.log"
+    flags = ("--heartbeat", "0.5", "--checkpoint-store", str(checkpoints))
+    with trainer_process(log, *flags, slots=1) as (_, address):
+        yield address
+
+
+@pytest.fixture
+def trained(trainer: str, checkpoints: pathlib.Path) -> Iterator[Gateway]:
+    """A real gateway in a thread, its trainer the real one, sharing its checkpoint store."""
+    stack = contextlib.AsyncExitStack()
+
+    async def start() -> tuple[grpc.aio.Server | None, int]:
+        client = await stack.enter_async_context(
+            running_gateway(
+                (trainer,),
+                checkpoint_store=str(checkpoints),
+                heartbeat_timeout_s=3.0,
+                schedule_poll_s=0.2,
+            )
+        )
+        return client.gateway.server, client.gateway.port
+
+    with (
+        ThreadedServer(start, stack.aclose) as served,
+        tc.GatewayClient(served.target, timeout=TIMEOUT) as client,
+    ):
+        yield Gateway(LiveStack(served.target), client)
+
+
+def _episodes(gw: Gateway, run_id: str) -> list[episode_pb2.Episode]:
+    return [e for e in gw.client.watch(run_id) if isinstance(e, episode_pb2.Episode)]
+
+
+@pytest.mark.timeout(300)
+def test_set_changes_a_running_runs_learning_rate(
+    trained: Gateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gw = trained
+    assert (
+        gw.cli(
+            "runs",
+            "create",
+            "imitation",
+            "--clip",
+            "wave",
+            "--episodes",
+            "150",
+            "--rate",
+            "40",
+            "-q",
+        )
+        == 0
+    )
+    run_id = capsys.readouterr().out.strip()
+    wait_for(lambda: gw.client.get_run(run_id).episode >= 10, "10 episodes")
+    assert gw.cli("set", run_id, "--lr", "0.002") == 0
+    assert capsys.readouterr().out.startswith(f"set learning_rate 0.002: run {run_id}  ")
+    assert gw.finished(run_id).task.imitation.learning_rate == 0.002
+    rates = [e.metrics["learning_rate"] for e in _episodes(gw, run_id)]
+    assert rates[0] != 0.002 and rates[-1] == 0.002
+    changed = rates.index(0.002)
+    assert set(rates[changed:]) == {0.002}  # changed once, where it happened
+
+    assert gw.cli("set", run_id, "--lr", "0.001") == 1
+    assert capsys.readouterr().err.startswith("error: FAILED_PRECONDITION: ")
+    assert gw.cli("set", run_id, "--lr", "2") == 1
+    assert "learning_rate: 2.0; need a finite value in (0, 1]" in capsys.readouterr().err
+    assert gw.cli("set", run_id) == 1
+    assert "give at least one of --lr, --temperature, --beta" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """The CLI's experiment commands without a server: the flags of ``runs label``, ``runs rename``,
-``runs fork``, ``compare`` and ``plot RUN RUN...``; the label changes; compare's field
+``runs fork``, ``set``, ``compare`` and ``plot RUN RUN...``; the label changes; compare's field
 diff on synthetic runs (text and JSON); a fork's task and config from its parent's; the
 overlay drawing; and the commands over a grpc_testing channel (the calls they make, in order)."""
 
@@ -29,6 +29,7 @@ from trainwire.cli._experiments import (
     cmd_fork,
     cmd_label,
     cmd_rename,
+    cmd_set,
     fork_config,
     fork_task,
 )
@@ -114,13 +115,16 @@ def test_fork_flags_default_to_the_parent() -> None:
     assert _parse("runs fork p --learning-rate 0.5").learning_rate == 0.5
 
 
-def test_rename_compare_and_plot_flags() -> None:
+def test_set_rename_compare_and_plot_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    live = _parse("set r-1 --lr 3e-4 --beta 0")
+    assert (live.learning_rate, live.temperature, live.beta) == (3e-4, None, 0.0)
     assert _parse("runs rename r-1 'new name'").name == "new name"
     compare = _parse("compare a b c")
     assert (compare.run_ids, compare.all) == (["a", "b", "c"], False)
     assert _parse("compare a b --all").all is True
     plot = _parse("plot a b --out c.png --metrics loss")
     assert (plot.run_ids, plot.metrics) == (["a", "b"], ["loss"])
+    assert "--lr" in _usage_error("set r-1 --lr fast", capsys)
 
 
 # -- compare's field diff ------------------------------------------------------------------------
@@ -367,6 +371,33 @@ def test_a_refused_fork_propagates_the_gateways_error(
     _answer(channel, "CreateRun", None, grpc.StatusCode.FAILED_PRECONDITION, message)
     with pytest.raises(tc.FailedPrecondition, match="no checkpoint at episode 7"):
         future.result(timeout=TIMEOUT)
+
+
+def test_set_sends_the_values_and_says_what_is_in_effect(
+    channel: grpc_testing.Channel,
+    client: tc.GatewayClient,
+    pool: ThreadPoolExecutor,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = _parse("set r-1 --lr 3e-4 --temperature 0.9")
+    future = pool.submit(cmd_set, client, args, Output(json_mode=False))
+    run = pb.Run(
+        id="r-1",
+        state=pb.Run.State.STATE_RUNNING,
+        task=tc.grpo_task(model="m", dataset="d", learning_rate=3e-4, temperature=0.9),
+    )
+    request = _answer(channel, "SetRunHyperparameters", pb.SetRunHyperparametersResponse(run=run))
+    assert future.result(timeout=TIMEOUT) == 0
+    assert request.HasField("learning_rate") and request.HasField("temperature")
+    assert not request.HasField("beta")
+    assert capsys.readouterr().out.startswith(
+        "set learning_rate 0.0003, temperature 0.9: run r-1  RUNNING"
+    )
+
+
+def test_set_without_a_value_is_an_error(client: tc.GatewayClient) -> None:
+    with pytest.raises(CliError, match="--lr, --temperature, --beta"):
+        cmd_set(client, _parse("set r-1"), Output(json_mode=False))
 
 
 def test_compare_reads_each_run_once(

@@ -1,6 +1,7 @@
-"""Both clients' experiment calls: ``update_run`` (a field mask of exactly the fields given) and
-``create_run(labels=, fork_from=)``: the request fields sent, the deadline carried, bad labels
-and fork sources refused before anything is sent, errors typed. The sync client over a
+"""Both clients' experiment calls: ``update_run`` (a field mask of exactly the fields given),
+``create_run(labels=, fork_from=)`` and ``set_run_hyperparameters`` (only the values given are
+present): the request fields sent, the deadline carried, bad labels, fork sources and values
+refused before anything is sent, errors typed. The sync client over a
 grpc_testing channel; the asyncio client over a real ``grpc.aio`` channel to an in-process
 server that records what it received."""
 
@@ -275,12 +276,89 @@ def test_a_refused_fork_is_typed_with_the_gateway_message(
     assert caught.value.message == message
 
 
+# -- set_run_hyperparameters ---------------------------------------------------------------------
+
+
+_PRESENT = ("learning_rate", "temperature", "beta")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"learning_rate": 3e-4},
+        {"temperature": 0.7, "beta": 0.0},  # beta 0 is a value, not "left as it is"
+        {"learning_rate": 1.0, "temperature": 10.0, "beta": 10.0},
+    ],
+)
+def test_set_run_hyperparameters_sends_only_the_values_given(
+    channel: grpc_testing.Channel,
+    recorder: RecordingChannel,
+    client: tc.GatewayClient,
+    pool: ThreadPoolExecutor,
+    kwargs: dict[str, float],
+) -> None:
+    future = pool.submit(lambda: client.set_run_hyperparameters("r-1", **kwargs))
+    reply = pb.SetRunHyperparametersResponse(run=pb.Run(id="r-1"))
+    request = _serve(channel, "SetRunHyperparameters", reply)
+    assert future.result(timeout=TIMEOUT).id == "r-1"
+    assert request.run_id == "r-1"
+    assert {name: getattr(request, name) for name in _PRESENT if request.HasField(name)} == kwargs
+    assert recorder.calls == [(_PREFIX + "SetRunHyperparameters", 4.0)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"learning_rate": 0.0}, "learning_rate"),
+        ({"learning_rate": float("nan")}, "learning_rate"),
+        ({"temperature": 11.0}, "temperature"),
+        ({"beta": -0.1}, "beta"),
+        ({"beta": float("inf")}, "beta"),
+    ],
+)
+def test_set_run_hyperparameters_refuses_values_out_of_range_before_sending(
+    client: tc.GatewayClient, recorder: RecordingChannel, kwargs: dict[str, float], field: str
+) -> None:
+    with pytest.raises(tc.InvalidRequest) as caught:
+        client.set_run_hyperparameters("r-1", **kwargs)
+    assert [v.field for v in caught.value.field_violations] == [field]
+    assert caught.value.message.startswith("cannot set the hyperparameters of run 'r-1': ")
+    assert recorder.calls == []
+    with pytest.raises(ValueError, match="learning_rate, temperature or beta"):
+        client.set_run_hyperparameters("r-1")
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (grpc.StatusCode.FAILED_PRECONDITION, tc.FailedPrecondition),
+        (grpc.StatusCode.INVALID_ARGUMENT, tc.InvalidArgument),
+        (grpc.StatusCode.NOT_FOUND, tc.NotFound),
+        (grpc.StatusCode.UNAVAILABLE, tc.Unavailable),
+        (grpc.StatusCode.PERMISSION_DENIED, tc.PermissionDenied),
+    ],
+)
+def test_set_run_hyperparameters_errors_are_typed(
+    channel: grpc_testing.Channel,
+    client: tc.GatewayClient,
+    pool: ThreadPoolExecutor,
+    code: grpc.StatusCode,
+    cls: type[tc.TrainwireError],
+) -> None:
+    future = pool.submit(lambda: client.set_run_hyperparameters("r-7", temperature=0.5))
+    _serve(channel, "SetRunHyperparameters", None, code, "run 'r-7' is finished")
+    with pytest.raises(cls) as caught:
+        future.result(timeout=TIMEOUT)
+    assert caught.value.message == "run 'r-7' is finished"
+    assert isinstance(caught.value.__cause__, grpc.RpcError)
+
+
 # -- the asyncio client --------------------------------------------------------------------------
 
 
 class _Recording:
-    """Answers UpdateRun and CreateRun with the run they name (or fails them), keeping each
-    request and the deadline it arrived with."""
+    """Answers UpdateRun, CreateRun and SetRunHyperparameters with the run they name (or fails
+    them), keeping each request and the deadline it arrived with."""
 
     def __init__(self) -> None:
         self.requests: list[Any] = []
@@ -308,6 +386,10 @@ class _Recording:
                 lambda r: pb.CreateRunResponse(
                     run=pb.Run(id="child", labels=r.labels, fork_from=r.fork_from)
                 ),
+            ),
+            "SetRunHyperparameters": (
+                pb.SetRunHyperparametersRequest,
+                lambda r: pb.SetRunHyperparametersResponse(run=pb.Run(id=r.run_id)),
             ),
         }
         return grpc.method_handlers_generic_handler(
@@ -346,15 +428,19 @@ async def test_the_aio_client_sends_the_experiment_requests(
         fork = await gw.create_run(
             tc.imitation_task(), labels={"from": "r-1"}, fork_from=("r-1", 40)
         )
+        live = await gw.set_run_hyperparameters("r-1", learning_rate=1e-3)
     assert relabelled == pb.Run(id="r-1", labels={"team": "vision"})
     assert renamed == pb.Run(id="r-1", display_name="best")
     assert (fork.id, dict(fork.labels), fork.fork_from.episode) == ("child", {"from": "r-1"}, 40)
-    update, rename, create = servicer.requests
+    assert live.id == "r-1"
+    update, rename, create, hyper = servicer.requests
     assert (list(update.update_mask.paths), list(rename.update_mask.paths)) == (
         ["labels"],
         ["display_name"],
     )
     assert create.fork_from == pb.ForkSource(run_id="r-1", episode=40)
+    assert hyper.HasField("learning_rate") and not hyper.HasField("temperature")
+    assert not hyper.HasField("beta")
     # The grpc-timeout header rounds a deadline up a little.
     first, second = servicer.deadlines[:2]
     assert first is not None and 3.0 < first < 4.1
@@ -371,10 +457,12 @@ async def test_the_aio_client_refuses_and_types_like_the_sync_one(
         with pytest.raises(ValueError):
             await gw.update_run("r-1")
         with pytest.raises(tc.InvalidRequest):
+            await gw.set_run_hyperparameters("r-1", temperature=0.0)
+        with pytest.raises(tc.InvalidRequest):
             await gw.create_run(tc.imitation_task(), fork_from=("r-1", -2))
         assert servicer.requests == []
-        servicer.fail = grpc.StatusCode.NOT_FOUND
-        with pytest.raises(tc.NotFound) as caught:
-            await gw.update_run("r-1", display_name="x")
+        servicer.fail = grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(tc.FailedPrecondition) as caught:
+            await gw.set_run_hyperparameters("r-1", beta=0.1)
     assert caught.value.message == "refused"
     assert isinstance(caught.value.__cause__, grpc.aio.AioRpcError)

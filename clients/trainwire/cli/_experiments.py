@@ -111,6 +111,35 @@ def cmd_fork(client: GatewayClient, args: argparse.Namespace, out: Output) -> in
     return created(client, args, out, run)
 
 
+#: ``set``'s flags by the hyperparameter they change, in the order they are said.
+_LIVE = (("learning_rate", "--lr"), ("temperature", "--temperature"), ("beta", "--beta"))
+
+
+def live_values(run: Run) -> dict[str, float]:
+    """The live hyperparameters a run's task holds (what ``set`` can change), by name."""
+    kind = run.task.WhichOneof("kind")
+    if kind == "imitation":
+        return {"learning_rate": run.task.imitation.learning_rate}
+    if kind == "grpo":
+        grpo = run.task.grpo
+        values = {"learning_rate": grpo.learning_rate, "temperature": grpo.temperature}
+        if grpo.HasField("beta"):
+            values["beta"] = grpo.beta
+        return values
+    return {}
+
+
+def cmd_set(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    given = {name: getattr(args, name) for name, _ in _LIVE if getattr(args, name) is not None}
+    if not given:
+        raise CliError(f"give at least one of {', '.join(flag for _, flag in _LIVE)}")
+    run = client.set_run_hyperparameters(args.run_id, **given)
+    now = live_values(run)
+    said = ", ".join(f"{name} {now.get(name, value):g}" for name, value in given.items())
+    out.result(f"set {said}: {_format.run_line(run)}", _format.run_json(run))
+    return EXIT_OK
+
+
 def distinct_runs(run_ids: Iterable[str], least: int) -> list[str]:
     """The run ids in order, each once.
 

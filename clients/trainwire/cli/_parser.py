@@ -30,6 +30,7 @@ from trainwire.cli._experiments import (
     cmd_fork,
     cmd_label,
     cmd_rename,
+    cmd_set,
 )
 from trainwire.cli._follow import cmd_watch
 from trainwire.cli._output import DEFAULT_GATEWAY, DEFAULT_TIMEOUT
@@ -521,6 +522,35 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("run_id", metavar="ID")
     speed.add_argument("speed", type=_number, metavar="X", help="speed multiplier, 0.1..20")
     speed.set_defaults(handler=cmd_speed)
+
+    live = commands.add_parser(
+        "set",
+        parents=[common],
+        help="change a running run's hyperparameters",
+        description="Change the hyperparameters of a RUNNING or PAUSED run from its next "
+        "optimizer step. Its episodes from then on carry the values in effect as metrics "
+        "(learning_rate, temperature, beta: see plot --metrics), so the history shows each "
+        "change where it happened.",
+    )
+    live.add_argument("run_id", metavar="ID")
+    live.add_argument(
+        "--lr",
+        "--learning-rate",
+        dest="learning_rate",
+        type=_number,
+        metavar="X",
+        help="learning rate, in (0, 1]",
+    )
+    live.add_argument(
+        "--temperature", type=_number, metavar="T", help="sampling temperature (grpo), in (0, 10]"
+    )
+    live.add_argument(
+        "--beta",
+        type=_number,
+        metavar="B",
+        help="KL coefficient (grpo), in [0, 10]; above 0 only for a run started with beta > 0",
+    )
+    live.set_defaults(handler=cmd_set)
 
     watch = commands.add_parser(
         "watch",
