@@ -34,9 +34,10 @@ class GatewayServiceStub(object):
     UNAUTHENTICATED    no token, or one the gateway does not know.
     PERMISSION_DENIED  the token's role is too low; the message names the
     role needed (viewer: GetRun, ListRuns, WatchRun,
-    ListCheckpoints, DownloadCheckpoint;
+    GetRunCurve, ListCheckpoints, DownloadCheckpoint;
     operator: also CreateRun, PauseRun, ResumeRun,
-    StopRun, SetRunSpeed, SetRunHyperparameters;
+    StopRun, SetRunSpeed, UpdateRun,
+    SetRunHyperparameters;
     admin: also DeleteRun).
     """
 
@@ -127,9 +128,10 @@ class GatewayServiceServicer(object):
     UNAUTHENTICATED    no token, or one the gateway does not know.
     PERMISSION_DENIED  the token's role is too low; the message names the
     role needed (viewer: GetRun, ListRuns, WatchRun,
-    ListCheckpoints, DownloadCheckpoint;
+    GetRunCurve, ListCheckpoints, DownloadCheckpoint;
     operator: also CreateRun, PauseRun, ResumeRun,
-    StopRun, SetRunSpeed, SetRunHyperparameters;
+    StopRun, SetRunSpeed, UpdateRun,
+    SetRunHyperparameters;
     admin: also DeleteRun).
     """
 
@@ -140,10 +142,13 @@ class GatewayServiceServicer(object):
 
         Status codes:
         OK                  the run (PENDING or later).
-        INVALID_ARGUMENT    bad task, config, speed or rate, a request larger
-        than 1 MiB, or a request_id seen before with a
-        different request (google.rpc.BadRequest lists every
-        bad field).
+        INVALID_ARGUMENT    bad task, config, speed, rate or labels, a request
+        larger than 1 MiB, a request_id seen before with a
+        different request, or a fork_from that cannot fork
+        (no such run, no checkpoint at that episode, another
+        task kind, model, rig or clip, max_episodes not
+        above the fork episode); google.rpc.BadRequest
+        lists every bad field.
         RESOURCE_EXHAUSTED  the gateway already has --max-pending runs waiting.
         UNAVAILABLE         the gateway is shutting down, or cannot save runs
         (disk full or not writable).
@@ -166,12 +171,15 @@ class GatewayServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ListRuns(self, request, context):
-        """Lists runs, newest first, in the requested view (RUN_VIEW_BASIC by
-        default).
+        """Lists runs, newest first unless order_by says otherwise, in the requested
+        view (RUN_VIEW_BASIC by default), those matching filter only.
 
         Status codes:
         OK                a page of runs.
-        INVALID_ARGUMENT  bad page_size or page_token.
+        INVALID_ARGUMENT  bad page_size or page_token (or one from another
+        search), a filter that does not parse (the message
+        names the position) or names an unknown field, a bad
+        order_by.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -445,9 +453,10 @@ class GatewayService(object):
     UNAUTHENTICATED    no token, or one the gateway does not know.
     PERMISSION_DENIED  the token's role is too low; the message names the
     role needed (viewer: GetRun, ListRuns, WatchRun,
-    ListCheckpoints, DownloadCheckpoint;
+    GetRunCurve, ListCheckpoints, DownloadCheckpoint;
     operator: also CreateRun, PauseRun, ResumeRun,
-    StopRun, SetRunSpeed, SetRunHyperparameters;
+    StopRun, SetRunSpeed, UpdateRun,
+    SetRunHyperparameters;
     admin: also DeleteRun).
     """
 

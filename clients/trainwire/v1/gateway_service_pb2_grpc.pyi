@@ -37,9 +37,10 @@ class GatewayServiceStub:
       UNAUTHENTICATED    no token, or one the gateway does not know.
       PERMISSION_DENIED  the token's role is too low; the message names the
                          role needed (viewer: GetRun, ListRuns, WatchRun,
-                         ListCheckpoints, DownloadCheckpoint;
+                         GetRunCurve, ListCheckpoints, DownloadCheckpoint;
                          operator: also CreateRun, PauseRun, ResumeRun,
-                         StopRun, SetRunSpeed, SetRunHyperparameters;
+                         StopRun, SetRunSpeed, UpdateRun,
+                         SetRunHyperparameters;
                          admin: also DeleteRun).
     """
 
@@ -54,10 +55,13 @@ class GatewayServiceStub:
 
     Status codes:
       OK                  the run (PENDING or later).
-      INVALID_ARGUMENT    bad task, config, speed or rate, a request larger
-                          than 1 MiB, or a request_id seen before with a
-                          different request (google.rpc.BadRequest lists every
-                          bad field).
+      INVALID_ARGUMENT    bad task, config, speed, rate or labels, a request
+                          larger than 1 MiB, a request_id seen before with a
+                          different request, or a fork_from that cannot fork
+                          (no such run, no checkpoint at that episode, another
+                          task kind, model, rig or clip, max_episodes not
+                          above the fork episode); google.rpc.BadRequest
+                          lists every bad field.
       RESOURCE_EXHAUSTED  the gateway already has --max-pending runs waiting.
       UNAVAILABLE         the gateway is shutting down, or cannot save runs
                           (disk full or not writable).
@@ -72,12 +76,15 @@ class GatewayServiceStub:
       NOT_FOUND         no such run.
     """
     ListRuns: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.ListRunsRequest, _gateway_service_pb2.ListRunsResponse]
-    """Lists runs, newest first, in the requested view (RUN_VIEW_BASIC by
-    default).
+    """Lists runs, newest first unless order_by says otherwise, in the requested
+    view (RUN_VIEW_BASIC by default), those matching filter only.
 
     Status codes:
       OK                a page of runs.
-      INVALID_ARGUMENT  bad page_size or page_token.
+      INVALID_ARGUMENT  bad page_size or page_token (or one from another
+                        search), a filter that does not parse (the message
+                        names the position) or names an unknown field, a bad
+                        order_by.
     """
     PauseRun: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.PauseRunRequest, _gateway_service_pb2.PauseRunResponse]
     """Pauses a running run: publication stops at once and training stops at the
@@ -224,9 +231,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
       UNAUTHENTICATED    no token, or one the gateway does not know.
       PERMISSION_DENIED  the token's role is too low; the message names the
                          role needed (viewer: GetRun, ListRuns, WatchRun,
-                         ListCheckpoints, DownloadCheckpoint;
+                         GetRunCurve, ListCheckpoints, DownloadCheckpoint;
                          operator: also CreateRun, PauseRun, ResumeRun,
-                         StopRun, SetRunSpeed, SetRunHyperparameters;
+                         StopRun, SetRunSpeed, UpdateRun,
+                         SetRunHyperparameters;
                          admin: also DeleteRun).
     """
 
@@ -238,10 +246,13 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
 
     Status codes:
       OK                  the run (PENDING or later).
-      INVALID_ARGUMENT    bad task, config, speed or rate, a request larger
-                          than 1 MiB, or a request_id seen before with a
-                          different request (google.rpc.BadRequest lists every
-                          bad field).
+      INVALID_ARGUMENT    bad task, config, speed, rate or labels, a request
+                          larger than 1 MiB, a request_id seen before with a
+                          different request, or a fork_from that cannot fork
+                          (no such run, no checkpoint at that episode, another
+                          task kind, model, rig or clip, max_episodes not
+                          above the fork episode); google.rpc.BadRequest
+                          lists every bad field.
       RESOURCE_EXHAUSTED  the gateway already has --max-pending runs waiting.
       UNAVAILABLE         the gateway is shutting down, or cannot save runs
                           (disk full or not writable).
@@ -256,12 +267,15 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
       NOT_FOUND         no such run.
     """
     ListRuns: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.ListRunsRequest, _gateway_service_pb2.ListRunsResponse]  # type: ignore[assignment]
-    """Lists runs, newest first, in the requested view (RUN_VIEW_BASIC by
-    default).
+    """Lists runs, newest first unless order_by says otherwise, in the requested
+    view (RUN_VIEW_BASIC by default), those matching filter only.
 
     Status codes:
       OK                a page of runs.
-      INVALID_ARGUMENT  bad page_size or page_token.
+      INVALID_ARGUMENT  bad page_size or page_token (or one from another
+                        search), a filter that does not parse (the message
+                        names the position) or names an unknown field, a bad
+                        order_by.
     """
     PauseRun: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.PauseRunRequest, _gateway_service_pb2.PauseRunResponse]  # type: ignore[assignment]
     """Pauses a running run: publication stops at once and training stops at the
@@ -407,9 +421,10 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
       UNAUTHENTICATED    no token, or one the gateway does not know.
       PERMISSION_DENIED  the token's role is too low; the message names the
                          role needed (viewer: GetRun, ListRuns, WatchRun,
-                         ListCheckpoints, DownloadCheckpoint;
+                         GetRunCurve, ListCheckpoints, DownloadCheckpoint;
                          operator: also CreateRun, PauseRun, ResumeRun,
-                         StopRun, SetRunSpeed, SetRunHyperparameters;
+                         StopRun, SetRunSpeed, UpdateRun,
+                         SetRunHyperparameters;
                          admin: also DeleteRun).
     """
 
@@ -425,10 +440,13 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
 
         Status codes:
           OK                  the run (PENDING or later).
-          INVALID_ARGUMENT    bad task, config, speed or rate, a request larger
-                              than 1 MiB, or a request_id seen before with a
-                              different request (google.rpc.BadRequest lists every
-                              bad field).
+          INVALID_ARGUMENT    bad task, config, speed, rate or labels, a request
+                              larger than 1 MiB, a request_id seen before with a
+                              different request, or a fork_from that cannot fork
+                              (no such run, no checkpoint at that episode, another
+                              task kind, model, rig or clip, max_episodes not
+                              above the fork episode); google.rpc.BadRequest
+                              lists every bad field.
           RESOURCE_EXHAUSTED  the gateway already has --max-pending runs waiting.
           UNAVAILABLE         the gateway is shutting down, or cannot save runs
                               (disk full or not writable).
@@ -455,12 +473,15 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_service_pb2.ListRunsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_service_pb2.ListRunsResponse, _abc.Awaitable[_gateway_service_pb2.ListRunsResponse]]:
-        """Lists runs, newest first, in the requested view (RUN_VIEW_BASIC by
-        default).
+        """Lists runs, newest first unless order_by says otherwise, in the requested
+        view (RUN_VIEW_BASIC by default), those matching filter only.
 
         Status codes:
           OK                a page of runs.
-          INVALID_ARGUMENT  bad page_size or page_token.
+          INVALID_ARGUMENT  bad page_size or page_token (or one from another
+                            search), a filter that does not parse (the message
+                            names the position) or names an unknown field, a bad
+                            order_by.
         """
 
     @_abc_1.abstractmethod
