@@ -1,7 +1,7 @@
 """The CLI's experiment commands through its entry point against the real gateway (in-memory
 store): ``runs create --label``, ``runs label``, ``runs rename``, ``compare`` and ``plot RUN RUN``
-with the fake trainer behind it; ``set`` with the real imitation trainer (a process on the
-CPU, writing checkpoints to a directory the gateway reads)."""
+with the fake trainer behind it; ``runs fork`` and ``set`` with the real imitation trainer (a
+process on the CPU, writing checkpoints to a directory the gateway reads)."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def test_plot_overlays_two_runs(
     assert {render.MEAN, render.BEST, render.REWARD} <= drawn
 
 
-# -- set: the real imitation trainer (a process, on the CPU) writing checkpoints ---------
+# -- fork and set: the real imitation trainer (a process, on the CPU) writing checkpoints ---------
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +209,71 @@ def trained(trainer: str, checkpoints: pathlib.Path) -> Iterator[Gateway]:
 
 def _episodes(gw: Gateway, run_id: str) -> list[episode_pb2.Episode]:
     return [e for e in gw.client.watch(run_id) if isinstance(e, episode_pb2.Episode)]
+
+
+@pytest.mark.timeout(300)
+def test_runs_fork_continues_a_checkpoint_with_the_changes(
+    trained: Gateway, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gw = trained
+    parent = _create(
+        gw,
+        capsys,
+        "--episodes",
+        "100",
+        "--checkpoint-every",
+        "50",
+        "--keep-checkpoints",
+        "10",
+        "--seed",
+        "3",
+        "--label",
+        "sweep=lr",
+        "--label",
+        "old=yes",
+        "--name",
+        "parent",
+    )
+    assert gw.finished(parent).state == tc.Run.State.STATE_DONE
+
+    argv = ("runs", "fork", parent, "--episode", "50", "--lr", "0.003", "--episodes", "150")
+    assert gw.cli(*argv, "--label", "variant=slow", "--label", "old-", "-q") == 0
+    child = capsys.readouterr().out.strip()
+    assert gw.finished(child).state == tc.Run.State.STATE_DONE
+    run = gw.client.get_run(child)
+    assert (run.fork_from.run_id, run.fork_from.episode) == (parent, 50)
+    assert dict(run.labels) == {"sweep": "lr", "variant": "slow"}
+    assert (run.task.imitation.learning_rate, run.config.max_episodes) == (0.003, 150)
+    assert (run.config.seed, run.task.imitation.clip_name) == (3, "wave")  # the parent's
+    numbers = [e.episode for e in _episodes(gw, child)]
+    assert numbers == list(range(51, 151))
+
+    assert gw.cli("runs", "get", child) == 0
+    assert f"forked from: run {parent} at episode 50" in capsys.readouterr().out
+    assert gw.cli("--json", "compare", parent, child) == 0
+    fields = {f["field"]: f["values"] for f in json.loads(capsys.readouterr().out)["fields"]}
+    assert fields["fork_from"] == [None, f"{parent}@50"]
+    assert fields["config.max_episodes"] == [100, 150]
+    assert fields["labels.variant"] == [None, "slow"]
+    assert fields["labels.old"] == ["yes", None]
+    assert len(fields["task.imitation.learning_rate"]) == 2
+    out = tmp_path / "fork.png"
+    assert gw.cli("plot", parent, child, "--out", str(out)) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"wrote {out} (runs {parent} (100 episodes), {child} (150 episodes))"
+    )
+
+    # What cannot fork is refused by the gateway, which says why; the CLI prints it.
+    assert gw.cli("runs", "fork", parent, "--episode", "75") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: INVALID_ARGUMENT: ") and "fork_from.episode" in err
+    assert gw.cli("runs", "fork", parent, "--episode", "50", "--episodes", "50") == 1
+    assert "config.max_episodes" in capsys.readouterr().err
+    # A setting the task kind lacks never reaches it.
+    assert gw.cli("runs", "fork", parent, "--temperature", "0.5") == 1
+    assert capsys.readouterr().err == (
+        f"error: --temperature applies to grpo runs; run {parent} is an imitation run\n"
+    )
 
 
 @pytest.mark.timeout(300)

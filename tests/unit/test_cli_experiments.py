@@ -81,8 +81,18 @@ def test_a_label_change_that_is_neither_set_nor_remove_is_bad_usage(
 def test_runs_create_takes_repeated_labels(capsys: pytest.CaptureFixture[str]) -> None:
     args = _parse("runs create imitation --clip wave --label team=vision --label sweep=lr")
     assert args.labels == [("team", "vision"), ("sweep", "lr")]
-    grpo = _parse("runs create grpo --model m --dataset d.jsonl")
-    assert grpo.labels == []
+    grpo = _parse("runs create grpo --model m --dataset d.jsonl --lr 1e-5")
+    assert (grpo.labels, grpo.learning_rate) == ([], 1e-5)
+    # The README's sweep: --lr on create, as fork and set spell it.
+    sweep = _parse(
+        "runs create imitation --clip walk --episodes 2000 --rate -1 --lr 0.03 "
+        "--label sweep=walk-lr --label lr=0.03 --name 'walk lr=0.03' -q"
+    )
+    assert (sweep.learning_rate, sweep.rate, sweep.labels) == (
+        0.03,
+        -1.0,
+        [("sweep", "walk-lr"), ("lr", "0.03")],
+    )
     assert "is not KEY=VALUE" in _usage_error("runs create imitation --clip wave --label x", capsys)
 
 

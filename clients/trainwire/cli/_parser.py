@@ -275,7 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--group-size", type=_integer, default=0, metavar="N", help="motions per episode, 2..1024"
     )
     imitation.add_argument(
-        "--learning-rate", type=_number, default=0.0, metavar="LR", help="Adam learning rate"
+        "--learning-rate",
+        "--lr",
+        type=_number,
+        default=0.0,
+        metavar="LR",
+        help="Adam learning rate (default: 0, the provider's)",
     )
     imitation.add_argument("--avatar", default="", help="free-form avatar id")
     _run_options(imitation, 200)
@@ -319,8 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
             "each; --batch-size is per process",
         ),
     ):
+        # --lr as fork and set spell it, for a sweep's create, fork and set to read alike.
+        aliases = ("--lr",) if flag == "--learning-rate" else ()
         grpo.add_argument(
-            flag, type=kind, default=0, metavar=meta, help=f"{text} (default: {trainers})"
+            flag,
+            *aliases,
+            type=kind,
+            default=0,
+            metavar=meta,
+            help=f"{text} (default: {trainers})",
         )
     grpo.add_argument(
         "--beta",
