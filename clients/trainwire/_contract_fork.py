@@ -47,7 +47,7 @@ def _comparable(task: episode_pb2.TrainTask) -> Message | None:
     kind = task_kind(task)
     if not kind:
         return None
-    body = getattr(task, kind)
+    body: Message = getattr(task, kind)
     copy = type(body)()
     copy.CopyFrom(body)
     for name in FORK_FIELDS[kind]:

@@ -356,14 +356,19 @@ class PageCache:
         if cached is not None:
             self._pages.move_to_end(key)
             return cached
+        first = page_start(index, origin) + 1
+        last = min(last_episode, (index + 1) * PAGE_EPISODES)
         loading = self._loading.get(key)
         if loading is not None:
-            return await asyncio.shield(loading)
+            shared = await asyncio.shield(loading)
+            if len(shared) >= last - first + 1:
+                return shared
+            # A load of an active run's page that stopped short of what this caller knows is
+            # committed (it started earlier): load again, once that one is out of the way.
+            return await self.page(run_id, index, last_episode, scalars, final, origin)
         future: asyncio.Future[tuple[bytes, ...]] = asyncio.get_running_loop().create_future()
         self._loading[key] = future
         try:
-            first = page_start(index, origin) + 1
-            last = min(last_episode, (index + 1) * PAGE_EPISODES)
             data = await self._loader(run_id, first, last, scalars)
             frames = tuple(encode_frame(d) for d in data)
         except BaseException as exc:

@@ -192,8 +192,9 @@ async def test_a_grant_the_trainer_refuses_is_not_sent_again_back_to_back() -> N
         grants = [c for c in core.connector.calls if isinstance(c, GrantCall) and c.at >= killed]
         # Episodes received before the kill are still published: a grant may follow each
         # commit, or come again after a pause (a second), never back to back (thousands of
-        # refused grants before the driver waited).
-        assert len(grants) <= failed.episode - published + elapsed + 1, len(grants)
+        # refused grants before the driver waited). Plus the grant in flight at the kill and
+        # one retry the last pause's rounding may add.
+        assert len(grants) <= failed.episode - published + elapsed + 2, len(grants)
 
 
 async def test_a_provider_error_ends_the_run_with_its_message_for_users() -> None:

@@ -256,3 +256,24 @@ def test_the_batch_sizer_shrinks_for_slow_writes_and_grows_back() -> None:
     assert sizer.budget == MAX_BATCH_BYTES
     huge = [b"h" * 200_000] * 3  # one frame over the budget still goes out, alone
     assert list(sizer.batches(huge, 0, 3)) == [(0, 1), (1, 2), (2, 3)]
+
+
+async def test_a_page_load_that_stops_short_of_a_later_callers_episodes_is_done_again() -> None:
+    episodes = [e.SerializeToString() for e in valid_episodes(300)]
+    gate = asyncio.Event()
+    loads: list[int] = []
+
+    async def loader(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
+        loads.append(last)
+        await gate.wait()
+        return episodes[first - 1 : last]
+
+    cache = PageCache(loader, max_bytes=1 << 20)
+    early = asyncio.create_task(cache.page("r", 0, 100, final=False))  # an active run at 100
+    await asyncio.sleep(0)
+    later = asyncio.create_task(cache.page("r", 0, 200, final=False))  # a watcher at 200
+    await asyncio.sleep(0)
+    gate.set()
+    assert len(await early) == 100
+    assert len(await later) == 200  # not the 100 the shared load read
+    assert loads == [100, 200]
