@@ -28,7 +28,7 @@ from selenium.webdriver.support.ui import Select
 
 from tests.fakes.memory_trainer import MemoryConnector, MemoryTrainer
 from tests.fakes.waiting import JOB_TIMEOUT, wait_for
-from tests.http.harness import ApiError, LiveGateway, create_body, threaded_gateway
+from tests.http.harness import LiveGateway, create_body, threaded_gateway
 from tests.http.test_browser import (  # noqa: F401 (fixtures)
     active_run,
     attr,
@@ -83,17 +83,6 @@ def done(gw: LiveGateway, run: dict[str, Any]) -> dict[str, Any]:  # noqa: F811
     )
 
 
-def pending_unless(call: Any, what: str) -> Any:
-    """Makes the call; skips the test if the gateway says the feature is not available yet
-    (its refusal by name while it was being built)."""
-    try:
-        return call()
-    except ApiError as exc:
-        if "not available" in str(exc.body):
-            pytest.skip(f"pending: {what} is not available on this gateway yet")
-        raise
-
-
 def rows(driver: WebDriver) -> list[str]:
     """The run ids of the list's rows, in order."""
     found: list[str] = driver.execute_script(
@@ -129,9 +118,8 @@ def options(driver: WebDriver, element_id: str) -> list[str]:
 def mem() -> Iterator[LiveGateway]:
     """A gateway over the in-memory trainer: checkpoints (so runs can be forked) and episodes
     that carry their live hyperparameters as metrics."""
-    if "hyperparameter_metrics" not in MemoryTrainer.__dataclass_fields__:
-        pytest.skip("pending: the in-memory trainer has no live hyperparameters yet")
-    connector = MemoryConnector([MemoryTrainer("memory:1", slots_total=8, hyperparameter_metrics=True)])
+    trainer = MemoryTrainer("memory:1", slots_total=8, hyperparameter_metrics=True)
+    connector = MemoryConnector([trainer])
     with threaded_gateway(connector.addresses, connector=connector) as served:
         served.connector = connector  # type: ignore[attr-defined]
         yield served
@@ -197,9 +185,7 @@ def tagged(gw: LiveGateway) -> tuple[str, list[dict[str, Any]]]:  # noqa: F811
         create(gw, max_episodes=n, labels={"suite": suite, "lr": lr})
         for n, lr in ((3, "high"), (6, "low"), (20, "high"))
     ]
-    pending_unless(
-        lambda: gw.api("GET", "/v1/runs?filter=" + quote(f'labels.suite = "{suite}"')), "filter"
-    )
+    gw.api("GET", "/v1/runs?filter=" + quote(f'labels.suite = "{suite}"'))
     return suite, [done(gw, run) for run in made]
 
 
@@ -239,7 +225,7 @@ def test_a_column_header_sorts_the_list_and_pages_keep_the_order(
     tagged: tuple[str, list[dict[str, Any]]],
 ) -> None:
     suite, runs = tagged
-    pending_unless(lambda: gw.api("GET", "/v1/runs?orderBy=best_reward"), "order_by")
+    gw.api("GET", "/v1/runs?orderBy=best_reward")
     best_first = [r["id"] for r in sorted(runs, key=lambda r: -r["bestReward"])]
     assert len({r["bestReward"] for r in runs}) == 3
     page.get(f"{gw.url}/#/?filter={quote(f'labels.suite = {chr(34)}{suite}{chr(34)}')}")
@@ -311,7 +297,8 @@ def test_the_compare_route_overlays_the_runs_and_shows_the_settings_that_differ(
     every = fields()
     assert every["task.kind"] == ["imitation"] * 3 and every["config.max_episodes"] == ["40"] * 3
     order = page.execute_script(
-        "return [...document.querySelectorAll('#compare-diff tbody tr')].map((r) => r.dataset.field);"
+        "return [...document.querySelectorAll('#compare-diff tbody tr')]"
+        ".map((r) => r.dataset.field);"
     )
     assert order[:3] == ["task.kind", "task.imitation.clip_name", "task.imitation.rig_name"], order
     page.find_element(By.ID, "compare-all").click()
@@ -322,8 +309,10 @@ def test_the_compare_route_overlays_the_runs_and_shows_the_settings_that_differ(
     Select(page.find_element(By.ID, "compare-metric")).select_by_value("loss")
     wait_until(
         page,
-        lambda: dataset(page, "compare-chart").get("metric") == "loss"
-        and number(page, "compare-chart", "points") == 120,
+        lambda: (
+            dataset(page, "compare-chart").get("metric") == "loss"
+            and number(page, "compare-chart", "points") == 120
+        ),
         "the loss of every run",
     )
     screenshot(page, "compare.png")
@@ -384,8 +373,10 @@ def test_the_metric_picker_charts_any_metric_of_the_episodes(
     Select(page.find_element(By.ID, "metric-picker")).select_by_value("loss")
     wait_until(
         page,
-        lambda: dataset(page, "curve").get("metric") == "loss"
-        and number(page, "curve", "metric-points") == 300,
+        lambda: (
+            dataset(page, "curve").get("metric") == "loss"
+            and number(page, "curve", "metric-points") == 300
+        ),
         "the loss of every episode",
     )
     assert number(page, "curve", "points") == 300
@@ -406,8 +397,10 @@ def test_the_metric_picker_charts_any_metric_of_the_episodes(
         Select(page.find_element(By.ID, "metric-picker")).select_by_value("loss")
         start = wait_until(
             page,
-            lambda: dataset(page, "curve").get("metric") == "loss"
-            and number(page, "curve", "metric-points"),
+            lambda: (
+                dataset(page, "curve").get("metric") == "loss"
+                and number(page, "curve", "metric-points")
+            ),
             "the loss so far",
         )
         wait_until(
@@ -434,7 +427,8 @@ def test_hyperparameter_changes_are_marked_where_the_bucket_means_change(
         "  const b = new CurveBuckets();"
         "  for (let i = 0; i < 10; i += 1) {"
         "    const lr = i < 4 ? 0.03 : i === 4 ? 0.02 : 0.01;"
-        "    const metrics = { learning_rate: lr, temperature: i < 7 ? 1 : 0.7, loss: 1 / (i + 1) };"
+        "    const metrics = {"
+        "      learning_rate: lr, temperature: i < 7 ? 1 : 0.7, loss: 1 / (i + 1) };"
         "    b.push(10 * i + 1, 10 * i + 10, 0, 1, 0.5, 1, metrics);"
         "  }"
         "  const changes = hyperparameterChanges(b);"
@@ -474,8 +468,9 @@ def test_the_form_sets_a_live_learning_rate_and_the_curve_marks_the_change(
         field = "#hp-form input[name='learningRate']"
         wait_until(
             page,
-            lambda: page.find_element(By.CSS_SELECTOR, field).get_attribute("placeholder")
-            == "0.03000",
+            lambda: (
+                page.find_element(By.CSS_SELECTOR, field).get_attribute("placeholder") == "0.03000"
+            ),
             "the current learning rate",
         )
         assert not page.find_element(By.CSS_SELECTOR, "#hp-form input[name='beta']").is_displayed()
@@ -517,8 +512,10 @@ def test_the_form_sets_a_live_learning_rate_and_the_curve_marks_the_change(
         Select(page.find_element(By.ID, "metric-picker")).select_by_value("learning_rate")
         wait_until(
             page,
-            lambda: dataset(page, "curve").get("metric") == "learning_rate"
-            and number(page, "curve", "metric-points") > 0,
+            lambda: (
+                dataset(page, "curve").get("metric") == "learning_rate"
+                and number(page, "curve", "metric-points") > 0
+            ),
             "the learning rate charted",
         )
         screenshot(page, "run-view-hyperparameters.png")
@@ -534,12 +531,7 @@ def test_a_fork_draws_its_parents_curve_dimmed_up_to_the_fork_point(
     mem: LiveGateway,
 ) -> None:
     parent = done(mem, create(mem, max_episodes=60, checkpoint_every=10, display_name="parent"))
-    fork = pending_unless(
-        lambda: create(
-            mem, max_episodes=120, forkFrom={"runId": parent["id"], "episode": "50"}, seed=8
-        ),
-        "fork",
-    )
+    fork = create(mem, max_episodes=120, forkFrom={"runId": parent["id"], "episode": "50"}, seed=8)
     fork = done(mem, fork)
     assert fork["forkFrom"] == {"runId": parent["id"], "episode": "50"}
     open_run(page, mem, fork["id"])
@@ -562,9 +554,11 @@ def test_a_fork_draws_its_parents_curve_dimmed_up_to_the_fork_point(
     Select(page.find_element(By.ID, "metric-picker")).select_by_value("loss")
     wait_until(
         page,
-        lambda: dataset(page, "curve").get("metric") == "loss"
-        and number(page, "curve", "metric-points") == 70
-        and number(page, "curve", "parent-points") == 50,
+        lambda: (
+            dataset(page, "curve").get("metric") == "loss"
+            and number(page, "curve", "metric-points") == 70
+            and number(page, "curve", "parent-points") == 50
+        ),
         "the loss of both",
     )
 
@@ -577,6 +571,7 @@ def test_a_fork_draws_its_parents_curve_dimmed_up_to_the_fork_point(
     page.get(f"{mem.url}/#/compare?runs={parent['id']},{fork['id']}")
     wait_until(page, lambda: number(page, "compare-chart", "points") == 60 + 70, "both curves")
     fields = page.execute_script(
-        "return [...document.querySelectorAll('#compare-diff tbody tr')].map((r) => r.dataset.field);"
+        "return [...document.querySelectorAll('#compare-diff tbody tr')]"
+        ".map((r) => r.dataset.field);"
     )
     assert "fork_from" in fields and "config.max_episodes" in fields, fields
