@@ -43,10 +43,11 @@ def scalar_watch(core: Core, run_id: str) -> Watch:
     return watch
 
 
-async def long_run(core: Core, episodes: int = EPISODES) -> str:
+async def long_run(core: Core, episodes: int = EPISODES, rate: float = -1.0) -> str:
+    """A run of ``episodes`` (unpaced unless ``rate`` says otherwise)."""
     core.trainer.script(JobScript(detail_every=DETAIL_EVERY))
     run = await core.create(
-        max_episodes=episodes, episodes_per_second=-1.0, checkpoint_every=CHECKPOINT_EVERY
+        max_episodes=episodes, episodes_per_second=rate, checkpoint_every=CHECKPOINT_EVERY
     )
     return run.id
 
@@ -67,7 +68,8 @@ def assert_curve_is_exact(buckets: list, episodes: list[episode_pb2.Episode]) ->
 
 async def test_a_long_run_keeps_a_bounded_tail_and_the_documented_details() -> None:
     async with running_core(**SMALL) as core:
-        run_id = await long_run(core)
+        # Paced (in virtual time), so it is still running when the checks below look at it.
+        run_id = await long_run(core, rate=1000.0)
         early = core.watch(run_id)
         await core.wait_episode(run_id, 1500)
         driver = core.registry.table.get(run_id)
@@ -132,7 +134,8 @@ async def test_the_curve_is_exact_at_every_scale_while_running_and_after() -> No
 async def test_the_curve_and_the_tail_survive_a_gateway_restart(tmp_path: Path) -> None:
     trainer = MemoryTrainer("t1", heartbeat_s=1.0)
     async with running_core(trainer, db=str(tmp_path / "g.db"), **SMALL) as core:
-        run_id = await long_run(core, 2000)
+        # Paced (in virtual time): an unpaced run could finish before the pause lands.
+        run_id = await long_run(core, 2000, rate=100.0)
         await core.wait_episode(run_id, 1001)
         await core.registry.pause(run_id)
         await core.restart()
