@@ -39,14 +39,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
-from google.protobuf.message import DecodeError
 from psycopg import sql
 
-from gateway.core.curve import CurveBlock, CurveBuilder
-from gateway.core.history import detail_offset
+from gateway.core.curve import CurveBlock
 from gateway.core.store.base import DatabaseProblem, SchemaOutdated
-from gateway.core.store.sqlite_schema import task_search_values
-from trainwire.v1 import episode_pb2
+from gateway.core.store.sqlite_schema import split_stored_episodes, task_search_values
 
 APPLICATION = "trainwire"
 SCHEMA_VERSION = 5
@@ -192,26 +189,7 @@ async def _split_and_backfill(conn: psycopg.AsyncConnection) -> None:
     async with conn.cursor(binary=True) as cur:
         await cur.execute("SELECT run_id, episode, data FROM episodes ORDER BY run_id, episode")
         rows = await cur.fetchall()
-    split: list[tuple[str, int, bytes, bytes]] = []
-    blocks: list[tuple[str, CurveBlock]] = []
-    builder: CurveBuilder | None = None
-    current = None
-    for run_id, number, raw in rows:
-        data = bytes(raw)
-        if run_id != current:
-            current, builder = run_id, CurveBuilder()
-        at = detail_offset(data)
-        if at < len(data):
-            split.append((run_id, number, data[:at], data[at:]))
-        if builder is None:
-            continue
-        try:
-            episode = episode_pb2.Episode.FromString(data)
-            done = builder.add(number, episode.reward, episode.best_reward, episode.metrics)
-        except (DecodeError, ValueError):
-            builder = None  # not episodes (or a gap): the run gets no curve
-            continue
-        blocks.extend((run_id, b) for b in done)
+    split, blocks = split_stored_episodes(rows)
     async with conn.cursor() as cur:
         await cur.executemany(
             "UPDATE episodes SET data=%s WHERE run_id=%s AND episode=%s",

@@ -312,16 +312,19 @@ def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
     conn.execute(_CHECKPOINTS)
 
 
-def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
-    conn.execute(_DETAILS.format(name="details"))
-    conn.execute(_DETAILS.format(name="recent_details"))
-    conn.execute(_CURVE)
-    rows = conn.execute("SELECT run_id, episode, data FROM episodes ORDER BY run_id, episode")
-    split = []
-    blocks = []
+def split_stored_episodes(
+    rows: Iterable[tuple[str, int, bytes]],
+) -> tuple[list[tuple[str, int, bytes, bytes]], list[tuple[str, CurveBlock]]]:
+    """Version 4's data of version 3's episodes, ``(run_id, episode, data)`` ordered by run and
+    episode (both stores' migrations): ``(run_id, episode, numbers, detail)`` of each episode
+    that has a detail, and every run's complete curve blocks. A run whose bytes are not
+    episodes (or have a gap) gets no curve."""
+    split: list[tuple[str, int, bytes, bytes]] = []
+    blocks: list[tuple[str, CurveBlock]] = []
     for run_id, episodes in groupby(rows, key=lambda row: row[0]):
         builder: CurveBuilder | None = CurveBuilder()
-        for _, number, data in episodes:
+        for _, number, raw in episodes:
+            data = bytes(raw)
             at = detail_offset(data)
             if at < len(data):
                 split.append((run_id, number, data[:at], data[at:]))
@@ -331,9 +334,18 @@ def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
                 episode = episode_pb2.Episode.FromString(data)
                 done = builder.add(number, episode.reward, episode.best_reward, episode.metrics)
             except (DecodeError, ValueError):
-                builder = None  # not episodes (or a gap): the run gets no curve
+                builder = None
                 continue
-            blocks.extend(curve_rows(run_id, done))
+            blocks.extend((run_id, b) for b in done)
+    return split, blocks
+
+
+def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
+    conn.execute(_DETAILS.format(name="details"))
+    conn.execute(_DETAILS.format(name="recent_details"))
+    conn.execute(_CURVE)
+    rows = conn.execute("SELECT run_id, episode, data FROM episodes ORDER BY run_id, episode")
+    split, blocks = split_stored_episodes(rows)
     conn.executemany(
         "UPDATE episodes SET data=? WHERE run_id=? AND episode=?",
         [(d, r, n) for r, n, d, _ in split],
@@ -342,7 +354,7 @@ def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
         "INSERT INTO details (run_id, episode, detail) VALUES (?,?,?)",
         [(r, n, x) for r, n, _, x in split],
     )
-    conn.executemany(INSERT_CURVE, blocks)
+    conn.executemany(INSERT_CURVE, [row for r, b in blocks for row in curve_rows(r, (b,))])
 
 
 def _migrate_4_to_5(conn: sqlite3.Connection) -> None:
