@@ -31,6 +31,7 @@ from trainwire.builders import (
     RunState,
     create_run_request,
     hyperparameters_request,
+    run_curve_request,
     update_run_request,
 )
 from trainwire.checkpoints import TarDownload
@@ -40,7 +41,6 @@ from trainwire.client import (
     bearer_metadata,
     channel_plan,
     connection_error,
-    metric_names,
 )
 from trainwire.errors import TrainwireError, error_from_rpc
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
@@ -340,13 +340,7 @@ class GatewayClient:
     ) -> gateway_service_pb2.GetRunCurveResponse:
         """The run's reward curve, summarised in contiguous buckets (``GetRunCurve``); see
         ``trainwire.client.GatewayClient.get_run_curve``."""
-        request = gateway_service_pb2.GetRunCurveRequest(
-            run_id=run_id,
-            buckets=buckets,
-            metrics=metric_names(metrics),
-            first_episode=first_episode,
-            last_episode=last_episode,
-        )
+        request = run_curve_request(run_id, buckets, metrics, first_episode, last_episode)
         response: gateway_service_pb2.GetRunCurveResponse = await self._unary(
             self._stub.GetRunCurve, request, timeout
         )

@@ -284,6 +284,25 @@ def hyperparameters_request(
     )
 
 
+def run_curve_request(
+    run_id: str, buckets: int, metrics: Sequence[str], first_episode: int, last_episode: int
+) -> gateway_service_pb2.GetRunCurveRequest:
+    """A ``GetRunCurveRequest`` (see ``GatewayClient.get_run_curve``).
+
+    Raises:
+        TypeError: ``metrics`` is one string, which would otherwise be sent as its letters.
+    """
+    if isinstance(metrics, str):
+        raise TypeError(f"metrics must be a sequence of names, got the string {metrics!r}")
+    return gateway_service_pb2.GetRunCurveRequest(
+        run_id=run_id,
+        buckets=buckets,
+        metrics=list(metrics),
+        first_episode=first_episode,
+        last_episode=last_episode,
+    )
+
+
 def state_name(state: RunState) -> str:
     """``Run.State`` value to a short lower-case name: ``STATE_RUNNING`` -> ``running``."""
     return Run.State.Name(state).removeprefix("STATE_").lower()

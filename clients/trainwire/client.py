@@ -34,6 +34,7 @@ from trainwire.builders import (
     hyperparameters_request,
     imitation_task,
     parse_state,
+    run_curve_request,
     state_name,
     train_config,
     update_run_request,
@@ -157,17 +158,6 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     if token is not None and (not token.strip() or any(c in token for c in "\r\n")):
         raise ValueError("token must be one line of text")
     return (("authorization", f"Bearer {token.strip()}"),) if token else ()
-
-
-def metric_names(metrics: Sequence[str]) -> list[str]:
-    """``metrics`` as the list a request carries.
-
-    Raises:
-        TypeError: one string, which would otherwise be sent as its letters.
-    """
-    if isinstance(metrics, str):
-        raise TypeError(f"metrics must be a sequence of names, got the string {metrics!r}")
-    return list(metrics)
 
 
 def channel_plan(
@@ -584,13 +574,7 @@ class GatewayClient:
             InvalidArgument: a bad bucket count, range or metric name.
             NotFound: no such run.
         """
-        request = gateway_service_pb2.GetRunCurveRequest(
-            run_id=run_id,
-            buckets=buckets,
-            metrics=metric_names(metrics),
-            first_episode=first_episode,
-            last_episode=last_episode,
-        )
+        request = run_curve_request(run_id, buckets, metrics, first_episode, last_episode)
         response: gateway_service_pb2.GetRunCurveResponse = self._unary(
             self._stub.GetRunCurve, request, timeout
         )
