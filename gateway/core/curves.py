@@ -3,6 +3,7 @@ blocks (``gateway.core.curve``), for any run, driven here, elsewhere or finished
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -29,9 +30,6 @@ class RunCurves:
     def __init__(self, store: Store, get_run: Callable[[str], Awaitable[TrainingRun]]) -> None:
         self._store = store
         self._get_run = get_run
-
-    async def _scalars(self, run_id: str, first: int, last: int) -> list[bytes]:
-        return await self._store.read_episodes(run_id, first, last, True)
 
     async def curve(
         self,
@@ -68,7 +66,7 @@ class RunCurves:
                 buckets or DEFAULT_BUCKETS,
                 list(dict.fromkeys(metrics)),
                 self._store.read_curve_blocks,
-                self._scalars,
+                functools.partial(self._store.read_episodes, scalars=True),
             )
         except LookupError:
             if await self._store.get_run(run_id) is None:

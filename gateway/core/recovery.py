@@ -12,6 +12,7 @@ once it can again; until then the registry answers with them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -56,9 +57,6 @@ class Recovery:
         self._make_driver = make_driver
         self._now = now
 
-    async def _read_scalars(self, run_id: str, first: int, last: int) -> list[bytes]:
-        return await self._store.read_episodes(run_id, first, last, True)
-
     async def recover(self, run: TrainingRun) -> None:
         """Brings back one run this gateway drives now."""
         driver = self._make_driver(run, True)
@@ -97,7 +95,7 @@ class Recovery:
             run.id,
             run.episode,
             self._store.read_curve_blocks,
-            self._read_scalars,
+            functools.partial(self._store.read_episodes, scalars=True),
             run.fork_episode,
         )
         _LOGGER.info(

@@ -407,7 +407,7 @@ class SqliteStore:
             "SELECT e.data, coalesce(d.detail, r.detail) FROM episodes e "
             "LEFT JOIN details d ON d.run_id = e.run_id AND d.episode = e.episode "
             "LEFT JOIN recent_details r ON r.run_id = e.run_id AND r.episode = e.episode "
-            "WHERE e.run_id=?1 AND e.episode BETWEEN ?2 AND ?3 ORDER BY e.episode",
+            "WHERE e.run_id=? AND e.episode BETWEEN ? AND ? ORDER BY e.episode",
             (run_id, first, last),
         ).fetchall()
         return [data if detail is None else data + detail for data, detail in rows]
