@@ -180,16 +180,23 @@ class Replay:
         return chunk, True
 
     async def _send(
-        self, log: EpisodeLog, cursor: int, upto: int, scalars: bool, sizer: BatchSizer
+        self,
+        log: EpisodeLog,
+        cursor: int,
+        upto: int,
+        scalars: bool,
+        sizer: BatchSizer,
+        history: bool = False,
     ) -> AsyncIterator[EpisodeFrames]:
-        """Episodes ``cursor + 1 .. upto`` in batches sized for the watcher."""
+        """Episodes ``cursor + 1 .. upto`` in batches sized for the watcher (always as batches
+        for the ``history`` sent before ``CaughtUp``, or read from the store)."""
         run_id = log.run_id
         while cursor < upto:
             self._check_closing(run_id, cursor)
             chunk, stored = await self._chunk(log, cursor, upto, scalars)
             for lo, hi in sizer.batches(chunk, 0, len(chunk)):
                 began = self._clock()
-                yield EpisodeFrames(chunk[lo:hi], stored or hi - lo > 1)
+                yield EpisodeFrames(chunk[lo:hi], history or stored or hi - lo > 1)
                 sizer.wrote(self._clock() - began)
             cursor += len(chunk)
 
@@ -206,8 +213,7 @@ class Replay:
         cursor = max(after_episode, log.origin)
         attach = log.last_episode
         sizer = BatchSizer(self._clock)
-        async for event in self._send(log, cursor, attach, scalars, sizer):
-            event = EpisodeFrames(event.frames, True)
+        async for event in self._send(log, cursor, attach, scalars, sizer, history=True):
             yield event
         # The run's real last episode, even when after_episode is beyond it.
         yield CaughtUp(attach)
