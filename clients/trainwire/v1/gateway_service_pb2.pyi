@@ -183,6 +183,7 @@ class Run(_message.Message):
     PARKED_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     FORK_FROM_FIELD_NUMBER: _builtins.int
+    TRAINERS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The run id, assigned by the gateway."""
     state: Global___Run.State.ValueType
@@ -264,6 +265,12 @@ class Run(_message.Message):
         scratch). A fork's episodes are numbered from fork_from.episode + 1.
         """
 
+    @_builtins.property
+    def trainers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every trainer the run's job spans, rank 0's first (trainer is the
+        first); one entry for a job on one trainer, empty before it started.
+        """
+
     def __init__(
         self,
         *,
@@ -291,10 +298,11 @@ class Run(_message.Message):
         parked: _builtins.bool = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         fork_from: Global___ForkSource | None = ...,
+        trainers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "create_time", b"create_time", "end_time", b"end_time", "fork_from", b"fork_from", "start_time", b"start_time", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_reward", b"best_reward", "checkpoint_episode", b"checkpoint_episode", "config", b"config", "create_time", b"create_time", "creator", b"creator", "display_name", b"display_name", "end_time", b"end_time", "episode", b"episode", "episodes_per_second", b"episodes_per_second", "error_message", b"error_message", "fork_from", b"fork_from", "id", b"id", "labels", b"labels", "parked", b"parked", "request_id", b"request_id", "restarts", b"restarts", "reward", b"reward", "speed", b"speed", "start_time", b"start_time", "state", b"state", "state_detail", b"state_detail", "task", b"task", "trainer", b"trainer", "trainer_episode", b"trainer_episode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_reward", b"best_reward", "checkpoint_episode", b"checkpoint_episode", "config", b"config", "create_time", b"create_time", "creator", b"creator", "display_name", b"display_name", "end_time", b"end_time", "episode", b"episode", "episodes_per_second", b"episodes_per_second", "error_message", b"error_message", "fork_from", b"fork_from", "id", b"id", "labels", b"labels", "parked", b"parked", "request_id", b"request_id", "restarts", b"restarts", "reward", b"reward", "speed", b"speed", "start_time", b"start_time", "state", b"state", "state_detail", b"state_detail", "task", b"task", "trainer", b"trainer", "trainer_episode", b"trainer_episode", "trainers", b"trainers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

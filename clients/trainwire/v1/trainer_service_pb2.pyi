@@ -37,6 +37,7 @@ class TrainRequest(_message.Message):
     GRANT_THROUGH_EPISODE_FIELD_NUMBER: _builtins.int
     ATTACH_AFTER_EPISODE_FIELD_NUMBER: _builtins.int
     RESUME_FROM_FIELD_NUMBER: _builtins.int
+    PLACEMENT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The gateway's run id; it names the job in logs and errors."""
     grant_through_episode: _builtins.int
@@ -67,6 +68,13 @@ class TrainRequest(_message.Message):
         job starts from scratch at episode 1. Ignored on a re-attach.
         """
 
+    @_builtins.property
+    def placement(self) -> Global___JobPlacement:
+        """This trainer's share of a job that spans several trainers (GRPO only).
+        Unset: the whole job runs here. Rank 0's trainer streams the episodes and
+        checkpoints; the others stream heartbeats only and end OK with the job.
+        """
+
     def __init__(
         self,
         *,
@@ -76,16 +84,84 @@ class TrainRequest(_message.Message):
         grant_through_episode: _builtins.int = ...,
         attach_after_episode: _builtins.int | None = ...,
         resume_from: _abc.Iterable[Global___CheckpointRef] | None = ...,
+        placement: Global___JobPlacement | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_attach_after_episode", b"_attach_after_episode", "attach_after_episode", b"attach_after_episode", "config", b"config", "task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_attach_after_episode", b"_attach_after_episode", "attach_after_episode", b"attach_after_episode", "config", b"config", "placement", b"placement", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attach_after_episode", b"_attach_after_episode", "attach_after_episode", b"attach_after_episode", "config", b"config", "grant_through_episode", b"grant_through_episode", "resume_from", b"resume_from", "run_id", b"run_id", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attach_after_episode", b"_attach_after_episode", "attach_after_episode", b"attach_after_episode", "config", b"config", "grant_through_episode", b"grant_through_episode", "placement", b"placement", "resume_from", b"resume_from", "run_id", b"run_id", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__attach_after_episode: _TypeAlias = _typing.Literal["attach_after_episode"]  # noqa: Y015
     _WhichOneofArgType__attach_after_episode: _TypeAlias = _typing.Literal["_attach_after_episode", b"_attach_after_episode"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__attach_after_episode) -> _WhichOneofReturnType__attach_after_episode | None: ...
 
 Global___TrainRequest: _TypeAlias = TrainRequest  # noqa: Y015
+
+@_typing.final
+class JobPlacement(_message.Message):
+    """One trainer's share of a job whose ranks span several trainers. Rank 0's
+    trainer (first_rank 0) hosts the job's rendezvous on its
+    --rendezvous-host and announces it (TrainResponse.rendezvous) before any
+    rank joins; the gateway then starts the other trainers' shares with that
+    address. Every rank runs the same optimizer steps: rank 0 relays the
+    steps, stops, checkpoints and hyperparameter changes it receives to the
+    other trainers' ranks through the rendezvous store.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    FIRST_RANK_FIELD_NUMBER: _builtins.int
+    PROCESSES_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_FIELD_NUMBER: _builtins.int
+    world_size: _builtins.int
+    """Processes in the whole job: the task's grpo.num_processes."""
+    first_rank: _builtins.int
+    """The rank of this trainer's first process; its processes are ranks
+    first_rank to first_rank + processes - 1.
+    """
+    processes: _builtins.int
+    """Processes (slots) of the job on this trainer, at least 1."""
+    rendezvous: _builtins.str
+    """HOST:PORT of the job's rendezvous; empty on rank 0's trainer, required
+    on the others.
+    """
+    def __init__(
+        self,
+        *,
+        world_size: _builtins.int = ...,
+        first_rank: _builtins.int = ...,
+        processes: _builtins.int = ...,
+        rendezvous: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_rank", b"first_rank", "processes", b"processes", "rendezvous", b"rendezvous", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobPlacement: _TypeAlias = JobPlacement  # noqa: Y015
+
+@_typing.final
+class Rendezvous(_message.Message):
+    """Where the ranks of a job that spans several trainers meet."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """HOST:PORT on rank 0's trainer's --rendezvous-host."""
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Rendezvous: _TypeAlias = Rendezvous  # noqa: Y015
 
 @_typing.final
 class CheckpointRef(_message.Message):
@@ -422,6 +498,7 @@ class TrainResponse(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FAILURE_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def episode(self) -> _episode_pb2.Episode:
         """The next episode."""
@@ -444,6 +521,12 @@ class TrainResponse(_message.Message):
     def checkpoint_failure(self) -> Global___CheckpointFailure:
         """A checkpoint could not be written; training goes on."""
 
+    @_builtins.property
+    def rendezvous(self) -> Global___Rendezvous:
+        """Rank 0's trainer of a job that spans several trainers: where the other
+        trainers' ranks join it (after resumed, before any episode).
+        """
+
     def __init__(
         self,
         *,
@@ -452,12 +535,13 @@ class TrainResponse(_message.Message):
         checkpoint: _episode_pb2.Checkpoint | None = ...,
         resumed: Global___Resumed | None = ...,
         checkpoint_failure: Global___CheckpointFailure | None = ...,
+        rendezvous: Global___Rendezvous | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_failure", b"checkpoint_failure", "episode", b"episode", "event", b"event", "heartbeat", b"heartbeat", "resumed", b"resumed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_failure", b"checkpoint_failure", "episode", b"episode", "event", b"event", "heartbeat", b"heartbeat", "rendezvous", b"rendezvous", "resumed", b"resumed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_failure", b"checkpoint_failure", "episode", b"episode", "event", b"event", "heartbeat", b"heartbeat", "resumed", b"resumed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_failure", b"checkpoint_failure", "episode", b"episode", "event", b"event", "heartbeat", b"heartbeat", "rendezvous", b"rendezvous", "resumed", b"resumed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["episode", "heartbeat", "checkpoint", "resumed", "checkpoint_failure"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["episode", "heartbeat", "checkpoint", "resumed", "checkpoint_failure", "rendezvous"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
