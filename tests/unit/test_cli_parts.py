@@ -110,6 +110,16 @@ def _run(**fields: object) -> Run:
     return run
 
 
+def test_the_trainers_of_a_run() -> None:
+    assert "trainer:     -" in _format.run_details(_run())
+    one = _run(trainer="a:1")
+    one.trainers.append("a:1")
+    assert "trainer:     a:1\n" in _format.run_details(one)
+    two = _run(trainer="a:1")
+    two.trainers.extend(["a:1", "b:2"])
+    assert "trainer:     a:1, b:2 (rank 0 on a:1)" in _format.run_details(two)
+
+
 def test_run_texts() -> None:
     run = _run(episode=12, reward=0.5, best_reward=0.75, display_name="demo")
     line = _format.run_line(run)

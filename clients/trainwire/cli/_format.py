@@ -112,6 +112,14 @@ def fork_text(source: gateway_service_pb2.ForkSource) -> str:
     return clean(f"run {source.run_id} at {where}")
 
 
+def trainers_text(run: Run) -> str:
+    """Rank 0's trainer, or every trainer of a job that spans several, rank 0's first."""
+    trainers = [clean(t) for t in run.trainers] or ([clean(run.trainer)] if run.trainer else [])
+    if len(trainers) > 1:
+        return f"{', '.join(trainers)} (rank 0 on {trainers[0]})"
+    return trainers[0] if trainers else "-"
+
+
 def run_details(run: Run) -> str:
     """A ``key: value`` block with everything people look at."""
     rows = [
@@ -124,7 +132,7 @@ def run_details(run: Run) -> str:
         ("best reward", f"{run.best_reward:.6g}" if run.episode else "-"),
         ("rate", rate_text(run)),
         ("seed", str(run.config.seed)),
-        ("trainer", clean(run.trainer) or "-"),
+        ("trainer", trainers_text(run)),
         ("checkpoint", f"episode {run.checkpoint_episode}" if run.checkpoint_episode else "-"),
         ("created", time_text(run, "create_time")),
         ("started", time_text(run, "start_time")),
