@@ -554,12 +554,14 @@ class RunningJob:
             if self._stop_reason == "shutdown" and not self._checker.done:
                 raise ShuttingDown(self.run_id)
             if self._resume_from and not stream.resumed_sent:
-                if self._resumed is None:
+                if self._resumed is None and not self._stopped:
                     return None  # still restoring: heartbeats only
+                # (A job that failed before it decided has no resumed: its end follows.)
                 stream.resumed_sent = True
                 if stream.cursor <= self.start_episode:
                     stream.cursor = self.start_episode
-                    return self._resumed
+                    if self._resumed is not None:
+                        return self._resumed
             checkpoint = self._checkpoint_event(stream)
             if checkpoint is not None:
                 return checkpoint.to_proto()
