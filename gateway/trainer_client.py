@@ -19,6 +19,8 @@ from gateway.core.trainers import (
     Capabilities,
     CheckpointFailed,
     CheckpointSaved,
+    JobPlacement,
+    Rendezvous,
     Resumed,
     ResumePoint,
     StreamEvent,
@@ -184,7 +186,8 @@ def checkpoint_saved(message: episode_pb2.Checkpoint) -> CheckpointSaved:
     )
 
 
-def _event(message: trainer_service_pb2.TrainResponse) -> StreamEvent:
+def stream_event(message: trainer_service_pb2.TrainResponse) -> StreamEvent:
+    """The core's event of one ``TrainResponse``."""
     kind = message.WhichOneof("event")
     if kind == "episode":
         return message.episode
@@ -201,7 +204,43 @@ def _event(message: trainer_service_pb2.TrainResponse) -> StreamEvent:
     if kind == "checkpoint_failure":
         failure = message.checkpoint_failure
         return CheckpointFailed(failure.episode, failure.message)
+    if kind == "rendezvous":
+        return Rendezvous(message.rendezvous.address)
     return None  # a heartbeat (or an event this gateway does not know yet)
+
+
+def train_request(
+    run_id: str,
+    task: episode_pb2.TrainTask,
+    config: episode_pb2.TrainConfig,
+    grant_through_episode: int = 0,
+    attach_after_episode: int | None = None,
+    resume_from: Sequence[ResumePoint] = (),
+    placement: JobPlacement | None = None,
+) -> trainer_service_pb2.TrainRequest:
+    """The ``TrainRequest`` of a ``train`` call (``placement`` None leaves it unset: the whole
+    job runs on the trainer)."""
+    return trainer_service_pb2.TrainRequest(
+        run_id=run_id,
+        task=task,
+        config=config,
+        grant_through_episode=grant_through_episode,
+        attach_after_episode=attach_after_episode,
+        resume_from=[
+            trainer_service_pb2.CheckpointRef(
+                run_id=point.run_id, checkpoint=checkpoint_to_proto(point.checkpoint)
+            )
+            for point in resume_from
+        ],
+        placement=None
+        if placement is None
+        else trainer_service_pb2.JobPlacement(
+            world_size=placement.world_size,
+            first_rank=placement.first_rank,
+            processes=placement.processes,
+            rendezvous=placement.rendezvous,
+        ),
+    )
 
 
 class _GrpcTrainerStream:
@@ -230,7 +269,7 @@ class _GrpcTrainerStream:
                 raise TrainerCrashed(f"trainer {self._address}: {code.name}")
             raise StopAsyncIteration
         assert isinstance(message, trainer_service_pb2.TrainResponse)
-        return _event(message)
+        return stream_event(message)
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -345,20 +384,17 @@ class GrpcTrainerConnector:
         grant_through_episode: int = 0,
         attach_after_episode: int | None = None,
         resume_from: Sequence[ResumePoint] = (),
+        placement: JobPlacement | None = None,
     ) -> _GrpcTrainerStream:
         """Starts a ``Train`` call (no deadline: the heartbeat timeout guards it)."""
-        request = trainer_service_pb2.TrainRequest(
-            run_id=run_id,
-            task=task,
-            config=config,
-            grant_through_episode=grant_through_episode,
-            attach_after_episode=attach_after_episode,
-            resume_from=[
-                trainer_service_pb2.CheckpointRef(
-                    run_id=point.run_id, checkpoint=checkpoint_to_proto(point.checkpoint)
-                )
-                for point in resume_from
-            ],
+        request = train_request(
+            run_id,
+            task,
+            config,
+            grant_through_episode,
+            attach_after_episode,
+            resume_from,
+            placement,
         )
         channel, stub = self._open(address)
         call = stub.Train(request)

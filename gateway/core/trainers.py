@@ -2,9 +2,11 @@
 cancellation and live hyperparameters.
 
 ``gateway.trainer_client`` implements ``TrainerConnector`` over gRPC; tests may plug in others.
-A stream yields ``Episode`` messages, ``None`` for heartbeats and the checkpoint events
-(``CheckpointSaved``, ``Resumed``, ``CheckpointFailed``), and raises one of the ``TrainerError``
-subclasses below when it fails.
+A stream yields ``Episode`` messages, ``None`` for heartbeats, the checkpoint events
+(``CheckpointSaved``, ``Resumed``, ``CheckpointFailed``) and, from rank 0's trainer of a job
+that spans trainers, where the other trainers' ranks join it (``Rendezvous``); it raises one of
+the ``TrainerError`` subclasses below when it fails. A ``train`` call with a ``JobPlacement``
+starts one trainer's share of such a job.
 """
 
 from __future__ import annotations
@@ -144,8 +146,43 @@ class CheckpointFailed:
     message: str
 
 
-#: What a trainer stream yields: an episode, a heartbeat (None) or a checkpoint event.
-StreamEvent: TypeAlias = episode_pb2.Episode | CheckpointSaved | Resumed | CheckpointFailed | None
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where the other trainers' ranks of a job that spans trainers join it
+    (``TrainResponse.rendezvous``): sent by rank 0's trainer after ``Resumed``, if any, and
+    before any episode.
+
+    Attributes:
+        address: ``HOST:PORT`` on rank 0's trainer.
+    """
+
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class JobPlacement:
+    """One trainer's share of a job whose ranks span several trainers
+    (``TrainRequest.placement``).
+
+    Attributes:
+        world_size: Processes in the whole job (the task's ``grpo.num_processes``).
+        first_rank: The rank of this trainer's first process.
+        processes: Processes (slots) of the job on this trainer, at least 1.
+        rendezvous: ``HOST:PORT`` of the job's rendezvous: "" on rank 0's trainer (it
+            announces one), the address it announced on the others.
+    """
+
+    world_size: int
+    first_rank: int
+    processes: int
+    rendezvous: str = ""
+
+
+#: What a trainer stream yields: an episode, a heartbeat (None), a checkpoint event or the
+#: rendezvous of a job that spans trainers.
+StreamEvent: TypeAlias = (
+    episode_pb2.Episode | CheckpointSaved | Resumed | CheckpointFailed | Rendezvous | None
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,9 +227,12 @@ class TrainerConnector(Protocol):
         grant_through_episode: int = 0,
         attach_after_episode: int | None = None,
         resume_from: Sequence[ResumePoint] = (),
+        placement: JobPlacement | None = None,
     ) -> TrainerStream:
         """Starts a ``Train`` call: a new job (from the first of ``resume_from`` that restores,
-        newest first, else from scratch), or a re-attach after ``attach_after_episode``."""
+        newest first, else from scratch), or a re-attach after ``attach_after_episode``. With
+        ``placement``, the job's share on this trainer of a job that spans trainers (None: the
+        whole job runs here)."""
         ...
 
     async def grant(self, address: str, run_id: str, through_episode: int, timeout: float) -> int:

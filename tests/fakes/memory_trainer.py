@@ -30,6 +30,14 @@ with beta 0). With ``MemoryTrainer.hyperparameter_metrics`` every episode carrie
 was produced with as metrics (``learning_rate``; grpo also ``temperature``, ``beta``), as the
 real providers' do.
 
+Jobs across trainers: a job takes ``grpo.num_processes`` slots (1 for other kinds), or its
+placement's ``processes``. Rank 0's share of a job that spans trainers (``placement`` with
+``first_rank`` 0) announces a rendezvous (``Rendezvous``, after ``Resumed``) and produces
+nothing until every rank joined it: each other share is a ``train`` with that rendezvous, on any
+trainer of the connector. Those shares produce nothing; their streams send heartbeats and end OK
+once rank 0's job produced its done episode. When rank 0's job stops short of it (killed,
+failed, cancelled), its shares fail as their peers are gone (``TrainerProcessDied``).
+
 Every ``train``, ``grant``, ``cancel_job`` and ``set_hyperparameters`` call is recorded with its
 arguments and the loop time it came at (``MemoryConnector.calls``), so tests assert on values,
 never on log text.
@@ -56,6 +64,8 @@ from gateway.core.trainers import (
     Capabilities,
     CheckpointFailed,
     CheckpointSaved,
+    JobPlacement,
+    Rendezvous,
     Resumed,
     ResumePoint,
     StreamEvent,
@@ -67,6 +77,7 @@ from gateway.core.trainers import (
     TrainerJobFinished,
     TrainerJobGone,
     TrainerLost,
+    TrainerProcessDied,
     TrainerRefused,
 )
 from tests.fakes.episodes import broken, make_episode, reward_of
@@ -94,6 +105,8 @@ class TrainCall:
     resume_from: tuple[int, ...] = ()
     #: The run of each of ``resume_from`` (a fork's last one is its parent's).
     resume_runs: tuple[str, ...] = ()
+    #: The share of a job that spans trainers (None: the whole job).
+    placement: JobPlacement | None = None
 
 
 @dataclass(frozen=True)
@@ -218,9 +231,23 @@ class MemoryJob:
         grant: int,
         script: JobScript,
         resumed: Resumed | None = None,
+        placement: JobPlacement | None = None,
     ) -> None:
         self.trainer = trainer
         self.run_id = run_id
+        #: Its share of a job that spans trainers (None: the whole job).
+        self.placement = placement
+        #: Slots it holds.
+        self.slots = job_slots(task, placement)
+        #: Rank 0's job: the ranks that joined it (its own first) and the other shares.
+        self.joined = placement.processes if placement is not None else 0
+        self.shares: list[MemoryJob] = []
+        #: Where the other ranks join (rank 0's job of a job that spans trainers).
+        self.rendezvous = ""
+        #: Another share: rank 0's job ended short of its done episode.
+        self.peer_lost = False
+        #: Another share: rank 0's job produced its done episode.
+        self.completed = False
         self.task = task
         self.config = config
         self.kind = task_kind(task)
@@ -274,9 +301,22 @@ class MemoryJob:
         return event
 
     @property
+    def is_share(self) -> bool:
+        """Whether it is the share of a job that spans trainers on another trainer than rank
+        0's (it produces nothing)."""
+        return self.placement is not None and self.placement.first_rank > 0
+
+    def join(self, share: MemoryJob) -> None:
+        """Another trainer's share joins this rank 0's job."""
+        assert share.placement is not None
+        self.joined += share.placement.processes
+        self.shares.append(share)
+        self._produce()
+
+    @property
     def done(self) -> bool:
-        """Whether the done episode was produced."""
-        return self.last_produced >= self.max_episodes
+        """Whether the done episode was produced (a share: rank 0's job's)."""
+        return self.completed or self.last_produced >= self.max_episodes
 
     def move_grant(self, through_episode: int) -> None:
         """Moves the grant forward (never back) and produces what it allows."""
@@ -301,6 +341,10 @@ class MemoryJob:
                 self.changed()
 
     def _may_produce(self) -> bool:
+        if self.is_share:
+            return False
+        if self.placement is not None and self.joined < self.placement.world_size:
+            return False  # rank 0 waits for every rank
         return not self.stopped and self.last_produced < min(self.grant, self.max_episodes)
 
     def _produce_one(self) -> None:
@@ -326,6 +370,12 @@ class MemoryJob:
         self.stopped = True
         if self._producer is not None:
             self._producer.cancel()
+        for share in self.shares:
+            if self.done:
+                share.completed = True
+            else:
+                share.peer_lost = True
+            share.stop()
         self.changed()
 
     def changed(self) -> None:
@@ -390,8 +440,11 @@ class MemoryStream:
         if job is not None:
             job.attach(self)
             if job.resumed is not None and after == 0:
-                self._pending.append(job.resumed)
+                if not job.is_share:  # a share streams heartbeats only
+                    self._pending.append(job.resumed)
                 self._cursor = job.first - 1
+            if job.rendezvous and after == 0:
+                self._pending.append(Rendezvous(job.rendezvous))
 
     def __aiter__(self) -> AsyncIterator[StreamEvent]:
         return self
@@ -435,6 +488,13 @@ class MemoryStream:
                 raise TrainerCrashed(f"trainer {trainer.address}: ABORTED: re-attached")
             if self.broken:
                 raise self._fail(TrainerLost(f"trainer {trainer.address}: UNAVAILABLE: blip"))
+            if job.peer_lost:
+                raise self._fail(
+                    TrainerProcessDied(
+                        f"trainer {trainer.address}: ABORTED: a rank on another trainer is gone",
+                        "A process of the training job stopped.",
+                    )
+                )
             if self._pending:
                 return self._pending.popleft()
             due = self._due_checkpoint(job)
@@ -493,6 +553,14 @@ class MemoryStream:
 
 
 # -- trainers and the connector ---------------------------------------------------------------
+
+
+def job_slots(task: episode_pb2.TrainTask, placement: JobPlacement | None) -> int:
+    """Slots a job holds: its placement's processes, else one per GRPO process (1 for other
+    kinds)."""
+    if placement is not None:
+        return placement.processes
+    return max(1, task.grpo.num_processes) if task_kind(task) == "grpo" else 1
 
 
 class MemoryCheckpoints:
@@ -570,12 +638,15 @@ class MemoryTrainer:
     episodes_sent: int = 0
     heartbeats_sent: int = 0
     store: MemoryCheckpoints = field(default_factory=MemoryCheckpoints)
+    #: Rank 0's jobs of jobs that span trainers, by rendezvous (shared by the connector's
+    #: trainers).
+    rendezvous: dict[str, MemoryJob] = field(default_factory=dict)
     _scripts: deque[JobScript] = field(default_factory=deque)
 
     @property
     def slots_free(self) -> int:
         """Slots no running job holds."""
-        return self.slots_total - sum(1 for j in self.jobs.values() if not j.stopped)
+        return self.slots_total - sum(j.slots for j in self.jobs.values() if not j.stopped)
 
     def script(self, *scripts: JobScript) -> None:
         """Queues scripts; each new job takes the next one (then the default)."""
@@ -616,6 +687,7 @@ class MemoryTrainer:
         grant: int,
         attach_after: int | None,
         resume_from: Sequence[ResumePoint] = (),
+        placement: JobPlacement | None = None,
     ) -> MemoryStream:
         if self.killed:
             return MemoryStream(self, None, 0, TrainerLost(f"trainer {self.address}: killed"))
@@ -630,13 +702,24 @@ class MemoryTrainer:
         if task_kind(task) not in self.providers:
             error = TrainerFailed(f"{self.address}: no provider", "No provider for this task.")
             return MemoryStream(self, None, 0, error)
-        if self.answer_busy > 0 or self.slots_free <= 0:
+        if self.answer_busy > 0 or self.slots_free < job_slots(task, placement):
             self.answer_busy = max(0, self.answer_busy - 1)
             return MemoryStream(self, None, 0, TrainerBusy(f"{self.address}: SLOTS_BUSY"))
+        leader = None
+        if placement is not None and placement.first_rank > 0:
+            leader = self.rendezvous.get(placement.rendezvous)
+            if leader is None or leader.stopped:
+                gone = TrainerCrashed(f"{self.address}: rendezvous {placement.rendezvous} gone")
+                return MemoryStream(self, None, 0, gone)
         script = self._scripts.popleft() if self._scripts else JobScript()
         resumed = self.store.restore(resume_from) if resume_from else None
-        job = MemoryJob(self, run_id, task, config, grant, script, resumed)
+        job = MemoryJob(self, run_id, task, config, grant, script, resumed, placement)
         self.jobs[run_id] = job
+        if placement is not None and placement.first_rank == 0:
+            job.rendezvous = f"rendezvous.{self.address}:{29500 + len(self.rendezvous)}"
+            self.rendezvous[job.rendezvous] = job
+        if leader is not None:
+            leader.join(job)
         return MemoryStream(self, job, 0)
 
 
@@ -651,8 +734,11 @@ class MemoryConnector:
         self.trainers = {t.address: t for t in trainers}
         #: The checkpoint store every trainer reaches.
         self.checkpoints = MemoryCheckpoints()
+        #: Rank 0's jobs of jobs that span trainers, by rendezvous.
+        self.rendezvous: dict[str, MemoryJob] = {}
         for trainer in self.trainers.values():
             trainer.store = self.checkpoints
+            trainer.rendezvous = self.rendezvous
         self.calls: list[Call] = []
         self.closed = 0
         #: Called with every recorded call as it comes (before the trainer answers it).
@@ -681,10 +767,12 @@ class MemoryConnector:
         return trainer
 
     def job(self, run_id: str) -> MemoryJob:
-        """The job of a run, on whichever trainer has it."""
+        """The job of a run, on whichever trainer has it (rank 0's, of a job that spans
+        trainers)."""
         for trainer in self.trainers.values():
-            if run_id in trainer.jobs:
-                return trainer.jobs[run_id]
+            job = trainer.jobs.get(run_id)
+            if job is not None and not job.is_share:
+                return job
         raise KeyError(f"no trainer has a job of run {run_id}")
 
     # -- the record --------------------------------------------------------------------------
@@ -727,6 +815,7 @@ class MemoryConnector:
         grant_through_episode: int = 0,
         attach_after_episode: int | None = None,
         resume_from: Sequence[ResumePoint] = (),
+        placement: JobPlacement | None = None,
     ) -> MemoryStream:
         self._record(
             TrainCall(
@@ -737,13 +826,20 @@ class MemoryConnector:
                 self._now(),
                 tuple(p.checkpoint.episode for p in resume_from),
                 tuple(p.run_id for p in resume_from),
+                placement,
             )
         )
         trainer = self.trainers.get(address)
         if trainer is None:
             return MemoryStream(MemoryTrainer(address), None, 0, TrainerLost(f"{address}: refused"))
         return trainer.open(
-            run_id, task, config, grant_through_episode, attach_after_episode, resume_from
+            run_id,
+            task,
+            config,
+            grant_through_episode,
+            attach_after_episode,
+            resume_from,
+            placement,
         )
 
     async def grant(self, address: str, run_id: str, through_episode: int, timeout: float) -> int:
