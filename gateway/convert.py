@@ -77,6 +77,7 @@ def run_to_proto(
         config=run.config,
         display_name=run.display_name,
         trainer=run.trainer,
+        trainers=run.trainers,
         request_id=run.request_id,
         trainer_episode=run.trainer_episode,
         state_detail=run.state_detail,

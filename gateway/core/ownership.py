@@ -173,7 +173,8 @@ def _elsewhere_detail(run: TrainingRun, candidate: RunDriver | None) -> str:
         if candidate is not None:
             return candidate.pending_detail
         return "waiting for a gateway replica to place it"
-    where = f" on {run.trainer}" if run.trainer else ""
+    trainers = ", ".join(run.trainers) or run.trainer
+    where = f" on {trainers}" if trainers else ""
     return f"{run.state.name.lower()}{where}, driven by another gateway replica"
 
 

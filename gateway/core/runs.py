@@ -69,7 +69,8 @@ class TrainingRun:
         start_time: When training started.
         end_time: When it finished.
         display_name: Free-form name.
-        trainer: Address of its trainer ("" while PENDING).
+        trainer: Address of its trainer, rank 0's for a job that spans trainers ("" while
+            PENDING).
         request_id: Its idempotency key ("" when none).
         seq: Creation order in the store (newest is largest); 0 until stored.
         trainer_episode: The last episode received from the trainer (0 before the first); at
@@ -89,6 +90,8 @@ class TrainingRun:
         fork_run_id: The run it was forked from ("" when trained from scratch).
         fork_episode: The checkpoint episode it was forked from: its episodes are numbered
             from ``fork_episode + 1`` (0 when not a fork).
+        trainers: Every trainer its job runs on (or last ran on), rank 0's first (so
+            ``trainers[0] == trainer``); one for a job on one trainer, none while PENDING.
     """
 
     id: str
@@ -118,6 +121,7 @@ class TrainingRun:
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
     fork_run_id: str = ""
     fork_episode: int = 0
+    trainers: tuple[str, ...] = ()
 
     def snapshot(self) -> TrainingRun:
         """A copy that later transitions do not change (task and config are shared, read-only)."""
@@ -128,12 +132,14 @@ class TrainingRun:
             f"cannot {action} run {self.id!r}: it is {self.state.name}", self.id
         )
 
-    def start(self, trainer: str, now: int) -> None:
-        """PENDING -> RUNNING on its trainer."""
+    def start(self, trainer: str, now: int, trainers: tuple[str, ...] = ()) -> None:
+        """PENDING -> RUNNING on its trainer (rank 0's of ``trainers``, when its job spans
+        several)."""
         if self.state is not RunState.PENDING:
             raise self._illegal("start")
         self.state = RunState.RUNNING
         self.trainer = trainer
+        self.trainers = trainers or (trainer,)
         self.start_time = now
 
     def pause(self) -> bool:

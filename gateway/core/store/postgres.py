@@ -49,7 +49,7 @@ from gateway.core.store.sqlite import (
     _run_values,
     labels_json,
 )
-from gateway.core.store.sqlite_schema import search_values
+from gateway.core.store.sqlite_schema import search_values, trainers_json
 
 
 class PostgresStore(PostgresDatabase):
@@ -131,8 +131,8 @@ class PostgresStore(PostgresDatabase):
             raise
 
     async def update_run(self, run: TrainingRun) -> None:
-        """Writes a run's state, speed, times, trainer, trainer episode, restarts, parked and
-        task (with the ``learning_rate`` search column; never its counters nor
+        """Writes a run's state, speed, times, trainer and trainers, trainer episode, restarts,
+        parked and task (with the ``learning_rate`` search column; never its counters nor
         ``checkpoint_episode``), fenced by its owner, and announces it.
 
         Raises:
@@ -142,8 +142,8 @@ class PostgresStore(PostgresDatabase):
         async def go(conn: psycopg.AsyncConnection) -> None:
             cur = await conn.execute(
                 "UPDATE runs SET state=%s, error_message=%s, speed=%s, start_time=%s, "
-                "end_time=%s, trainer=%s, trainer_episode=%s, restarts=%s, parked=%s, "
-                "task=%s, learning_rate=%s "
+                "end_time=%s, trainer=%s, trainers=%s, trainer_episode=%s, restarts=%s, "
+                "parked=%s, task=%s, learning_rate=%s "
                 "WHERE id=%s AND (owner=%s OR owner IS NULL) RETURNING id",
                 (
                     int(run.state),
@@ -152,6 +152,7 @@ class PostgresStore(PostgresDatabase):
                     run.start_time,
                     run.end_time,
                     run.trainer,
+                    trainers_json(run.trainers),
                     run.trainer_episode,
                     run.restarts,
                     run.parked,

@@ -28,6 +28,8 @@ Versions (``MIGRATIONS[v - 1]`` takes a database from ``v - 1`` to ``v``):
    and the columns searches read of the task and config (``kind``, ``clip``, ``model``,
    ``learning_rate``, ``seed``; ``_fill_search_columns`` fills them in), as SQLite's version 5,
    with the indexes of searches (best reward, creation time, and a GIN index of the labels).
+6. Jobs across trainers: ``runs`` gains ``trainers`` (JSON text: every trainer the run's job
+   spans, rank 0's first), filled in from ``trainer`` (as SQLite's version 6).
 
 A migration runs in one transaction under an advisory lock, so replicas started together with
 ``--migrate`` migrate once, and a failed migration leaves the database as it was.
@@ -46,7 +48,7 @@ from gateway.core.store.base import DatabaseProblem, SchemaOutdated
 from gateway.core.store.sqlite_schema import split_stored_episodes, task_search_values
 
 APPLICATION = "trainwire"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: ``pg_advisory_xact_lock`` key of schema changes ("TWIR").
 MIGRATION_LOCK = 0x54574952
 
@@ -158,7 +160,12 @@ _V5 = (
     "CREATE INDEX runs_create_time ON runs (create_time, seq)",
     "CREATE INDEX runs_labels ON runs USING gin ((labels::jsonb))",
 )
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5)
+_V6 = (
+    "ALTER TABLE runs ADD COLUMN trainers TEXT NOT NULL DEFAULT '[]'",
+    # One entry for a run that started (json_build_array writes what json.dumps reads).
+    "UPDATE runs SET trainers = json_build_array(trainer)::text WHERE trainer <> ''",
+)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
 
 #: Inserts curve blocks given as arrays of their columns.
 INSERT_CURVE = (

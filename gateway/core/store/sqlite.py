@@ -32,6 +32,7 @@ from gateway.core.store.sqlite_schema import (
     check,
     curve_rows,
     search_values,
+    trainers_json,
     upgrade,
 )
 from trainwire.v1 import episode_pb2
@@ -49,7 +50,7 @@ _RUN_COLUMNS = (
     "seq, id, request_id, state, error_message, speed, episodes_per_second, episode, reward, "
     "best_reward, task, config, create_time, start_time, end_time, display_name, trainer, "
     "trainer_episode, creator, request_hash, checkpoint_episode, restarts, parked, labels, "
-    "fork_run_id, fork_episode, kind, clip, model, learning_rate, seed"
+    "fork_run_id, fork_episode, kind, clip, model, learning_rate, seed, trainers"
 )
 #: How many columns ``_RUN_COLUMNS`` names.
 _RUN_WIDTH = _RUN_COLUMNS.count(",") + 1
@@ -140,6 +141,7 @@ def _run_values(run: TrainingRun) -> tuple[Any, ...]:
         run.fork_run_id,
         run.fork_episode,
         *search_values(run.task, run.config),
+        trainers_json(run.trainers),
     )
 
 
@@ -173,6 +175,7 @@ def _run_from_row(row: Sequence[Any]) -> TrainingRun:
         labels=json.loads(row[23]) if row[23] else {},
         fork_run_id=row[24],
         fork_episode=row[25],
+        trainers=tuple(json.loads(row[31])) if row[31] else (),
     )
 
 
@@ -310,8 +313,9 @@ class SqliteStore:
         return seq
 
     def update_run(self, run: TrainingRun) -> None:
-        """Writes a run's state, speed, times, trainer, trainer episode, restarts, parked and
-        task (its live hyperparameters change, with the ``learning_rate`` search column).
+        """Writes a run's state, speed, times, trainer and trainers, trainer episode, restarts,
+        parked and task (its live hyperparameters change, with the ``learning_rate`` search
+        column).
 
         The episode counters are not written: ``append_episodes`` owns them, and a snapshot
         taken before the last group commit must not rewind them; nor is
@@ -319,8 +323,8 @@ class SqliteStore:
         """
         self._conn.execute(
             "UPDATE runs SET state=?, error_message=?, speed=?, start_time=?, end_time=?, "
-            "trainer=?, trainer_episode=?, restarts=?, parked=?, task=?, learning_rate=? "
-            "WHERE id=?",
+            "trainer=?, trainers=?, trainer_episode=?, restarts=?, parked=?, task=?, "
+            "learning_rate=? WHERE id=?",
             (
                 int(run.state),
                 run.error_message,
@@ -328,6 +332,7 @@ class SqliteStore:
                 run.start_time,
                 run.end_time,
                 run.trainer,
+                trainers_json(run.trainers),
                 run.trainer_episode,
                 run.restarts,
                 run.parked,

@@ -27,6 +27,9 @@ Versions:
    lineage of a fork), and the columns searches read of the task and config (``kind``,
    ``clip``, ``model``, ``learning_rate``, ``seed``; the migration fills them in), and
    indexes for searches ordered by best reward or creation time.
+6. Jobs across trainers: ``runs`` gains ``trainers`` (JSON: every trainer the run's job spans,
+   rank 0's first); the migration fills it in from ``trainer`` (one entry, or none while the
+   run never started).
 
 A database at an older version is migrated only when asked (``migrate=True``): a migration runs
 in one transaction (every step from its version to the latest), so a failed one leaves the
@@ -35,6 +38,7 @@ database as it was.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Callable, Iterable
 from itertools import groupby
@@ -48,7 +52,7 @@ from gateway.core.store.base import DatabaseProblem, SchemaOutdated
 from trainwire.v1 import episode_pb2
 
 APPLICATION_ID = 0x54574952  # "TWIR"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _RUNS = """
 CREATE TABLE runs (
@@ -82,7 +86,8 @@ CREATE TABLE runs (
     clip TEXT NOT NULL DEFAULT '',
     model TEXT NOT NULL DEFAULT '',
     learning_rate REAL NOT NULL DEFAULT 0,
-    seed INTEGER NOT NULL DEFAULT 0
+    seed INTEGER NOT NULL DEFAULT 0,
+    trainers TEXT NOT NULL DEFAULT '[]'
 )"""
 #: The columns version 5 added to ``runs``.
 _V5_RUN_COLUMNS = (
@@ -95,6 +100,8 @@ _V5_RUN_COLUMNS = (
     "learning_rate REAL NOT NULL DEFAULT 0",
     "seed INTEGER NOT NULL DEFAULT 0",
 )
+#: The column version 6 added to ``runs``.
+_V6_RUN_COLUMN = "trainers TEXT NOT NULL DEFAULT '[]'"
 _EPISODES_V2 = """
 CREATE TABLE {name} (
     run_id TEXT NOT NULL,
@@ -369,10 +376,26 @@ def _migrate_4_to_5(conn: sqlite3.Connection) -> None:
     )
 
 
+def trainers_json(trainers: Iterable[str]) -> str:
+    """A run's trainers as the ``trainers`` column holds them (a JSON array)."""
+    return json.dumps(list(trainers), separators=(",", ":"))
+
+
+def _migrate_5_to_6(conn: sqlite3.Connection) -> None:
+    if "trainers" not in _columns(conn, "runs"):  # a column already there is kept
+        conn.execute(f"ALTER TABLE runs ADD COLUMN {_V6_RUN_COLUMN}")
+    rows = conn.execute("SELECT id, trainer FROM runs WHERE trainer != ''").fetchall()
+    conn.executemany(
+        "UPDATE runs SET trainers=? WHERE id=?",
+        [(trainers_json([trainer]), run_id) for run_id, trainer in rows],
+    )
+
+
 #: ``MIGRATIONS[v]`` takes a database from version ``v - 1`` to ``v``.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     2: _migrate_1_to_2,
     3: _migrate_2_to_3,
     4: _migrate_3_to_4,
     5: _migrate_4_to_5,
+    6: _migrate_5_to_6,
 }
