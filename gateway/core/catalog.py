@@ -24,6 +24,7 @@ from gateway.core.history import PageCache
 from gateway.core.observer import Observer
 from gateway.core.ownership import Ownership
 from gateway.core.pacing import clamp_speed
+from gateway.core.placement import slots_needed
 from gateway.core.recovery import UnsavedEnds
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
@@ -197,7 +198,36 @@ class RunCatalog:
             ) from None
         return await fork_point(self._store, parent, spec.task, spec.config, spec.fork_episode)
 
+    def _check_fits(self, spec: RunSpec) -> None:
+        """Refuses a job of several slots (a GRPO job of several processes) bigger than the
+        slots of every answering trainer that offers its kind together: it would wait forever.
+        While none of them has answered it may wait, and so does a job of one slot (as it
+        always did).
+
+        Raises:
+            InvalidRequest: naming ``task.grpo.num_processes`` (only GRPO jobs take more than
+                one slot).
+        """
+        kind = task_kind(spec.task)
+        slots = slots_needed(spec.task)
+        capacity = self._scheduler.capacity(kind)
+        if slots == 1 or capacity is None or slots <= capacity[0]:
+            return
+        total, each = capacity
+        raise InvalidRequest(
+            f"cannot create the run: task.grpo.num_processes is {slots}, but the trainers that "
+            f"offer {kind} have {total} slots in all ({each})",
+            [
+                FieldViolation(
+                    "task.grpo.num_processes",
+                    f"{slots}; at most {total}, the slots of every trainer that offers {kind} "
+                    f"together ({each})",
+                )
+            ],
+        )
+
     async def _insert(self, spec: RunSpec) -> TrainingRun:
+        self._check_fits(spec)
         fork = await self._fork_point(spec) if spec.fork_run_id else None
         if not self._store.writable:
             raise StoreUnavailable(f"cannot create a run: {STORE_MESSAGE}")

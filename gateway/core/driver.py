@@ -27,6 +27,15 @@ Invariants:
   new job trains again the episodes after its checkpoint that the run received; the feed drops
   them, so watchers see every episode once. Episodes received and not yet published stay in
   the driver's inbox across all of this.
+- A job the scheduler placed on several trainers (``gateway.core.placement``) streams from rank
+  0's trainer, which alone gets grants, controls and hyperparameter changes; the other
+  trainers' shares start on its rendezvous and are watched by ``JobShares``
+  (``gateway.core.shares``). A failed share fails the job (cancelling rank 0's stream) and the
+  run is restarted as above, possibly on other trainers, or ends ERROR naming the trainer and
+  its ranks; a share refused as busy puts the run back in the queue without counting a
+  restart. Whenever the job ends (done, failure, stop, park, restart) every share that did not
+  end is cancelled (rank 0's first where its final checkpoint is wanted) and every trainer's
+  slots are reported free. ``Run.trainers`` lists them, rank 0's first.
 - With gateway replicas a driver drives its run only while its replica owns it: a *candidate*
   (a PENDING run no replica owns, ``owned`` False) has its ``Ownership`` claim the run before
   it dispatches it, and any write the store refuses with ``NotOwner`` makes the driver
@@ -60,13 +69,16 @@ from gateway.core.history import EpisodeLog
 from gateway.core.hyperparameters import HyperparameterChange, has_reference_model
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
+from gateway.core.placement import Placement, slots_needed
 from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.settings import CoreSettings
+from gateway.core.shares import JobShares, ShareFailed, SharesNotReattached
 from gateway.core.store import STORE_MESSAGE, NotOwner, Store, StoreWriteFailed
 from gateway.core.trainers import (
     CheckpointFailed,
     CheckpointSaved,
+    Rendezvous,
     Resumed,
     ResumePoint,
     TrainerBusy,
@@ -86,8 +98,9 @@ GRANT_RETRY_S = 1.0
 class SchedulerHooks(Protocol):
     """What a driver tells the scheduler."""
 
-    def started(self, trainer: str) -> None:
-        """A run dispatched to ``trainer`` got its first answer (or gave up waiting for it)."""
+    def started(self, trainer: str, slots: int = 1) -> None:
+        """A run's share of ``slots`` dispatched to ``trainer`` got its first answer (or gave
+        up waiting for it)."""
         ...
 
     def requeue(self, driver: RunDriver) -> None:
@@ -180,8 +193,17 @@ class RunDriver:
         self.finalizing = False
         self.pending_detail = "waiting for the scheduler"
         self.owned = owned
-        self._trainer = run.trainer
-        self._reserved = False  # counted by the scheduler as starting on self._trainer
+        self._trainer = run.trainer  # rank 0's
+        #: Where its job runs (None before it was placed, and for a job re-attached after a
+        #: gateway restart: that one runs on ``run.trainer`` alone).
+        self._placement: Placement | None = None
+        #: Slots the scheduler counts as starting, by trainer, until each answers.
+        self._reserved: dict[str, int] = {}
+        #: The other trainers' shares of the current job (None: it runs on one trainer).
+        self._shares: JobShares | None = None
+        #: The checkpoints the current job was given, and the one it restored.
+        self._resume_from: list[ResumePoint] = []
+        self._restored: ResumePoint | None = None
         self._ended = asyncio.Event()  # finalized (or handed to another replica)
         #: An active run waiting to be placed again (parked and resumed, or restarted).
         self.placing_again = False
@@ -203,9 +225,26 @@ class RunDriver:
         return waiting and not self.finalizing and self.task is None
 
     @property
+    def slots(self) -> int:
+        """Trainer slots its job takes."""
+        return slots_needed(self.run.task)
+
+    @property
     def trainer(self) -> str:
-        """The trainer it was placed on ("" before)."""
+        """The trainer it was placed on, rank 0's ("" before)."""
         return self._trainer
+
+    def _where(self) -> str:
+        """Where its job runs, for people."""
+        if self._placement is not None:
+            return self._placement.describe()
+        return self._trainer
+
+    def _addresses(self) -> tuple[str, ...]:
+        """Every trainer of its job (or of its last one), rank 0's first."""
+        if self._placement is not None:
+            return self._placement.addresses
+        return self.run.trainers or ((self._trainer,) if self._trainer else ())
 
     async def ended(self) -> None:
         """Returns once the driver let its run go: its end stored (or refused by a full
@@ -237,7 +276,7 @@ class RunDriver:
             )
         if run.state is RunState.RUNNING:
             return (
-                f"training on {self._trainer}: episode {run.trainer_episode} of "
+                f"training on {self._where()}: episode {run.trainer_episode} of "
                 f"{run.config.max_episodes} trained, granted through {granted}{note}"
             )
         if run.state is RunState.PAUSED:
@@ -249,12 +288,13 @@ class RunDriver:
 
     # -- starting ----------------------------------------------------------------------------
 
-    def dispatch(self, trainer: str) -> None:
-        """Starts the run on ``trainer`` (called by the scheduler, which counts it as
-        starting there until :meth:`SchedulerHooks.started`)."""
-        self._trainer = trainer
-        self._reserved = True
-        self.pending_detail = f"starting on {trainer}"
+    def dispatch(self, placement: Placement) -> None:
+        """Starts the run on the trainers of ``placement`` (called by the scheduler, which
+        counts each share's slots as starting there until :meth:`SchedulerHooks.started`)."""
+        self._placement = placement
+        self._trainer = placement.rank0.address
+        self._reserved = {s.address: s.processes for s in placement.shares}
+        self.pending_detail = f"starting on {placement.describe()}"
         self.task = asyncio.create_task(self._drive(None), name=f"gateway-run-{self.run.id}")
 
     def reattach(self, frames: list[bytes], curve: CurveBuilder) -> None:
@@ -262,7 +302,14 @@ class RunDriver:
         committed history (``frames``) goes back into the log, its curve's open blocks into the
         publisher, and the stream re-attaches to the trainer's job. (What a previous gateway
         received and did not publish is gone with it: the run has received through its
-        published episode.)"""
+        published episode.)
+
+        A job that spans trainers (``run.trainers``) is not re-attached: rank 0's stream could
+        be, but the other trainers' shares stream no episodes to re-attach after, so nothing
+        tells whether they are still in the job. Every share is cancelled instead (rank 0's
+        too) and the run goes through the restart path: from its newest checkpoint at or before
+        its published episode (counted as a restart), or, with none, it ends ERROR as a run
+        whose job is gone."""
         self.log.restore(self.run.episode, frames)
         self.publisher.curve = curve
         self.run.trainer_episode = self.run.episode
@@ -415,13 +462,23 @@ class RunDriver:
         self._disarm_park()
         self._ctx.scheduler.dequeue(self)
         dispatched = self.task is not None
+        shares, self._shares = self._shares, None
+        if shares is not None:
+            shares.quiet()
         await self._cancel_task()
         await self.finalize()
         if not self.owned:
+            if shares is not None:
+                await shares.stop_watching()
             raise NotOwner(self.run.id)
         if dispatched and self._trainer:
-            # The job's final checkpoint is the trained model.
-            self._ctx.spawn(self._cancel_job(checkpoint=True), f"gateway-cancel-{self.run.id}")
+            # The job's final checkpoint is the trained model; the other trainers' shares
+            # are cancelled once rank 0's trainer wrote it.
+            self._ctx.spawn(
+                self._cancel_job(checkpoint=True, then=shares), f"gateway-cancel-{self.run.id}"
+            )
+        elif shares is not None:
+            self._ctx.spawn(shares.cancel(), f"gateway-cancel-shares-{self.run.id}")
 
     async def detach(self) -> None:
         """Gateway shutdown: cancels the stream but not the trainer's job (the next gateway
@@ -429,6 +486,7 @@ class RunDriver:
         self.finalizing = True
         self._disarm_park()
         await self._cancel_task()
+        await self._stop_watching_shares()
         try:
             await self.publisher.flush()
         except Exception:
@@ -451,8 +509,16 @@ class RunDriver:
         self.owned = False
         self._ctx.scheduler.dequeue(self)
         await self._cancel_task()
+        await self._stop_watching_shares()
         self._ctx.ownership.lost(self)
         self._ended.set()
+
+    async def _stop_watching_shares(self) -> None:
+        """Stops reading the other trainers' shares; their jobs go on (for the next gateway,
+        or the replica that took the run over)."""
+        shares, self._shares = self._shares, None
+        if shares is not None:
+            await shares.stop_watching()
 
     async def _cancel_task(self) -> None:
         task, self.task = self.task, None
@@ -478,9 +544,24 @@ class RunDriver:
             raise StoreUnavailable(f"run {self.run.id!r}: {STORE_MESSAGE}", self.run.id) from None
 
     def _release_reservation(self) -> None:
-        if self._reserved:
-            self._reserved = False
-            self._ctx.scheduler.started(self._trainer)
+        """Ends the reservation of every share's slots that is left."""
+        for address in list(self._reserved):
+            self._release(address)
+
+    def _release(self, address: str) -> None:
+        slots = self._reserved.pop(address, 0)
+        if slots:
+            self._ctx.scheduler.started(address, slots)
+
+    # -- the shares' hooks -----------------------------------------------------------------------
+
+    def share_answered(self, address: str) -> None:
+        """The share on ``address`` answered or ended: its reservation ends."""
+        self._release(address)
+
+    def share_ended(self, address: str) -> None:
+        """The share on ``address`` ended or was cancelled: a slot may be free there."""
+        self._ctx.scheduler.run_ended(address)
 
     # -- credit ------------------------------------------------------------------------------
 
@@ -530,34 +611,41 @@ class RunDriver:
     # -- driving -----------------------------------------------------------------------------
 
     async def answered(self) -> None:
-        """The trainer answered: its reservation ends, a PENDING run starts, and a run placed
-        again trains on its new trainer."""
-        self._release_reservation()
+        """Rank 0's trainer answered: its reservation ends, a PENDING run starts, and a run
+        placed again trains on its new trainers."""
+        self._release(self._trainer)
+        if self._shares is not None:
+            self._shares.rank0_answered()
         run = self.run
+        trainers = "trainers" if len(self._addresses()) > 1 else "trainer"
         if self.placing_again:
             self.placing_again = False
             run.parked = False
-            run.trainer = self._trainer
+            run.trainer, run.trainers = self._trainer, self._addresses()
             await self.persist()
             _LOGGER.info(
-                "run %s continues on trainer %s",
+                "run %s continues on %s %s",
                 run.id,
-                self._trainer,
+                trainers,
+                self._where(),
                 extra={"run_id": run.id, "event": "placed_again"},
             )
             return
         if run.state is RunState.PENDING:
-            run.start(self._trainer, self._ctx.now())
+            run.start(self._trainer, self._ctx.now(), self._addresses())
             await self.persist()
             _LOGGER.info(
-                "run %s started on trainer %s",
+                "run %s started on %s %s",
                 run.id,
-                self._trainer,
+                trainers,
+                self._where(),
                 extra={"run_id": run.id, "event": "started"},
             )
 
     async def _stream(self, attach_after: int | None) -> None:
         ctx = self._ctx
+        if attach_after is not None and len(self.run.trainers) > 1:
+            await self._drop_spanning_job()
         resume_from: list[ResumePoint] = []
         if attach_after is None and self.run.trainer_episode:
             resume_from = await self._resume_points()
@@ -565,6 +653,12 @@ class RunDriver:
                 raise ForkNotRestored(
                     self.run, "that checkpoint is gone (deleted with its run or by its retention)"
                 )
+        self._resume_from, self._restored = resume_from, None
+        placement = self._placement
+        shares = None
+        if attach_after is None and placement is not None and placement.spans:
+            shares = JobShares(self.run, placement, ctx.connector, ctx.settings, self)
+        self._shares = shares
         feed = TrainerFeed(
             self.run,
             self._trainer,
@@ -574,6 +668,7 @@ class RunDriver:
             ctx.observer,
             ctx.clock,
             self,
+            None if placement is None else placement.job_placement(placement.rank0),
         )
         self.feed = feed
         opening = self._opening_grant
@@ -587,12 +682,40 @@ class RunDriver:
                 self.credit.granted = max(self.credit.granted, grant)
                 return grant
 
-        await feed.stream(
+        streaming = feed.stream(
             attach_after,
             opening,
             lambda: 2 * self.lead() + MAX_UNCOMMITTED,
             lambda reader: self.publisher.run(self.inbox, reader),
             resume_from,
+        )
+        if shares is None:
+            await streaming
+        else:
+            await shares.run(streaming)
+
+    async def _drop_spanning_job(self) -> None:
+        """A gateway restart found the run's job spanning trainers: every share is cancelled
+        (see ``reattach``).
+
+        Raises:
+            SharesNotReattached: always (the run is restarted from its newest checkpoint).
+        """
+        run = self.run
+        trainers = ", ".join(run.trainers)
+        _LOGGER.warning(
+            "run %s: its job spans trainers %s; the shares of trainers other than rank 0's "
+            "cannot be re-attached, so every share is cancelled",
+            run.id,
+            trainers,
+            extra={"run_id": run.id},
+        )
+        await asyncio.gather(*(self._cancel_job(address) for address in run.trainers))
+        for address in run.trainers:
+            self._ctx.scheduler.run_ended(address)
+        raise SharesNotReattached(
+            f"the job of run {run.id} spanned trainers {trainers}: its shares cannot be "
+            "re-attached after a gateway restart"
         )
 
     async def _resume_points(self) -> list[ResumePoint]:
@@ -668,6 +791,9 @@ class RunDriver:
         if run.fork_run_id and not resumed.episode:
             reasons = "; ".join(f"episode {e}: {why}" for e, why in resumed.skipped)
             raise ForkNotRestored(run, f"no checkpoint restored ({reasons or 'none given'})")
+        self._restored = next(
+            (p for p in self._resume_from if p.checkpoint.episode == resumed.episode), None
+        )
         start = (
             f"continued from the checkpoint at episode {resumed.episode}"
             if resumed.episode
@@ -681,6 +807,26 @@ class RunDriver:
             self.checkpoint_note,
             extra={"run_id": run.id, "event": "resumed", "episode": resumed.episode},
         )
+
+    def rendezvous(self, rendezvous: Rendezvous) -> None:
+        """Rank 0's trainer says where the other ranks join its job: the other trainers' shares
+        start there, from the one checkpoint rank 0 restored (none when from scratch)."""
+        shares = self._shares
+        if shares is None:
+            _LOGGER.warning(
+                "run %s: trainer %s announced a rendezvous for a job placed on it alone; ignored",
+                self.run.id,
+                self._trainer,
+                extra={"run_id": self.run.id},
+            )
+            return
+        restored = [] if self._restored is None else [self._restored]
+        shares.start(rendezvous.address, restored)
+
+    def stream_broke(self, reason: str) -> None:
+        """Rank 0's stream broke: a share that fails now fails for want of rank 0."""
+        if self._shares is not None:
+            self._shares.rank0_broke(reason)
 
     def checkpoint_failed(self, failed: CheckpointFailed) -> None:
         """A checkpoint could not be written: said in the run's detail; training goes on."""
@@ -728,7 +874,9 @@ class RunDriver:
         if self.finalizing or self._parking:
             return
         self._parking = True  # the stream's end is the park's, not a failure
-        trainer, task = self._trainer, self.task
+        trainer, task, shares = self._trainer, self.task, self._shares
+        if shares is not None:
+            shares.quiet()  # the other ranks lose rank 0 on purpose now
         settings = self._ctx.settings
         try:
             try:
@@ -755,18 +903,22 @@ class RunDriver:
             done, _ = await asyncio.wait([task], timeout=settings.heartbeat_timeout_s)
             if not done:
                 await self._cancel_task()
+            if shares is not None:
+                # Rank 0's final checkpoint is written: the other trainers' shares go now.
+                self._shares = None
+                await shares.cancel()
             if self.finalizing:
                 return
             run.parked = True
             self._ctx.scheduler.run_ended(trainer)
             _LOGGER.info(
                 "run %s parked at episode %d (trained through %d, checkpoint at %d); trainer "
-                "slot on %s freed",
+                "slots on %s freed",
                 run.id,
                 run.episode,
                 run.trainer_episode,
                 run.checkpoint_episode,
-                trainer,
+                ", ".join(self._addresses()),
                 extra={"run_id": run.id, "event": "parked"},
             )
             if run.state is RunState.RUNNING:  # resumed while it parked
@@ -797,11 +949,17 @@ class RunDriver:
             return False
         run.restarts += 1
         self._ctx.observer.trainer_failure(run.id, ending.label)
-        self.checkpoint_note = f"restart {run.restarts} of {limit} after trainer {trainer} failed"
+        if isinstance(failure, SharesNotReattached):
+            culprit = "the gateway restarted (its job spanned trainers)"
+        elif isinstance(failure, ShareFailed):
+            culprit = f"{failure.who} failed"
+        else:
+            culprit = f"trainer {trainer} failed"
+        self.checkpoint_note = f"restart {run.restarts} of {limit} after {culprit}"
         _LOGGER.warning(
-            "run %s: trainer %s failed (%s); restart %d of %d from the checkpoint at episode %d",
+            "run %s: %s (%s); restart %d of %d from the checkpoint at episode %d",
             run.id,
-            trainer,
+            culprit,
             failure,
             run.restarts,
             limit,
@@ -812,6 +970,7 @@ class RunDriver:
         self._ctx.scheduler.run_ended(trainer)
         if ending.cancel_job:
             self._ctx.spawn(self._cancel_job(trainer), f"gateway-cancel-{run.id}")
+        self._cancel_shares()
         self._place_again("waiting for a free slot")
         with contextlib.suppress(StoreUnavailable):
             # (Logged by the store; the count is written with the next change.)
@@ -837,7 +996,8 @@ class RunDriver:
             await self.abandon()
             return
         except TrainerBusy as exc:
-            if run.state is RunState.PENDING and not self.finalizing:
+            # Refused before its first answer (a run placed again is still placing_again then).
+            if (run.state is RunState.PENDING or self.placing_again) and not self.finalizing:
                 _LOGGER.info(
                     "run %s: trainer %s is busy; back in the queue",
                     run.id,
@@ -859,10 +1019,13 @@ class RunDriver:
         if self._parking:
             self.task = None  # the job ended for the park (``_park`` goes on from here)
             return
+        if failure is not None and await self._share_busy(failure, trainer):
+            return
         if failure is not None and await self._restart(failure, trainer):
             return
         self.finalizing = True
         self.task = None
+        self._cancel_shares()
         ending = None if failure is None else self._report(failure, trainer)
         try:
             await self.publisher.flush()
@@ -887,6 +1050,37 @@ class RunDriver:
             # once the end is ours: a replica that lost the run meanwhile (its stream ended
             # because the new owner re-attached) leaves the job to that owner.
             self._ctx.spawn(self._cancel_job(), f"gateway-cancel-{run.id}")
+
+    async def _share_busy(self, failure: BaseException, trainer: str) -> bool:
+        """A trainer refused its share of the job as busy (another gateway took the slot
+        meanwhile): the job never trained (rank 0 waits for every rank), so it is cancelled and
+        the run goes back in the queue at its place, with no restart counted. Returns whether
+        that was the failure."""
+        run = self.run
+        if not (isinstance(failure, ShareFailed) and isinstance(failure.cause, TrainerBusy)):
+            return False
+        if run.state not in (RunState.RUNNING, RunState.PAUSED):
+            return False
+        _LOGGER.info(
+            "run %s: %s is busy; the job is cancelled and the run back in the queue",
+            run.id,
+            failure.who,
+            extra={"run_id": run.id},
+        )
+        self._ctx.observer.trainer_failure(run.id, "busy")
+        self.task = None
+        self._ctx.scheduler.run_ended(trainer)
+        self._ctx.spawn(self._cancel_job(trainer), f"gateway-cancel-{run.id}")
+        self._cancel_shares()
+        self._place_again("waiting for a free slot")
+        return True
+
+    def _cancel_shares(self) -> None:
+        """Cancels the other trainers' shares of the job that ended (in the background)."""
+        shares, self._shares = self._shares, None
+        if shares is not None:
+            shares.quiet()
+            self._ctx.spawn(shares.cancel(), f"gateway-cancel-shares-{self.run.id}")
 
     def _report(self, exc: BaseException, trainer: str) -> Ending:
         """Logs and counts the failure that ends the run; returns its ``Ending``."""
@@ -920,9 +1114,19 @@ class RunDriver:
             )
         return ending
 
-    async def _cancel_job(self, trainer: str = "", checkpoint: bool = False) -> None:
+    async def _cancel_job(
+        self, trainer: str = "", checkpoint: bool = False, then: JobShares | None = None
+    ) -> None:
         """Cancels the run's job on ``trainer`` (its current one by default); with
-        ``checkpoint`` the job first writes its final checkpoint, which is recorded."""
+        ``checkpoint`` the job first writes its final checkpoint, which is recorded. The
+        shares ``then`` are cancelled after it."""
+        try:
+            await self._cancel_rank(trainer, checkpoint)
+        finally:
+            if then is not None:
+                await then.cancel()
+
+    async def _cancel_rank(self, trainer: str, checkpoint: bool) -> None:
         trainer = trainer or self._trainer
         settings = self._ctx.settings
         timeout = (
@@ -991,6 +1195,6 @@ class RunDriver:
         self.log.close()
         if self.publisher.details is not None:
             self._ctx.spawn(self.publisher.details.finish(), f"gateway-details-{run.id}")
-        if run.trainer or self._trainer:
-            self._ctx.scheduler.run_ended(run.trainer or self._trainer)
+        for address in self._addresses():
+            self._ctx.scheduler.run_ended(address)
         log_end(run)

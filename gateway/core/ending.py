@@ -18,6 +18,7 @@ from gateway.core.runs import (
     RunState,
     TrainingRun,
 )
+from gateway.core.shares import ShareFailed
 from gateway.core.store import STORE_MESSAGE, StoreWriteFailed
 from gateway.core.trainers import (
     TrainerBrokeContract,
@@ -84,7 +85,19 @@ _RESTARTABLE = (TrainerLost, TrainerJobGone, TrainerCrashed, TrainerProcessDied)
 
 
 def end_of(exc: BaseException) -> Ending:
-    """How the failure ``exc`` of a run's stream ends the run."""
+    """How the failure ``exc`` of a run's stream ends the run. A failed share of a job that
+    spans trainers ends it as its cause would, naming the trainer and its ranks; every share
+    is cancelled (rank 0's included)."""
+    if isinstance(exc, ShareFailed):
+        cause = end_of(exc.cause)
+        what = "was lost" if exc.lost else "failed"
+        return Ending(
+            f"{exc.who} {what}: {cause.message}",
+            cancel_job=True,
+            label=cause.label,
+            line="a trainer of its job on %s failed: %s",
+            restartable=cause.restartable,
+        )
     if isinstance(exc, TrainerError):
         kind = next((k for k in type(exc).__mro__ if k in _TRAINER_FAILURES), TrainerCrashed)
         default, label, line, cancel = _TRAINER_FAILURES[kind]  # type: ignore[index]

@@ -8,6 +8,11 @@ not yet published outlive a feed (a parked or restarted run keeps them). ``Train
 the stream: it knows the trainer, the contract checker and ``trainer_episode``, and nothing of
 pacing, commits or grants beyond the callables it is given.
 
+A job that spans trainers streams from rank 0's trainer; the feed passes on where the other
+trainers' ranks join it (``Rendezvous``) and says at once when its stream broke
+(``stream_broke``, before the episodes received ahead of the break are published): the driver
+starts and watches those shares (``gateway.core.shares``).
+
 A job started from a checkpoint (``resume_from``) says first where it started (``Resumed``);
 it then trains again the episodes after that checkpoint that the run already received. Those
 are checked and dropped: a watcher never sees an episode twice or changed. The first new
@@ -28,6 +33,8 @@ from gateway.core.settings import CoreSettings
 from gateway.core.trainers import (
     CheckpointFailed,
     CheckpointSaved,
+    JobPlacement,
+    Rendezvous,
     Resumed,
     ResumePoint,
     StreamEvent,
@@ -113,6 +120,15 @@ class FeedHooks(Protocol):
         """The trainer could not write a checkpoint; training goes on."""
         ...
 
+    def rendezvous(self, rendezvous: Rendezvous) -> None:
+        """Rank 0's trainer of a job that spans trainers says where the other ranks join."""
+        ...
+
+    def stream_broke(self, reason: str) -> None:
+        """The stream broke (or went silent for the heartbeat timeout); it will be re-attached
+        for up to the heartbeat timeout."""
+        ...
+
 
 class TrainerFeed:
     """Streams one run from its trainer into an ``Inbox`` (see the module docstring).
@@ -127,6 +143,8 @@ class TrainerFeed:
         observer: Metrics hooks.
         clock: Monotonic seconds (the re-attach deadline).
         hooks: The driver's ears for answers and checkpoint events.
+        placement: Rank 0's share of a job that spans trainers (None: the whole job runs on
+            ``trainer``).
     """
 
     def __init__(
@@ -139,9 +157,11 @@ class TrainerFeed:
         observer: Observer,
         clock: Callable[[], float],
         hooks: FeedHooks,
+        placement: JobPlacement | None = None,
     ) -> None:
         self.run = run
         self.trainer = trainer
+        self.placement = placement
         self.inbox = inbox
         self._connector = connector
         self._settings = settings
@@ -254,7 +274,7 @@ class TrainerFeed:
             self._drop_through = run.trainer_episode
             self._checked_best = None
         stream = self._connector.train(
-            self.trainer, run.id, run.task, run.config, grant, after, resume_from
+            self.trainer, run.id, run.task, run.config, grant, after, resume_from, self.placement
         )
         reader = asyncio.create_task(
             self._read(stream, checker, cap()), name=f"gateway-read-{run.id}"
@@ -279,9 +299,14 @@ class TrainerFeed:
                 checker.finish()
                 return
             except TimeoutError:
-                raise TrainerLost(
+                silent = TrainerLost(
                     f"no episode or heartbeat from {self.trainer} for {timeout:g} s"
-                ) from None
+                )
+                self._hooks.stream_broke(str(silent))
+                raise silent from None
+            except TrainerLost as exc:
+                self._hooks.stream_broke(str(exc))
+                raise
             await self._hooks.answered()
             if event is None:
                 self._observer.heartbeat_received(self.run.id)
@@ -310,9 +335,13 @@ class TrainerFeed:
                 return
 
     async def _checkpoint_event(
-        self, event: CheckpointSaved | Resumed | CheckpointFailed, checker: StreamChecker
+        self,
+        event: CheckpointSaved | Resumed | CheckpointFailed | Rendezvous,
+        checker: StreamChecker,
     ) -> None:
-        if isinstance(event, Resumed):
+        if isinstance(event, Rendezvous):
+            self._hooks.rendezvous(event)
+        elif isinstance(event, Resumed):
             if event.episode:
                 checker.resume(event.episode, event.best_reward)
                 self._checked_best = event.best_reward

@@ -2,9 +2,10 @@
 
 ``Recovery`` brings back a run that a previous gateway (or a replica that died) left active: a
 PENDING run is queued again in creation order, a RUNNING or PAUSED run re-attaches to its
-trainer job after its last committed episode (a PAUSED run stays paused), a run whose done
-episode was committed completes, and a run whose history is incomplete ends ERROR
-(``INTERRUPTED_MESSAGE``) with what it has.
+trainer job after its last committed episode (a PAUSED run stays paused; a job that spans
+trainers is cancelled everywhere and the run restarted from its checkpoint instead,
+``RunDriver.reattach``), a run whose done episode was committed completes, and a run whose
+history is incomplete ends ERROR (``INTERRUPTED_MESSAGE``) with what it has.
 
 ``UnsavedEnds`` keeps the final states the store could not take (disk full) and writes them
 once it can again; until then the registry answers with them.

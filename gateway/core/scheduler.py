@@ -7,11 +7,20 @@ busy). Placement reads only the cached answers, so a hung or dead trainer delays
 own probe. A trainer whose answer is older than a change on it is *stale* and gets no run until
 its next answer.
 
-Placement is first in, first out per task kind: a run waits behind earlier runs of its kind, and
-a run no trainer offers a provider for waits without blocking runs of other kinds. A trainer
-takes a run when it offers the kind and has a free slot: its reported ``slots_free`` less the
-runs dispatched to it that it has not answered yet. Every waiting run carries a ``pending_detail``
-saying what it waits for.
+The bookkeeping counts slots: a run needs ``slots_needed`` of them (a GRPO job one per process,
+any other one), and a trainer's free slots are its reported ``slots_free`` less the slots
+reserved for runs dispatched to it that it has not answered yet. A run goes to the first
+trainer, in configured order, that offers its kind and has the slots free. A run that fits on no
+single trainer but on the free slots of the trainers offering its kind together is placed on
+several, all or none: its slots are reserved on each before anything starts, the trainers with
+the most free slots first (ties in configured order) so that it spans as few as it can, and the
+first is rank 0's (``gateway.core.placement``). Placement is first in, first out per task kind:
+a run waits behind earlier runs of its kind, and a run no trainer offers a provider for waits
+without blocking runs of other kinds. Every waiting run carries a ``pending_detail`` saying what
+it waits for, with the slots it needs and those free.
+
+``capacity`` tells ``CreateRun`` how many slots the answering trainers that offer a kind have
+in all, so that a job bigger than all of them together is refused instead of waiting forever.
 
 The gateway is healthy while at least one trainer answers (``on_health``).
 """
@@ -28,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.core.observer import Observer
+from gateway.core.placement import Placement
 from gateway.core.settings import CoreSettings
 from gateway.core.trainers import Capabilities, TrainerConnector, TrainerError
 
@@ -55,10 +65,15 @@ class Placeable(Protocol):
         """False once it was stopped or started."""
         ...
 
+    @property
+    def slots(self) -> int:
+        """Trainer slots its job takes (``gateway.core.placement.slots_needed``)."""
+        ...
+
     pending_detail: str
 
-    def dispatch(self, trainer: str) -> None:
-        """Starts it on ``trainer``."""
+    def dispatch(self, placement: Placement) -> None:
+        """Starts it on the trainers of ``placement`` (their slots are reserved)."""
         ...
 
 
@@ -70,8 +85,9 @@ class TrainerState:
         address: ``HOST:PORT``.
         caps: Its last answer; ``None`` while it does not answer.
         error: Why it does not answer (for people).
-        starting: Runs dispatched to it that it has not answered yet.
-        started: Runs that started on it after it was last asked (its answer lacks them).
+        starting: Slots of runs dispatched to it that it has not answered yet.
+        started: Slots of runs that started on it after it was last asked (its answer lacks
+            them).
         stale: Something changed on it since its last answer.
         probe_now: Probe it at once (with ``wake`` set).
         wake: Set to end its probe loop's wait: a probe now, or a new due time (runs began
@@ -94,7 +110,11 @@ class TrainerState:
         """Slots it can take a run in now (0 while it does not answer or is stale)."""
         if self.caps is None or self.stale:
             return 0
-        return self.caps.slots_free - self.starting
+        return max(0, self.caps.slots_free - self.starting)
+
+    def offers(self, kind: str) -> bool:
+        """Whether it answers and offers ``kind``."""
+        return self.caps is not None and kind in self.caps.providers
 
 
 class Scheduler:
@@ -185,14 +205,28 @@ class Scheduler:
         """Runs in the queue."""
         return len(self._queue)
 
+    def capacity(self, kind: str) -> tuple[int, str] | None:
+        """The slots of every answering trainer that offers ``kind`` together, and each one's
+        (for people: ``A 2, B 1``); None while no trainer that offers it has answered."""
+        totals = [
+            (s.address, s.caps.slots_total)
+            for s in self.trainers.values()
+            if s.caps is not None and kind in s.caps.providers
+        ]
+        if not totals:
+            return None
+        return sum(t for _, t in totals), ", ".join(f"{a} {t}" for a, t in totals)
+
     # -- hooks from drivers ------------------------------------------------------------------
 
-    def started(self, trainer: str) -> None:
-        """A run dispatched to ``trainer`` got its first answer (or failed before it)."""
+    def started(self, trainer: str, slots: int = 1) -> None:
+        """A run's share of ``slots`` dispatched to ``trainer`` got its first answer (or failed
+        before it)."""
         state = self.trainers.get(trainer)
         if state is not None and state.starting > 0:
-            state.starting -= 1
-            state.started += 1
+            taken = min(slots, state.starting)
+            state.starting -= taken
+            state.started += taken
             self._refresh(state)
 
     def run_ended(self, trainer: str) -> None:
@@ -285,35 +319,59 @@ class Scheduler:
                 run.pending_detail = f"{blocked[kind]}; {ahead[kind]} run(s) ahead in the queue"
                 keep.append(item)
                 continue
-            target = next(
-                (
-                    s
-                    for s in self.trainers.values()
-                    if s.free > 0 and s.caps is not None and kind in s.caps.providers
-                ),
-                None,
-            )
-            if target is None:
-                blocked[kind] = self._why_waiting(kind)
+            placement = self._fit(kind, run.slots)
+            if placement is None:
+                blocked[kind] = self._why_waiting(kind, run.slots)
                 run.pending_detail = blocked[kind]
                 keep.append(item)
                 continue
-            target.starting += 1
-            run.dispatch(target.address)
+            for share in placement.shares:
+                self.trainers[share.address].starting += share.processes
+            run.dispatch(placement)
         self._queue = keep
 
-    def _why_waiting(self, kind: str) -> str:
+    def _fit(self, kind: str, slots: int) -> Placement | None:
+        """Where a job of ``slots`` slots of ``kind`` goes now: the first trainer (configured
+        order) with that many free, else several with the most free first, all or none."""
+        offering = [s for s in self.trainers.values() if s.offers(kind) and s.free > 0]
+        alone = next((s for s in offering if s.free >= slots), None)
+        if alone is not None:
+            return Placement.of([(alone.address, slots)])
+        if sum(s.free for s in offering) < slots:
+            return None
+        order = sorted(range(len(offering)), key=lambda i: (-offering[i].free, i))
+        parts: list[tuple[str, int]] = []
+        left = slots
+        for i in order:
+            take = min(offering[i].free, left)
+            parts.append((offering[i].address, take))
+            left -= take
+            if not left:
+                break
+        return Placement.of(parts)
+
+    def _why_waiting(self, kind: str, slots: int) -> str:
         states = list(self.trainers.values())
         reachable = [s for s in states if s.caps is not None]
         if not reachable:
             return "no trainer reachable: " + ", ".join(f"{s.address} ({s.error})" for s in states)
-        offering = [s for s in reachable if kind in s.caps.providers]  # type: ignore[union-attr]
+        offering = [s for s in reachable if s.offers(kind)]
         if not offering:
             offers = ", ".join(
                 f"{s.address} offers {', '.join(s.caps.providers) or 'nothing'}"  # type: ignore[union-attr]
                 for s in reachable
             )
             return f"no trainer offers {kind}: {offers}"
+        if slots > 1:
+            totals = [(s, s.caps.slots_total if s.caps is not None else 0) for s in offering]
+            free = ", ".join(f"{s.address} {s.free}/{total}" for s, total in totals)
+            total = sum(t for _, t in totals)
+            if total < slots:
+                return (
+                    f"needs {slots} slots; the trainers that offer {kind} have {total} in all "
+                    f"(free: {free})"
+                )
+            return f"needs {slots} slots; free: {free}"
         parts = []
         for s in offering:
             caps = s.caps

@@ -154,10 +154,15 @@ class Core:
         request_id: str = "",
         checkpoint_every: int = 0,
         keep_checkpoints: int = 0,
+        processes: int = 0,
     ) -> TrainingRun:
-        """Creates a run (0 speed/rate: the defaults)."""
+        """Creates a run (0 speed/rate: the defaults; ``processes``: a grpo task's
+        ``num_processes``)."""
+        task = TASKS[kind]()
+        if processes:
+            task.grpo.num_processes = processes
         spec = RunSpec(
-            task=TASKS[kind](),
+            task=task,
             config=episode_pb2.TrainConfig(
                 max_episodes=max_episodes,
                 seed=7,
