@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             image_cache_dir=config.image_cache_dir,
             heartbeat_s=config.heartbeat_s,
             detach_grace_s=config.detach_grace_s,
+            rendezvous_host=config.rendezvous_host,
         ),
         server_version=__version__,
         observer=metrics.jobs,
@@ -139,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     if server.metrics_endpoint is not None:
         print(f"trainer metrics on {server.metrics_endpoint.url}", flush=True)
     _LOGGER.info(
-        "trainer %s: %d slot(s) on %s, data roots %s, image cache %s, checkpoint store %s",
+        "trainer %s: %d slot(s) on %s, data roots %s, image cache %s, checkpoint store %s, "
+        "rendezvous host %s",
         __version__,
         len(devices),
         description,
         ", ".join(str(root) for root in config.data_roots),
         config.image_cache_dir or "off",
         checkpoint_store.location,
+        config.rendezvous_host,
     )
     # Polled, not one blocking wait: a signal is delivered to whichever thread does not block
     # it (gRPC's, torch's), and Python runs its handler only when the main thread next runs

@@ -14,6 +14,7 @@ import pathlib
 import re
 from dataclasses import dataclass
 
+from trainer_service.core.placement import DEFAULT_RENDEZVOUS_HOST
 from trainwire_ops.addresses import host_port
 from trainwire_ops.checkpoints import DEFAULT_STORE
 from trainwire_ops.logs import LOG_FORMATS, parse_level
@@ -23,6 +24,8 @@ from trainwire_ops.tls import check_plaintext_bind
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _TLS = "TLS (the certificate files are re-read on SIGHUP)"
 _LOGS = "logging"
+#: Addresses that name no one interface: other trainers cannot reach a rendezvous there.
+_WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})
 
 
 def parse_slots(text: str) -> int | str:
@@ -82,6 +85,14 @@ class TrainerConfig:
         "by the trainers and the gateway: NFS, Lustre) or s3://BUCKET/PREFIX (endpoint from "
         "$AWS_ENDPOINT_URL, credentials from the usual AWS variables); checked at start-up",
         metavar="DIR|URL",
+    )
+    rendezvous_host: str = option(
+        DEFAULT_RENDEZVOUS_HOST,
+        "an address of this machine that the other trainers reach: the rendezvous of a GRPO "
+        "job whose processes span trainers binds here (on a free port) when this trainer runs "
+        "its rank 0, and every rank's collectives use the network interface that owns it. "
+        "Neither is encrypted nor authenticated: use a private network",
+        metavar="HOST",
     )
     metrics_port: int | None = option(
         None,
@@ -151,6 +162,13 @@ class TrainerConfig:
             problems.append("--checkpoint-store must not be empty")
         if not self.metrics_host:
             problems.append("metrics host must not be empty")
+        if self.rendezvous_host.strip("[]") in _WILDCARDS or any(
+            c.isspace() for c in self.rendezvous_host
+        ):
+            problems.append(
+                f"rendezvous host {self.rendezvous_host!r} must be one address of this machine "
+                "that the other trainers reach (not empty, not a wildcard)"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             problems.append("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:

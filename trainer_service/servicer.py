@@ -48,6 +48,8 @@ def event_to_proto(event: StreamEvent | Heartbeat) -> trainer_service_pb2.TrainR
         return trainer_service_pb2.TrainResponse(checkpoint=event)
     if isinstance(event, trainer_service_pb2.Resumed):
         return trainer_service_pb2.TrainResponse(resumed=event)
+    if isinstance(event, trainer_service_pb2.Rendezvous):
+        return trainer_service_pb2.TrainResponse(rendezvous=event)
     return trainer_service_pb2.TrainResponse(checkpoint_failure=event)
 
 

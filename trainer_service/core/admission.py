@@ -7,8 +7,10 @@ under its lock. A re-attach checks the fields alone (:func:`check_request`).
 
 A job takes as many slots as its provider's ``slots_needed(task)`` says (one per process it
 runs; 1 by default), all of them or none: a job that needs more than the trainer could ever
-give it is ``INVALID_ARGUMENT``, one that waits for slots is ``SLOTS_BUSY``. Its ``TrainJob``
-names the device of each slot it holds.
+give it is ``INVALID_ARGUMENT``, one that waits for slots is ``SLOTS_BUSY``. A trainer's share
+of a job that spans trainers (``placement``, checked by
+``trainer_service.core.placement.check_placement``) takes the share's ``processes`` slots
+instead. Its ``TrainJob`` names the device of each slot it holds.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from trainer_service.core.errors import InvalidRequest
+from trainer_service.core.placement import check_placement
 from trainer_service.core.provider import ProviderError
 from trainer_service.core.slots import SlotPool
 from trainwire import contract
@@ -59,6 +62,7 @@ class Admission:
 def check_request(request: trainer_service_pb2.TrainRequest) -> list[contract.FieldViolation]:
     """Every bad field of a ``Train`` request (empty when there is none)."""
     violations = contract.check_train_request(request)
+    violations.extend(check_placement(request))
     if request.grant_through_episode < 0:
         violations.append(
             contract.FieldViolation(
@@ -110,16 +114,23 @@ def _slots_needed(
     request: trainer_service_pb2.TrainRequest,
     slots: SlotPool,
 ) -> int:
-    """Slots the job takes; a job that could never get them is an invalid request."""
+    """Slots the job takes (a share of a job that spans trainers: its own processes); a job
+    that could never get them is an invalid request."""
     slots_needed = getattr(provider, "slots_needed", None)
-    needed = max(1, int(slots_needed(request.task))) if slots_needed is not None else 1
+    field = f"task.{kind}"
+    if request.HasField("placement"):
+        needed, field = request.placement.processes, "placement.processes"
+    elif slots_needed is not None:
+        needed = max(1, int(slots_needed(request.task)))
+    else:
+        needed = 1
     most = slots.most_per_job()
     if needed > most:
         raise InvalidRequest(
             run_id,
             [
                 contract.FieldViolation(
-                    f"task.{kind}",
+                    field,
                     f"needs {needed} slots (one per process, each on its own GPU when "
                     f"there are GPUs); this trainer can give one job at most {most}",
                 )

@@ -28,6 +28,16 @@ job once they have sent its episode (again on a re-attach).
 no more credit, lets the episode in flight finish and be held, then closes the provider's
 generator, which writes the checkpoint of its last episode while it stops.
 
+A job whose ranks span trainers (``TrainJob.placement``, see ``trainer_service.core.placement``)
+is one job per trainer. Rank 0's job announces the rendezvous its provider bound
+(:meth:`RunningJob.announce_rendezvous`); its streams send it after ``resumed`` and before any
+episode. With ``resume_from``, announcing decides the start: the other trainers join on the
+checkpoint being restored, so a later failure to load it fails the job instead of trying the
+next candidate. Any other trainer's job is a *share*: it takes no credit, produces no episode
+and ends OK when its provider returns (its streams send heartbeats meanwhile). A share with
+``resume_from`` restores the first candidate (the checkpoint rank 0 restored) or fails with
+``FAILED_PRECONDITION``: it never trains from scratch beside a resumed rank 0.
+
 Invariant: the producer releases the job's slot (``on_exit``) once the provider has stopped,
 before the outcome is delivered to any stream.
 """
@@ -140,6 +150,20 @@ class RunningJob:
         self._resumed: trainer_service_pb2.Resumed | None = None
         self._restored: CheckpointInfo | None = None  # of this run, when one restored
         self.start_episode = 0  # the episode the job continues after (0: from scratch)
+        placement = job.placement
+        # Another trainer's share of a job that spans trainers: no episodes, no credit.
+        self._share = placement is not None and not placement.hosts_rendezvous
+        self._share_ended = False  # its provider returned: the share's part is done
+        self._rendezvous: trainer_service_pb2.Rendezvous | None = None
+        # The resume candidate being opened, as _decide takes it (None: none is).
+        self._opening: (
+            tuple[
+                trainer_service_pb2.CheckpointRef,
+                float,
+                list[trainer_service_pb2.SkippedCheckpoint],
+            ]
+            | None
+        ) = None
         self.exited = threading.Event()
         self._thread = threading.Thread(
             target=self._produce, name=f"trainwire-job-{job.run_id}", daemon=True
@@ -187,6 +211,12 @@ class RunningJob:
     def stopped(self) -> bool:
         """Whether the provider has stopped (finished, failed or cancelled)."""
         return self._stopped
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job did all it had to: its done episode is out, or (a share) its
+        provider returned."""
+        return self._checker.done or self._share_ended
 
     @property
     def outcome(self) -> JobOutcome | None:
@@ -248,7 +278,7 @@ class RunningJob:
             JobFinished: The job produced its last episode, or stopped.
         """
         with self._cond:
-            if self._stopped or self._stop_reason or self._checker.done:
+            if self._stopped or self._stop_reason or self.finished:
                 raise JobFinished(self.run_id, self._window.produced)
             values = self._job.hyperparameters.request(change)
             produced = self._window.produced
@@ -348,13 +378,19 @@ class RunningJob:
                 if pending is not None:
                     episode, pending = pending, None
                 else:
-                    # After the done episode the generator may only end: no credit needed.
-                    if not self._checker.done and not self._wait_credit(self._window.produced + 1):
+                    # After the done episode the generator may only end: no credit needed. A
+                    # share produces no episode: rank 0's trainer paces the whole job.
+                    wait = not (self._checker.done or self._share)
+                    if wait and not self._wait_credit(self._window.produced + 1):
                         break
                     try:
                         episode = next(episodes)
                     except StopIteration:
-                        if not self._job.stop_event.is_set():
+                        if self._job.stop_event.is_set():
+                            pass
+                        elif self._share:
+                            self._share_ended = True
+                        else:
                             self._checker.finish()
                         break
                 if self._job.stop_event.is_set():
@@ -401,6 +437,8 @@ class RunningJob:
         pulled it."""
         if not self._resume_from:
             return self._provider.run(self._job), None
+        if self._share:
+            return self._open_share(), None
         skipped: list[trainer_service_pb2.SkippedCheckpoint] = []
         for index, ref in enumerate(self._resume_from):
             if self._job.stop_event.is_set() or self._stop_reason:
@@ -420,20 +458,80 @@ class RunningJob:
             if not self._wait_credit(episode + 1):
                 self._decide(ref, restored.best_reward, skipped)
                 return episodes, None
+            self._opening = (ref, restored.best_reward, skipped)
             try:
                 first = next(episodes)
             except CheckpointUnusable as exc:
+                if self._resumed is not None:  # announced: other trainers joined on it
+                    raise ProviderError(
+                        f"The checkpoint at episode {episode} could not be restored: {exc}",
+                        detail=f"run {self.run_id}: after the rendezvous was announced",
+                    ) from exc
                 self._skip(skipped, episode, f"does not load: {exc}")
                 continue
             except StopIteration:
-                self._decide(ref, restored.best_reward, skipped)
+                self._decide_once(ref, restored.best_reward, skipped)
                 return episodes, None
-            self._decide(ref, restored.best_reward, skipped)
+            finally:
+                self._opening = None
+            self._decide_once(ref, restored.best_reward, skipped)
             return episodes, first
         with self._cond:
             self._start_at(0)
         self._decide(None, 0.0, skipped)
         return self._provider.run(self._job), None
+
+    def _open_share(self) -> Iterator[episode_pb2.Episode]:
+        """A share's provider, restoring exactly the first candidate (the checkpoint rank 0
+        restores): a share never trains beside rank 0 from anywhere else.
+
+        Raises:
+            ProviderError: The checkpoint cannot be fetched or does not fit
+                (``FAILED_PRECONDITION``).
+        """
+        ref = self._resume_from[0]
+        episode = ref.checkpoint.episode
+        try:
+            restored = self._fetch(ref, 0)
+        except (CheckpointError, CheckpointUnusable) as exc:
+            reason = skip_reason(exc) if isinstance(exc, CheckpointError) else str(exc)
+            raise ProviderError(
+                f"This trainer cannot restore the checkpoint at episode {episode} that the "
+                f"job resumes from ({reason}); every trainer of the job needs it in its "
+                "checkpoint store.",
+                detail=f"run {self.run_id}: {type(exc).__name__}: {exc}",
+            ) from exc
+        with self._cond:
+            self._start_at(episode)
+        self._decide(ref, restored.best_reward, [])
+        return self._provider.run(dataclasses.replace(self._job, resume=restored))  # type: ignore[no-any-return]
+
+    def announce_rendezvous(self, address: str) -> None:
+        """Records where the other trainers' ranks of this job meet it (rank 0's provider
+        calls it once the rendezvous is bound); streams send it after ``resumed``. A job
+        restoring a candidate starts from it now: the other trainers join on it."""
+        opening = self._opening
+        if opening is not None:
+            self._decide_once(*opening)
+        with self._cond:
+            self._rendezvous = trainer_service_pb2.Rendezvous(address=address)
+            self._notify()
+        _LOGGER.info(
+            "run %s: rendezvous for the job's ranks on other trainers at %s",
+            self.run_id,
+            address,
+            extra={"run_id": self.run_id},
+        )
+
+    def _decide_once(
+        self,
+        ref: trainer_service_pb2.CheckpointRef | None,
+        best_reward: float,
+        skipped: list[trainer_service_pb2.SkippedCheckpoint],
+    ) -> None:
+        """:meth:`_decide`, unless the start is decided already."""
+        if self._resumed is None:
+            self._decide(ref, best_reward, skipped)
 
     def _fetch(self, ref: trainer_service_pb2.CheckpointRef, index: int) -> RestoredCheckpoint:
         if self._checkpoints is None:
@@ -509,10 +607,10 @@ class RunningJob:
             self._notify()
 
     def _outcome_of(self, error: BaseException | None) -> JobOutcome:
-        if self._stop_reason == "shutdown" and not self._checker.done:
+        if self._stop_reason == "shutdown" and not self.finished:
             return JobOutcome.SHUTDOWN
         if error is None:
-            return JobOutcome.OK if self._checker.done else JobOutcome.CANCELLED
+            return JobOutcome.OK if self.finished else JobOutcome.CANCELLED
         if isinstance(error, contract.ContractViolation):
             return JobOutcome.CONTRACT_VIOLATION
         if isinstance(error, ProviderError):
@@ -539,7 +637,8 @@ class RunningJob:
     def next_event(self, stream: JobStream[RunningJob]) -> StreamEvent | None:
         """The stream's next event if there is one, else None: ``resumed`` first (a job started
         with ``resume_from``, on a stream that starts at or before the restored episode), then
-        each checkpoint event whose episode the stream has sent, then the episode after
+        the rendezvous (rank 0's job of one that spans trainers, once bound), then each
+        checkpoint event whose episode the stream has sent, then the episode after
         ``stream.cursor``.
 
         Raises:
@@ -551,7 +650,7 @@ class RunningJob:
         with self._cond:
             if stream.replaced or self._stream is not stream:
                 raise Reattached(self.run_id)
-            if self._stop_reason == "shutdown" and not self._checker.done:
+            if self._stop_reason == "shutdown" and not self.finished:
                 raise ShuttingDown(self.run_id)
             if self._resume_from and not stream.resumed_sent:
                 if self._resumed is None and not self._stopped:
@@ -562,6 +661,9 @@ class RunningJob:
                     stream.cursor = self.start_episode
                     if self._resumed is not None:
                         return self._resumed
+            if self._rendezvous is not None and not stream.rendezvous_sent:
+                stream.rendezvous_sent = True
+                return self._rendezvous
             checkpoint = self._checkpoint_event(stream)
             if checkpoint is not None:
                 return checkpoint.to_proto()
@@ -570,7 +672,7 @@ class RunningJob:
                 return self._window.episode(n)
             if not self._stopped:
                 return None
-            if self._stop_reason == "cancelled" and not self._checker.done:
+            if self._stop_reason == "cancelled" and not self.finished:
                 raise JobCancelled(self.run_id)
             raise JobEnd(self._error)
 

@@ -3,8 +3,9 @@ point and the job's checkpoint events, heartbeats while none is ready, then the 
 :class:`Heartbeat`.
 
 A stream knows its job only through :class:`StreamSource`, the job's read side: it polls the
-job for its next event (:meth:`StreamSource.next_event`: where a resumed job started, a
-checkpoint event whose episode it has sent, or the episode after its cursor), reports each
+job for its next event (:meth:`StreamSource.next_event`: where a resumed job started, the
+rendezvous of a job that spans trainers, a checkpoint event whose episode it has sent, or the
+episode after its cursor), reports each
 episode its RPC sent (:meth:`StreamSource.sent`, which moves the job's credit), asks the job for a
 heartbeat when none has gone out for :attr:`StreamSource.heartbeat_s` seconds, and registers a
 waker that the job calls (from any thread) whenever it changes. The job raises :class:`JobEnd`
@@ -23,14 +24,15 @@ from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 from trainwire.v1 import episode_pb2, trainer_service_pb2
 
-#: What a stream yields besides heartbeats: an episode, or a checkpoint event (``resumed`` first
+#: What a stream yields besides heartbeats: an episode, a checkpoint event (``resumed`` first
 #: on a job started from a checkpoint, ``checkpoint`` / ``checkpoint_failure`` after their
-#: episode).
+#: episode), or the rendezvous of a job that spans trainers (before any episode).
 StreamEvent: TypeAlias = (
     episode_pb2.Episode
     | episode_pb2.Checkpoint
     | trainer_service_pb2.CheckpointFailure
     | trainer_service_pb2.Resumed
+    | trainer_service_pb2.Rendezvous
 )
 
 
@@ -106,6 +108,7 @@ class JobStream(Generic[SourceT]):
         replaced: Set by the job when another stream attached in its place.
         finished: Set once the stream delivered the job's end.
         resumed_sent: Whether the job's ``resumed`` went out on this stream.
+        rendezvous_sent: Whether the job's rendezvous went out on this stream.
         checkpoints_sent: How many of the job's checkpoint events went out on this stream.
     """
 
@@ -115,6 +118,7 @@ class JobStream(Generic[SourceT]):
         self.replaced = False
         self.finished = False
         self.resumed_sent = False
+        self.rendezvous_sent = False
         self.checkpoints_sent = 0
 
     async def aevents(self) -> AsyncGenerator[StreamEvent | Heartbeat, None]:

@@ -44,6 +44,7 @@ from trainer_service.core.hyperparameters import (
 from trainer_service.core.job import RunningJob
 from trainer_service.core.job_stream import Heartbeat, JobStream
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
+from trainer_service.core.placement import placement_of
 from trainer_service.core.provider import NoCheckpoints, TrainJob
 from trainer_service.core.runner_settings import Capabilities, RunnerSettings
 from trainer_service.core.slots import SlotPool
@@ -262,6 +263,9 @@ class JobRunner:
             devices=devices,
             checkpoints=checkpoints if checkpoints is not None else NoCheckpoints(),
             hyperparameters=LiveHyperparameters(_initial_hyperparameters(provider, request)),
+            placement=placement_of(request),
+            rendezvous_host=self.settings.rendezvous_host,
+            announce_rendezvous=lambda address: holder[0].announce_rendezvous(address),
         )
         job = RunningJob(
             train_job,

@@ -12,7 +12,9 @@ without it), and ``DEFAULT_CHECKPOINT_EVERY`` (its checkpoint interval when the 
 optimizer step and reports the values each step used as metrics). The service pulls ``run``'s
 generator from a thread it owns, one credited episode at a time, and checks every episode against
 the stream contract before sending it; a provider may train in that thread (imitation) or in
-processes it starts and drives from there (grpo).
+processes it starts and drives from there (grpo). A provider whose jobs may span trainers (grpo)
+reads ``job.placement``: rank 0's share announces its rendezvous and yields the episodes; any
+other share yields none and returns when its part of the job is done.
 
 This module imports neither grpc nor torch.
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from trainer_service.core.hyperparameters import LiveHyperparameters
+from trainer_service.core.placement import DEFAULT_RENDEZVOUS_HOST, Placement
 from trainwire.v1 import episode_pb2
 
 __all__ = [
@@ -178,6 +181,15 @@ class TrainJob:
             hyperparameters win over those the checkpoint was written with.
         hyperparameters: Changes of the live hyperparameters asked for while the job runs;
             the provider takes them before each optimizer step.
+        placement: This trainer's share of a job whose ranks span trainers (None: the whole
+            job runs here). Rank 0's share (``placement.hosts_rendezvous``) yields the
+            episodes and writes the checkpoints; any other share yields no episode, returns
+            once its ranks are done, and writes, commits and deletes no checkpoint (its
+            ``resume`` is the checkpoint rank 0 restores, fetched from this trainer's store).
+        rendezvous_host: The address this trainer's jobs meet other trainers' ranks on (the
+            trainer's ``--rendezvous-host``).
+        announce_rendezvous: Called by rank 0's share with ``HOST:PORT`` once the job's
+            rendezvous is bound: the job's stream sends it on (``TrainResponse.rendezvous``).
     """
 
     run_id: str
@@ -193,6 +205,9 @@ class TrainJob:
     checkpoints: Checkpoints = field(default_factory=NoCheckpoints)
     resume: RestoredCheckpoint | None = None
     hyperparameters: LiveHyperparameters = field(default_factory=LiveHyperparameters)
+    placement: Placement | None = None
+    rendezvous_host: str = DEFAULT_RENDEZVOUS_HOST
+    announce_rendezvous: Callable[[str], None] = field(default=lambda address: None)
 
     @property
     def data_roots(self) -> tuple[pathlib.Path, ...]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass
 
+from trainer_service.core.placement import DEFAULT_RENDEZVOUS_HOST
+
 #: Episodes a job may run ahead of its stream when it has no grant (direct use). Small, so that
 #: a slow reader throttles the provider quickly, but more than one so the provider can compute
 #: ahead of a slow send.
@@ -49,6 +51,9 @@ class RunnerSettings:
         scratch_dir: Where jobs write checkpoints before they go into the store, and fetch
             the ones they resume from (a directory per job, removed when it ends); None: the
             system's temporary directory.
+        rendezvous_host: The address of this machine that jobs spanning several trainers
+            meet on: rank 0's trainer binds the job's rendezvous there, and every rank's
+            collectives use the interface that owns it.
     """
 
     device: str = "cpu"
@@ -60,6 +65,7 @@ class RunnerSettings:
     retain: int = DEFAULT_RETAIN
     detach_grace_s: float = DEFAULT_DETACH_GRACE_S
     scratch_dir: pathlib.Path | None = None
+    rendezvous_host: str = DEFAULT_RENDEZVOUS_HOST
 
     def __post_init__(self) -> None:
         if not self.data_roots:
