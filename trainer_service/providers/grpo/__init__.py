@@ -1,9 +1,10 @@
 """The ``grpo`` provider: TRL's GRPOTrainer on prepared image+text rows, one episode per step.
 
 The trainer runs every GRPO job in processes of its own (:mod:`.process`: ``num_processes`` of
-them, one per device, under torch.distributed when there are several); :mod:`.build` makes the
-GRPOTrainer each of those processes trains (:mod:`.worker`), with the settings of
-:mod:`.settings`, and :mod:`.callback` turns its steps into episodes.
+them, one per device, under torch.distributed when there are several; a job placed across
+trainers runs its ranks on each of them, meeting in rank 0's store, :mod:`.rendezvous`);
+:mod:`.build` makes the GRPOTrainer each of those processes trains (:mod:`.worker`), with the
+settings of :mod:`.settings`, and :mod:`.callback` turns its steps into episodes.
 
 Importing this package is cheap (no torch, trl or transformers): the registry imports it to list
 providers, :func:`validate` runs before a slot is taken, and :func:`hyperparameters` /
@@ -48,5 +49,6 @@ def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
 
 
 def slots_needed(task: episode_pb2.TrainTask) -> int:
-    """Trainer slots (devices) a task takes: one per process."""
+    """Trainer slots (devices) a task takes: one per process (a share of a job placed across
+    trainers takes its own processes' slots instead; the runner's admission sees to that)."""
     return max(1, task.grpo.num_processes)

@@ -105,8 +105,8 @@ def check_resume(
             trained from a model with the same configuration. ``None`` (or a directory without
             a readable ``config.json``) skips that check: the rank reports the task's model as
             it always does.
-        processes: The job's processes: each needs its own RNG state, and the batches are
-            split among them.
+        processes: The job's processes in all (its world size, on however many trainers):
+            each needs its own RNG state, and the batches are split among them.
 
     Raises:
         CheckpointUnusable: Why it does not fit.

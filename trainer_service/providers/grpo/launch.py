@@ -3,8 +3,20 @@
 The trainer starts each rank as ``python -m trainer_service.providers.grpo.worker`` (a fresh
 interpreter that finds its entry point by module name, never a fork of the trainer), with its
 end of the job's channel (:mod:`.wire`) passed as ``--fd`` and its process group chosen by the
-caller (rank 0 leads a new one; the others join it). The rank's first message is its ``JOB``
-spec (:func:`job_spec`): everything it needs to build the same trainer as every other rank.
+caller (the first rank leads a new one; the others join it). The rank's first message is its
+``JOB`` spec (:func:`job_spec`): everything it needs to build the same trainer as every other
+rank.
+
+A trainer's share of a job whose ranks span trainers (``TrainJob.placement``) starts its own
+ranks only, ``first_rank`` onwards, on its own slots: ``RANK`` and ``WORLD_SIZE`` are the
+job's, ``LOCAL_RANK`` (and the device, ``CUDA_VISIBLE_DEVICES``) this trainer's. Its ranks
+meet the others in rank 0's ``TCPStore`` (:mod:`.rendezvous`): rank 0's trainer binds a
+listening socket on its ``--rendezvous-host`` (:func:`rendezvous_listener`) and passes it to
+rank 0 (``pass_fds``); the spec's ``meeting`` says where and in which role. Every rank of
+such a job has ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` on CUDA) set to the
+interface that owns its trainer's ``--rendezvous-host`` (:func:`interface_of`), so the
+collectives listen there only, and ``MASTER_ADDR``/``MASTER_PORT`` set to the rendezvous
+(accelerate wants them when the ranks are not all on one machine).
 
 :mod:`.process` drives what happens once a rank is started.
 
@@ -14,14 +26,19 @@ This module imports neither torch nor grpc.
 from __future__ import annotations
 
 import base64
+import ipaddress
 import os
 import pathlib
 import pickle
+import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import psutil
+
+from trainer_service.core.placement import Placement, split_host_port
 from trainer_service.core.provider import ProviderError, TrainJob
 from trainer_service.providers.grpo import wire
 from trainer_service.providers.grpo.library_output import WorkerLogging
@@ -30,6 +47,9 @@ from trainer_service.providers.grpo.library_output import WorkerLogging
 BEAT_S = 1.0
 #: The module each rank runs (``python -m``).
 WORKER_MODULE = "trainer_service.providers.grpo.worker"
+#: A rank's role in the rendezvous of a job that spans trainers: rank 0 (it hosts the store
+#: and relays its controls), another rank of rank 0's trainer, a rank of another trainer.
+HOST, PEER, FOLLOW = "host", "peer", "follow"
 # Launcher variables a trainer may itself have been started with; a job sets its own.
 _DISTRIBUTED_ENV = (
     "RANK",
@@ -67,9 +87,13 @@ def rank_devices(job: TrainJob, processes: int) -> tuple[list[str], str, dict[st
     return [f"cuda:{rank}" for rank in range(processes)], "nccl", env
 
 
-def rank_env(extra: dict[str, str], rank: int, processes: int) -> dict[str, str]:
-    """The environment of rank ``rank``: the trainer's, less its launcher variables, plus
-    ``extra``, the import roots of this code and, with several processes, the rank's place."""
+def rank_env(
+    extra: dict[str, str], rank: int, processes: int, placement: Placement | None = None
+) -> dict[str, str]:
+    """The environment of this trainer's ``rank``-th process of the job: the trainer's, less its
+    launcher variables, plus ``extra``, the import roots of this code and, with several
+    processes in the job, the rank's place (global ``RANK`` and ``WORLD_SIZE`` of a job that
+    spans trainers, ``LOCAL_RANK`` on this trainer)."""
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
     env.update(extra)
     import trainer_service
@@ -83,11 +107,92 @@ def rank_env(extra: dict[str, str], rank: int, processes: int) -> dict[str, str]
         [*sorted(roots), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     )
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if processes > 1:
+    if placement is not None:
+        env.update(RANK=str(placement.first_rank + rank), LOCAL_RANK=str(rank))
+        env.update(WORLD_SIZE=str(placement.world_size), LOCAL_WORLD_SIZE=str(processes))
+    elif processes > 1:
         world = str(processes)
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world)
         env.update(LOCAL_WORLD_SIZE=world)
     return env
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface that owns ``host`` (an address, or a name resolved here);
+    ``None`` when no interface of this machine has it."""
+    try:
+        found = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    wanted = {ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in found}
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                if ipaddress.ip_address(address.address.split("%", 1)[0]) in wanted:
+                    return name
+            except ValueError:
+                continue
+    return None
+
+
+def meeting_env(job: TrainJob, address: str, backend: str) -> dict[str, str]:
+    """What every rank of a job that spans trainers adds to its environment (see the module
+    docstring).
+
+    Raises:
+        ProviderError: ``--rendezvous-host`` is no address of this machine.
+    """
+    host = job.rendezvous_host
+    interface = interface_of(host)
+    if interface is None:
+        raise ProviderError(
+            "This trainer cannot take part in a job that spans trainers: its "
+            f"--rendezvous-host {host} is not an address of this machine.",
+            detail=f"no network interface has {host}",
+            code="INTERNAL",
+            reason="PROVIDER_UNAVAILABLE",
+        )
+    parsed = split_host_port(address)
+    assert parsed is not None, address  # checked with the request, or bound here
+    env = {"GLOO_SOCKET_IFNAME": interface, "MASTER_ADDR": parsed[0], "MASTER_PORT": str(parsed[1])}
+    if backend == "nccl":
+        env["NCCL_SOCKET_IFNAME"] = interface
+    return env
+
+
+def rendezvous_listener(host: str) -> socket.socket:
+    """A TCP socket bound to a free port of ``host`` and listening: rank 0 hosts the job's
+    store on it, and a rank that connects before rank 0 is up waits in its backlog.
+
+    Raises:
+        ProviderError: It could not be bound.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), 0, type=socket.SOCK_STREAM
+        )[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ProviderError(
+            "The trainer could not open the rendezvous of a job that spans trainers.",
+            detail=f"--rendezvous-host {host}: {exc}",
+            code="INTERNAL",
+            reason="PROVIDER_UNAVAILABLE",
+        ) from exc
+    try:
+        listener.bind(address)
+        listener.listen(128)
+    except OSError as exc:
+        listener.close()
+        raise ProviderError(
+            "The trainer could not open the rendezvous of a job that spans trainers.",
+            detail=f"--rendezvous-host {host}: {exc}",
+            code="INTERNAL",
+            reason="PROVIDER_UNAVAILABLE",
+        ) from exc
+    return listener
 
 
 def job_spec(
@@ -98,11 +203,15 @@ def job_spec(
     backend: str,
     scratch: pathlib.Path,
     resume: Mapping[str, Any] | None = None,
+    meeting: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``JOB`` message's payload for rank ``rank`` (it also makes the rank's output dir).
+    """The ``JOB`` message's payload for this trainer's ``rank``-th process of the job (it also
+    makes the rank's output dir).
 
     ``resume``: the checkpoint to resume from (``directory``, ``episode``, ``best_reward``,
-    ``last_reward``), checked by the trainer.
+    ``last_reward``), checked by the trainer. ``meeting``: for a job that spans trainers
+    (``job.placement``), where its ranks meet (:func:`meeting_spec`); the spec's ``rank`` and
+    ``world_size`` are then the job's.
     """
     logging_like = WorkerLogging.like_this_process(None)
     formatter = None
@@ -110,12 +219,15 @@ def job_spec(
         formatter = base64.b64encode(pickle.dumps(logging_like.formatter)).decode()
     output = scratch / f"rank{rank}"
     output.mkdir(exist_ok=True)
+    placement = job.placement
+    first, world = (placement.first_rank, placement.world_size) if placement else (0, processes)
     return {
         "run_id": job.run_id,
-        "rank": rank,
-        "world_size": processes,
+        "rank": first + rank,
+        "local_rank": rank,
+        "world_size": world,
         "device": device,
-        "backend": backend if processes > 1 else "",
+        "backend": backend if world > 1 else "",
         "rendezvous": (scratch / "rendezvous").as_uri(),
         "task": base64.b64encode(job.task.SerializeToString()).decode(),
         "config": base64.b64encode(job.config.SerializeToString()).decode(),
@@ -125,17 +237,42 @@ def job_spec(
         "log": {"formatter": formatter, "level": logging_like.level},
         "beat_s": BEAT_S,
         "resume": dict(resume) if resume is not None else None,
+        "meeting": dict(meeting) if meeting is not None else None,
+    }
+
+
+def meeting_spec(
+    placement: Placement, rank: int, address: str, listen_fd: int | None = None
+) -> dict[str, Any]:
+    """The ``meeting`` of this trainer's ``rank``-th process of a job that spans trainers: the
+    rendezvous and the process's role in it (:mod:`.rendezvous`): ``host`` (rank 0, with the
+    listening socket's descriptor), ``peer`` (another rank of rank 0's trainer) or ``follow``
+    (a rank of another trainer)."""
+    parsed = split_host_port(address)
+    assert parsed is not None, address
+    role = (HOST if rank == 0 else PEER) if placement.hosts_rendezvous else FOLLOW
+    return {
+        "address": address,
+        "host": parsed[0],
+        "port": parsed[1],
+        "role": role,
+        "listen_fd": listen_fd if role == HOST else None,
+        # The ranks rank 0 relays its controls to: every rank of the other trainers.
+        "remote_ranks": list(range(placement.processes, placement.world_size))
+        if role == HOST
+        else [],
     }
 
 
 def spawn_rank(
-    env: dict[str, str], pgid: int | None
+    env: dict[str, str], pgid: int | None, pass_fds: Sequence[int] = ()
 ) -> tuple[subprocess.Popen[bytes], wire.ChannelEnd]:
     """Starts one rank process and returns it with the trainer's end of its channel.
 
     Args:
         env: The rank's environment (:func:`rank_env`).
-        pgid: The job's process group; ``None`` for rank 0, which leads a new one.
+        pgid: The job's process group; ``None`` for the first rank, which leads a new one.
+        pass_fds: More descriptors the rank inherits (rank 0's rendezvous socket).
 
     Raises:
         ProviderError: The process could not be started.
@@ -147,9 +284,9 @@ def spawn_rank(
                 *(sys.executable, "-m", WORKER_MODULE),
                 *("--fd", str(child.fileno()), "--parent-pid", str(os.getpid())),
             ],
-            pass_fds=(child.fileno(),),
-            # Rank 0 leads a new group; the others join it. Everything they start
-            # stays in it, so one killpg ends the whole job.
+            pass_fds=(child.fileno(), *pass_fds),
+            # The first rank leads a new group; the others join it. Everything they start
+            # stays in it, so one killpg ends the whole job (this trainer's share of it).
             process_group=0 if pgid is None else pgid,
             env=env,
             stdin=subprocess.DEVNULL,

@@ -28,6 +28,22 @@ an exit code. The service and its other jobs go on.
 
 The trainer dying (``kill -9`` included): see :mod:`.lifeline`; every rank kills its group.
 
+A job whose ranks span trainers (``job.placement``) is one process group per trainer, each
+trainer starting, watching and reaping its own share of ranks as above. Rank 0's trainer binds
+the job's rendezvous on its ``--rendezvous-host`` (:func:`.launch.rendezvous_listener`),
+announces it (``job.announce_rendezvous``), starts its ranks from rank 0 and drives them as any
+job: its ``STEP``, ``STOP``, ``SAVE`` and ``HYPER`` reach the other trainers' ranks through rank
+0 (:mod:`.rendezvous`), and it yields the episodes and writes the checkpoints. Another
+trainer's share (:func:`run` with ``placement.first_rank`` > 0) starts its ranks, sends them
+nothing but their job spec (and ``STOP`` when it is cancelled), yields no episode and returns
+once all of them said ``END``; one that fails fails it (:class:`ProviderError`). Its ranks
+send their part of a checkpoint to rank 0 and write nothing: the share writes, commits and
+deletes no checkpoint. A share resumed from a checkpoint restores it from this trainer's
+checkpoint store (every trainer of such a job must share one store) or fails with
+``FAILED_PRECONDITION``. When any trainer of the job dies, its ranks die with it, and the
+others fail within seconds: rank 0 in its next collective or when a follower's heartbeat
+stops, the other trainers' ranks when the store is gone.
+
 Checkpoints (``job.checkpoints``; what one holds: :mod:`.checkpoint_files`): the ranks can only
 checkpoint the step at whose end they wait, so the trainer asks (``SAVE``) between a step's
 episode and the next ``STEP``: after yielding episode ``n`` (the consumer has it: only then may
@@ -64,11 +80,13 @@ import time
 from collections.abc import Iterator
 
 from trainer_service.core.hyperparameters import Hyperparameters
+from trainer_service.core.placement import Placement
 from trainer_service.core.provider import CheckpointUnusable, ProviderError, TrainJob
 from trainer_service.providers.grpo import checkpoint_files, launch, wire
 from trainer_service.providers.grpo.ranks import Rank, diagnose, peek_exit
 from trainer_service.providers.grpo.validation import resolve_in_roots
 from trainwire.v1 import episode_pb2
+from trainwire_ops.addresses import host_port
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -96,12 +114,16 @@ class JobProcesses:
     Args:
         job: The job (its ``devices`` name one device per process; with fewer, every process
             runs on ``job.device``).
-        processes: How many processes.
+        processes: How many processes (this trainer's share of a job that spans trainers).
     """
 
     def __init__(self, job: TrainJob, processes: int) -> None:
         self.job = job
         self.processes = processes
+        placement = job.placement
+        #: The job's ranks in all (more than this trainer's for a job that spans trainers).
+        self.world_size = placement.world_size if placement is not None else processes
+        self.first_rank = placement.first_rank if placement is not None else 0
         self.ranks: list[Rank] = []
         self.pgid: int | None = None
         self.scratch: pathlib.Path | None = None
@@ -126,22 +148,52 @@ class JobProcesses:
             ProviderError: A process could not be started.
         """
         devices, backend, extra = launch.rank_devices(self.job, self.processes)
-        scratch = self.scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"grpo-{self.job.run_id}-"))
-        for rank in range(self.processes):
-            env = launch.rank_env(extra, rank, self.processes)
-            popen, channel = launch.spawn_rank(env, self.pgid)
-            if self.pgid is None:
-                self.pgid = popen.pid
-            self.ranks.append(Rank(rank, popen, channel))
-            spec = launch.job_spec(
-                self.job, rank, self.processes, devices[rank], backend, scratch, resume
+        placement = self.job.placement
+        listener, address = None, ""
+        if placement is not None:
+            if placement.hosts_rendezvous:
+                listener = launch.rendezvous_listener(self.job.rendezvous_host)
+                address = host_port(self.job.rendezvous_host, listener.getsockname()[1])
+            else:
+                address = placement.rendezvous
+        try:
+            if placement is not None:
+                extra = {**extra, **launch.meeting_env(self.job, address, backend)}
+                if listener is not None:
+                    self.job.announce_rendezvous(address)
+            scratch = self.scratch = pathlib.Path(
+                tempfile.mkdtemp(prefix=f"grpo-{self.job.run_id}-")
             )
-            channel.send_json(wire.JOB, spec)
+            for rank in range(self.processes):
+                env = launch.rank_env(extra, rank, self.processes, placement)
+                meeting: dict[str, object] | None = None
+                fds: tuple[int, ...] = ()
+                if placement is not None:
+                    fd = listener.fileno() if listener is not None and rank == 0 else None
+                    meeting = launch.meeting_spec(placement, rank, address, fd)
+                    fds = (fd,) if fd is not None else ()
+                popen, channel = launch.spawn_rank(env, self.pgid, fds)
+                if listener is not None:
+                    # Rank 0 holds it now: once rank 0 is gone, nothing answers there.
+                    listener.close()
+                    listener = None
+                if self.pgid is None:
+                    self.pgid = popen.pid
+                self.ranks.append(Rank(self.first_rank + rank, popen, channel))
+                spec = launch.job_spec(
+                    self.job, rank, self.processes, devices[rank], backend, scratch, resume, meeting
+                )
+                channel.send_json(wire.JOB, spec)
+        finally:
+            if listener is not None:
+                listener.close()
+        where = f" of {self.world_size}, meeting at {address}" if placement is not None else ""
         _LOGGER.info(
-            "run %s: GRPO job started in %d process(es) %s on %s",
+            "run %s: GRPO job started in %d process(es)%s %s on %s",
             self.job.run_id,
             self.processes,
-            [r.pid for r in self.ranks],
+            where,
+            {r.rank: r.pid for r in self.ranks},
             ", ".join(devices),
             extra={"run_id": self.job.run_id},
         )
@@ -231,6 +283,20 @@ class JobProcesses:
             raise
         return self._saved
 
+    def follow(self) -> None:
+        """Another trainer's share of a job: waits until every rank of it said ``END`` (rank 0
+        drives them, see the module docstring), or the job's stop event is set.
+
+        Raises:
+            ProviderError: A rank failed.
+            CheckpointUnusable: The checkpoint the job resumes from did not load.
+        """
+        while not all(r.ended for r in self.ranks):
+            if self.job.stop_event.is_set():
+                return
+            self._pump(_POLL_S)
+            self._raise_on_failure()
+
     def finish(self) -> None:
         """After the done episode: lets every rank end and waits (bounded) for their ``END``."""
         for rank in self.ranks:
@@ -283,7 +349,7 @@ class JobProcesses:
             self._saved = dict(json.loads(payload))
         elif kind == wire.PHASE:
             rank.phase = payload.decode(errors="replace")
-            if rank.rank == 0:
+            if rank is self.ranks[0]:
                 self._phase = rank.phase
                 self.job.set_phase(rank.phase)
         elif kind == wire.ERROR:
@@ -326,7 +392,7 @@ class JobProcesses:
 
     def diagnose(self) -> ProviderError | CheckpointUnusable:
         """What went wrong, as the user should read it (call once a rank failed)."""
-        return diagnose(self.ranks)
+        return diagnose(self.ranks, self.world_size)
 
     # -- stopping ----------------------------------------------------------------------------
 
@@ -487,14 +553,20 @@ class _Committer:
 def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
     """Trains ``job`` in its own processes; yields one episode per optimizer step, each step
     run only when the consumer asks for its episode, and writes the job's checkpoints (see the
-    module docstring).
+    module docstring). Another trainer's share of a job that spans trainers yields nothing
+    and returns once its ranks are done.
 
     Raises:
         ProviderError: A rank failed (named in the message) or training ended early.
         CheckpointUnusable: ``job.resume`` does not fit or load (before the first episode).
     """
-    processes = processes_of(job.task)
-    resume = _checked_resume(job, processes)
+    placement = job.placement
+    if placement is not None and not placement.hosts_rendezvous:
+        _run_share(job, placement)
+        return
+    processes = placement.processes if placement is not None else processes_of(job.task)
+    # A checkpoint holds the state of every rank of the job, wherever they run.
+    resume = _checked_resume(job, processes_of(job.task))
     start = job.resume.episode if job.resume is not None else 0
     group = JobProcesses(job, processes)
     committer = _Committer(job, group, start)
@@ -516,4 +588,30 @@ def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
         group.finish()
     finally:
         committer.final()
+        group.close()
+
+
+def _run_share(job: TrainJob, placement: Placement) -> None:
+    """Runs another trainer's share of a job that spans trainers until its ranks are done (see
+    the module docstring).
+
+    Raises:
+        ProviderError: A rank failed, or the checkpoint the job resumes from does not fit or
+            load here (``FAILED_PRECONDITION``: a share never trains from scratch beside a
+            resumed rank 0).
+    """
+    ranks = placement.ranks
+    job.set_phase(f"starting ranks {ranks.start}..{ranks.stop - 1} of {placement.world_size}")
+    group = JobProcesses(job, placement.processes)
+    try:
+        group.start(_checked_resume(job, placement.world_size))
+        group.follow()
+    except CheckpointUnusable as exc:
+        episode = job.resume.episode if job.resume is not None else 0
+        raise ProviderError(
+            f"This trainer cannot restore the checkpoint at episode {episode} that the job "
+            f"resumes from: {exc}",
+            detail=f"run {job.run_id}: ranks {ranks.start}..{ranks.stop - 1}",
+        ) from exc
+    finally:
         group.close()

@@ -1,12 +1,13 @@
 """What the trainer knows of each rank of a GRPO job, and what it makes of their failure.
 
-:class:`Rank` is the trainer's record of one rank process (what it said over its channel, how it
-exited); :mod:`.process` fills it in. :func:`peek_exit` reads a rank's exit without reaping it,
-so the process group cannot be reused before it is killed. :func:`diagnose` turns the records
-of a failed job into the one :class:`ProviderError` the user reads: a rank killed by a signal
-first (for ``SIGKILL``, the out-of-memory advice), then the earliest ``ERROR`` report (a
-``ProviderError`` of a rank as the rank raised it, a checkpoint that did not load as
-:class:`CheckpointUnusable`, another exception by its type), then an exit code or silence.
+:class:`Rank` is the trainer's record of one rank process (its rank in the job, what it said
+over its channel, how it exited); :mod:`.process` fills it in. :func:`peek_exit` reads a rank's
+exit without reaping it, so the process group cannot be reused before it is killed.
+:func:`diagnose` turns the records of a failed job into the one :class:`ProviderError` the user
+reads: a rank killed by a signal first (for ``SIGKILL``, the out-of-memory advice), then the
+earliest ``ERROR`` report (a ``ProviderError`` of a rank as the rank raised it, a checkpoint
+that did not load as :class:`CheckpointUnusable`, another exception by its type), then an exit
+code or silence.
 
 This module imports neither torch nor grpc.
 """
@@ -27,7 +28,7 @@ from trainer_service.providers.grpo import wire
 
 @dataclass
 class Rank:
-    """What the trainer knows of one rank."""
+    """What the trainer knows of one rank (``rank``: its rank in the whole job)."""
 
     rank: int
     popen: subprocess.Popen[bytes]
@@ -71,9 +72,16 @@ def peek_exit(pid: int, wait_s: float = 0.0) -> int | None:
         time.sleep(0.02)
 
 
-def diagnose(ranks: Sequence[Rank]) -> ProviderError | CheckpointUnusable:
-    """What went wrong, as the user should read it (call once a rank failed)."""
-    n = len(ranks)
+def diagnose(
+    ranks: Sequence[Rank], world_size: int | None = None
+) -> ProviderError | CheckpointUnusable:
+    """What went wrong, as the user should read it (call once a rank failed).
+
+    Args:
+        ranks: This trainer's ranks of the job (their ``rank`` is the job's).
+        world_size: The job's ranks in all, when they span trainers (default: ``ranks``).
+    """
+    n = world_size or len(ranks)
 
     def who(rank: Rank) -> str:
         return "The training process" if n == 1 else f"Training process rank {rank.rank} of {n}"

@@ -5,16 +5,21 @@ Each rank of a job holds one end of its own ``multiprocessing.Pipe()`` (on Linux
 socket pair; the rank gets its end's descriptor as ``--fd``); the trainer holds the other ends.
 A message is one kind byte followed by its payload, sent whole with ``send_bytes`` (the
 connection frames it). The trainer sends the same sequence of control messages to every rank,
-so every rank takes the same decision at every step boundary:
+so every rank takes the same decision at every step boundary. In a job whose ranks span
+trainers, rank 0's trainer is the one that decides: rank 0 relays each control message it
+reads, as it is (kind byte and payload), to the ranks of the other trainers through the job's
+rendezvous store (``relayed`` below; see ``rendezvous.py``), and their own trainer sends them
+``JOB`` and, when it cancels its share, ``STOP``:
 
 | kind | direction | payload |
 | --- | --- | --- |
 | ``JOB`` | trainer -> rank | the job spec (JSON, see ``launch.py``) |
-| ``STEP`` | trainer -> rank | the optimizer step the ranks may run next (8-byte int) |
-| ``STOP`` | trainer -> rank | nothing: stop at the next step boundary |
-| ``SAVE`` | trainer -> rank | checkpoint the step just finished (JSON: ``step``, ``directory``) |
-| ``HYPER`` | trainer -> rank | train the next step with these hyperparameters (JSON: any of |
-| | | ``learning_rate``, ``temperature``, ``beta``); sent right before its ``STEP`` |
+| ``STEP`` | trainer -> rank, relayed | the optimizer step the ranks may run next (8-byte int) |
+| ``STOP`` | trainer -> rank, relayed | nothing: stop at the next step boundary |
+| ``SAVE`` | trainer -> rank, relayed | checkpoint the step just finished (JSON: ``step``, |
+| | | ``directory``: rank 0's; the other ranks send it their RNG states) |
+| ``HYPER`` | trainer -> rank, relayed | train the next step with these hyperparameters (JSON: |
+| | | any of ``learning_rate``, ``temperature``, ``beta``); sent right before its ``STEP`` |
 | ``PHASE`` | rank -> trainer | what the rank does (UTF-8), for heartbeats |
 | ``BEAT`` | rank -> trainer | nothing: the rank is alive (sent every second) |
 | ``EPISODE`` | rank 0 -> trainer | one serialized ``trainwire.v1.Episode`` |

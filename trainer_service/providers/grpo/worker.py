@@ -7,7 +7,8 @@ group, each with its own end of the job's channel (``--fd``, see :mod:`.wire`). 
    reads its ``JOB`` spec and sets its logging up like the trainer's (before torch and friends
    are imported, so nothing they print at import escapes it);
 2. joins torch.distributed when the job has several processes (gloo on CPU, NCCL on CUDA,
-   rendezvous through a file in the job's scratch directory) and builds the job's
+   rendezvous through a file in the job's scratch directory; a job whose ranks span trainers
+   meets in rank 0's ``TCPStore`` instead, see :mod:`.rendezvous`) and builds the job's
    ``LazyGRPOTrainer`` (:mod:`.build`), the same on every rank: TRL's own sampler and gathering
    do the rest. Every rank decodes its own rows in its own DataLoader workers; the index stream
    comes from each rank's ``RepeatSampler`` (one seed for all ranks), never from a worker;
@@ -19,13 +20,16 @@ group, each with its own end of the job's channel (``--fd``, see :mod:`.wire`). 
    before it waits. A ``SAVE`` read while waiting checkpoints the step just finished, on every
    rank at once (:mod:`.checkpoint`); rank 0 answers ``SAVED``, and the rank waits on; a
    ``HYPER`` changes the learning rate, temperature or beta of the next step, on every rank at
-   the same boundary. A job
+   the same boundary. In a job that spans trainers, rank 0 relays every control it reads to
+   the ranks of the other trainers, which read them from the store into the same queue
+   (:mod:`.rendezvous`); their pipe still brings ``JOB``, their own trainer's ``STOP`` and end
+   of file. A job
    spec with ``resume`` builds the trainer from that checkpoint and resumes at its next step;
    a checkpoint that does not load is reported as such (``ERROR`` of kind ``checkpoint``);
 4. reports ``END`` (with the last step it finished) when training returned, or ``ERROR`` (a
    ``ProviderError`` as it is, a failure with a known cause as the ``ProviderError`` that
-   :func:`translate_error` makes of it, anything else as a crash with its traceback), and exits
-   at once.
+   :func:`translate_error` makes of it, anything else as a crash with its traceback; in a job
+   that spans trainers, a peer or rendezvous lost as ``PROCESS_DIED``), and exits at once.
 
 Phases go to the trainer as ``PHASE`` messages and a ``BEAT`` goes out every second from a thread
 of its own, so the trainer sees a slow load or step, and a rank that went silent.
@@ -52,6 +56,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from trainer_service.providers.grpo import lifeline, wire
 
 if TYPE_CHECKING:
+    from trainer_service.providers.grpo.rendezvous import Meeting
     from trainwire.v1 import episode_pb2
 
 _LOGGER = logging.getLogger("trainer_service.providers.grpo.worker")
@@ -69,6 +74,8 @@ class RankChannel:
 
     The reader is the only thread that reads the channel. End of file there means the trainer
     is gone (or gave up on this job) while the rank still works: it kills the job's group.
+    Until :meth:`relay_to` says where, the reader also holds every control it read, for rank 0
+    of a job that spans trainers to publish once its store exists.
 
     Args:
         end: The rank's end of the job's channel.
@@ -87,6 +94,9 @@ class RankChannel:
         self.on_hyperparameters: Callable[[Mapping[str, float]], None] | None = None
         self._job: queue.Queue[bytes] = queue.Queue(maxsize=1)
         self._controls: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
+        self._relay_lock = threading.Lock()
+        self._held: list[tuple[bytes, bytes]] | None = []  # None: nothing to relay
+        self._publish: Callable[[bytes, bytes], None] | None = None
 
     def start(self) -> None:
         """Starts the reader and heartbeat threads."""
@@ -105,9 +115,28 @@ class RankChannel:
             if kind == wire.JOB:
                 self._job.put(payload)
             elif kind in (wire.STEP, wire.STOP, wire.SAVE, wire.HYPER):
-                if kind == wire.STOP:
-                    self.stopped.set()
-                self._controls.put(message)
+                with self._relay_lock:  # relayed in the order read, before this rank acts
+                    if self._publish is not None:
+                        self._publish(kind, payload)
+                    elif self._held is not None:
+                        self._held.append(message)
+                self.feed(kind, payload)
+
+    def feed(self, kind: bytes, payload: bytes) -> None:
+        """Queues a control message for the rank (from the pipe, or relayed from rank 0)."""
+        if kind == wire.STOP:
+            self.stopped.set()
+        self._controls.put((kind, payload))
+
+    def relay_to(self, publish: Callable[[bytes, bytes], None] | None) -> None:
+        """Hands every control read so far, then each one read, to ``publish`` (called with
+        the relay's lock held, in order); ``None``: this rank relays nothing."""
+        with self._relay_lock:
+            held, self._held = self._held or [], None
+            if publish is not None:
+                for kind, payload in held:
+                    publish(kind, payload)
+            self._publish = publish
 
     def _beat(self) -> None:
         while not self.finishing.wait(self.beat_s):
@@ -170,20 +199,28 @@ def _apply_logging(spec: Mapping[str, Any]) -> None:
 
 
 def _set_up_distributed(spec: Mapping[str, Any]) -> None:
-    """Joins the job's process group (``world_size`` > 1)."""
+    """Joins the job's process group (``world_size`` > 1, all ranks on this trainer)."""
     import torch
     import torch.distributed as dist
 
     rank, world = int(spec["rank"]), int(spec["world_size"])
     if spec["backend"] == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(int(spec.get("local_rank", rank)))
     dist.init_process_group(
         spec["backend"], init_method=spec["rendezvous"], rank=rank, world_size=world
     )
 
 
-def _train(spec: Mapping[str, Any], channel: RankChannel, build: Callable[..., Any] | None) -> None:
-    """Builds the trainer and trains one step per ``STEP`` message (see the module docstring)."""
+def _train(
+    spec: Mapping[str, Any],
+    channel: RankChannel,
+    build: Callable[..., Any] | None,
+    meeting: Meeting | None = None,
+) -> None:
+    """Builds the trainer and trains one step per ``STEP`` message (see the module docstring).
+
+    ``meeting``: the rendezvous of a job that spans trainers (None: all ranks are here).
+    """
     from trainer_service.core.provider import EpisodeCounter, RestoredCheckpoint, TrainJob
     from trainer_service.providers.grpo import checkpoint_files
     from trainwire.v1 import episode_pb2
@@ -207,7 +244,12 @@ def _train(spec: Mapping[str, Any], channel: RankChannel, build: Callable[..., A
     from trainer_service.providers.grpo.callback import EpisodeMaker, StepGate
     from trainer_service.providers.grpo.rewards import CompletionTap
 
-    if world > 1:
+    first = restored.episode + 1 if restored else 1
+    channel.last_step = first - 1
+    if meeting is not None:
+        if not meeting.join(first):
+            return  # stopped while the job's ranks gathered
+    elif world > 1:
         channel.send_phase(f"joining {world} processes")
         _set_up_distributed(spec)
     job = TrainJob(
@@ -247,8 +289,6 @@ def _train(spec: Mapping[str, Any], channel: RankChannel, build: Callable[..., A
                     channel.end.send_json(wire.ERROR, _describe(exc))
 
             threading.Thread(target=check_rows, name="grpo-rows", daemon=True).start()
-        first = restored.episode + 1 if restored else 1
-        channel.last_step = first - 1
         if not channel.wait_step(first):
             return
         job.set_phase("training")
@@ -379,10 +419,25 @@ def main(argv: list[str] | None = None, build: Callable[..., Any] | None = None)
         return 2
     _apply_logging(spec)
     channel.beat_s = float(spec.get("beat_s", channel.beat_s))
+    meeting = None
     try:
-        _train(spec, channel, build)
+        if spec.get("meeting"):
+            channel.send_phase("loading libraries")  # the rendezvous imports torch
+            from trainer_service.providers.grpo.rendezvous import Meeting
+
+            def lost(error: BaseException) -> NoReturn:
+                _exit(channel, wire.ERROR, json.dumps(_describe(error)).encode(), 1)
+
+            meeting = Meeting(spec, channel, lost)
+        if meeting is None or not meeting.relays_controls:
+            channel.relay_to(None)
+        _train(spec, channel, build, meeting)
     except BaseException as exc:  # reported, then the rank exits
+        if meeting is not None:
+            exc = meeting.explain(exc)
         _exit(channel, wire.ERROR, json.dumps(_describe(exc)).encode(), 1)
+    if meeting is not None:
+        meeting.drain()
     _exit(channel, wire.END, wire.step_payload(channel.last_step), 0)
 
 
