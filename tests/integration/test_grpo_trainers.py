@@ -1,7 +1,8 @@
 """One GRPO job whose ranks span two trainers (issue 24): rank 0's trainer announces the
-rendezvous and streams every episode, the other trainer's share streams heartbeats and ends OK,
-the rewards are those of the same job in one trainer, and a dead share fails rank 0's stream
-within seconds and leaves no process behind.
+rendezvous and streams every episode and checkpoint, the other trainer's share streams
+heartbeats and ends OK, the rewards are those of the same job in one trainer, the job resumed
+on both trainers from a checkpoint continues bit for bit, and a dead share fails rank 0's
+stream within seconds and leaves no process behind.
 
 Each trainer is a real server in this process on port 0 with one CPU slot; each job runs the
 offline tiny VLM, one rank per trainer, under gloo over loopback.
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import pytest
@@ -72,14 +74,21 @@ def _request(
     run_id: str,
     steps: int,
     placement: trainer_service_pb2.JobPlacement | None = None,
+    *,
+    checkpoint_every: int = 0,
+    resume_from: trainer_service_pb2.CheckpointRef | None = None,
 ) -> trainer_service_pb2.TrainRequest:
     request = trainer_service_pb2.TrainRequest(
         run_id=run_id,
         task=tiny_grpo_task(workers=0, num_processes=2),
-        config=episode_pb2.TrainConfig(max_episodes=steps, seed=5),
+        config=episode_pb2.TrainConfig(
+            max_episodes=steps, seed=5, checkpoint_every=checkpoint_every
+        ),
     )
     if placement is not None:
         request.placement.CopyFrom(placement)
+    if resume_from is not None:
+        request.resume_from.append(resume_from)
     return request
 
 
@@ -115,28 +124,32 @@ class _PlacedJob:
 
     kinds: list[str]
     episodes: list[episode_pb2.Episode]
+    checkpoints: list[episode_pb2.Checkpoint]
     share: _Share
     to_rendezvous_s: float
     to_first_episode_s: float
 
 
 def _start_share(
-    trainer: RunningTrainer, run_id: str, steps: int, address: str, share: _Share
+    trainer: RunningTrainer, request: trainer_service_pb2.TrainRequest, share: _Share
 ) -> threading.Thread:
-    call = trainer.stub.Train(_request(run_id, steps, _placement(1, address)), timeout=JOB_TIMEOUT)
+    call = trainer.stub.Train(request, timeout=JOB_TIMEOUT)
     reader = threading.Thread(target=share.read, args=(call,), daemon=True)
     reader.start()
     return reader
 
 
-@pytest.fixture(scope="module")
-def placed_job(two_trainers: tuple[RunningTrainer, RunningTrainer]) -> _PlacedJob:
-    """A STEPS-step job of two ranks, rank 0 on the first trainer and rank 1 on the second."""
-    first, second = two_trainers
-    request = _request("run-placed", STEPS, _placement(0))
+def _run_placed(
+    trainers: tuple[RunningTrainer, RunningTrainer], run_id: str, steps: int, **fields: Any
+) -> _PlacedJob:
+    """Runs a job with rank 0 on the first trainer and rank 1 on the second, as the gateway
+    does: the first's Train, its rendezvous, then the second's Train with it."""
+    first, second = trainers
+    request = _request(run_id, steps, _placement(0), **fields)
     checker = StreamChecker.for_task(request.task, request.config, request.run_id)
     kinds: list[str] = []
     episodes: list[episode_pb2.Episode] = []
+    checkpoints: list[episode_pb2.Checkpoint] = []
     share = _Share()
     reader = None
     started = time.monotonic()
@@ -146,15 +159,29 @@ def placed_job(two_trainers: tuple[RunningTrainer, RunningTrainer]) -> _PlacedJo
         kinds.append(kind)
         if kind == "rendezvous":
             to_rendezvous = time.monotonic() - started
-            reader = _start_share(second, request.run_id, STEPS, response.rendezvous.address, share)
+            placement = _placement(1, response.rendezvous.address)
+            reader = _start_share(second, _request(run_id, steps, placement, **fields), share)
+        elif kind == "resumed":
+            checker.resume(
+                response.resumed.checkpoint.checkpoint.episode, response.resumed.best_reward
+            )
         elif kind == "episode":
             to_first = to_first or time.monotonic() - started
             checker.check(response.episode)
             episodes.append(response.episode)
+        elif kind == "checkpoint":
+            checkpoints.append(response.checkpoint)
     checker.finish()
     assert reader is not None, kinds
     reader.join(JOB_TIMEOUT)
-    return _PlacedJob(kinds, episodes, share, to_rendezvous, to_first)
+    return _PlacedJob(kinds, episodes, checkpoints, share, to_rendezvous, to_first)
+
+
+@pytest.fixture(scope="module")
+def placed_job(two_trainers: tuple[RunningTrainer, RunningTrainer]) -> _PlacedJob:
+    """A STEPS-step job of two ranks, rank 0 on the first trainer and rank 1 on the second,
+    with a checkpoint after every step."""
+    return _run_placed(two_trainers, "run-placed", STEPS, checkpoint_every=1)
 
 
 def test_a_job_placed_on_two_trainers_streams_every_episode_once_and_both_streams_end_ok(
@@ -166,6 +193,8 @@ def test_a_job_placed_on_two_trainers_streams_every_episode_once_and_both_stream
     assert job.kinds.index("rendezvous") < job.kinds.index("episode")
     assert [e.episode for e in job.episodes] == list(range(1, STEPS + 1))
     assert job.episodes[-1].done
+    # Rank 0's trainer writes the checkpoints, one per step, into the store both share.
+    assert [c.episode for c in job.checkpoints] == list(range(1, STEPS + 1))
     # The second trainer's share: heartbeats only, and its stream ended OK.
     assert job.share.done.is_set() and job.share.error is None
     assert set(job.share.kinds) <= {"heartbeat"}, job.share.kinds
@@ -208,6 +237,26 @@ def test_its_rewards_are_those_of_the_same_job_in_one_trainer(
     ]
 
 
+def test_the_job_resumed_on_both_trainers_continues_bit_for_bit(
+    two_trainers: tuple[RunningTrainer, RunningTrainer], placed_job: _PlacedJob
+) -> None:
+    # Both trainers restore the checkpoint after step 2 from their store: rank 0 its model,
+    # optimizer and RNG state, rank 1 its own RNG state; the job then trains steps 3 and 4 as
+    # the uninterrupted one did.
+    checkpoint = placed_job.checkpoints[1]
+    ref = trainer_service_pb2.CheckpointRef(run_id="run-placed", checkpoint=checkpoint)
+    resumed = _run_placed(two_trainers, "run-placed", STEPS, resume_from=ref)
+    events = [k for k in resumed.kinds if k != "heartbeat"]
+    assert events[:3] == ["resumed", "rendezvous", "episode"], events
+    assert [k for k in resumed.share.kinds if k != "heartbeat"] == ["resumed"]
+    assert resumed.share.error is None
+
+    def numbers(stream: list[episode_pb2.Episode]) -> list[tuple[int, float, float, float]]:
+        return [(e.episode, e.reward, e.best_reward, e.metrics["loss"]) for e in stream]
+
+    assert numbers(resumed.episodes) == numbers(placed_job.episodes[2:])
+
+
 def test_a_dead_share_fails_rank_0s_stream_within_seconds_and_leaves_no_process(
     two_trainers: tuple[RunningTrainer, RunningTrainer],
 ) -> None:
@@ -218,7 +267,8 @@ def test_a_dead_share_fails_rank_0s_stream_within_seconds_and_leaves_no_process(
     for response in call:
         kind = response.WhichOneof("event")
         if kind == "rendezvous":
-            _start_share(second, request.run_id, 500, response.rendezvous.address, share)
+            placement = _placement(1, response.rendezvous.address)
+            _start_share(second, _request(request.run_id, 500, placement), share)
         elif kind == "episode":
             break
     ranks = {int(p.environ()["RANK"]): p for p in _ranks(os.getpid())}

@@ -10,6 +10,7 @@ tests run); the core is driven through its runner and streams, no server."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pathlib
 import threading
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from tests.fakes.waiting import TIMEOUT
 from tests.grpo_fixtures import tiny_grpo_task
+from trainer_service.__main__ import parse_args
 from trainer_service.core.admission import check_request
 from trainer_service.core.checkpointing import checkpoint_message
 from trainer_service.core.errors import InvalidRequest, NoFreeSlot
@@ -35,6 +37,7 @@ from trainer_service.core.provider import (
 )
 from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
+from trainer_service.providers.grpo import launch
 from trainer_service.status import to_status
 from trainer_service.testing import imitation_request
 from trainwire.v1 import episode_pb2, trainer_service_pb2
@@ -152,6 +155,42 @@ def test_host_port_parsing() -> None:
     assert split_host_port("trainer-0:65535") == ("trainer-0", 65535)
     for bad in ("", ":5", "host", "host:", "host:65536", "::1:5", "a b:5", "[::1]"):
         assert split_host_port(bad) is None, bad
+
+
+def test_the_rendezvous_host_flag_names_one_address_of_this_machine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parse_args([], environ={}).rendezvous_host == "127.0.0.1"
+    assert parse_args(["--rendezvous-host", "10.0.0.5"], environ={}).rendezvous_host == "10.0.0.5"
+    environ = {"TRAINWIRE_TRAINER_RENDEZVOUS_HOST": "10.0.0.6"}
+    assert parse_args([], environ=environ).rendezvous_host == "10.0.0.6"
+    for wildcard in ("0.0.0.0", "::", ""):
+        with pytest.raises(SystemExit):
+            parse_args(["--rendezvous-host", wildcard], environ={})
+        assert "rendezvous host" in capsys.readouterr().err
+    # The ranks' collectives use the interface that owns it; one that no interface owns
+    # cannot take part in such a job.
+    assert launch.interface_of("127.0.0.1") is not None
+    assert launch.interface_of("192.0.2.1") is None  # TEST-NET-1: nobody's
+    job = TrainJob(
+        "run-h",
+        episode_pb2.TrainTask(),
+        episode_pb2.TrainConfig(),
+        "cpu",
+        pathlib.Path("."),
+        None,
+        threading.Event(),
+        rendezvous_host="192.0.2.1",
+    )
+    with pytest.raises(ProviderError, match=r"--rendezvous-host 192\.0\.2\.1 is not an address"):
+        launch.meeting_env(job, "192.0.2.1:29400", "gloo")
+    loopback = dataclasses.replace(job, rendezvous_host="127.0.0.1")
+    assert launch.meeting_env(loopback, "127.0.0.1:29400", "nccl") == {
+        "GLOO_SOCKET_IFNAME": launch.interface_of("127.0.0.1"),
+        "NCCL_SOCKET_IFNAME": launch.interface_of("127.0.0.1"),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29400",
+    }
 
 
 # -- through the runner -----------------------------------------------------------------------
