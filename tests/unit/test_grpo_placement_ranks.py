@@ -2,9 +2,9 @@
 training is scripted (``tests.fakes.grpo_rank``: the real worker, its channel, lifeline and
 rendezvous, around a trainer that loads no model): two ``process.run`` of one job, rank 0's
 share and another trainer's, meet in rank 0's store over loopback. Rank 0 relays its controls,
-so the share's rank runs and stops at rank 0's steps; a rank 0 that dies fails the share naming
-the rendezvous; a share that dies while rank 0 waits between steps fails rank 0 once its
-heartbeat stops."""
+so the share's rank runs and stops at rank 0's steps; a rank 0 that dies (or is gone before the
+share starts) fails the share naming the rendezvous; a share that dies while rank 0 waits
+between steps fails rank 0 once its heartbeat stops."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -200,3 +201,21 @@ def test_a_rank_0_waiting_between_steps_fails_once_the_share_stops_responding(
     assert info.value.reason == "PROCESS_DIED"
     assert "rank 1 of 2 (on another trainer) stopped responding" in info.value.user_message
     print(f"share killed while rank 0 waited: rank 0 gone after {took:.2f} s")
+
+
+def test_a_share_whose_rendezvous_is_gone_fails_at_once(scripted_ranks: str) -> None:
+    # The gateway started it late: rank 0's trainer no longer listens at the address.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    task = tiny_grpo_task(model_path="scripted", num_processes=2)
+    job = dataclasses.replace(
+        make_job(pathlib.Path("/nonexistent"), task, max_episodes=3),
+        placement=Placement(2, 1, 1, address),
+    )
+    started = time.monotonic()
+    with pytest.raises(ProviderError) as info:
+        list(process.run(job))
+    assert info.value.reason == "PROCESS_DIED"
+    assert f"lost the job's rendezvous at {address}" in info.value.user_message
+    assert time.monotonic() - started < STOPPED_S

@@ -36,6 +36,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -149,6 +151,9 @@ def _store(spec: MeetingSpec, *, master: bool = False) -> dist.TCPStore:
             wait_for_workers=False,
             master_listen_fd=spec.listen_fd,
         )
+    # Rank 0's trainer listens there before it tells anyone the address, so a refused
+    # connection means rank 0 is gone; TCPStore would retry it until its timeout.
+    socket.create_connection((spec.host, spec.port), timeout=STORE_TIMEOUT_S).close()
     return dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timeout)
 
 
@@ -176,6 +181,10 @@ class Meeting:
         on_lost: Callable[[ProviderError], NoReturn],
     ) -> None:
         self.spec = MeetingSpec.from_spec(spec)
+        if self.spec.listen_fd is not None:
+            # Rank 0's alone: a DataLoader worker holding it would keep the port open after
+            # rank 0 is gone, and the other trainers' ranks would wait instead of failing.
+            os.set_inheritable(self.spec.listen_fd, False)
         self.controls = controls
         self.on_lost = on_lost
         self.store: dist.TCPStore | None = None
@@ -227,7 +236,7 @@ class Meeting:
                     f"{JOIN_TIMEOUT_S:g} s.",
                     detail=f"rank {spec.rank}: {store.add(_JOINED, 0)} of {world} at "
                     f"{spec.address}",
-                    code="DEADLINE_EXCEEDED",
+                    code="INTERNAL",
                     reason="PROCESS_DIED",
                 )
             time.sleep(POLL_S)
@@ -287,7 +296,7 @@ class Meeting:
         """What a failure of this rank means in a job that spans trainers: a store or collective
         lost to a peer that went away is ``PROCESS_DIED``; anything else is ``error``."""
         spec = self.spec
-        if self.lost_store.is_set() or (spec.role == FOLLOW and self._store_gone()):
+        if self.lost_store.is_set() or (spec.role != HOST and self._store_gone(error)):
             return self.lost_rendezvous(error)
         if not lost_peer(error):
             return error
@@ -299,10 +308,11 @@ class Meeting:
             reason="PROCESS_DIED",
         )
 
-    def _store_gone(self) -> bool:
+    def _store_gone(self, error: BaseException) -> bool:
+        """Whether rank 0's store is out of reach (``error``: what this rank failed with)."""
         store = self.store
-        if store is None:
-            return False
+        if store is None:  # it never connected
+            return lost_peer(error) or isinstance(error, OSError)
         try:
             store.check([_JOINED])
         except RuntimeError:
