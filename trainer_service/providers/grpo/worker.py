@@ -1,7 +1,8 @@
 """One rank of a GRPO job: ``python -m trainer_service.providers.grpo.worker --fd N ...``.
 
-The trainer starts one of these per process of a job (see :mod:`.process`), all in one process
-group, each with its own end of the job's channel (``--fd``, see :mod:`.wire`). A rank:
+The trainer starts one of these per process of a job (see :mod:`.process`; of a job that spans
+trainers, per process of its share), all in one process group, each with its own end of the
+job's channel (``--fd``, see :mod:`.wire`). A rank:
 
 1. arms its lifeline first (:func:`.lifeline.arm_rank`: the group dies with the trainer), then
    reads its ``JOB`` spec and sets its logging up like the trainer's (before torch and friends
@@ -23,9 +24,9 @@ group, each with its own end of the job's channel (``--fd``, see :mod:`.wire`). 
    the same boundary. In a job that spans trainers, rank 0 relays every control it reads to
    the ranks of the other trainers, which read them from the store into the same queue
    (:mod:`.rendezvous`); their pipe still brings ``JOB``, their own trainer's ``STOP`` and end
-   of file. A job
-   spec with ``resume`` builds the trainer from that checkpoint and resumes at its next step;
-   a checkpoint that does not load is reported as such (``ERROR`` of kind ``checkpoint``);
+   of file. A job spec with ``resume`` builds the trainer from that checkpoint and resumes at
+   its next step; a checkpoint that does not load is reported as such (``ERROR`` of kind
+   ``checkpoint``);
 4. reports ``END`` (with the last step it finished) when training returned, or ``ERROR`` (a
    ``ProviderError`` as it is, a failure with a known cause as the ``ProviderError`` that
    :func:`translate_error` makes of it, anything else as a crash with its traceback; in a job
