@@ -9,6 +9,11 @@
 # its own, one per GPU (num_processes = the number of visible GPUs, under NCCL; on a one-GPU host
 # a single child process). BENCH_PROCESSES=N picks N instead (BENCH_PROCESSES=2 with
 # BENCH_DEVICE=cpu dry-runs two ranks under gloo; 0 skips the processes case).
+# Then, on a host with two GPUs or more, one job across two trainer processes (one GPU each,
+# ranks 0 and 1 of 2, NCCL, rendezvous on 127.0.0.1: bench/_two_trainers.py), as the gateway
+# places a job no single trainer fits. BENCH_TRAINERS=2 forces it (with BENCH_DEVICE=cpu: a dry
+# run under gloo); BENCH_TRAINERS=0 skips it. NCCL refuses two ranks on one GPU, so a one-GPU
+# host skips it.
 #
 # Python selection (first that imports torch with CUDA and trl):
 #   $PYTHON, .venv/bin/python, .venv-gpu/bin/python, python3.
@@ -131,6 +136,26 @@ def main() -> None:
                            threading.Event(), devices=devices)
             measure(f"{processes} process(es)", process.run, job, steps,
                     f"devices={','.join(devices)} processes={processes}")
+        trainers = int(os.environ.get("BENCH_TRAINERS", 2 if gpus >= 2 else 0))
+        if trainers >= 2:
+            across(root, task, config, trainers, cuda, steps)
+
+
+def across(root, task, config, trainers, cuda, steps) -> None:
+    """One job, one rank on each of ``trainers`` trainer processes (one GPU each)."""
+    from bench._two_trainers import across_trainers
+
+    print(f"== {trainers} trainers, one process each")
+    if cuda:
+        devices = [("cuda:0", {"CUDA_VISIBLE_DEVICES": str(i)}) for i in range(trainers)]
+    else:
+        devices = [("cpu", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})] * trainers
+    logs = pathlib.Path(tempfile.mkdtemp(prefix="gpu-grpo-trainers-"))
+    started, stamps = across_trainers(root, task, config, devices, logs)
+    walls = [b - a for a, b in zip(stamps, stamps[1:])]
+    print(f"RESULT mode={trainers}_trainers devices={','.join(d for d, _ in devices)} "
+          f"steps={steps} median_wall_ms={statistics.median(walls or [0.0]) * 1000:.1f} "
+          f"first_step_wall_ms={(stamps[0] - started) * 1000:.1f} (trainer logs: {logs})")
 
 
 def measure(name, run, job, steps, what) -> None:

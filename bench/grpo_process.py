@@ -11,7 +11,12 @@ and runs the same GRPO task (same seed, model, data and per-process settings) fo
 - **2 processes, same per-process batch**: two ranks under gloo, each with the batch above
   (twice the completions per step);
 - **2 processes, same total batch**: two ranks, each with half the batch (the same
-  completions per step as one process).
+  completions per step as one process);
+- **2 trainers, same total batch**: the same two ranks, one on each of two trainer processes
+  (``python -m trainer_service``, one slot each), placed as the gateway places a job that fits
+  in no single trainer: rank 0's trainer hosts the rendezvous and relays every step to the
+  other's rank through it (``bench/_two_trainers.py``; gloo over loopback). Its start-up counts
+  from the first ``Train`` call (the trainers are up before it, as services are).
 
 For each it prints the start-up time (from the start until the first step is done, less the
 median step: loading, for the child also the interpreter and the imports) and the median and
@@ -41,6 +46,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from bench._two_trainers import across_trainers
 from trainer_service.core.provider import TrainJob
 from trainer_service.providers.grpo import process
 from trainer_service.tools import make_demo_dataset, make_tiny_vlm
@@ -104,6 +110,15 @@ def _measure(run: Callable[[TrainJob], list[float]], job: TrainJob) -> tuple[flo
     return stamps[0] - start, [b - a for a, b in itertools.pairwise(stamps)]
 
 
+def _row(
+    name: str, first: float, steps: list[float], case: TrainJob
+) -> tuple[str, float, float, float, TrainJob]:
+    """(name, start-up less one step, step p50, step p90, job)."""
+    median = statistics.median(steps)
+    p90 = statistics.quantiles(steps, n=10)[-1] if len(steps) >= 2 else median
+    return (name, first - median, median, p90, case)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
@@ -145,9 +160,16 @@ def main() -> None:
         rows = []
         for name, run, case in cases:
             first, steps = _measure(run, case)
-            median = statistics.median(steps)
-            p90 = statistics.quantiles(steps, n=10)[-1] if len(steps) >= 2 else median
-            rows.append((name, first - median, median, p90, case))
+            rows.append(_row(name, first, steps, case))
+        across = job(2, batch // 2)
+        logs = root / "logs"
+        logs.mkdir()
+        cpu = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+        started, stamps = across_trainers(
+            root, across.task, across.config, [("cpu", cpu), ("cpu", cpu)], logs
+        )
+        steps = [b - a for a, b in itertools.pairwise(stamps)]
+        rows.append(_row("2 trainers, same total batch", stamps[0] - started, steps, across))
     print(
         f"GRPO, tiny VLM on CPU, {args.steps} steps, {args.generations} completions per prompt, "
         f"{args.workers} DataLoader workers per process, 1 torch thread per process"
@@ -162,6 +184,11 @@ def main() -> None:
     print(
         f"process boundary: {(child - here) * 1000:+.1f} ms per step "
         f"({(child / here - 1) * 100:+.1f} %); start-up {rows[1][1] - rows[0][1]:+.2f} s"
+    )
+    one, two = rows[3], rows[4]
+    print(
+        f"two trainers vs one: step p50 x{two[2] / one[2]:.2f} "
+        f"({(two[2] - one[2]) * 1000:+.1f} ms), start-up {two[1] - one[1]:+.2f} s"
     )
 
 
