@@ -4,11 +4,17 @@ The rules themselves (``sequence``, ``max_episodes``, ``finite``, ``best_reward`
 ``detail_kind``, ``detail_size``) are listed in ``trainwire.contract``, which re-exports
 ``StreamChecker``; import it from there.
 
+Both services check every episode, so ``check`` runs a screen first: a few comparisons that
+prove a well-formed episode passes every rule. An episode the screen cannot clear goes through
+the full rule-by-rule check, which alone words the violations; so the screen may only ever be
+stricter than the rules, never looser.
+
 This module depends on protobuf and the generated messages only (no grpc calls, no torch).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 from trainwire._contract_base import (
@@ -24,6 +30,80 @@ from trainwire._contract_base import (
 from trainwire.v1 import episode_pb2
 
 _DETAIL_FOR_KIND = {"imitation": "imitation", "grpo": "grpo"}
+#: A str of this many characters is at most MAX_COMPLETION_BYTES of UTF-8 (4 bytes a character).
+_SURELY_SHORT_COMPLETION = MAX_COMPLETION_BYTES // 4
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+@functools.cache  # one entry per shape: at most MAX_FRAMES x MAX_JOINTS
+def _motion_header(frames: int, joints: int) -> bytes:
+    """The bytes a serialized ImitationDetail of this shape starts with, up to its angles.
+
+    Fields 1 (frame_count) and 2 (joint_count) as varints, then field 3 (angles) as one packed
+    run of frames * joints little-endian float32s.
+    """
+    return b"".join(
+        (b"\x08", _varint(frames), b"\x10", _varint(joints), b"\x1a", _varint(4 * frames * joints))
+    )
+
+
+def _motion_surely_valid(motion: episode_pb2.ImitationDetail) -> bool:
+    """True when the motion certainly keeps detail_size and finite; False when it may not.
+
+    Reads the angles as the bytes protobuf serializes them in, rather than one Python float at a
+    time. A serialization that is exactly the shape's header and then frames x joints float32s
+    holds that many angles, no more, no less. A float32 that is not finite has every exponent
+    bit set, so its high byte (sign and 7 exponent bits) is 0x7F or 0xFF; a finite one has that
+    byte only at a magnitude of 2**127 or more.
+    """
+    frames, joints = motion.frame_count, motion.joint_count
+    if not (1 <= frames <= MAX_FRAMES and 1 <= joints <= MAX_JOINTS):
+        return False
+    data = motion.SerializeToString()
+    header = _motion_header(frames, joints)
+    start = len(header)
+    if len(data) != start + 4 * frames * joints or not data.startswith(header):
+        return False  # a count off, unknown fields or another layout: the exact check decides
+    high = data[start + 3 :: 4]
+    # An int operand makes ``in`` one memchr (a bytes one costs a TypeError inside CPython).
+    return 0x7F not in high and 0xFF not in high
+
+
+def _doubles_surely_finite(data: bytes) -> bool:
+    """True when no double in a serialized message can be NaN or infinite.
+
+    A double that is not finite has every exponent bit set: its last two (little-endian) bytes
+    are 0xF0 or more, then 0x7F or 0xFF. Without such a pair of bytes anywhere in the message,
+    none of its doubles is one; with one, a double may be (or another field's bytes just look
+    alike), and the caller reads the values.
+    """
+    for high in (0x7F, 0xFF):
+        at = data.find(high, 1)
+        while at != -1:
+            if data[at - 1] >= 0xF0:
+                return False
+            at = data.find(high, at + 1)
+    return True
+
+
+def _numbers_finite(episode: episode_pb2.Episode, total: float) -> bool:
+    """Whether ``total`` (reward + best_reward) and every metric are finite.
+
+    A sum of floats is finite only when every term is, unless it overflows: a False may be a
+    false alarm that the exact check clears.
+    """
+    metrics = episode.metrics
+    for name in metrics:
+        total += metrics[name]
+    return math.isfinite(total)
 
 
 class StreamChecker:
@@ -82,6 +162,49 @@ class StreamChecker:
         Raises:
             ContractViolation: the episode breaks a rule.
         """
+        n = episode.episode
+        if n != self.last_episode + 1 or n >= self.max_episodes or self.done or episode.done:
+            # The stream's edges (done, max_episodes) and every misnumbering.
+            self._check_exactly(episode)
+            return
+        reward = episode.reward
+        best = episode.best_reward
+        previous = self.best_reward
+        # max(previous, reward), as _check_exactly computes it, without the call.
+        running = reward if previous is None or reward > previous else previous
+        detail = episode.WhichOneof("detail")
+        if detail is None:
+            # One serialization reads every double at C speed. Most episodes have neither
+            # high byte of a NaN or an infinity anywhere; a suspect pair of bytes (rare) leaves
+            # the metrics to read one by one.
+            data = episode.SerializeToString()
+            finite = (
+                (0x7F not in data and 0xFF not in data)
+                or _doubles_surely_finite(data)
+                or _numbers_finite(episode, reward + best)
+            )
+        else:
+            finite = _numbers_finite(episode, reward + best) and self._detail_surely_valid(
+                episode, detail
+            )
+        if not finite or best != running:
+            self._check_exactly(episode)
+            return
+        self.last_episode = n
+        self.best_reward = running
+
+    def _detail_surely_valid(self, episode: episode_pb2.Episode, detail: str) -> bool:
+        if detail != _DETAIL_FOR_KIND[self.kind]:
+            return False
+        if detail == "imitation":
+            return _motion_surely_valid(episode.imitation)
+        completions = episode.grpo.sample_completions
+        return len(completions) <= MAX_COMPLETIONS and (
+            not completions or max(map(len, completions)) <= _SURELY_SHORT_COMPLETION
+        )
+
+    def _check_exactly(self, episode: episode_pb2.Episode) -> None:
+        """Applies every rule in turn and words the first one broken; advances the checker."""
         n = episode.episode
         if self.done:
             raise self._violation(

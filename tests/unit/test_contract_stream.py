@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 from hypothesis import given, settings
@@ -331,3 +332,136 @@ def test_any_single_mutation_is_caught(case, data, mutation, shift):
         return
     with pytest.raises(ContractViolation):
         run_checker(mutated, max_episodes, kind)
+
+
+# -- the screen in front of the rules ----------------------------------------------------------
+# ``check`` first clears well-formed episodes with a screen (serialized bytes for the doubles
+# and the angles) and sends the rest through the rule-by-rule check. An episode that is not the
+# stream's last reaches the screen, so these tests put their subject on episode 1 of two.
+
+
+class ExactChecker(StreamChecker):
+    """The rule-by-rule check alone: what the screened checker must agree with."""
+
+    __slots__ = ()
+
+    def check(self, episode: episode_pb2.Episode) -> None:
+        self._check_exactly(episode)
+
+
+def outcome(checker_type, stream, max_episodes=10, kind="imitation"):
+    checker = checker_type(kind, max_episodes, run_id="run-7")
+    try:
+        for ep in stream:
+            checker.check(ep)
+        checker.finish()
+    except ContractViolation as exc:
+        return (exc.rule, exc.episode, exc.field, str(exc))
+    return (checker.last_episode, checker.best_reward, checker.done)
+
+
+def with_motion(angles: list[float], joints: int = 1) -> list[episode_pb2.Episode]:
+    stream = make_stream([0.1, 0.2])
+    stream[0].imitation.CopyFrom(
+        episode_pb2.ImitationDetail(
+            frame_count=len(angles) // joints, joint_count=joints, angles=angles
+        )
+    )
+    return stream
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("position", [0, 240 * 32 // 2, 240 * 32 - 1])
+def test_a_non_finite_angle_anywhere_in_the_largest_motion_is_caught(bad, position):
+    angles = [0.25] * (240 * 32)
+    angles[position] = bad
+    err = violation(with_motion(angles, joints=32))
+    assert (err.rule, err.episode, err.field) == ("finite", 1, "detail.imitation.angles")
+    assert str(err).endswith(": an angle is not finite")
+
+
+def test_huge_finite_angles_pass():
+    # float32's largest values share their high byte with inf and NaN: the screen defers them.
+    run_checker(with_motion([3.4e38, -3.4e38, 1.7e38, 0.5]), 10)
+
+
+def test_a_motion_with_an_unknown_field_is_checked_angle_by_angle():
+    good = with_motion([0.5, 0.25])
+    raw = good[0].imitation.SerializeToString() + b"\x20\x01"  # field 4, unknown here
+    good[0].imitation.ParseFromString(raw)
+    run_checker(good, 10)
+    bad = with_motion([0.5, math.nan])
+    bad[0].imitation.ParseFromString(bad[0].imitation.SerializeToString() + b"\x20\x01")
+    assert violation(bad).field == "detail.imitation.angles"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(width=32), min_size=1, max_size=240), st.sampled_from([1, 2, 3]))
+def test_angles_pass_exactly_when_every_one_is_finite(angles, joints):
+    stream = with_motion(angles[: len(angles) // joints * joints] or [0.0] * joints, joints)
+    expected = all(map(math.isfinite, stream[0].imitation.angles))
+    assert outcome(StreamChecker, stream) == outcome(ExactChecker, stream)
+    assert (outcome(StreamChecker, stream)[0] != "finite") == expected
+
+
+def test_doubles_whose_bytes_look_like_an_infinity_pass():
+    # 0xF5 then 0x7F inside a finite double's mantissa: the screen defers it, the rules pass it.
+    lookalike = struct.unpack("<d", b"\x00\x00\x00\x00\x00\xf5\x7f\x3f")[0]
+    stream = make_stream([lookalike, lookalike])
+    stream[0].metrics["odd"] = lookalike
+    run_checker(stream, 10)
+
+
+def test_huge_metrics_beside_a_motion_pass():
+    stream = with_motion([0.5])
+    stream[0].metrics.update({"a": 1e308, "b": 1e308})
+    run_checker(stream, 10)
+
+
+@pytest.mark.parametrize(
+    ("text", "fits"),
+    [("é" * 2048, True), ("é" * 2049, False), ("😀" * 1024, True), ("😀" * 1025, False)],
+)
+def test_completion_bytes_are_counted_beyond_the_screen(text, fits):
+    stream = make_stream([0.1, 0.2])
+    stream[0].grpo.sample_completions.extend(["short", text])
+    if fits:
+        run_checker(stream, 10, kind="grpo")
+    else:
+        err = violation(stream, kind="grpo")
+        assert (err.rule, err.episode) == ("detail_size", 1)
+        assert err.field == "detail.grpo.sample_completions[1]"
+
+
+numbers = st.floats(width=64) | st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -0.0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(numbers, st.dictionaries(st.text(max_size=8), numbers, max_size=4)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.data(),
+)
+def test_screened_and_exact_checks_agree_on_any_numbers(episodes, data):
+    stream = make_stream([0.0] * len(episodes))
+    best = -math.inf
+    for ep, (reward, metrics) in zip(stream, episodes, strict=True):
+        best = max(best, reward) if data.draw(st.booleans()) else data.draw(numbers)
+        ep.reward, ep.best_reward = reward, best
+        ep.metrics.clear()
+        ep.metrics.update(metrics)
+    assert outcome(StreamChecker, stream) == outcome(ExactChecker, stream)
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_streams(), st.data(), st.sampled_from(MUTATIONS), st.integers(-3, 3))
+def test_screened_and_exact_checks_agree_on_any_mutation(case, data, mutation, shift):
+    stream, kind, max_episodes = case
+    index = data.draw(st.integers(0, len(stream) - 1))
+    mutated = mutate(stream, kind, index, mutation, shift) or stream
+    assert outcome(StreamChecker, mutated, max_episodes, kind) == outcome(
+        ExactChecker, mutated, max_episodes, kind
+    )
