@@ -3,7 +3,7 @@
 Prints microseconds per episode for typical imitation and grpo streams (5 metrics; a 60 x 11
 motion every 10th episode; 4 completions on grpo) and the ratio to Episode.SerializeToString,
 which every episode pays anyway on the wire, then the imitation figures beside their goals.
-Check and serialization runs alternate, so a busy machine slows both alike and the ratio holds.
+Check and serialization alternate chunk by chunk, so a busy machine slows both alike.
 
 Run: `.venv/bin/python bench/contract_check.py`; `--profile` prints where the imitation check
 loop spends its time (cProfile, the top functions by own time) instead.
@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import math
 import pstats
 import time
-from collections.abc import Callable
 
 from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
 
 N = 5000
-REPEATS = 7
+REPEATS = 15
+#: Episodes per timed chunk: 50 of them carry a motion on imitation.
+CHUNK = 500
 #: Issue 26's goals for an imitation episode: absolute, and relative to serializing it.
 GOAL_US = 2.0
 GOAL_RATIO = 3.5
@@ -63,24 +65,35 @@ def check_all(stream: list[episode_pb2.Episode], kind: str) -> None:
     checker.finish()
 
 
-def serialize_all(stream: list[episode_pb2.Episode]) -> None:
-    for ep in stream:
-        ep.SerializeToString()
-
-
-def seconds(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def measure(stream: list[episode_pb2.Episode], kind: str) -> tuple[float, float]:
-    """Best-of-REPEATS µs per episode for checking and for serializing, runs interleaved."""
-    checks, serializations = [], []
+    """µs per episode for checking and for serializing the stream, best of REPEATS.
+
+    The stream goes in chunks of CHUNK episodes, each checked (by a checker resumed where the
+    chunk starts) and then serialized, so both halves of a ratio run a moment apart and a busy
+    machine slows them alike; each chunk's best time counts.
+    """
+    starts = range(0, len(stream), CHUNK)
+    best_check = dict.fromkeys(starts, math.inf)
+    best_serialize = dict.fromkeys(starts, math.inf)
     for _ in range(REPEATS):
-        checks.append(seconds(lambda: check_all(stream, kind)))
-        serializations.append(seconds(lambda: serialize_all(stream)))
-    return min(checks) / N * 1e6, min(serializations) / N * 1e6
+        for start in starts:
+            chunk = stream[start : start + CHUNK]
+            checker = StreamChecker(kind, N)
+            if start:
+                checker.resume(start, stream[start - 1].best_reward)
+            began = time.perf_counter()
+            for ep in chunk:
+                checker.check(ep)
+            if start + CHUNK >= len(stream):
+                checker.finish()
+            checked = time.perf_counter()
+            for ep in chunk:
+                ep.SerializeToString()
+            serialized = time.perf_counter()
+            best_check[start] = min(best_check[start], checked - began)
+            best_serialize[start] = min(best_serialize[start], serialized - checked)
+    per_episode = 1e6 / len(stream)
+    return sum(best_check.values()) * per_episode, sum(best_serialize.values()) * per_episode
 
 
 def profile() -> None:
