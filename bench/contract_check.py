@@ -21,7 +21,7 @@ from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
 
 N = 5000
-REPEATS = 15
+REPEATS = 16
 #: Episodes per timed chunk: 50 of them carry a motion on imitation.
 CHUNK = 500
 #: Issue 26's goals for an imitation episode: absolute, and relative to serializing it.
@@ -65,33 +65,47 @@ def check_all(stream: list[episode_pb2.Episode], kind: str) -> None:
     checker.finish()
 
 
+def time_check(stream: list[episode_pb2.Episode], kind: str, start: int) -> float:
+    """Seconds to check stream[start : start + CHUNK], resumed after the episodes before it."""
+    checker = StreamChecker(kind, N)
+    if start:
+        checker.resume(start, stream[start - 1].best_reward)
+    began = time.perf_counter()
+    for ep in stream[start : start + CHUNK]:
+        checker.check(ep)
+    if start + CHUNK >= len(stream):
+        checker.finish()
+    return time.perf_counter() - began
+
+
+def time_serialize(stream: list[episode_pb2.Episode], start: int) -> float:
+    """Seconds to serialize stream[start : start + CHUNK]."""
+    began = time.perf_counter()
+    for ep in stream[start : start + CHUNK]:
+        ep.SerializeToString()
+    return time.perf_counter() - began
+
+
 def measure(stream: list[episode_pb2.Episode], kind: str) -> tuple[float, float]:
     """µs per episode for checking and for serializing the stream, best of REPEATS.
 
-    The stream goes in chunks of CHUNK episodes, each checked (by a checker resumed where the
-    chunk starts) and then serialized, so both halves of a ratio run a moment apart and a busy
-    machine slows them alike; each chunk's best time counts.
+    The stream goes in chunks of CHUNK episodes, each checked and serialized a moment apart,
+    so a busy machine slows both alike; the order alternates, so each also runs second, on
+    episodes the other just brought into the cache. Each chunk's best time counts.
     """
     starts = range(0, len(stream), CHUNK)
     best_check = dict.fromkeys(starts, math.inf)
     best_serialize = dict.fromkeys(starts, math.inf)
-    for _ in range(REPEATS):
+    for repeat in range(REPEATS):
         for start in starts:
-            chunk = stream[start : start + CHUNK]
-            checker = StreamChecker(kind, N)
-            if start:
-                checker.resume(start, stream[start - 1].best_reward)
-            began = time.perf_counter()
-            for ep in chunk:
-                checker.check(ep)
-            if start + CHUNK >= len(stream):
-                checker.finish()
-            checked = time.perf_counter()
-            for ep in chunk:
-                ep.SerializeToString()
-            serialized = time.perf_counter()
-            best_check[start] = min(best_check[start], checked - began)
-            best_serialize[start] = min(best_serialize[start], serialized - checked)
+            if repeat % 2:
+                serialized = time_serialize(stream, start)
+                checked = time_check(stream, kind, start)
+            else:
+                checked = time_check(stream, kind, start)
+                serialized = time_serialize(stream, start)
+            best_check[start] = min(best_check[start], checked)
+            best_serialize[start] = min(best_serialize[start], serialized)
     per_episode = 1e6 / len(stream)
     return sum(best_check.values()) * per_episode, sum(best_serialize.values()) * per_episode
 
