@@ -196,7 +196,7 @@ def test_failures_and_heartbeats_are_counted() -> None:
         assert info.value.code() is grpc.StatusCode.UNAVAILABLE
         assert stopped.wait(TIMEOUT)
         ended = {"kind": "imitation", "outcome": "shutdown"}
-        assert running.value("trainwire_trainer_jobs_ended_total", **ended) == 1
+        running.wait_value("trainwire_trainer_jobs_ended_total", 1, **ended)
         assert running.value("grpc_server_handled_total", **TRAIN, grpc_code="UNAVAILABLE") == 1
     with running_trainer({"imitation": FakeProvider(hold_after=0)}, heartbeat_s=0.02) as running:
         call = running.stub.Train(imitation_request("run-beat"), timeout=JOB_TIMEOUT)
