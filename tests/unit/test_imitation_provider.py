@@ -1,7 +1,9 @@
-"""The imitation provider: kinematics, reward, validation, stream shape, learning, determinism."""
+"""The imitation provider: kinematics, reward, validation, stream shape, learning, determinism,
+and the step's parts (the written-out policy gradient, the packed Adam)."""
 
 from __future__ import annotations
 
+import io
 import math
 import pathlib
 import threading
@@ -11,6 +13,7 @@ import torch
 
 from trainer_service.core.provider import TrainJob
 from trainer_service.providers import imitation
+from trainer_service.providers.imitation_adam import PackedAdam
 from trainwire import contract, motion
 from trainwire.v1 import episode_pb2
 
@@ -217,3 +220,105 @@ def test_same_seed_gives_an_identical_stream() -> None:
 
     assert stream(7) == stream(7)
     assert stream(7) != stream(8)
+
+
+# -- the step's parts ----------------------------------------------------------------------------
+
+
+def test_policy_gradient_is_autograds_gradient_of_the_loss() -> None:
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(5)
+    group, frames, joints = 8, 4, 3
+    mean = torch.randn(frames, joints, generator=generator, requires_grad=True)
+    raw_log_std = torch.randn(frames, joints, generator=generator)
+    raw_log_std[0, 0], raw_log_std[1, 2] = -9.0, 2.0  # held at a bound by the clamp
+    raw_log_std.requires_grad_(True)
+    noise = torch.randn(group, frames, joints, generator=generator)
+    local = torch.rand(group, frames, joints, generator=generator)
+    advantages = (local - local.mean(0)) / local.std(0)
+
+    # The reference: autograd through the loss as written, in float64 (at std = exp(-7) the
+    # float32 ``(a - mean) / std`` of the reference itself would be off in its 5th digit).
+    log_std = raw_log_std.double().clamp(imitation.LOG_STD_MIN, imitation.LOG_STD_MAX)
+    samples = (mean.double() + log_std.exp() * noise.double()).detach()
+    log_prob = -0.5 * ((samples - mean.double()) / log_std.exp()).square() - log_std
+    loss = -(advantages.double() * log_prob).mean()
+    loss.backward()
+
+    std = log_std.detach().float().exp()
+    free = raw_log_std.detach() == log_std.detach().float()
+    gradient, written_loss = imitation.policy_gradient(advantages, noise, std, free)
+    assert raw_log_std.grad is not None and mean.grad is not None
+    torch.testing.assert_close(gradient[0], mean.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gradient[1], raw_log_std.grad, rtol=1e-5, atol=1e-7)
+    assert gradient[1, 0, 0] == gradient[1, 1, 2] == 0.0
+    assert written_loss.item() == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
+
+
+def _adam_pair(shape: tuple[int, ...]) -> tuple[PackedAdam, torch.Tensor, torch.optim.Adam]:
+    start = torch.randn(2, *shape, generator=torch.Generator().manual_seed(1))
+    packed = start.clone()
+    separate = [start[0].clone().requires_grad_(True), start[1].clone().requires_grad_(True)]
+    return PackedAdam(packed, lr=0.03), packed, torch.optim.Adam(separate, lr=0.03)
+
+
+def _params(adam: torch.optim.Adam) -> torch.Tensor:
+    return torch.stack([p.detach() for p in adam.param_groups[0]["params"]])
+
+
+def _saved(state: dict[str, object]) -> dict[str, object]:
+    """``state`` written and read back, as a checkpoint does (and no tensor shared)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, object] = torch.load(buffer, weights_only=True)
+    return loaded
+
+
+def _step_both(packed_adam: PackedAdam, adam: torch.optim.Adam, grad: torch.Tensor) -> None:
+    packed_adam.step(grad)
+    for param, part in zip(adam.param_groups[0]["params"], grad, strict=True):
+        param.grad = part.clone()
+    adam.step()
+
+
+def test_packed_adam_computes_torchs_adam_bit_for_bit() -> None:
+    torch.set_num_threads(1)
+    packed_adam, packed, adam = _adam_pair((60, 11))
+    generator = torch.Generator().manual_seed(2)
+    for i in range(12):
+        if i == 6:  # a new learning rate from the next step on, as set_learning_rate does
+            packed_adam.param_groups[0]["lr"] = adam.param_groups[0]["lr"] = 0.004
+        _step_both(packed_adam, adam, torch.randn(2, 60, 11, generator=generator))
+        assert torch.equal(
+            packed, torch.stack([p.detach() for p in adam.param_groups[0]["params"]])
+        )
+
+
+def test_packed_adam_state_is_torchs_adam_state_both_ways() -> None:
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(3)
+    grads = [torch.randn(2, 5, 3, generator=generator) for _ in range(6)]
+    packed_adam, packed, adam = _adam_pair((5, 3))
+    assert packed_adam.state_dict()["state"] == {}  # no state before a step, as torch's
+    for grad in grads[:3]:
+        _step_both(packed_adam, adam, grad)
+    saved = packed_adam.state_dict()
+    assert set(saved["state"]) == {0, 1} and saved["state"][0]["step"].item() == 3.0
+    saved = _saved(saved)
+
+    # A PackedAdam's state continues in torch.optim.Adam, and torch.optim.Adam's in a PackedAdam.
+    into_torch = torch.optim.Adam([p.detach().clone().requires_grad_(True) for p in packed], 0.1)
+    into_torch.load_state_dict(saved)
+    into_packed, packed_copy, _ = _adam_pair((5, 3))
+    packed_copy.copy_(_params(adam))
+    into_packed.load_state_dict(_saved(adam.state_dict()))
+    assert into_packed.steps == 3
+    for grad in grads[3:]:
+        _step_both(packed_adam, into_torch, grad)
+        into_packed.step(grad)
+    assert torch.equal(_params(into_torch), packed) and torch.equal(packed_copy, packed)
+
+    amsgrad = torch.optim.Adam([torch.zeros(5, 3), torch.zeros(5, 3)], amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad"):
+        into_packed.load_state_dict(amsgrad.state_dict())

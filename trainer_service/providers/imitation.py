@@ -16,9 +16,13 @@ across the group per ``(f, j)``: ``(r - mean) / (std + eps)``. This is the per-d
 ("reward-to-go") form of the policy gradient: leaving out rewards an action cannot influence
 removes variance, not signal.
 
-Forward kinematics is vectorised over ``[group, frames, bones]``: absolute bone angles are the
-relative angles summed along each bone's ancestor chain (a matrix product with a precomputed
-ancestor matrix), and bone end points are the bone vectors summed the same way.
+A step is one batched tensor program over the whole group, with no Python loop over motions,
+frames or joints. Forward kinematics is vectorised over ``[group, frames, bones]``: absolute bone
+angles are the relative angles summed along each bone's ancestor chain (a matrix product with a
+precomputed ancestor matrix), and bone end points are the bone vectors summed the same way. The
+gradient of the loss is written out (:func:`policy_gradient`) instead of taken by autograd, and
+Adam updates the mean and the log standard deviation as one buffer (``PackedAdam``): at the
+default size the step is dominated by the number of tensor operations, not by arithmetic.
 
 Checkpoints (``TrainJob.checkpoints``): every ``DEFAULT_CHECKPOINT_EVERY`` episodes unless the
 config says otherwise, at the last episode, and as the job stops when a final one is wanted. A
@@ -58,6 +62,7 @@ from trainer_service.core.provider import (
     ProviderError,
     TrainJob,
 )
+from trainer_service.providers.imitation_adam import PackedAdam
 from trainwire import motion
 from trainwire.contract import FieldViolation
 from trainwire.v1 import episode_pb2
@@ -180,9 +185,59 @@ class Skeleton:
         y = (torch.sin(absolute) * self.lengths) @ self.ancestors_t
         return torch.stack((x, y), dim=-1)
 
+    def keypoint_distances(self, angles: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Distances ``[..., bones]`` from the bone end points of relative joint angles
+        ``[..., bones]`` to ``target``, given as x and y planes ``[2, ..., bones]`` (broadcast).
+
+        Same kinematics as :meth:`keypoints`, with x and y kept in separate planes: the points
+        never get interleaved only to be split again for the distance.
+        """
+        absolute = angles @ self.ancestors_t
+        planes = absolute.new_empty((2, *absolute.shape))
+        torch.cos(absolute, out=planes[0])
+        torch.sin(absolute, out=planes[1])
+        offsets = (planes.mul_(self.lengths) @ self.ancestors_t).sub_(target)
+        return offsets.mul_(offsets).sum(0).sqrt_()
+
     def subtree_mean(self, per_bone: torch.Tensor) -> torch.Tensor:
         """Averages ``[..., bones]`` values over each bone's subtree."""
         return per_bone @ self.subtree_mean_t
+
+
+def policy_gradient(
+    advantages: torch.Tensor, noise: torch.Tensor, std: torch.Tensor, free: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of the policy-gradient loss with respect to the policy, and the loss.
+
+    The loss is ``-mean(A * log N(a; mean, std))`` over the group, frames and joints, where
+    ``log N(a; mean, std) = -z^2 / 2 - log_std`` (its constant left out), ``a = mean + std * z``
+    is a sampled angle and ``std = exp(log_std)``. With ``a`` fixed, ``d/dmean = A z / std``
+    and ``d/dlog_std = A (z^2 - 1)``. The advantages are centred over the group for each angle,
+    so the ``-A`` term sums to zero and so does the loss's ``A log_std`` term: what is left is
+    two sums over the group, where an autograd graph of the same loss costs more than the whole
+    rollout at this size.
+
+    Args:
+        advantages: ``A``, ``[group, frames, joints]``, centred over the group.
+        noise: ``z``, the standard normal draws of the samples, ``[group, frames, joints]``.
+        std: The standard deviation of the samples, ``[frames, joints]``.
+        free: Where ``log_std`` is not held at a bound by its clamp (elsewhere it gets no
+            gradient), ``[frames, joints]``.
+
+    Returns:
+        The gradient ``[2, frames, joints]`` (with respect to the mean, then to the log
+        standard deviation) and the loss (a scalar tensor).
+    """
+    count = advantages.numel()
+    weighted = advantages * noise
+    gradient = std.new_empty((2, *std.shape))
+    torch.sum(weighted, 0, out=gradient[0])
+    torch.sum(weighted.mul_(noise), 0, out=gradient[1])
+    loss = gradient[1].sum() * (0.5 / count)
+    gradient[0].div_(std)
+    gradient[1].mul_(free)
+    gradient.mul_(-1.0 / count)
+    return gradient, loss
 
 
 class ImitationLearner:
@@ -215,51 +270,51 @@ class ImitationLearner:
         target_angles = torch.tensor(clip.angles, dtype=torch.float32).reshape(
             self.frames, self.joints
         )
-        self.target = self.skeleton.keypoints(target_angles.to(self.device))
+        # x and y planes [2, 1, frames, joints]: broadcast over the group in the distances.
+        self.target = (
+            self.skeleton.keypoints(target_angles.to(self.device))
+            .movedim(-1, 0)
+            .unsqueeze(1)
+            .contiguous()
+        )
         height = motion.rig_height(rig, clip.frame(0))
         self.distance_scale = REWARD_SCALE * height
-        rest = torch.tensor(motion.rest_pose(rig), dtype=torch.float32)
-        self.mean = rest.repeat(self.frames, 1).to(self.device).requires_grad_(True)
-        self.log_std = torch.full(
-            (self.frames, self.joints), math.log(INITIAL_STD), device=self.device
-        ).requires_grad_(True)
-        self.optimizer = torch.optim.Adam([self.mean, self.log_std], lr=learning_rate)
+        # The local reward of every angle is exp(distances @ credit): exp(-subtree mean / scale).
+        self.credit = self.skeleton.subtree_mean_t / -self.distance_scale
+        rest = torch.tensor(motion.rest_pose(rig), dtype=torch.float32).repeat(self.frames, 1)
+        initial_log_std = torch.full((self.frames, self.joints), math.log(INITIAL_STD))
+        # mean and log_std are the two planes of one buffer, which Adam updates in one pass.
+        self.policy = torch.stack((rest, initial_log_std)).to(self.device)
+        self.mean, self.log_std = self.policy.unbind(0)
+        self.optimizer = PackedAdam(self.policy, lr=learning_rate)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
     def step(self) -> StepResult:
         """Samples a group of motions, scores them and takes one optimizer step."""
-        group = self.group_size
+        group, frames, joints = self.group_size, self.frames, self.joints
         log_std = self.log_std.clamp(LOG_STD_MIN, LOG_STD_MAX)
-        with torch.no_grad():
-            std = log_std.exp()
-            noise = torch.randn(
-                (group, self.frames, self.joints), generator=self.generator, device=self.device
-            )
-            samples = self.mean + std * noise
-            # The mean motion rides along as row 0 so one kinematics pass scores everything.
-            motions = torch.cat((self.mean.unsqueeze(0), samples))
-            distances = (self.skeleton.keypoints(motions) - self.target).norm(dim=-1)
-            rewards = torch.exp(-distances.mean(dim=(1, 2)) / self.distance_scale)
-            # Per-decision credit: angle (f, j) is judged by the keypoints it moves.
-            local = torch.exp(-self.skeleton.subtree_mean(distances[1:]) / self.distance_scale)
-            advantages = (local - local.mean(0)) / (local.std(0) + _ADVANTAGE_EPS)
-        # log N(a; mean, std) without its constant; the gradient flows to mean and log_std.
-        log_prob = -0.5 * ((samples - self.mean) / log_std.exp()).square() - log_std
-        loss = -(advantages * log_prob).mean()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        group_rewards = rewards[1:]
+        std = log_std.exp()
+        noise = torch.randn((group, frames, joints), generator=self.generator, device=self.device)
+        # The mean motion rides along as row 0 so one kinematics pass scores everything.
+        motions = self.policy.new_empty((group + 1, frames, joints))
+        motions[0] = self.mean
+        torch.addcmul(self.mean, std, noise, out=motions[1:])
+        distances = self.skeleton.keypoint_distances(motions, self.target)
+        pose_errors = distances.mean(dim=(1, 2))
+        rewards = torch.exp(pose_errors / -self.distance_scale)
+        # Per-decision credit: angle (f, j) is judged by the keypoints it moves.
+        local = torch.exp(distances[1:] @ self.credit)
+        centered = local - local.mean(0)
+        spread = (centered * centered).sum(0).div_(group - 1).sqrt_().add_(_ADVANTAGE_EPS)
+        advantages = centered.div_(spread)
+        learning_rate = self.learning_rate
+        free = self.log_std == log_std
+        gradient, loss = policy_gradient(advantages, noise, std, free)
+        self.optimizer.step(gradient)
+        reward_std, reward = torch.std_mean(rewards[1:])
         stats = torch.stack(
-            (
-                group_rewards.mean(),
-                group_rewards.std(),
-                rewards[0],
-                distances[0].mean(),
-                std.mean(),
-                loss.detach(),
-            )
+            (reward, reward_std, rewards[0], pose_errors[0], std.mean(), loss)
         ).tolist()  # one device sync for every number of the step
         reward, reward_std, greedy_reward, pose_error, policy_std, step_loss = stats
         return StepResult(
@@ -269,7 +324,7 @@ class ImitationLearner:
             pose_error,
             policy_std,
             step_loss,
-            learning_rate=self.learning_rate,
+            learning_rate,
         )
 
     @property
@@ -284,15 +339,16 @@ class ImitationLearner:
 
     def mean_motion(self) -> list[float]:
         """The policy's mean motion, frame-major, ``frames x joints`` angles."""
-        return self.mean.detach().flatten().tolist()
+        return self.mean.flatten().tolist()
 
     def save(self, directory: pathlib.Path, info: dict[str, Any]) -> None:
         """Writes the whole training state into ``directory`` (see the module docstring);
         ``info`` goes into ``checkpoint.json`` beside the shape."""
         safetensors.torch.save_file(
             {
-                "mean": self.mean.detach().contiguous(),
-                "log_std": self.log_std.detach().contiguous(),
+                # Clones: safetensors refuses tensors that share a buffer.
+                "mean": self.mean.clone(),
+                "log_std": self.log_std.clone(),
             },
             str(directory / MODEL_FILE),
             metadata={"format": CHECKPOINT_FORMAT},
@@ -337,9 +393,8 @@ class ImitationLearner:
                         f"task needs {shape}"
                     )
             state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
-            with torch.no_grad():
-                self.mean.copy_(tensors["mean"])
-                self.log_std.copy_(tensors["log_std"])
+            self.mean.copy_(tensors["mean"])
+            self.log_std.copy_(tensors["log_std"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.generator.set_state(state["generator"])
         except CheckpointUnusable:
