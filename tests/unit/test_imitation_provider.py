@@ -222,6 +222,20 @@ def test_same_seed_gives_an_identical_stream() -> None:
     assert stream(7) != stream(8)
 
 
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("clip", [c for c in motion.BUILTIN_CLIP_NAMES if c != "wave"])
+def test_every_other_builtin_clip_learns_with_defaults(clip: str, seed: int) -> None:
+    """The learning target of every built-in clip (wave: the test above)."""
+    torch.set_num_threads(1)
+    task = episode_pb2.ImitationTask(rig_name="stickman", clip_name=clip)
+    episodes = list(imitation.run(make_job(task, max_episodes=500, seed=seed)))
+    rewards = [e.reward for e in episodes]
+    assert max(rewards) >= 0.8
+    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+    assert last - first >= 0.4
+    assert episodes[-1].metrics["greedy_reward"] >= 0.8
+
+
 # -- the step's parts ----------------------------------------------------------------------------
 
 
