@@ -44,6 +44,7 @@ from gateway.core.trainers import (
     TrainerJobGone,
     TrainerLost,
     TrainerStream,
+    next_event,
 )
 from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
@@ -293,17 +294,11 @@ class TrainerFeed:
         events = stream.__aiter__()
         while True:
             try:
-                async with asyncio.timeout(timeout):
-                    event = await events.__anext__()
+                silent = f"no episode or heartbeat from {self.trainer}"
+                event = await next_event(events, timeout, silent)
             except StopAsyncIteration:
                 checker.finish()
                 return
-            except TimeoutError:
-                silent = TrainerLost(
-                    f"no episode or heartbeat from {self.trainer} for {timeout:g} s"
-                )
-                self._hooks.stream_broke(str(silent))
-                raise silent from None
             except TrainerLost as exc:
                 self._hooks.stream_broke(str(exc))
                 raise

@@ -48,6 +48,7 @@ from gateway.core.trainers import (
     TrainerJobGone,
     TrainerLost,
     TrainerStream,
+    next_event,
 )
 from trainwire.v1 import episode_pb2
 
@@ -314,12 +315,9 @@ class JobShares:
         events = stream.__aiter__()
         while True:
             try:
-                async with asyncio.timeout(timeout):
-                    event = await events.__anext__()
+                event = await next_event(events, timeout, f"no heartbeat from {share.address}")
             except StopAsyncIteration:
                 return
-            except TimeoutError:
-                raise TrainerLost(f"no heartbeat from {share.address} for {timeout:g} s") from None
             self._hooks.share_answered(share.address)
             if isinstance(event, episode_pb2.Episode):
                 _LOGGER.warning(

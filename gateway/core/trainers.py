@@ -11,6 +11,7 @@ starts one trainer's share of such a job.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
@@ -258,3 +259,20 @@ class TrainerConnector(Protocol):
     async def close(self) -> None:
         """Closes every connection."""
         ...
+
+
+async def next_event(
+    events: AsyncIterator[StreamEvent], timeout: float, silent: str
+) -> StreamEvent:
+    """The next event of a trainer stream, waiting at most ``timeout`` seconds.
+
+    Raises:
+        StopAsyncIteration: The stream ended.
+        TrainerLost: Nothing came for ``timeout`` seconds (``silent`` says what did not come
+            from whom: ``no heartbeat from HOST:PORT``), or the stream broke.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            return await events.__anext__()
+    except TimeoutError:
+        raise TrainerLost(f"{silent} for {timeout:g} s") from None

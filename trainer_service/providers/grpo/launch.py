@@ -169,23 +169,17 @@ def rendezvous_listener(host: str) -> socket.socket:
     Raises:
         ProviderError: It could not be bound.
     """
+    listener: socket.socket | None = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host.strip("[]"), 0, type=socket.SOCK_STREAM
         )[0]
         listener = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise ProviderError(
-            "The trainer could not open the rendezvous of a job that spans trainers.",
-            detail=f"--rendezvous-host {host}: {exc}",
-            code="INTERNAL",
-            reason="PROVIDER_UNAVAILABLE",
-        ) from exc
-    try:
         listener.bind(address)
         listener.listen(128)
     except OSError as exc:
-        listener.close()
+        if listener is not None:
+            listener.close()
         raise ProviderError(
             "The trainer could not open the rendezvous of a job that spans trainers.",
             detail=f"--rendezvous-host {host}: {exc}",
