@@ -15,6 +15,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 MAX_BATCH_EPISODES = 256
 #: The largest batch message. A watcher holds at most one message in flight, and gRPC a copy of
@@ -150,6 +151,19 @@ def scalar_frame(frame: bytes) -> bytes:
     return frame if at == len(payload) else encode_frame(payload[:at])
 
 
+@dataclass(frozen=True, slots=True)
+class EpisodeFrames:
+    """Consecutive episodes for a watcher, as frames.
+
+    ``batch`` says they go out as one ``EpisodeBatch``; otherwise there is exactly one frame and
+    it goes out as a single ``episode``. Immutable, so one object can go to every watcher that
+    is at the same place (``EpisodeLog.frames_event``).
+    """
+
+    frames: Sequence[bytes]
+    batch: bool
+
+
 class EpisodeLog:
     """The live tail of one active run's published history, and the wake-up of watchers
     waiting on it.
@@ -157,18 +171,24 @@ class EpisodeLog:
     It holds the frames of episodes ``base + 1 .. last_episode`` (at most ``2 x keep``; the
     older ones, after ``origin``, are in the store), in two views: ``frames`` with their detail and
     ``scalar_frames`` without (the same objects where an episode has no detail). Only committed
-    episodes are appended. Waiting watchers each park one future in ``_waiters``; a wake-up
-    resolves them all and empties the set, and a watcher that goes away removes its own
-    future, so nothing outlives a watcher.
+    episodes are appended. Waiting watchers each park one future in ``_waiters`` (through their
+    ``Waiter``); a wake-up resolves them all and empties the set, and a watcher that goes away
+    removes its own future, so nothing outlives a watcher.
 
     Publications wake watchers at most once per *wake window*: when episodes arrive faster than
     that, the ones in between go out together (one batch per watcher instead of one message
     each), which bounds the messages per second a fast unpaced run costs (a gRPC message costs a
     Python server ~40 us, so 100 watchers x 200 episodes/s would saturate a core). The window
-    grows with the number of attached watchers, ``WAKE_WINDOW_PER_WATCHER`` each (about five
-    messages' worth of CPU), up to ``min_wake_interval``: a run with one watcher is not delayed,
-    one with 100 watchers costs at most ~5000 messages/s. A run slower than its window is woken
-    at once, without added latency.
+    grows with the number of attached watchers, ``WAKE_WINDOW_PER_WATCHER`` each, up to
+    ``min_wake_interval``: a run with one watcher is not delayed, one with 100 watchers costs at
+    most ``1 / WAKE_WINDOW_PER_WATCHER`` messages/s. A run slower than its window is woken at
+    once, without added latency. While a wake-up is scheduled (``wake_pending``), a watcher that
+    finishes a message and finds newer episodes leaves them to that wake-up (``Replay``) rather
+    than sending them at once: each watcher sends one message per window, not two.
+
+    The watchers woken together are at the same place (the episode they had when the last
+    wake-up came), so ``frames_event`` builds their event once and hands the same object to
+    each of them.
 
     Args:
         run_id: The run.
@@ -184,6 +204,7 @@ class EpisodeLog:
         "_keep",
         "_last_wake",
         "_min_wake_interval",
+        "_shared",
         "_timer",
         "_waiters",
         "base",
@@ -215,6 +236,8 @@ class EpisodeLog:
         self._clock = clock
         self._last_wake = -math.inf
         self._timer: asyncio.TimerHandle | None = None
+        # The last event built by frames_event, per view: (first, end, event).
+        self._shared: list[tuple[int, int, EpisodeFrames] | None] = [None, None]
         self.watchers = 0  # attached watch streams (maintained by the watchers themselves)
 
     @property
@@ -232,9 +255,28 @@ class EpisodeLog:
         """Episodes it holds at least (once it has them)."""
         return self._keep
 
+    @property
+    def wake_pending(self) -> bool:
+        """Whether a wake-up is scheduled (for episodes published inside the window): it
+        will wake every parked watcher."""
+        return self._timer is not None
+
     def view(self, scalars: bool) -> list[bytes]:
         """The frames held (episode ``base + 1`` first), with or without detail."""
         return self.scalar_frames if scalars else self.frames
+
+    def frames_event(self, after: int, end: int, scalars: bool) -> EpisodeFrames:
+        """Episodes ``after + 1 .. end`` (all held: ``base <= after < end <= last_episode``) as
+        one event, a batch unless it is one episode; the same object for every caller that
+        asks for the same range (one slice and one event per wake-up, not per watcher)."""
+        shared = self._shared[scalars]
+        if shared is not None and shared[0] == after and shared[1] == end:
+            return shared[2]
+        base = self.base
+        frames = (self.scalar_frames if scalars else self.frames)[after - base : end - base]
+        event = EpisodeFrames(frames, end - after > 1)
+        self._shared[scalars] = (after, end, event)
+        return event
 
     def restore(self, last_episode: int, frames: Sequence[bytes]) -> None:
         """Fills an empty log with the committed tail ``frames`` ending at ``last_episode``
@@ -289,17 +331,71 @@ class EpisodeLog:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def waiter(self) -> Waiter:
+        """A place for one watcher to wait on this log (``Waiter.close`` it when done)."""
+        return Waiter(self)
+
     async def wait(self, timeout: float) -> None:
         """Waits until the next wake-up or ``timeout`` seconds, whichever comes first."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.add(waiter)
+        waiter = Waiter(self)
         try:
-            async with asyncio.timeout(timeout):
-                await waiter
-        except TimeoutError:
-            pass
+            await waiter.wait(timeout)
         finally:
-            self._waiters.discard(waiter)
+            waiter.close()
+
+
+class Waiter:
+    """One watcher's waits on an ``EpisodeLog``: until its next wake-up or a timeout.
+
+    A watch waits once per message it sends, each time with the timeout of its next keepalive,
+    which moves on with every message. Its timer is therefore re-armed lazily: one that would
+    fire earlier than the new timeout is kept, wakes the watcher early (it finds nothing to
+    send and waits again, with a timer now exact), and is replaced only then; a busy watch
+    costs one timer per keepalive interval instead of one timer (and ``asyncio.timeout``'s
+    task cancellation machinery) per message.
+    """
+
+    __slots__ = ("_future", "_log", "_loop", "_timer", "_when")
+
+    def __init__(self, log: EpisodeLog) -> None:
+        self._log = log
+        self._loop = asyncio.get_running_loop()
+        self._future: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._when = math.inf
+
+    async def wait(self, timeout: float) -> None:
+        """Waits until the log's next wake-up or ``timeout`` seconds (loop time), whichever
+        comes first; it may return earlier (see the class docstring)."""
+        loop = self._loop
+        when = loop.time() + timeout
+        if self._when > when:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(when, self._expire)
+            self._when = when
+        future: asyncio.Future[None] = loop.create_future()
+        self._future = future
+        self._log._waiters.add(future)
+        try:
+            await future
+        finally:
+            self._future = None
+            self._log._waiters.discard(future)  # gone already unless it timed out or left
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._when = math.inf
+        future = self._future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def close(self) -> None:
+        """Cancels its timer (the watch ended)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._when = math.inf
 
 
 def page_start(index: int, origin: int = 0) -> int:

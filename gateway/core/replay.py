@@ -25,24 +25,13 @@ from gateway.core.errors import RunNotFound, ShuttingDown
 from gateway.core.history import (
     MAX_BATCH_BYTES,
     PAGE_EPISODES,
+    EpisodeFrames,
     EpisodeLog,
     PageCache,
     batch_end,
     page_start,
 )
 from gateway.core.runs import RunState, TrainingRun
-
-
-@dataclass(frozen=True, slots=True)
-class EpisodeFrames:
-    """Consecutive episodes for a watcher, as frames (see ``gateway.core.history``).
-
-    ``batch`` says they go out as one ``EpisodeBatch``; otherwise there is exactly one frame and
-    it goes out as a single ``episode``.
-    """
-
-    frames: Sequence[bytes]
-    batch: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,31 +126,6 @@ class Replay:
                 run_id,
             )
 
-    async def active(
-        self,
-        log: EpisodeLog,
-        state: Callable[[], RunState],
-        final: Callable[[], TrainingRun],
-        after_episode: int,
-        scalars: bool = False,
-    ) -> AsyncIterator[WatchEvent]:
-        """Watches an active run through its log (and the store, for what is older than the
-        log's live tail).
-
-        Args:
-            log: The run's published history.
-            state: The run's state now (for keepalives).
-            final: The run as it ended (called once the log is closed).
-            after_episode: Resume after this episode.
-            scalars: Episodes without their detail.
-        """
-        log.watchers += 1
-        try:
-            async for event in self._walk(log, state, final, after_episode, scalars):
-                yield event
-        finally:
-            log.watchers -= 1
-
     async def _chunk(
         self, log: EpisodeLog, cursor: int, upto: int, scalars: bool
     ) -> tuple[Sequence[bytes], bool]:
@@ -200,45 +164,89 @@ class Replay:
                 sizer.wrote(self._clock() - began)
             cursor += len(chunk)
 
-    async def _walk(
+    async def active(
         self,
         log: EpisodeLog,
         state: Callable[[], RunState],
         final: Callable[[], TrainingRun],
         after_episode: int,
-        scalars: bool,
+        scalars: bool = False,
     ) -> AsyncIterator[WatchEvent]:
+        """Watches an active run through its log (and the store, for what is older than the
+        log's live tail).
+
+        Args:
+            log: The run's published history.
+            state: The run's state now (for keepalives).
+            final: The run as it ended (called once the log is closed).
+            after_episode: Resume after this episode.
+            scalars: Episodes without their detail.
+        """
         run_id = log.run_id
-        # A fork's history starts after its fork episode: a watch from before starts there.
-        cursor = max(after_episode, log.origin)
-        attach = log.last_episode
-        sizer = BatchSizer(self._clock)
-        async for event in self._send(log, cursor, attach, scalars, sizer, history=True):
-            yield event
-        # The run's real last episode, even when after_episode is beyond it.
-        yield CaughtUp(attach)
-        cursor = max(cursor, attach)
-        last_sent = self._clock()
-        while True:
-            self._check_closing(run_id, cursor)
-            visible = log.last_episode
-            if visible > cursor:
-                # A watcher that fell behind (slow network, unpaced run) gets its backlog in
-                # batches rather than one message per episode.
-                async for event in self._send(log, cursor, visible, scalars, sizer):
-                    yield event
-                cursor = visible
-                last_sent = self._clock()
-                continue
-            if log.closed:
-                yield Finished(final())
-                return
-            remaining = self._keepalive_s - (self._clock() - last_sent)
-            if remaining <= 0:
-                yield Keepalive(visible, state())
-                last_sent = self._clock()
-                continue
-            await log.wait(remaining)
+        clock = self._clock
+        closing = self._closing
+        log.watchers += 1
+        waiter = log.waiter()
+        try:
+            # A fork's history starts after its fork episode: a watch from before starts there.
+            cursor = max(after_episode, log.origin)
+            attach = log.last_episode
+            sizer = BatchSizer(clock)
+            async for event in self._send(log, cursor, attach, scalars, sizer, history=True):
+                yield event
+            # The run's real last episode, even when after_episode is beyond it.
+            yield CaughtUp(attach)
+            cursor = max(cursor, attach)
+            last_sent = clock()
+            woken = False  # whether the watcher comes from a wait (else from a message)
+            while True:
+                if closing():
+                    self._check_closing(run_id, cursor)
+                visible = log.last_episode
+                if visible > cursor:
+                    base = log.base
+                    if cursor < base or (
+                        visible - cursor > 1
+                        and batch_end(
+                            log.view(scalars), cursor - base, visible - base, max_bytes=sizer.budget
+                        )
+                        < visible - base
+                    ):
+                        # A watcher that fell behind (slow network, unpaced run) gets its
+                        # backlog in batches rather than one message per episode, one after
+                        # the other.
+                        async for event in self._send(log, cursor, visible, scalars, sizer):
+                            yield event
+                        last_sent = clock()
+                        cursor = visible
+                        woken = False
+                        continue
+                    if woken or not log.wake_pending:
+                        # The usual live step: what was published since the last wake-up, one
+                        # message, the event shared with the watchers at the same place.
+                        began = clock()
+                        yield log.frames_event(cursor, visible, scalars)
+                        last_sent = clock()
+                        sizer.wrote(last_sent - began)
+                        cursor = visible
+                        woken = False
+                        continue
+                    # Published while this watcher wrote, and a wake-up is scheduled for them:
+                    # they go out with it (one message per wake window, not two).
+                if log.closed:
+                    yield Finished(final())
+                    return
+                remaining = self._keepalive_s - (clock() - last_sent)
+                if remaining <= 0:
+                    yield Keepalive(visible, state())
+                    last_sent = clock()
+                    woken = False
+                    continue
+                await waiter.wait(remaining)
+                woken = True
+        finally:
+            waiter.close()
+            log.watchers -= 1
 
     async def finished(
         self, run: TrainingRun, after_episode: int, scalars: bool = False
