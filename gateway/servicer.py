@@ -16,7 +16,7 @@ from google.protobuf.message import Message
 from gateway import convert
 from gateway.auth import current_principal
 from gateway.core.errors import InvalidRequest
-from gateway.core.registry import RunRegistry
+from gateway.core.registry import EpisodeFrames, RunRegistry
 from gateway.status import map_errors, to_status
 from trainwire.contract import FieldViolation
 from trainwire.v1 import gateway_service_pb2 as pb
@@ -27,6 +27,9 @@ class GatewayServicer:
 
     def __init__(self, core: RunRegistry) -> None:
         self._core = core
+        # The last live event converted and its message: the watchers a wake-up wakes at the
+        # same place get one shared event (``EpisodeLog.frames_event``), encoded once here.
+        self._shared: tuple[EpisodeFrames, bytes | pb.WatchRunResponse] | None = None
 
     @map_errors
     async def CreateRun(
@@ -113,7 +116,13 @@ class GatewayServicer:
             raise request.error()
         scalars = convert.scalars_from_proto(request.view, request.run_id)
         async for event in self._core.watch(request.run_id, request.after_episode, scalars):
-            yield convert.watch_event_to_wire(event)
+            if type(event) is EpisodeFrames:
+                shared = self._shared
+                if shared is None or shared[0] is not event:
+                    shared = self._shared = (event, convert.watch_event_to_wire(event))
+                yield shared[1]
+            else:
+                yield convert.watch_event_to_wire(event)
 
     @map_errors
     async def UpdateRun(
