@@ -7,6 +7,7 @@ and benchmarks."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import uuid
 from pathlib import Path
@@ -36,6 +37,27 @@ from trainwire_ops.tls import ClientTls, ClientTlsFiles, ServerTls
 _LOGGER = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+
+def freeze_startup_objects() -> None:
+    """Moves every object alive now (modules, descriptors, the recovered runs: what a gateway
+    keeps for its life) out of the cyclic garbage collector's sight, once per process.
+
+    A full collection otherwise walks them all (~70,000) with the event loop stopped: a 27-68 ms
+    pause about every 5 s at 200 episodes/s and 100 watchers, which held every episode in
+    flight, the episodes behind live latency's p99; frozen, the longest collection took 3-4.5 ms.
+    A collection first, so no garbage is frozen with them; once per process, so a process that
+    starts many gateways (tests) pays it once.
+    """
+    global _frozen
+    if _frozen:
+        return
+    _frozen = True
+    gc.collect()
+    gc.freeze()
+
+
+_frozen = False
 
 
 def server_options(config: GatewayConfig) -> tuple[tuple[str, int], ...]:
@@ -230,6 +252,7 @@ class Gateway:
             self._lock.release()
             raise
         await self._set_health(self.core.healthy)
+        freeze_startup_objects()
         _LOGGER.info(
             "gateway serving on %s (db %s, checkpoint store %s)",
             host_port(self.config.host, self.port),
