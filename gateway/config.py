@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gateway.core.history import WAKE_WINDOW_PER_WATCHER
 from gateway.core.settings import DEFAULTS, CoreSettings
 from trainwire.contract import check_episode_rate
 from trainwire_ops.logs import LOG_FORMATS
@@ -89,7 +90,8 @@ class GatewayConfig:
     live_coalesce_s: float = option(
         DEFAULTS.live_coalesce_s,
         "upper bound (s) of a run's live wake window: its watchers are woken at most once per "
-        "window (0.2 ms per attached watcher, at most this); 0: one wake-up per episode",
+        f"window ({WAKE_WINDOW_PER_WATCHER * 1000:g} ms per attached watcher, at most this); "
+        "0: one wake-up per episode",
     )
     max_pending: int = option(
         DEFAULTS.max_pending,

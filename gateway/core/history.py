@@ -22,8 +22,11 @@ MAX_BATCH_EPISODES = 256
 #: it, so this bounds what a watcher that stopped reading costs the gateway (~256 KiB).
 MAX_BATCH_BYTES = 128 << 10
 PAGE_EPISODES = 256
-#: Seconds of live wake window per attached watcher (see ``EpisodeLog``).
-WAKE_WINDOW_PER_WATCHER = 0.0002
+#: Seconds of live wake window per attached watcher (see ``EpisodeLog``): a run's watchers
+#: cost at most ~6,700 messages/s. With 100 watchers of a 200 episodes/s run, a 15 ms window,
+#: 33 messages per episode: ~1.7 ms of the gateway's ~3 ms of CPU per episode
+#: (bench/gateway_fanout.py).
+WAKE_WINDOW_PER_WATCHER = 0.00015
 _EPISODE_TAG = b"\x0a"  # field 1, wire type 2: WatchRunResponse.episode / EpisodeBatch.episodes
 _BATCH_TAG = b"\x2a"  # field 5, wire type 2: WatchRunResponse.batch
 
@@ -178,7 +181,7 @@ class EpisodeLog:
     Publications wake watchers at most once per *wake window*: when episodes arrive faster than
     that, the ones in between go out together (one batch per watcher instead of one message
     each), which bounds the messages per second a fast unpaced run costs (a gRPC message costs a
-    Python server ~40 us, so 100 watchers x 200 episodes/s would saturate a core). The window
+    Python server ~50 us, so 100 watchers x 200 episodes/s would saturate a core). The window
     grows with the number of attached watchers, ``WAKE_WINDOW_PER_WATCHER`` each, up to
     ``min_wake_interval``: a run with one watcher is not delayed, one with 100 watchers costs at
     most ``1 / WAKE_WINDOW_PER_WATCHER`` messages/s. A run slower than its window is woken at
