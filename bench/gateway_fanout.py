@@ -11,26 +11,39 @@ every watcher (gRPC clients parse every message). Figures:
       checking a bearer token on every call (``--tls-cert``, ``--auth-tokens``; trustme
       certificates); ratio TLS + token / plaintext. Target >= 0.7x.
 (c)   live latency, trainer send -> watcher receive, 100 watchers, unpaced run, the trainer
-      sending 200 and 50 episodes/s; CPU use of the gateway and watcher processes (100 % =
-      one core). Target p99 < 50 ms.
+      sending 200 and 50 episodes/s; the gateway's CPU per episode and the CPU use of the
+      gateway and watcher processes (100 % = one core). Goal at 200 episodes/s: p99 <= 15 ms
+      with no more gateway CPU per episode than before. Each configuration is a gateway process
+      of its own (``python -m gateway``): *before* runs the code of ``BENCH_BEFORE`` (a git
+      revision, exported to a temporary directory; default ``LIVE_BEFORE``), *after* the
+      working tree, and *after, uvloop* the working tree on uvloop's loop when uvloop is
+      importable. The configurations take turns, ``LIVE_ROUNDS`` rounds, and each figure is
+      the median of its rounds: load from elsewhere on the machine slows them alike.
 (d)   gateway RSS per idle watcher, 500 watchers on a quiet run. Target < 100 KB.
 (e)   ingest episodes/s of an unpaced 5000-episode run, --db file vs :memory:. Target: the
       file store costs <= 15 %.
 
-Run: ``.venv/bin/python bench/gateway_fanout.py`` (about a minute); ``BENCH_ONLY=replay`` runs
-(a/b) and the TLS + token row only.
+Run: ``.venv/bin/python bench/gateway_fanout.py`` (about three minutes); ``BENCH_ONLY=replay``
+runs (a/b) and the TLS + token row only, ``BENCH_ONLY=live`` (c) only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
+import io
 import multiprocessing as mp
 import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -51,6 +64,11 @@ ONLY = os.environ.get("BENCH_ONLY", "")  # e.g. "live" for a quick experiment
 LIVE_WATCHERS = int(os.environ.get("BENCH_LIVE_WATCHERS", "100"))
 # (seconds between trainer episodes, episodes): 200/s and 50/s
 LIVE_RUNS = ((0.005, 1000), (0.02, 300))
+LIVE_ROUNDS = int(os.environ.get("BENCH_LIVE_ROUNDS", "3"))
+#: The gateway the live rows compare with: the last revision before the live path took its
+#: wake-ups without asyncio.timeout and shared one event per wake-up.
+LIVE_BEFORE = os.environ.get("BENCH_BEFORE", "22cb962")
+LIVE_P99_GOAL_MS = 15.0
 IDLE_WATCHERS = 500
 SECURE_REPEATS = 5
 CHANNELS = 10
@@ -242,11 +260,195 @@ def _watcher_main(conn: Connection) -> None:
             conn.send(asyncio.run(_watch_all(port, run_id, watchers, ca, token)))
         elif kind == "bare":
             conn.send(asyncio.run(_bare_all(*job[1:])))
-        elif kind == "live":
-            conn.send(asyncio.run(_live(*job[1:], ready=lambda: conn.send("ready"))))
-        elif kind == "idle":
-            asyncio.run(_idle(*job[1:], conn))
+        elif kind == "live":  # (kind, port, run_id, watchers)
+            port, run_id, watchers = job[1:]
+            conn.send(asyncio.run(_live(port, run_id, watchers, lambda: conn.send("ready"))))
+        elif kind == "idle":  # (kind, port, run_id, watchers)
+            port, run_id, watchers = job[1:]
+            asyncio.run(_idle(port, run_id, watchers, conn))
             conn.send("released")
+
+
+# -- live latency (c): gateway processes ------------------------------------------------------
+
+
+@dataclass
+class LiveGateway:
+    """One configuration of the live rows: ``python -m gateway`` from a code root, after
+    ``prelude`` (Python statements run first in the process; the loop policy, say)."""
+
+    name: str
+    root: str
+    prelude: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    port: int = 0
+
+    def start(self, trainer: str, tmp: str) -> None:
+        """Starts the gateway process (its files in ``tmp``) and waits for its ready line."""
+        flags = ["--port", "0", "--http-port", "-1", "--trainer", trainer, "--keepalive", "15"]
+        flags += ["--db", os.path.join(tmp, "live.sqlite3")]
+        flags += ["--checkpoint-store", os.path.join(tmp, "checkpoints")]
+        flags += ["--log-level", "WARNING"]
+        code = (
+            f"{self.prelude}\nimport runpy, sys\nsys.argv[0] = 'gateway'\n"
+            "runpy.run_module('gateway', run_name='__main__', alter_sys=True)"
+        )
+        # The root's own packages first (a revision's gateway, trainwire_ops and client).
+        paths = [self.root, os.path.join(self.root, "clients"), os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, *flags], cwd=self.root, env=env, stdout=subprocess.PIPE
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        match = re.search(r"listening on \S+:(\d+)", line)
+        assert match, f"{self.name}: {line!r}"
+        self.port = int(match.group(1))
+
+    def cpu(self) -> float:
+        """CPU seconds the process has used (all its threads)."""
+        assert self.proc is not None
+        times = psutil.Process(self.proc.pid).cpu_times()
+        return times.user + times.system
+
+    def stop(self) -> None:
+        """SIGTERM, then waits for it to exit."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+
+
+@dataclass
+class LiveRow:
+    """One live run of one configuration."""
+
+    p50: float
+    p99: float
+    max: float
+    cpu_per_episode_ms: float
+    gateway_cpu: float
+    watcher_cpu: float
+
+
+def _export(rev: str, tmp: str) -> str | None:
+    """The gateway, trainwire_ops and client packages of git revision ``rev`` in a directory
+    of their own; None when the revision is not in this checkout."""
+    try:
+        data = subprocess.run(
+            ["git", "archive", rev, "gateway", "trainwire_ops", "clients/trainwire"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    root = os.path.join(tmp, f"before-{rev}")
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(root, filter="data")
+    return root
+
+
+def _live_configs(tmp: str) -> list[LiveGateway]:
+    configs = []
+    before = _export(LIVE_BEFORE, tmp)
+    if before is None:
+        print(f"(no revision {LIVE_BEFORE} in this checkout: no 'before' row)")
+    else:
+        configs.append(LiveGateway(f"before ({LIVE_BEFORE})", before))
+    configs.append(LiveGateway("after", ROOT))
+    if importlib.util.find_spec("uvloop") is not None:
+        uvloop = "import asyncio, uvloop\nasyncio.set_event_loop_policy(uvloop.EventLoopPolicy())"
+        configs.append(LiveGateway("after, uvloop", ROOT, uvloop))
+    return configs
+
+
+async def _live_run(
+    gateway: LiveGateway,
+    trainer_conn: Connection,
+    watch_conn: Connection,
+    interval: float,
+    count: int,
+) -> LiveRow:
+    """One unpaced run of ``count`` episodes, one every ``interval`` s, watched live by
+    ``LIVE_WATCHERS`` watchers. The trainer holds before episode 1 until every watcher has
+    attached: all deliveries are live ones (none replayed from before attach)."""
+    loop = asyncio.get_running_loop()
+    trainer_conn.send((interval, True))
+    trainer_conn.recv()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        live_id = await _create(gateway_service_pb2_grpc.GatewayServiceStub(channel), count)
+    watch_conn.send(("live", gateway.port, live_id, LIVE_WATCHERS))
+    assert await loop.run_in_executor(None, watch_conn.recv) == "ready"
+    cpu = gateway.cpu()
+    wall = time.perf_counter()
+    trainer_conn.send("release")
+    trainer_conn.recv()
+    latencies, watch_cpu = await loop.run_in_executor(None, watch_conn.recv)
+    wall = time.perf_counter() - wall
+    cpu = gateway.cpu() - cpu
+    ms = [x for _, x in latencies]
+    assert len(ms) == count * LIVE_WATCHERS, (gateway.name, len(ms))
+    q = statistics.quantiles(ms, n=100)
+    return LiveRow(q[49], q[98], max(ms), cpu / count * 1000, cpu / wall, watch_cpu / wall)
+
+
+async def _live_section(
+    trainer: str,
+    trainer_conn: Connection,
+    watch_conn: Connection,
+    tmp: str,
+    configs: list[LiveGateway] | None = None,
+) -> None:
+    configs = configs or _live_configs(tmp)
+    rows: dict[tuple[str, float], list[LiveRow]] = {}
+    try:
+        for index, gateway in enumerate(configs):
+            files = os.path.join(tmp, f"live{index}")
+            os.makedirs(files)
+            gateway.start(trainer, files)
+        for _ in range(LIVE_ROUNDS):
+            for gateway in configs:
+                for interval, count in LIVE_RUNS:
+                    row = await _live_run(gateway, trainer_conn, watch_conn, interval, count)
+                    rows.setdefault((gateway.name, interval), []).append(row)
+    finally:
+        for gateway in configs:
+            gateway.stop()
+
+    def median(name: str, interval: float, field: str) -> float:
+        return statistics.median(getattr(r, field) for r in rows[(name, interval)])
+
+    print()
+    print(
+        f"live: {LIVE_WATCHERS} watchers, unpaced run, trainer send -> watcher receive; "
+        f"medians of {LIVE_ROUNDS} rounds, configurations in turn"
+    )
+    print(
+        f"{'rate, configuration':<36}{'p50':>10}{'p99':>10}{'max':>10}"
+        f"{'gw CPU/ep':>12}{'CPU gw/watch':>14}"
+    )
+    for interval, _ in LIVE_RUNS:
+        for gateway in configs:
+            n, i = gateway.name, interval
+            print(
+                f"{f'{1 / i:g}/s, {n}':<36}"
+                f"{median(n, i, 'p50'):>7.1f} ms{median(n, i, 'p99'):>7.1f} ms"
+                f"{median(n, i, 'max'):>7.1f} ms{median(n, i, 'cpu_per_episode_ms'):>9.2f} ms"
+                f"{median(n, i, 'gateway_cpu'):>9.0%}/{median(n, i, 'watcher_cpu'):.0%}"
+            )
+    fast = LIVE_RUNS[0][0]
+    names = [g.name for g in configs]
+    base = names[0]
+    print()
+    for n in names:
+        p99 = median(n, fast, "p99")
+        cpu = median(n, fast, "cpu_per_episode_ms")
+        ratio = cpu / median(base, fast, "cpu_per_episode_ms")
+        cost = "" if n == base else f", {ratio:.2f}x {base} (goal <= 1x)"
+        print(
+            f"{n}: live p99 {p99:.1f} ms (goal <= {LIVE_P99_GOAL_MS:g} ms), gateway CPU per "
+            f"episode {cpu:.2f} ms{cost}; {1 / fast:g} episodes/s x {LIVE_WATCHERS} watchers"
+        )
 
 
 # -- servers (this process) -------------------------------------------------------------------
@@ -404,6 +606,14 @@ async def main() -> None:
     watch_conn, child = ctx.Pipe()
     watcher_proc = ctx.Process(target=_watcher_main, args=(child,), daemon=True)
     watcher_proc.start()
+    tmp = tempfile.mkdtemp(prefix="gateway-bench-")
+    if ONLY == "live":
+        await _live_section(trainer, trainer_conn, watch_conn, tmp)
+        trainer_conn.send(None)
+        watch_conn.send(None)
+        trainer_proc.join(5)
+        watcher_proc.join(5)
+        return
 
     episodes = list(valid_episodes(EPISODES))
     messages = {
@@ -418,7 +628,6 @@ async def main() -> None:
     bare, bare_port = _bare_server(messages)
     await bare.start()
 
-    tmp = tempfile.mkdtemp(prefix="gateway-bench-")
     config = GatewayConfig(
         port=0, trainers=(trainer,), db=os.path.join(tmp, "bench.sqlite3"), keepalive_s=15
     )
@@ -487,35 +696,8 @@ async def main() -> None:
         watcher_proc.join(5)
         return
 
-    # (c) live latency. The trainer holds before episode 1 until every watcher has attached:
-    # all deliveries are live ones (none replayed from before attach).
-    print()
-    print(f"live: {LIVE_WATCHERS} watchers, unpaced run (latency trainer send -> watcher receive)")
-    _row("trainer interval (deliveries)", "p50", "p99", "max", "CPU gw/watch")
-    for interval, count in LIVE_RUNS:
-        trainer_conn.send((interval, True))
-        trainer_conn.recv()
-        live_id = await _create(stub, count)
-        watch_conn.send(("live", port, live_id, LIVE_WATCHERS))
-        assert await asyncio.get_running_loop().run_in_executor(None, watch_conn.recv) == "ready"
-        cpu = time.process_time()
-        wall = time.perf_counter()
-        trainer_conn.send("release")
-        trainer_conn.recv()
-        latencies, watch_cpu = await asyncio.get_running_loop().run_in_executor(
-            None, watch_conn.recv
-        )
-        wall = time.perf_counter() - wall
-        cpu = time.process_time() - cpu
-        ms = [x for _, x in latencies]
-        q = statistics.quantiles(ms, n=100)
-        _row(
-            f"{interval * 1000:g} ms = {1 / interval:g} episodes/s ({len(ms):,})",
-            f"{q[49]:.1f} ms",
-            f"{q[98]:.1f} ms",
-            f"{max(ms):.1f} ms",
-            f"{cpu / wall:.0%}/{watch_cpu / wall:.0%}",
-        )
+    # (c) live latency, each configuration a gateway process of its own.
+    await _live_section(trainer, trainer_conn, watch_conn, tmp)
 
     # (d) RSS per idle watcher: watchers on a run held before its first episode.
     trainer_conn.send((0.0, True))  # held before episode 1: the run stays quiet
