@@ -145,9 +145,10 @@ async def test_pace_pause_and_stop_act_on_the_training(trainer: str) -> None:
             await stub.StopRun(pb.StopRunRequest(run_id=slow.id), timeout=TIMEOUT)
             await until(lambda: freed(free), "the stopped run's slot freed")
             slot_free_s = time.monotonic() - stopped_at
-            # At once, not after the job's next grant or the trainer's detach grace (60 s); a
-            # few seconds of room for two busy cores (1.18 s was seen beside two CPU hogs).
-            assert slot_free_s < 5.0
+            # At once, not after the trainer's detach grace (60 s: a stopped run gets no next
+            # grant); seconds of room for two busy cores (1.18 s was seen beside two CPU hogs,
+            # 5.1 s beside two hogs, three test workers and a benchmark).
+            assert slot_free_s < 10.0
             final = await get_run(stub, slow.id)
             assert final.state == State.STATE_STOPPED
             return {"trained": trained, "lead": lead, "widest": widest, "slot_s": slot_free_s}

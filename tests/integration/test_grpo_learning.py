@@ -166,7 +166,9 @@ async def test_grpo_learns_survives_kill_9_and_its_model_answers_held_out_images
     ) as client:
         request = _grpo("datasets/colours/train.jsonl", STEPS, EVERY)
         run = (await client.stub.CreateRun(request, timeout=TIMEOUT)).run
-        watch = asyncio.create_task(collect(client.stub, run.id, timeout=JOB_TIMEOUT))
+        # Two stretches of training (before the kill and after the restart): twice a job's
+        # deadline, which a loaded machine needed.
+        watch = asyncio.create_task(collect(client.stub, run.id, timeout=2 * JOB_TIMEOUT))
 
         async def checkpointed() -> pb.Run | None:
             now = await get_run(client.stub, run.id)

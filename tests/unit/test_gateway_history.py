@@ -107,7 +107,7 @@ async def test_wait_times_out_and_cleans_up() -> None:
 async def test_publications_inside_the_wake_window_are_coalesced() -> None:
     # A window of seconds, not tenths: the assertions hold on a loaded machine.
     log = EpisodeLog("r1", min_wake_interval=3.0)
-    log.watchers = 100_000  # window = min(3, 100000 x 0.2 ms) = 3 s
+    log.watchers = 100_000  # window = min(3, 100000 x 0.15 ms) = 3 s
     log.publish([b"1"], [b"1"])  # first publication: woken at once
     waiter = asyncio.create_task(log.wait(30))
     await asyncio.sleep(0)
@@ -123,7 +123,7 @@ async def test_publications_inside_the_wake_window_are_coalesced() -> None:
 
 async def test_a_single_watcher_is_not_delayed() -> None:
     log = EpisodeLog("r1", min_wake_interval=60.0)
-    log.watchers = 1  # window 0.2 ms, not the 60 s bound
+    log.watchers = 1  # window 0.15 ms, not the 60 s bound
     log.publish([b"1"], [b"1"])
     waiter = asyncio.create_task(log.wait(120))
     await asyncio.sleep(0.01)
