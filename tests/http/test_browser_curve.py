@@ -152,6 +152,57 @@ def test_a_finished_run_draws_about_one_bucket_per_pixel_and_streams_only_its_en
     screenshot(page, "run-view-long.png")
 
 
+def started(driver: WebDriver, path: str) -> list[float]:
+    """When (performance.now(), ms) the page started each request of exactly ``path``."""
+    times: list[float] = driver.execute_script(
+        "return performance.getEntriesByType('resource')"
+        ".filter((e) => e.name === location.origin + arguments[0]).map((e) => e.startTime);",
+        path,
+    )
+    return times
+
+
+def test_the_first_load_asks_once_for_the_run_and_its_curve_and_for_the_avatar_after_the_paint(
+    page: WebDriver,  # noqa: F811
+    gw: LiveGateway,  # noqa: F811
+    long_run: dict[str, Any],
+) -> None:
+    run_id = long_run["id"]
+    page.get("about:blank")
+    open_run(page, gw, run_id)
+    shown = wait_until(page, lambda: chart(page)["episodes"] == LONG and chart(page), "the curve")
+    curve_path = f"/v1/runs/{run_id}/curve?buckets={buckets_asked(page)}"
+    # early.js asked for both as the page loaded; the run view took its replies, asking again
+    # for neither.
+    assert len(started(page, f"/v1/runs/{run_id}")) == 1
+    assert len(started(page, curve_path)) == 1
+    # The avatar's rig and clip are asked for once the chart has drawn, and it still shows.
+    wait_until(page, lambda: attr(page, "avatar", "data-episode") == str(LONG), "the last motion")
+    assert not page.find_element(By.ID, "avatar-card").get_attribute("hidden")
+    (motion,) = started(page, f"/v1/runs/{run_id}/motion")
+    assert motion > shown["first_paint_ms"], (motion, shown)
+
+
+def test_the_first_view_s_requests_start_without_waiting_for_the_page_s_other_modules(
+    page: WebDriver,  # noqa: F811
+    gw: LiveGateway,  # noqa: F811
+    long_run: dict[str, Any],
+) -> None:
+    run_id = long_run["id"]
+    page.get("about:blank")
+    # Without app.js (nor, so, any view) the page still asks for the run and its curve.
+    page.execute_cdp_cmd("Network.enable", {})
+    page.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*/static/app.js"]})
+    try:
+        open_run(page, gw, run_id)
+        wait_until(page, lambda: requested(page, "/curve?buckets="), "the curve's request")
+        wait_until(page, lambda: started(page, f"/v1/runs/{run_id}"), "the run's request")
+        assert chart(page)["first_paint_ms"] is None  # nothing drew it: app.js never ran
+    finally:
+        page.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
+        page.execute_cdp_cmd("Network.disable", {})
+
+
 def test_dragging_across_the_chart_zooms_into_finer_buckets_and_a_double_click_zooms_out(
     page: WebDriver,  # noqa: F811
     gw: LiveGateway,  # noqa: F811

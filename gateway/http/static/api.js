@@ -4,6 +4,10 @@
 // Requests go through `api()` and streams through `eventsUrl()`: the one place each to add a
 // bearer token.
 
+import { apiHeaders, runPath, storeToken, storedToken, takeStarted } from "./early.js";
+
+export { runPath };
+
 export class ApiError extends Error {
   constructor(error) {
     super(error.message || `HTTP ${error.code}`);
@@ -34,23 +38,8 @@ export class ApiError extends Error {
 export const describe = (err) => (err instanceof ApiError ? err.describe() : String(err.message || err));
 
 // A gateway started with --auth-tokens answers 401 without a token: the page asks for one once,
-// keeps it for this tab only (sessionStorage, gone when the tab closes) and sends it on every
-// request and stream from then on.
-const TOKEN_KEY = "trainwire.token";
-
-function storedToken() {
-  try {
-    return sessionStorage.getItem(TOKEN_KEY) || "";
-  } catch {
-    return "";
-  }
-}
-
-/** Headers every request carries: the bearer token, once there is one. */
-function authHeaders() {
-  const token = storedToken();
-  return token ? { Authorization: `Bearer ${token}` } : {};
-}
+// keeps it for this tab only (sessionStorage, gone when the tab closes; early.js holds it) and
+// sends it on every request and stream from then on.
 
 /** Asks for a token after a 401 (unless another request already got a new one since `sent`
  * went out); true when there is one to retry with. */
@@ -59,25 +48,20 @@ function askToken(sent, error) {
   if (now && now !== sent) return true;
   const why = sent ? "The gateway did not accept the token." : "This gateway needs a token.";
   const token = (window.prompt(`${why}\n${error.message || ""}\n\nToken:`) || "").trim();
-  if (!token) return false;
-  try {
-    sessionStorage.setItem(TOKEN_KEY, token);
-  } catch {
-    return false;
-  }
-  return true;
+  return Boolean(token) && storeToken(token);
 }
 
-/** One call of the JSON API; the reply's JSON, or an ApiError. POST and PATCH send `body`. */
+/** One call of the JSON API; the reply's JSON, or an ApiError. POST and PATCH send `body`. A GET
+ * that early.js started while the page loaded is not sent again: its reply is this one's. */
 export async function api(method, path, body) {
   for (let attempt = 0; ; attempt += 1) {
     const sent = storedToken();
-    const init = { method, headers: { Accept: "application/json", ...authHeaders() } };
+    const init = { method, headers: apiHeaders() };
     if (method === "POST" || method === "PATCH") {
       init.headers["Content-Type"] = "application/json";
       init.body = JSON.stringify(body || {});
     }
-    const response = await fetch(path, init);
+    const response = await ((attempt === 0 && method === "GET" && takeStarted(path)) || fetch(path, init));
     const data = await response.json().catch(() => ({}));
     if (response.ok) return data;
     const error = data.error || { code: response.status, message: response.statusText };
@@ -85,9 +69,6 @@ export async function api(method, path, body) {
     throw new ApiError(error);
   }
 }
-
-/** The path of a run's resource (`/v1/runs/{id}` and what follows). */
-export const runPath = (runId, rest = "") => `/v1/runs/${encodeURIComponent(runId)}${rest}`;
 
 /** The event stream of a run after an episode (`view`: "scalars" leaves every detail out).
  * EventSource sends no headers, so the token travels in the URL (RFC 6750's access_token; the

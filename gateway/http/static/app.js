@@ -7,6 +7,7 @@
 // The views talk to the gateway's JSON API (api.js) and follow runs over server-sent events.
 
 import { CompareView } from "./compare.js";
+import { runOfHash } from "./early.js";
 import { RunView } from "./run.js";
 import { RunsView } from "./runs.js";
 
@@ -24,11 +25,11 @@ function hashQuery(hash) {
 function route(event) {
   if (current) current.stop();
   const hash = location.hash;
-  const run = hash.match(/^#\/runs\/([^/?]+)$/);
-  if (run) {
+  const runId = runOfHash(hash);
+  if (runId) {
     current = runView;
     // The page's first view counts from the navigation that loaded it (performance.now()'s 0).
-    runView.start(decodeURIComponent(run[1]), event ? performance.now() : 0);
+    runView.start(runId, event ? performance.now() : 0);
   } else if (/^#\/compare(\?|$)/.test(hash)) {
     current = compareView;
     const ids = (hashQuery(hash).get("runs") || "").split(",").map((id) => id.trim());

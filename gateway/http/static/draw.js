@@ -22,6 +22,7 @@
 // and the comparison chart's `data-runs` (runs with a point drawn), `data-points` (points drawn
 // in all) and `data-metric`, so people and tests can check them.
 
+import { bucketsFor } from "./early.js";
 import uPlot from "./vendor/uplot/uPlot.esm.js";
 
 const COLOURS = {
@@ -284,7 +285,7 @@ export class Curve {
 
   /** Buckets to ask the gateway for: about one per pixel of the chart, 50..10000. */
   static bucketsFor(el) {
-    return Math.min(10000, Math.max(50, Math.round(el.clientWidth)));
+    return bucketsFor(el);
   }
 
   /**

@@ -11,6 +11,12 @@
 import { api, describe, downloadUrl, eventsUrl, runPath } from "./api.js";
 import { $, FINAL, badge, el, fieldError, fixed, link, num, precise, speedText, stateName, taskKind, taskText } from "./dom.js";
 import { Avatar, Curve, CurveBuckets, HYPERPARAMETERS } from "./draw.js";
+import { firstCurvePath } from "./early.js";
+
+/** Calls `fn` once the browser has painted what the page drew so far: after the next frame. */
+function afterPaint(fn) {
+  requestAnimationFrame(() => setTimeout(fn, 0));
+}
 
 /** Follows a run's event stream after an episode; resumes after the last episode it saw,
  * exactly once. */
@@ -300,8 +306,9 @@ export class RunView {
     delete curveNode.dataset.points; // set again by the first drawing, with data-first-paint-ms
     delete curveNode.dataset.firstPaintMs;
     this.width = Curve.bucketsFor(curveNode);
-    // The run and its curve at once: the first drawing waits for the slower, not for both.
-    const curveReply = api("GET", runPath(runId, `/curve?buckets=${this.width}`));
+    // The run and its curve at once (early.js asked for both as the page loaded): the first
+    // drawing waits for the slower, not for both.
+    const curveReply = api("GET", firstCurvePath(runId, this.width));
     curveReply.catch(() => {}); // awaited below, unless the run turns out not to exist
     let run;
     try {
@@ -315,7 +322,6 @@ export class RunView {
     if (run.forkFrom && run.forkFrom.runId) this.fork = { runId: run.forkFrom.runId, episode: num(run.forkFrom.episode) };
     this.update(run);
     if (this.fork) this.loadParent();
-    if (run.task && run.task.imitation) this.loadAvatar(runId);
     if (run.task && run.task.grpo) $("#completions-card").hidden = false;
     let failed = null;
     try {
@@ -329,6 +335,9 @@ export class RunView {
     this.curve.show(this.buckets, this.parent);
     if (failed) $("#curve-note").textContent = `cannot load the curve: ${failed.message}`;
     else this.curveNote();
+    // The avatar's rig and clip once the curve is on the screen: they wait for the first paint,
+    // the paint never waits for them (its episodes' motions wait in pendingMotion meanwhile).
+    if (run.task && run.task.imitation) afterPaint(() => this.opened === opened && this.loadAvatar(runId));
     const covered = this.buckets.lastEpisode || num(run.episode);
     this.counter(covered);
     if (covered) {
