@@ -2,8 +2,8 @@
 
 ``build_app`` puts together the JSON API (``gateway.http.api``), the event streams
 (``gateway.http.sse``) and the page (``GET /``, assets under ``/static/``, shipped in this
-package: no CDN, nothing fetched at run time). ``HttpFace`` serves it beside the gRPC server,
-over the same ``RunRegistry``.
+package: no CDN, nothing fetched at run time; ``PageFiles`` serves them from memory, gzipped).
+``HttpFace`` serves it beside the gRPC server, over the same ``RunRegistry``.
 
 Middlewares, outermost first: ``errors_middleware`` writes every failure as a Google API JSON
 error; then the ``middlewares`` given to ``build_app``. That is the one place for an
@@ -14,9 +14,15 @@ the same JSON shape, on every route, the event streams included.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import logging
+import mimetypes
+import os
 import ssl
+import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -74,8 +80,126 @@ async def _page_headers(request: web.Request, response: web.StreamResponse) -> N
         response.charset = "utf-8"
 
 
-async def _index(request: web.Request) -> web.FileResponse:
-    return web.FileResponse(STATIC_DIR / "index.html")
+@dataclass(frozen=True)
+class _File:
+    """One file of the page as read, with its gzipped bytes when they are smaller."""
+
+    mtime_ns: int
+    size: int
+    body: bytes
+    etag: str
+    gzipped: bytes | None
+    content_type: str
+
+
+class PageFiles:
+    """The page's files (``index.html`` and everything under ``static/``), served from memory.
+
+    Each file is read, tagged (a strong ``ETag`` from its bytes) and gzipped once, and again
+    when a ``stat`` shows it changed. A client that accepts gzip gets the gzipped bytes (their
+    own ``ETag``; ``Vary: Accept-Encoding``); a matching ``If-None-Match`` gets 304. Nothing
+    outside the directory is served, symbolic links included.
+
+    Args:
+        root: The directory of the page's files.
+    """
+
+    #: gzip only what it makes smaller by at least this fraction
+    MIN_SAVING = 0.1
+
+    def __init__(self, root: Path) -> None:
+        self._root = root.resolve()
+        self._files: dict[Path, _File] = {}
+
+    @property
+    def root(self) -> Path:
+        """The directory served."""
+        return self._root
+
+    async def index(self, request: web.Request) -> web.Response:
+        """``GET /``: the page."""
+        return self.respond(request, "index.html")
+
+    def respond(self, request: web.Request, name: str) -> web.Response:
+        """The answer to a GET or HEAD of the file ``name`` (a path under the root)."""
+        page_file = self._file(name)
+        gzipped = page_file.gzipped is not None and _accepts_gzip(request)
+        etag = f'"{page_file.etag}-gz"' if gzipped else f'"{page_file.etag}"'
+        headers = {"ETag": etag}
+        if page_file.gzipped is not None:
+            headers["Vary"] = "Accept-Encoding"
+        if _matches(request.headers.get("If-None-Match", ""), etag):
+            return web.Response(status=304, headers=headers)
+        if gzipped:
+            headers["Content-Encoding"] = "gzip"
+        body = page_file.gzipped if gzipped else page_file.body
+        response = web.Response(body=body, headers=headers)
+        response.content_type = page_file.content_type
+        return response
+
+    def _file(self, name: str) -> _File:
+        """The file ``name`` under the root, read again if it changed; ``HTTPNotFound`` for
+        anything else (missing, a directory, a link, or outside the root)."""
+        path = self._root / name
+        try:
+            inside = path.resolve(strict=True) == path and path.is_relative_to(self._root)
+            st = os.stat(path, follow_symlinks=False)
+        except (OSError, ValueError):
+            raise web.HTTPNotFound() from None
+        if not inside or not stat.S_ISREG(st.st_mode):
+            raise web.HTTPNotFound()
+        known = self._files.get(path)
+        if known is not None and (known.mtime_ns, known.size) == (st.st_mtime_ns, st.st_size):
+            return known
+        body = path.read_bytes()
+        packed = gzip.compress(body, compresslevel=9, mtime=0)
+        content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+        page_file = _File(
+            mtime_ns=st.st_mtime_ns,
+            size=st.st_size,
+            body=body,
+            etag=hashlib.blake2b(body, digest_size=12).hexdigest(),
+            gzipped=packed if len(packed) <= (1 - self.MIN_SAVING) * len(body) else None,
+            content_type=content_type,
+        )
+        self._files[path] = page_file
+        return page_file
+
+
+class PageFilesResource(web.StaticResource):
+    """``/static/``: a static resource to the router and to the auth check (canonical
+    ``/static``, which ``gateway.http.auth.OPEN_ROUTES`` opens before a token), its files
+    answered by ``PageFiles`` (aiohttp is pinned: its static handler is the one replaced).
+
+    Args:
+        files: The page's files.
+    """
+
+    def __init__(self, files: PageFiles) -> None:
+        super().__init__("/static", files.root, follow_symlinks=False)
+        self._files = files
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        return self._files.respond(request, request.match_info["filename"])
+
+
+def _accepts_gzip(request: web.Request) -> bool:
+    """Whether the request's ``Accept-Encoding`` takes gzip (a ``q`` of 0 refuses it)."""
+    for item in request.headers.get("Accept-Encoding", "").lower().split(","):
+        coding, _, params = item.strip().partition(";")
+        if coding.strip() in ("gzip", "x-gzip"):
+            quality = params.strip().removeprefix("q=")
+            try:
+                return not params or float(quality) > 0
+            except ValueError:
+                return False
+    return False
+
+
+def _matches(if_none_match: str, etag: str) -> bool:
+    """Whether an ``If-None-Match`` header names ``etag`` (weak comparison, RFC 9110 13.1.2)."""
+    tags = [tag.strip().removeprefix("W/") for tag in if_none_match.split(",")]
+    return "*" in tags or etag in tags
 
 
 def build_app(
@@ -92,14 +216,15 @@ def build_app(
         middlewares=[errors_middleware, *middlewares], client_max_size=MAX_BODY_BYTES
     )
     streams = EventStreams(core)
+    page = PageFiles(STATIC_DIR)
     app.add_routes(JsonApi(GatewayServicer(core)).routes())
     app.add_routes(
         [
             web.get("/v1/runs/{run_id:[^/:]+}/events", streams.handle),
-            web.get("/", _index),
-            web.static("/static/", STATIC_DIR, follow_symlinks=False),
+            web.get("/", page.index),
         ]
     )
+    app.router.register_resource(PageFilesResource(page))
     app.on_response_prepare.append(_page_headers)
     return app, streams
 
