@@ -6,6 +6,14 @@ serialized ``Episode``. That one byte string is at once a complete ``WatchRunRes
 watchers never re-serializes an episode, and a batch is a single ``bytes.join``.
 
 Every watcher walks a history with its own cursor (an int); nothing is queued per watcher.
+
+A history is held in four *views*, each a list of byte strings, one per episode: frames with the
+episode's detail or without (``SCALARS``), and the episode's JSON (``JSON``: the protobuf JSON
+mapping, ``gateway.core.episode_json``) with or without its detail, for the HTTP side's event
+stream. An active run's log writes the JSON of an episode once, the first time a JSON watcher
+needs it (a run nobody watches over HTTP costs nothing); the store keeps it written at
+publication (``gateway.core.publisher``), so a replay over HTTP costs what a ``WatchRun`` replay
+costs: reading bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+from gateway.core.episode_json import join_json, json_parts
+from trainwire.v1 import episode_pb2
 
 MAX_BATCH_EPISODES = 256
 #: The largest batch message. A watcher holds at most one message in flight, and gRPC a copy of
@@ -29,6 +40,17 @@ PAGE_EPISODES = 256
 WAKE_WINDOW_PER_WATCHER = 0.00015
 _EPISODE_TAG = b"\x0a"  # field 1, wire type 2: WatchRunResponse.episode / EpisodeBatch.episodes
 _BATCH_TAG = b"\x2a"  # field 5, wire type 2: WatchRunResponse.batch
+
+#: A view of a history is the sum of these flags (0: frames with their detail). ``SCALARS``
+#: is 1, so a ``scalars`` bool is a view too.
+SCALARS = 1  # without the episode's detail
+JSON = 2  # each episode's JSON instead of its frame
+VIEWS = 4
+
+
+def view_of(scalars: bool, json: bool = False) -> int:
+    """The view of a history with or without detail (``scalars``), as frames or ``json``."""
+    return (SCALARS if scalars else 0) | (JSON if json else 0)
 
 
 def varint(value: int) -> bytes:
@@ -154,29 +176,42 @@ def scalar_frame(frame: bytes) -> bytes:
     return frame if at == len(payload) else encode_frame(payload[:at])
 
 
+def json_views(frames: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """The JSON of frames' episodes: with their detail, and without."""
+    full: list[bytes] = []
+    numbers: list[bytes] = []
+    for frame in frames:
+        plain, detail = json_parts(episode_pb2.Episode.FromString(frame_payload(frame)))
+        full.append(join_json(plain, detail))
+        numbers.append(plain)
+    return full, numbers
+
+
 @dataclass(frozen=True, slots=True)
 class EpisodeFrames:
-    """Consecutive episodes for a watcher, as frames.
+    """Consecutive episodes for a watcher, as frames (or, in a ``JSON`` view, their JSON).
 
     ``batch`` says they go out as one ``EpisodeBatch``; otherwise there is exactly one frame and
-    it goes out as a single ``episode``. Immutable, so one object can go to every watcher that
-    is at the same place (``EpisodeLog.frames_event``).
+    it goes out as a single ``episode``. ``first`` is the number of the first episode. Immutable,
+    so one object can go to every watcher that is at the same place
+    (``EpisodeLog.frames_event``).
     """
 
     frames: Sequence[bytes]
     batch: bool
+    first: int
 
 
 class EpisodeLog:
     """The live tail of one active run's published history, and the wake-up of watchers
     waiting on it.
 
-    It holds the frames of episodes ``base + 1 .. last_episode`` (at most ``2 x keep``; the
-    older ones, after ``origin``, are in the store), in two views: ``frames`` with their detail and
-    ``scalar_frames`` without (the same objects where an episode has no detail). Only committed
-    episodes are appended. Waiting watchers each park one future in ``_waiters`` (through their
-    ``Waiter``); a wake-up resolves them all and empties the set, and a watcher that goes away
-    removes its own future, so nothing outlives a watcher.
+    It holds episodes ``base + 1 .. last_episode`` (at most ``2 x keep``; the older ones, after
+    ``origin``, are in the store), in each view (``view``; ``frames`` with their detail and
+    ``scalar_frames`` without are the same objects where an episode has no detail). Only
+    committed episodes are appended. Waiting watchers each park one future in ``_waiters``
+    (through their ``Waiter``); a wake-up resolves them all and empties the set, and a watcher
+    that goes away removes its own future, so nothing outlives a watcher.
 
     Publications wake watchers at most once per *wake window*: when episodes arrive faster than
     that, the ones in between go out together (one batch per watcher instead of one message
@@ -204,18 +239,18 @@ class EpisodeLog:
 
     __slots__ = (
         "_clock",
+        "_json_start",
         "_keep",
         "_last_wake",
         "_min_wake_interval",
         "_shared",
         "_timer",
+        "_views",
         "_waiters",
         "base",
         "closed",
-        "frames",
         "origin",
         "run_id",
-        "scalar_frames",
         "watchers",
     )
 
@@ -230,8 +265,10 @@ class EpisodeLog:
         self.run_id = run_id
         self.origin = origin
         self.base = origin
-        self.frames: list[bytes] = []
-        self.scalar_frames: list[bytes] = []
+        # Per view; the JSON views hold episodes from frame index _json_start on (a contiguous
+        # stretch, written when first asked for: ``episodes``).
+        self._views: list[list[bytes]] = [[] for _ in range(VIEWS)]
+        self._json_start = 0
         self.closed = False
         self._keep = keep
         self._waiters: set[asyncio.Future[None]] = set()
@@ -240,13 +277,13 @@ class EpisodeLog:
         self._last_wake = -math.inf
         self._timer: asyncio.TimerHandle | None = None
         # The last event built by frames_event, per view: (first, end, event).
-        self._shared: list[tuple[int, int, EpisodeFrames] | None] = [None, None]
+        self._shared: list[tuple[int, int, EpisodeFrames] | None] = [None] * VIEWS
         self.watchers = 0  # attached watch streams (maintained by the watchers themselves)
 
     @property
     def last_episode(self) -> int:
         """The last published episode (``origin`` before the first)."""
-        return self.base + len(self.frames)
+        return self.base + len(self._views[0])
 
     @property
     def waiter_count(self) -> int:
@@ -264,21 +301,47 @@ class EpisodeLog:
         will wake every parked watcher."""
         return self._timer is not None
 
-    def view(self, scalars: bool) -> list[bytes]:
-        """The frames held (episode ``base + 1`` first), with or without detail."""
-        return self.scalar_frames if scalars else self.frames
+    @property
+    def frames(self) -> list[bytes]:
+        """The frames held (episode ``base + 1`` first), with their detail."""
+        return self._views[0]
 
-    def frames_event(self, after: int, end: int, scalars: bool) -> EpisodeFrames:
-        """Episodes ``after + 1 .. end`` (all held: ``base <= after < end <= last_episode``) as
-        one event, a batch unless it is one episode; the same object for every caller that
-        asks for the same range (one slice and one event per wake-up, not per watcher)."""
-        shared = self._shared[scalars]
+    @property
+    def scalar_frames(self) -> list[bytes]:
+        """The frames held, without their detail."""
+        return self._views[SCALARS]
+
+    def episodes(self, view: int, after: int, end: int) -> list[bytes]:
+        """Episodes ``after + 1 .. end`` (all held: ``base <= after <= end <= last_episode``) in
+        a view (``view_of``); a JSON view writes the JSON of those it does not hold yet."""
+        lo, hi = after - self.base, end - self.base
+        if not view & JSON:
+            return self._views[view][lo:hi]
+        start = self._json_start
+        held = self._views[view]
+        if lo < start or lo > start + len(held):
+            # Not next to the stretch written so far: a new stretch begins at lo (what a
+            # watcher asks for next follows on from it).
+            start = self._json_start = lo
+            self._views[JSON] = []
+            self._views[JSON | SCALARS] = []
+            held = self._views[view]
+        if start + len(held) < hi:
+            full, numbers = json_views(self._views[0][start + len(held) : hi])
+            self._views[JSON].extend(full)
+            self._views[JSON | SCALARS].extend(numbers)
+        return held[lo - start : hi - start]
+
+    def frames_event(self, after: int, end: int, view: int) -> EpisodeFrames:
+        """Episodes ``after + 1 .. end`` (all held: ``base <= after < end <= last_episode``) in
+        a view as one event, a batch unless it is one episode; the same object for every caller
+        that asks for the same range (one slice and one event per wake-up, not per watcher)."""
+        shared = self._shared[view]
         if shared is not None and shared[0] == after and shared[1] == end:
             return shared[2]
-        base = self.base
-        frames = (self.scalar_frames if scalars else self.frames)[after - base : end - base]
-        event = EpisodeFrames(frames, end - after > 1)
-        self._shared[scalars] = (after, end, event)
+        frames = self.episodes(view, after, end)
+        event = EpisodeFrames(frames, end - after > 1, after + 1)
+        self._shared[view] = (after, end, event)
         return event
 
     def restore(self, last_episode: int, frames: Sequence[bytes]) -> None:
@@ -306,13 +369,20 @@ class EpisodeLog:
             self._timer = asyncio.get_running_loop().call_later(delay, self.wake)
 
     def _append(self, frames: Sequence[bytes], scalar_frames: Sequence[bytes]) -> None:
-        self.frames.extend(frames)
-        self.scalar_frames.extend(scalar_frames)
-        excess = len(self.frames) - self._keep
+        held = self._views
+        held[0].extend(frames)
+        held[SCALARS].extend(scalar_frames)
+        excess = len(held[0]) - self._keep
         if excess > self._keep:
             # New lists: a watcher slicing the old ones keeps what it holds.
-            self.frames = self.frames[excess:]
-            self.scalar_frames = self.scalar_frames[excess:]
+            self._views = [v[excess:] for v in held[:JSON]]
+            start = self._json_start - excess
+            if start >= 0:
+                self._views += held[JSON:]
+            else:
+                self._views += [v[-start:] for v in held[JSON:]]
+                start = 0
+            self._json_start = start
             self.base += excess
 
     def close(self) -> None:
@@ -411,26 +481,28 @@ class PageCache:
     """A byte-bounded LRU of history pages read from the store (finished runs, and the history
     of active runs older than their live tail), shared by all watchers.
 
-    Page ``k`` of a run holds the frames of episodes ``k*PAGE_EPISODES + 1`` onwards (at most
-    ``PAGE_EPISODES``), in one view (with detail, or without: ``scalars``); the page of a fork's
+    Page ``k`` of a run holds episodes ``k*PAGE_EPISODES + 1`` onwards (at most
+    ``PAGE_EPISODES``), in one view (``view_of``: frames or JSON, with detail or without); the
+    page of a fork's
     first episode holds those after its fork episode only (``page_start``). Concurrent misses
     on one page share a single load.
 
     Args:
-        loader: Loads ``(run_id, first, last, scalars)`` -> serialized episodes from the store.
+        loader: Loads ``(run_id, first, last, scalars, json)`` -> serialized episodes (or their
+            JSON) from the store.
         max_bytes: Capacity; 0 disables caching.
     """
 
     def __init__(
         self,
-        loader: Callable[[str, int, int, bool], Awaitable[list[bytes]]],
+        loader: Callable[[str, int, int, bool, bool], Awaitable[list[bytes]]],
         max_bytes: int,
     ) -> None:
         self._loader = loader
         self._max_bytes = max_bytes
         self._bytes = 0
-        self._pages: OrderedDict[tuple[str, int, bool], tuple[bytes, ...]] = OrderedDict()
-        self._loading: dict[tuple[str, int, bool], asyncio.Future[tuple[bytes, ...]]] = {}
+        self._pages: OrderedDict[tuple[str, int, int], tuple[bytes, ...]] = OrderedDict()
+        self._loading: dict[tuple[str, int, int], asyncio.Future[tuple[bytes, ...]]] = {}
 
     @property
     def size_bytes(self) -> int:
@@ -442,15 +514,15 @@ class PageCache:
         run_id: str,
         index: int,
         last_episode: int,
-        scalars: bool = False,
+        view: int = 0,
         final: bool = True,
         origin: int = 0,
     ) -> tuple[bytes, ...]:
-        """Frames of page ``index`` of a run whose episodes through ``last_episode`` are
-        committed (``final``: and no more will be; otherwise a page that is not full is not
-        cached, it may grow), and whose history starts after ``origin`` (a fork's episode):
-        the first frame is of episode ``page_start(index, origin) + 1``."""
-        key = (run_id, index, scalars)
+        """Episodes (in ``view``) of page ``index`` of a run whose episodes through
+        ``last_episode`` are committed (``final``: and no more will be; otherwise a page that
+        is not full is not cached, it may grow), and whose history starts after ``origin`` (a
+        fork's episode): the first is episode ``page_start(index, origin) + 1``."""
+        key = (run_id, index, view)
         cached = self._pages.get(key)
         if cached is not None:
             self._pages.move_to_end(key)
@@ -464,12 +536,12 @@ class PageCache:
                 return shared
             # A load of an active run's page that stopped short of what this caller knows is
             # committed (it started earlier): load again, once that one is out of the way.
-            return await self.page(run_id, index, last_episode, scalars, final, origin)
+            return await self.page(run_id, index, last_episode, view, final, origin)
         future: asyncio.Future[tuple[bytes, ...]] = asyncio.get_running_loop().create_future()
         self._loading[key] = future
         try:
-            data = await self._loader(run_id, first, last, scalars)
-            frames = tuple(encode_frame(d) for d in data)
+            data = await self._loader(run_id, first, last, bool(view & SCALARS), bool(view & JSON))
+            frames = tuple(data) if view & JSON else tuple(encode_frame(d) for d in data)
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # consumed here; other waiters get it from the shield
@@ -482,7 +554,7 @@ class PageCache:
             self._put(key, frames)
         return frames
 
-    def _put(self, key: tuple[str, int, bool], frames: tuple[bytes, ...]) -> None:
+    def _put(self, key: tuple[str, int, int], frames: tuple[bytes, ...]) -> None:
         size = sum(len(f) for f in frames)
         if size > self._max_bytes:
             return

@@ -253,11 +253,11 @@ class RunRegistry:
         return await self._curves.curve(run_id, buckets, metrics, first_episode, last_episode)
 
     def watch(
-        self, run_id: str, after_episode: int, scalars: bool = False
+        self, run_id: str, after_episode: int, scalars: bool = False, json: bool = False
     ) -> AsyncIterator[WatchEvent]:
         """Streams a run's history after ``after_episode``, then its live episodes, with their
-        detail or without (``scalars``); see ``Watches.watch``."""
-        return self._watches.watch(run_id, after_episode, scalars)
+        detail or without (``scalars``), as frames or JSON; see ``Watches.watch``."""
+        return self._watches.watch(run_id, after_episode, scalars, json)
 
     # -- controls ----------------------------------------------------------------------------
 

@@ -127,16 +127,15 @@ class Replay:
             )
 
     async def _chunk(
-        self, log: EpisodeLog, cursor: int, upto: int, scalars: bool
+        self, log: EpisodeLog, cursor: int, upto: int, view: int
     ) -> tuple[Sequence[bytes], bool]:
         """Frames of episodes ``cursor + 1`` onwards, at most through ``upto``: from the live
         tail, else a page from the store; and whether they came from the store."""
         if cursor >= log.base:
-            frames = log.view(scalars)
-            return frames[cursor - log.base : upto - log.base], False
+            return log.episodes(view, cursor, upto), False
         index = cursor // PAGE_EPISODES
         origin = log.origin
-        page = await self._pages.page(log.run_id, index, upto, scalars, False, origin)
+        page = await self._pages.page(log.run_id, index, upto, view, False, origin)
         first = page_start(index, origin)
         chunk = page[cursor - first : upto - first]
         if not chunk:
@@ -148,7 +147,7 @@ class Replay:
         log: EpisodeLog,
         cursor: int,
         upto: int,
-        scalars: bool,
+        view: int,
         sizer: BatchSizer,
         history: bool = False,
     ) -> AsyncIterator[EpisodeFrames]:
@@ -157,10 +156,10 @@ class Replay:
         run_id = log.run_id
         while cursor < upto:
             self._check_closing(run_id, cursor)
-            chunk, stored = await self._chunk(log, cursor, upto, scalars)
+            chunk, stored = await self._chunk(log, cursor, upto, view)
             for lo, hi in sizer.batches(chunk, 0, len(chunk)):
                 began = self._clock()
-                yield EpisodeFrames(chunk[lo:hi], history or stored or hi - lo > 1)
+                yield EpisodeFrames(chunk[lo:hi], history or stored or hi - lo > 1, cursor + lo + 1)
                 sizer.wrote(self._clock() - began)
             cursor += len(chunk)
 
@@ -170,7 +169,7 @@ class Replay:
         state: Callable[[], RunState],
         final: Callable[[], TrainingRun],
         after_episode: int,
-        scalars: bool = False,
+        view: int = 0,
     ) -> AsyncIterator[WatchEvent]:
         """Watches an active run through its log (and the store, for what is older than the
         log's live tail).
@@ -180,7 +179,7 @@ class Replay:
             state: The run's state now (for keepalives).
             final: The run as it ended (called once the log is closed).
             after_episode: Resume after this episode.
-            scalars: Episodes without their detail.
+            view: What each episode is sent as (``gateway.core.history.view_of``).
         """
         run_id = log.run_id
         clock = self._clock
@@ -192,7 +191,7 @@ class Replay:
             cursor = max(after_episode, log.origin)
             attach = log.last_episode
             sizer = BatchSizer(clock)
-            async for event in self._send(log, cursor, attach, scalars, sizer, history=True):
+            async for event in self._send(log, cursor, attach, view, sizer, history=True):
                 yield event
             # The run's real last episode, even when after_episode is beyond it.
             yield CaughtUp(attach)
@@ -208,14 +207,17 @@ class Replay:
                     if cursor < base or (
                         visible - cursor > 1
                         and batch_end(
-                            log.view(scalars), cursor - base, visible - base, max_bytes=sizer.budget
+                            (backlog := log.episodes(view, cursor, visible)),
+                            0,
+                            len(backlog),
+                            max_bytes=sizer.budget,
                         )
-                        < visible - base
+                        < len(backlog)
                     ):
                         # A watcher that fell behind (slow network, unpaced run) gets its
                         # backlog in batches rather than one message per episode, one after
                         # the other.
-                        async for event in self._send(log, cursor, visible, scalars, sizer):
+                        async for event in self._send(log, cursor, visible, view, sizer):
                             yield event
                         last_sent = clock()
                         cursor = visible
@@ -225,7 +227,7 @@ class Replay:
                         # The usual live step: what was published since the last wake-up, one
                         # message, the event shared with the watchers at the same place.
                         began = clock()
-                        yield log.frames_event(cursor, visible, scalars)
+                        yield log.frames_event(cursor, visible, view)
                         last_sent = clock()
                         sizer.wrote(last_sent - began)
                         cursor = visible
@@ -249,7 +251,7 @@ class Replay:
             log.watchers -= 1
 
     async def finished(
-        self, run: TrainingRun, after_episode: int, scalars: bool = False
+        self, run: TrainingRun, after_episode: int, view: int = 0
     ) -> AsyncIterator[WatchEvent]:
         """Watches a finished run from the store (a fork's from after its fork episode)."""
         origin = run.fork_episode
@@ -259,14 +261,14 @@ class Replay:
         while cursor < last:
             self._check_closing(run.id, cursor)
             index = cursor // PAGE_EPISODES
-            page = await self._pages.page(run.id, index, last, scalars, True, origin)
+            page = await self._pages.page(run.id, index, last, view, True, origin)
             first = page_start(index, origin)  # episode number before the page's first
             expected = min(last, (index + 1) * PAGE_EPISODES) - first
             if len(page) < expected:
                 raise RunNotFound(run.id)  # deleted while being replayed
             for lo, hi in sizer.batches(page, cursor - first, len(page)):
                 began = self._clock()
-                yield EpisodeFrames(page[lo:hi], True)
+                yield EpisodeFrames(page[lo:hi], True, first + lo + 1)
                 sizer.wrote(self._clock() - began)
             cursor = first + len(page)
         yield CaughtUp(last)

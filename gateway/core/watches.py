@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from gateway.core.catalog import require_run_id
 from gateway.core.errors import InvalidRequest, ShuttingDown
 from gateway.core.follower import Follower
+from gateway.core.history import view_of
 from gateway.core.observer import Observer
 from gateway.core.ownership import Ownership
 from gateway.core.replay import EpisodeFrames, Replay, WatchEvent
@@ -43,10 +44,11 @@ class Watches:
         self._observer = observer
 
     async def watch(
-        self, run_id: str, after_episode: int, scalars: bool = False
+        self, run_id: str, after_episode: int, scalars: bool = False, json: bool = False
     ) -> AsyncIterator[WatchEvent]:
         """Streams a run's history after ``after_episode``, then its live episodes (without
-        their detail: ``scalars``).
+        their detail: ``scalars``), as frames or as their JSON (``json``: the HTTP side's event
+        stream).
 
         Raises:
             InvalidRequest: empty run id or negative after_episode.
@@ -62,26 +64,27 @@ class Watches:
             )
         if self._table.closing:
             raise ShuttingDown(f"the gateway is shutting down; resume watching run {run_id!r}")
+        view = view_of(scalars, json)
         observer = self._observer
         observer.watcher_attached(run_id)
         follower: Follower | None = None
         try:
             driver = self._table.driving(run_id)
             if driver is not None:
-                view = self._ownership.view(driver)
+                snapshot = self._ownership.view(driver)
                 events = self._replay.active(
-                    driver.log, lambda: view().state, view, after_episode, scalars
+                    driver.log, lambda: snapshot().state, snapshot, after_episode, view
                 )
             else:
                 run = await self._get_run(run_id)
                 follower = self._ownership.follow(run)
                 if follower is None:
-                    events = self._replay.finished(run, after_episode, scalars)
+                    events = self._replay.finished(run, after_episode, view)
                 else:  # another replica drives it: follow it in the store
                     await follower.ready()
                     f = follower
                     events = self._replay.active(
-                        f.log, lambda: f.run.state, f.snapshot, after_episode, scalars
+                        f.log, lambda: f.run.state, f.snapshot, after_episode, view
                     )
             async for event in events:
                 if type(event) is EpisodeFrames:  # one call per message, not per episode

@@ -15,9 +15,10 @@ It resumes after ``Last-Event-ID`` (what ``EventSource`` sends when it reconnect
 saw, exactly once. ``?view=scalars`` streams the episodes without their detail (motions,
 completions: numbers only, for curves and tables); ``?view=full``, the default, with it.
 
-Each episode's event is written once and kept in an ``EventCache`` shared by every stream, so
-a replay of a history already sent (a reload, a second page) costs little more than its writes:
-a replayed batch (up to 256 episodes) goes out in one write.
+Each episode's JSON is written once, when the gateway publishes the episode, and kept with it
+(the core's ``JSON`` views, ``gateway.core.history``; stored beside the episode), so a stream
+only frames it: a replay costs about what a ``WatchRun`` replay costs, and a replayed batch (up
+to 256 episodes) goes out in one write.
 
 Errors before the first byte (unknown run, bad ``after`` or ``view``) are answered like every
 other call (``gateway.http.errors``); once the stream has begun, an error or a gateway shutdown
@@ -29,8 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,6 @@ from google.protobuf import json_format
 
 from gateway import convert
 from gateway.core.errors import InvalidRequest
-from gateway.core.history import frame_payload
 from gateway.core.registry import (
     CaughtUp,
     EpisodeFrames,
@@ -49,11 +48,10 @@ from gateway.core.registry import (
     WatchEvent,
 )
 from gateway.http.context import HttpContext
-from gateway.http.episode_json import episode_json
 from gateway.http.errors import HttpAbort
 from gateway.status import map_errors
 from trainwire.contract import FieldViolation
-from trainwire.v1 import episode_pb2, gateway_service_pb2
+from trainwire.v1 import gateway_service_pb2
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -66,73 +64,14 @@ RETRY_MS = 1000
 _KEEPALIVE = b": keepalive\n\n"
 
 
-def episode_event(frame: bytes) -> bytes:
-    """The ``episode`` event of a frame (``gateway.core.history``)."""
-    episode = episode_pb2.Episode.FromString(frame_payload(frame))
-    return f"id: {episode.episode}\nevent: episode\ndata: {episode_json(episode)}\n\n".encode()
-
-
-#: What one cache entry holds beyond the contents of its frame and its event: the headers of
-#: the two ``bytes`` objects (33 bytes each) and the entry's slot and link in the
-#: ``OrderedDict``; 130-180 bytes in all, measured (``tests/http/test_sse_cache.py``), rounded up.
-ENTRY_OVERHEAD = 256
-#: The event cache's default budget: about four 5000-episode imitation runs (a motion every
-#: 10th episode: ~8 MiB of frames and events each).
-EVENT_CACHE_BYTES = 32 << 20
-
-
-class EventCache:
-    """The ``episode`` events of frames, written once and shared by every stream of the HTTP side.
-
-    An event is a pure function of its frame's bytes, and a run's history is replayed to every
-    page that opens it, again on every reload, and sent live to every page watching it. So the
-    cache maps frame bytes to event bytes: equal bytes hit, whichever history (a live run's log,
-    a page of a finished run read again from the store) and view (full or scalars: different
-    frames) they come from. Writing costs ~6 us for a scalar episode and ~0.2 ms for one with a
-    motion; a hit costs a lookup (the frame's hash is kept by the ``bytes`` object).
-
-    Memory: at most ``budget_bytes`` for frames, events and ``ENTRY_OVERHEAD`` per entry, least
-    recently used first out; an entry larger than the budget is written and not kept. Frames are
-    counted though the core usually holds the same objects (its log or page cache), so the bound
-    holds when the core has let them go.
-
-    Args:
-        budget_bytes: What the entries may hold, in bytes.
-    """
-
-    def __init__(self, budget_bytes: int = EVENT_CACHE_BYTES) -> None:
-        self._budget = budget_bytes
-        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
-        self.size = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def events(self, frames: Sequence[bytes]) -> bytes:
-        """One ``episode`` event per frame, as one byte string."""
-        entries = self._entries
-        get, touch = entries.get, entries.move_to_end
-        out = []
-        for frame in frames:
-            event = get(frame)
-            if event is None:
-                event = self._write(frame)
-            else:
-                touch(frame)
-            out.append(event)
-        return b"".join(out)
-
-    def _write(self, frame: bytes) -> bytes:
-        event = episode_event(frame)
-        cost = len(frame) + len(event) + ENTRY_OVERHEAD
-        if cost > self._budget:
-            return event
-        self._entries[frame] = event
-        self.size += cost
-        while self.size > self._budget:
-            old_frame, old_event = self._entries.popitem(last=False)
-            self.size -= len(old_frame) + len(old_event) + ENTRY_OVERHEAD
-        return event
+def episode_events(frames: EpisodeFrames) -> bytes:
+    """The ``episode`` events of consecutive episodes' JSON (a watch's ``JSON`` view)."""
+    out: list[bytes] = []
+    number = frames.first
+    for data in frames.frames:
+        out += (b"id: ", str(number).encode(), b"\nevent: episode\ndata: ", data, b"\n\n")
+        number += 1
+    return b"".join(out)
 
 
 def _message_event(name: str, message: Any) -> bytes:
@@ -140,10 +79,10 @@ def _message_event(name: str, message: Any) -> bytes:
     return f"event: {name}\ndata: {data}\n\n".encode()
 
 
-def encode_event(event: WatchEvent, cache: EventCache) -> bytes:
-    """The bytes of one watch event on the stream."""
+def encode_event(event: WatchEvent) -> bytes:
+    """The bytes of one watch event (of a ``JSON`` view) on the stream."""
     if isinstance(event, EpisodeFrames):
-        return cache.events(event.frames)
+        return episode_events(event)
     if isinstance(event, Keepalive):
         return _KEEPALIVE
     if isinstance(event, CaughtUp):
@@ -217,7 +156,9 @@ class _Watch:
 
     @map_errors
     async def WatchRun(self, request: WatchQuery, context: Any) -> AsyncGenerator[WatchEvent, None]:
-        watch = self._core.watch(request.run_id, request.after_episode, scalars=request.scalars)
+        watch = self._core.watch(
+            request.run_id, request.after_episode, scalars=request.scalars, json=True
+        )
         async for event in watch:
             yield event
 
@@ -229,7 +170,6 @@ class EventStreams:
     def __init__(self, core: RunRegistry) -> None:
         self._watch = _Watch(core)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.cache = EventCache()
 
     @property
     def open_streams(self) -> int:
@@ -256,14 +196,12 @@ class EventStreams:
                 first = await anext(events)
                 response = web.StreamResponse(headers=HEADERS)
                 await response.prepare(request)
-                await response.write(
-                    f"retry: {RETRY_MS}\n\n".encode() + encode_event(first, self.cache)
-                )
+                await response.write(f"retry: {RETRY_MS}\n\n".encode() + encode_event(first))
                 # Past the first byte an error (the run deleted, the gateway stopping; logged by
                 # map_errors) can only end the stream: the client resumes from its last id.
                 with contextlib.suppress(HttpAbort, ConnectionError):
                     async for event in events:
-                        await response.write(encode_event(event, self.cache))
+                        await response.write(encode_event(event))
                         if isinstance(event, Finished):
                             break
                 return response

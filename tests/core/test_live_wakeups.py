@@ -40,7 +40,7 @@ def _replay() -> Replay:
     return Replay(PageCache(_no_store, 0), KEEPALIVE_S, loop.time, lambda: False)
 
 
-async def _no_store(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
+async def _no_store(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
     raise AssertionError("the live tail holds everything these tests watch")
 
 

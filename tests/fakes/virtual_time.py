@@ -193,9 +193,11 @@ class InFlightStore:
         return await self._call(lambda: self.inner.list_runs(query))
 
     async def read_episodes(
-        self, run_id: str, first: int, last: int, scalars: bool = False
+        self, run_id: str, first: int, last: int, scalars: bool = False, json: bool = False
     ) -> list[bytes]:
-        return await self._call(lambda: self.inner.read_episodes(run_id, first, last, scalars))
+        return await self._call(
+            lambda: self.inner.read_episodes(run_id, first, last, scalars, json)
+        )
 
     async def read_curve_blocks(
         self, run_id: str, spans: Sequence[tuple[int, int, int]]

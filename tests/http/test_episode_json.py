@@ -13,8 +13,8 @@ from google.protobuf import json_format, timestamp_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.http import episode_json as module
-from gateway.http.episode_json import episode_json
+from gateway.core import episode_json as module
+from gateway.core.episode_json import episode_json
 from tests.fakes.fake_trainer import valid_episodes
 from trainwire.v1 import episode_pb2
 

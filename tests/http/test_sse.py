@@ -5,10 +5,13 @@ and a second replay served from the event cache."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from aiohttp import web
 
+from gateway.core import history
+from gateway.core.store import base
 from gateway.http import sse
 from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import collect
@@ -218,21 +221,26 @@ async def test_the_scalar_view_of_a_live_run(http: Http) -> None:
     assert not any(e.WhichOneof("detail") for e in stream.episodes)
 
 
-async def test_a_second_replay_is_the_same_bytes_without_writing_an_event(
+async def test_a_replay_frames_the_json_written_at_publication_and_encodes_nothing(
     http: Http, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each episode's JSON is written once, when it is published (and stored): replays of a
+    finished run, from the store, only frame it."""
     run_id = await finished_run(http, 600)
+    encoded = 0
+    parts = base.json_parts
+
+    def counting(episode: Any) -> tuple[bytes, bytes | None]:
+        nonlocal encoded
+        encoded += 1
+        return parts(episode)
+
+    for module in (base, history):
+        monkeypatch.setattr(module, "json_parts", counting)
     url = events_url(http, run_id)
     first = await read_stream(http.session, url)
-    written = 0
-    encode = sse.episode_event
-
-    def counting(frame: bytes) -> bytes:
-        nonlocal written
-        written += 1
-        return encode(frame)
-
-    monkeypatch.setattr(sse, "episode_event", counting)
     second = await read_stream(http.session, url)
-    assert written == 0
-    assert second.events == first.events and second.numbers == list(range(1, 601))
+    scalars = await read_stream(http.session, events_url(http, run_id, "?view=scalars"))
+    assert encoded == 0
+    assert first.numbers == second.numbers == scalars.numbers == list(range(1, 601))
+    assert second.events == first.events

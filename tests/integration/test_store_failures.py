@@ -64,7 +64,7 @@ def test_a_database_that_cannot_be_used_is_one_line_and_exit_2(tmp_path: Path, c
         sqlite3.connect(path).executescript("CREATE TABLE orders (id INTEGER);")
     elif case == "newer":
         sqlite3.connect(path).executescript(
-            "PRAGMA application_id=1415006546; PRAGMA user_version=7; CREATE TABLE runs (x);"
+            "PRAGMA application_id=1415006546; PRAGMA user_version=99; CREATE TABLE runs (x);"
         )
     else:
         sqlite3.connect(path).executescript("PRAGMA user_version=0;")

@@ -12,8 +12,10 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
+from google.protobuf import json_format
 
 from gateway.core.curve import CurveBuilder
+from gateway.core.episode_json import episode_json, json_parts
 from gateway.core.history import detail_offset
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.search import RunPage, RunQuery
@@ -432,6 +434,53 @@ async def test_details_are_kept_apart_settled_and_curve_blocks_read_back(store: 
     assert blocks[-1] == carried_block(recs, 2, 1)
     await store.delete_run("a")
     assert await store.read_curve_blocks("a", [(1, 0, 9)]) == []
+
+
+async def test_episodes_json_is_read_as_stored_and_written_where_it_was_not(
+    store: Store,
+) -> None:
+    """Each episode's JSON is kept beside it in two parts (numbers, detail) and read back
+    joined, with the detail the store kept or without; the episodes stored without their JSON
+    (before the store kept it: the odd ones here) read the same, encoded on the read."""
+    await store.insert_run(make_run("a"))
+    recs = []
+    for e in valid_episodes(40, detail_every=4):
+        data = e.SerializeToString(deterministic=True)
+        at = detail_offset(data)
+        numbers, detail = json_parts(e) if e.episode % 2 == 0 else (b"", None)
+        recs.append(
+            EpisodeRecord(
+                "a",
+                e.episode,
+                e.reward,
+                e.best_reward,
+                data,
+                at if at < len(data) else -1,
+                keep_detail=e.episode % 8 == 0 or e.done,
+                numbers_json=numbers,
+                detail_json=detail,
+            )
+        )
+    assert await append(store, recs) == [None] * 40
+    assert await store.settle_details("a", 1, 30, [20]) == 3  # 4, 12, 28 dropped; 20 kept
+
+    def expected(scalars: bool) -> list[bytes]:
+        stored = [episode_pb2.Episode.FromString(d) for d in whole]
+        if scalars:
+            for e in stored:
+                e.ClearField("detail")
+        return [episode_json(e).encode() for e in stored]
+
+    whole = await store.read_episodes("a", 1, 40)
+    full = await store.read_episodes("a", 1, 40, json=True)
+    assert full == expected(False)
+    assert sum(b'"imitation"' in j for j in full) == 7  # 8, 16, 20, 24, 32, 36, 40
+    assert await store.read_episodes("a", 1, 40, scalars=True, json=True) == expected(True)
+    assert await store.read_episodes("a", 11, 13, json=True) == full[10:13]
+    for text, data in zip(full, whole, strict=True):  # the protobuf JSON mapping, exactly
+        assert json_format.Parse(text, episode_pb2.Episode()) == episode_pb2.Episode.FromString(
+            data
+        )
 
 
 def carried_block(recs: list[EpisodeRecord], level: int, index: int) -> object:

@@ -8,8 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.core import history
+from gateway.core.episode_json import episode_json
 from gateway.core.history import (
+    JSON,
     MAX_BATCH_BYTES,
+    SCALARS,
+    EpisodeFrames,
     EpisodeLog,
     PageCache,
     detail_offset,
@@ -136,7 +141,7 @@ async def test_page_cache_shares_loads_and_evicts_by_bytes() -> None:
     loads: list[tuple[str, int, int]] = []
     gate = asyncio.Event()
 
-    async def loader(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
+    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
         loads.append((run_id, first, last))
         await gate.wait()
         return episodes[first - 1 : last]
@@ -160,7 +165,7 @@ async def test_page_cache_shares_loads_and_evicts_by_bytes() -> None:
 
 
 async def test_page_cache_does_not_keep_a_short_page() -> None:
-    async def loader(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
+    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
         return [b"e"] * 3  # the run was deleted half way
 
     cache = PageCache(loader, max_bytes=1 << 20)
@@ -171,7 +176,7 @@ async def test_page_cache_does_not_keep_a_short_page() -> None:
 async def test_page_cache_keeps_a_growing_page_of_an_active_run_only_once_full() -> None:
     episodes = [e.SerializeToString() for e in valid_episodes(300)]
 
-    async def loader(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
+    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
         return episodes[first - 1 : last]
 
     cache = PageCache(loader, max_bytes=1 << 20)
@@ -180,7 +185,7 @@ async def test_page_cache_keeps_a_growing_page_of_an_active_run_only_once_full()
     assert len(await cache.page("r", 0, 300, final=False)) == 256
     full = cache.size_bytes
     assert full > 0
-    assert len(await cache.page("r", 1, 300, scalars=True)) == 44  # a finished run's last page
+    assert len(await cache.page("r", 1, 300, view=SCALARS)) == 44  # a finished run's last page
     cache.forget("r", 1, 256)  # their details were dropped: page 0 goes, page 1 stays
     assert 0 < cache.size_bytes < full
 
@@ -189,7 +194,7 @@ async def test_page_cache_reads_a_forks_first_page_from_after_its_fork_episode()
     episodes = [e.SerializeToString() for e in valid_episodes(600)]
     loads: list[tuple[int, int]] = []
 
-    async def loader(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
+    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
         loads.append((first, last))
         return episodes[first - 1 : last]
 
@@ -263,7 +268,7 @@ async def test_a_page_load_that_stops_short_of_a_later_callers_episodes_is_done_
     gate = asyncio.Event()
     loads: list[int] = []
 
-    async def loader(run_id: str, first: int, last: int, scalars: bool) -> list[bytes]:
+    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
         loads.append(last)
         await gate.wait()
         return episodes[first - 1 : last]
@@ -277,3 +282,41 @@ async def test_a_page_load_that_stops_short_of_a_later_callers_episodes_is_done_
     assert len(await early) == 100
     assert len(await later) == 200  # not the 100 the shared load read
     assert loads == [100, 200]
+
+
+def test_the_json_views_are_written_once_each_when_first_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    episodes = list(valid_episodes(700, detail_every=5))
+    frames = [encode_frame(e.SerializeToString(deterministic=True)) for e in episodes]
+    full = [episode_json(e).encode() for e in episodes]
+    plain = []
+    for e in episodes:
+        e.ClearField("detail")
+        plain.append(episode_json(e).encode())
+    written = 0
+    parts = history.json_parts
+
+    def counting(episode: episode_pb2.Episode) -> tuple[bytes, bytes | None]:
+        nonlocal written
+        written += 1
+        return parts(episode)
+
+    monkeypatch.setattr(history, "json_parts", counting)
+    log = EpisodeLog("r", keep=200)
+    log.publish(frames[:300])
+    assert written == 0  # nobody asked: nothing written
+    assert log.base == 0
+    assert log.episodes(JSON, 250, 260) == full[250:260]
+    assert log.episodes(JSON | SCALARS, 255, 270) == plain[255:270]  # 260..270 added
+    assert written == 20
+    assert log.episodes(JSON, 250, 270) == full[250:270] and written == 20  # held
+    log.publish(frames[300:450])  # trims the first 250 (base 250): the stretch stays
+    assert log.base == 250
+    assert log.episodes(JSON, 260, 450) == full[260:450] and written == 200
+    assert log.episodes(JSON, 251, 255) == full[251:255]  # before the stretch: a new one
+    assert log.episodes(JSON, 255, 260) == full[255:260]
+    log.publish(frames[450:700])  # trims past the whole stretch
+    assert log.episodes(JSON | SCALARS, 690, 700) == plain[690:700]
+    assert log.episodes(SCALARS, 690, 700) == [scalar_frame(f) for f in frames[690:700]]
+    assert log.frames_event(699, 700, JSON) == EpisodeFrames([full[699]], False, 700)

@@ -30,11 +30,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.core.curve import CurveBlock
+from gateway.core.episode_json import join_json, json_parts
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.search import RunPage, RunQuery
+from trainwire.v1.episode_pb2 import Episode
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -54,6 +56,11 @@ class EpisodeRecord:
     ``keep_detail`` says so, otherwise it is *recent* until ``settle_details`` keeps or drops
     it (``gateway.core.details``): recent details live apart, so dropping a range of them
     frees whole pages for what comes next.
+
+    ``numbers_json`` and ``detail_json`` are the episode's JSON in the same two parts
+    (``gateway.core.episode_json.json_parts``), kept beside the bytes so that the HTTP side's
+    event stream replays without encoding; ``numbers_json`` empty: not written (the store then
+    writes the JSON when it is read).
     """
 
     run_id: str
@@ -64,6 +71,8 @@ class EpisodeRecord:
     detail_at: int = -1
     blocks: tuple[CurveBlock, ...] = ()
     keep_detail: bool = True
+    numbers_json: bytes = b""
+    detail_json: bytes | None = None
 
     @property
     def scalars(self) -> bytes:
@@ -74,6 +83,47 @@ class EpisodeRecord:
     def detail(self) -> bytes | None:
         """The serialized detail field, or None."""
         return None if self.detail_at < 0 else self.data[self.detail_at :]
+
+
+#: A row of an episode's numbers as ``stored_episodes`` and ``stored_json`` take it: (episode,
+#: data) or (episode, data, numbers_json); PostgreSQL gives ``bytea`` as bytes or memoryview.
+EpisodeRow = Sequence[Any]
+
+
+def stored_episodes(rows: Sequence[EpisodeRow], details: Mapping[int, Any]) -> list[bytes]:
+    """Episodes as ``read_episodes`` returns them, from their numbers' rows ``(episode, data)``
+    in order and the stored details among them (``episode -> detail``)."""
+    if not details:
+        return [bytes(row[1]) for row in rows]
+    get = details.get
+    out = []
+    for row in rows:
+        data = bytes(row[1])
+        detail = get(row[0])
+        out.append(data if detail is None else data + bytes(detail))
+    return out
+
+
+def stored_json(rows: Sequence[EpisodeRow], details: Mapping[int, Any] | None) -> list[bytes]:
+    """Episodes' JSON as ``read_episodes(json=True)`` returns it, from their numbers' rows
+    ``(episode, data, numbers_json)`` in order and the stored details among them, ``episode ->
+    (detail, detail_json)`` (None: the view without detail). A part stored without its JSON
+    (written before the store kept JSON) is encoded here from its bytes."""
+    out = []
+    get = details.get if details else None
+    for number, data, numbers in rows:
+        kept = None if get is None else get(number)
+        if kept is not None:
+            detail, detail_json = kept
+            if numbers is not None and detail_json is not None:
+                out.append(join_json(bytes(numbers), bytes(detail_json)))
+            else:
+                out.append(join_json(*json_parts(Episode.FromString(bytes(data) + bytes(detail)))))
+        elif numbers is not None:
+            out.append(bytes(numbers))
+        else:
+            out.append(json_parts(Episode.FromString(bytes(data)))[0])
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,10 +339,11 @@ class Store(Protocol):
         ...
 
     async def read_episodes(
-        self, run_id: str, first: int, last: int, scalars: bool = False
+        self, run_id: str, first: int, last: int, scalars: bool = False, json: bool = False
     ) -> list[bytes]:
         """The stored bytes of episodes ``first..last`` (inclusive), in order: with the detail
-        the store kept, or without any (``scalars``)."""
+        the store kept, or without any (``scalars``); or their JSON (``json``, see
+        ``episode_rows``)."""
         ...
 
     async def read_curve_blocks(

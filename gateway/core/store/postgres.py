@@ -37,6 +37,8 @@ from gateway.core.store.base import (
     EpisodeRecord,
     NotOwner,
     check_keep,
+    stored_episodes,
+    stored_json,
 )
 from gateway.core.store.postgres_db import CHANNEL, PostgresDatabase, is_postgres_url, safe_url
 from gateway.core.store.postgres_episodes import GroupCommit
@@ -353,37 +355,39 @@ class PostgresStore(PostgresDatabase):
     # -- episodes ----------------------------------------------------------------------------
 
     async def read_episodes(
-        self, run_id: str, first: int, last: int, scalars: bool = False
+        self, run_id: str, first: int, last: int, scalars: bool = False, json: bool = False
     ) -> list[bytes]:
         """The stored bytes of episodes ``first..last`` (inclusive), in order, with their kept
-        detail or without (``scalars``)."""
-        query = (
-            "SELECT data FROM episodes WHERE run_id=%s AND episode BETWEEN %s AND %s "
-            "ORDER BY episode"
-            if scalars
-            # The range on each joined table too: PostgreSQL does not carry it over from
-            # episodes, and would read every detail of the run for each page.
-            else "SELECT e.data, coalesce(d.detail, r.detail) FROM episodes e "
-            "LEFT JOIN details d ON d.run_id = e.run_id AND d.episode = e.episode "
-            "AND d.run_id = %(run)s AND d.episode BETWEEN %(first)s AND %(last)s "
-            "LEFT JOIN recent_details r ON r.run_id = e.run_id AND r.episode = e.episode "
-            "AND r.run_id = %(run)s AND r.episode BETWEEN %(first)s AND %(last)s "
-            "WHERE e.run_id = %(run)s AND e.episode BETWEEN %(first)s AND %(last)s "
-            "ORDER BY e.episode"
-        )
+        detail or without (``scalars``); or their JSON (``json``). The details are read by
+        range apart from the numbers and matched in Python (they are few)."""
+        where = (run_id, first, last)
+        numbers = (
+            "SELECT episode, data, json" if json else "SELECT episode, data"
+        ) + " FROM episodes WHERE run_id=%s AND episode BETWEEN %s AND %s ORDER BY episode"
+        columns = "episode, detail, json" if json else "episode, detail"
 
         async def go(conn: psycopg.AsyncConnection) -> list[bytes]:
             async with conn.cursor(binary=True) as cur:
-                params: Any = (
-                    (run_id, first, last)
-                    if scalars
-                    else {"run": run_id, "first": first, "last": last}
-                )
-                await cur.execute(query, params)
+                await cur.execute(numbers, where)
                 rows = await cur.fetchall()
-            if scalars:
-                return [bytes(row[0]) for row in rows]
-            return [bytes(d) if x is None else bytes(d) + bytes(x) for d, x in rows]
+                if scalars:
+                    return stored_json(rows, None) if json else stored_episodes(rows, {})
+                details: dict[int, Any] = {}
+                # Recent first, then kept: a detail settled between the two reads (moved to
+                # ``details`` and deleted from ``recent_details`` in one transaction) is found
+                # by the second, and one found in both is the kept one.
+                for table in ("recent_details", "details"):
+                    await cur.execute(
+                        f"SELECT {columns} FROM {table} "
+                        "WHERE run_id=%s AND episode BETWEEN %s AND %s",
+                        where,
+                    )
+                    found = await cur.fetchall()
+                    if json:
+                        details.update((n, (detail, text)) for n, detail, text in found)
+                    else:
+                        details.update(found)
+            return stored_json(rows, details) if json else stored_episodes(rows, details)
 
         return await self.read(go)
 
@@ -419,8 +423,8 @@ class PostgresStore(PostgresDatabase):
             if not await self._lock_owned(conn, run_id):
                 return 0
             moved = await conn.execute(
-                "INSERT INTO details (run_id, episode, detail) SELECT run_id, episode, detail "
-                "FROM recent_details WHERE run_id=%s AND episode BETWEEN %s AND %s "
+                "INSERT INTO details (run_id, episode, detail, json) SELECT run_id, episode, "
+                "detail, json FROM recent_details WHERE run_id=%s AND episode BETWEEN %s AND %s "
                 "AND episode = ANY(%s::int[]) ON CONFLICT DO NOTHING",
                 (run_id, first, last, list(keep)),
             )

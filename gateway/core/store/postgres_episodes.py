@@ -31,10 +31,10 @@ _LOGGER = logging.getLogger("gateway.core.store.postgres")
 
 #: Inserts details kept for good (True) or recent ones (False), given as arrays.
 _INSERT_DETAILS = {
-    True: "INSERT INTO details (run_id, episode, detail) SELECT * FROM "
-    "unnest(%s::text[], %s::int[], %s::bytea[]) ON CONFLICT DO NOTHING",
-    False: "INSERT INTO recent_details (run_id, episode, detail) SELECT * FROM "
-    "unnest(%s::text[], %s::int[], %s::bytea[]) ON CONFLICT DO NOTHING",
+    True: "INSERT INTO details (run_id, episode, detail, json) SELECT * FROM "
+    "unnest(%s::text[], %s::int[], %s::bytea[], %s::bytea[]) ON CONFLICT DO NOTHING",
+    False: "INSERT INTO recent_details (run_id, episode, detail, json) SELECT * FROM "
+    "unnest(%s::text[], %s::int[], %s::bytea[], %s::bytea[]) ON CONFLICT DO NOTHING",
 }
 
 #: The most episodes one group commit takes.
@@ -146,10 +146,15 @@ class GroupCommit:
         rows = [record for record, _ in batch if record.run_id in owned]
         if rows:
             await conn.execute(
-                "INSERT INTO episodes (run_id, episode, data) "
-                "SELECT * FROM unnest(%s::text[], %s::int[], %s::bytea[]) "
+                "INSERT INTO episodes (run_id, episode, data, json) "
+                "SELECT * FROM unnest(%s::text[], %s::int[], %s::bytea[], %s::bytea[]) "
                 "ON CONFLICT DO NOTHING",
-                ([r.run_id for r in rows], [r.episode for r in rows], [r.scalars for r in rows]),
+                (
+                    [r.run_id for r in rows],
+                    [r.episode for r in rows],
+                    [r.scalars for r in rows],
+                    [r.numbers_json or None for r in rows],
+                ),
             )
             for keep, insert in _INSERT_DETAILS.items():
                 details = [r for r in rows if r.detail_at >= 0 and r.keep_detail is keep]
@@ -161,6 +166,7 @@ class GroupCommit:
                         [r.run_id for r in details],
                         [r.episode for r in details],
                         [r.detail for r in details],
+                        [r.detail_json if r.numbers_json else None for r in details],
                     ),
                 )
             blocks = [(r.run_id, b) for r in rows for b in r.blocks]

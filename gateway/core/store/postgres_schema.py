@@ -30,6 +30,8 @@ Versions (``MIGRATIONS[v - 1]`` takes a database from ``v - 1`` to ``v``):
    with the indexes of searches (best reward, creation time, and a GIN index of the labels).
 6. Jobs across trainers: ``runs`` gains ``trainers`` (JSON text: every trainer the run's job
    spans, rank 0's first), filled in from ``trainer`` (as SQLite's version 6).
+7. Episodes' JSON: ``episodes``, ``details`` and ``recent_details`` gain ``json`` (as SQLite's
+   version 7; NULL for the episodes stored before, whose JSON is written when read).
 
 A migration runs in one transaction under an advisory lock, so replicas started together with
 ``--migrate`` migrate once, and a failed migration leaves the database as it was.
@@ -48,7 +50,7 @@ from gateway.core.store.base import DatabaseProblem, SchemaOutdated
 from gateway.core.store.sqlite_schema import split_stored_episodes, task_search_values
 
 APPLICATION = "trainwire"
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 #: ``pg_advisory_xact_lock`` key of schema changes ("TWIR").
 MIGRATION_LOCK = 0x54574952
 
@@ -165,7 +167,12 @@ _V6 = (
     # One entry for a run that started (json_build_array writes what json.dumps reads).
     "UPDATE runs SET trainers = json_build_array(trainer)::text WHERE trainer <> ''",
 )
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
+_V7 = (
+    "ALTER TABLE episodes ADD COLUMN json bytea",
+    "ALTER TABLE details ADD COLUMN json bytea",
+    "ALTER TABLE recent_details ADD COLUMN json bytea",
+)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
 
 #: Inserts curve blocks given as arrays of their columns.
 INSERT_CURVE = (

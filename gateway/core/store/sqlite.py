@@ -25,6 +25,8 @@ from gateway.core.store.base import (
     DatabaseProblem,
     EpisodeRecord,
     StoreWriteFailed,
+    stored_episodes,
+    stored_json,
 )
 from gateway.core.store.search_sql import SQLITE, page_of, select_runs
 from gateway.core.store.sqlite_schema import (
@@ -353,18 +355,19 @@ class SqliteStore:
     def append_episodes(self, records: Sequence[EpisodeRecord]) -> None:
         """Appends episodes and moves each run's counters to its last appended episode."""
         self._conn.executemany(
-            "INSERT INTO episodes (run_id, episode, data) VALUES (?,?,?)",
-            [(r.run_id, r.episode, r.scalars) for r in records],
+            "INSERT INTO episodes (run_id, episode, data, json) VALUES (?,?,?,?)",
+            [(r.run_id, r.episode, r.scalars, r.numbers_json or None) for r in records],
         )
         for table, keep in (("details", True), ("recent_details", False)):
             details = [
-                (r.run_id, r.episode, r.detail)
+                (r.run_id, r.episode, r.detail, r.detail_json if r.numbers_json else None)
                 for r in records
                 if r.detail_at >= 0 and r.keep_detail is keep
             ]
             if details:
                 self._conn.executemany(
-                    f"INSERT INTO {table} (run_id, episode, detail) VALUES (?,?,?)", details
+                    f"INSERT INTO {table} (run_id, episode, detail, json) VALUES (?,?,?,?)",
+                    details,
                 )
         last: dict[str, EpisodeRecord] = {}
         for r in records:
@@ -397,25 +400,35 @@ class SqliteStore:
         return page_of(rows, query, _RUN_WIDTH, _run_from_row)
 
     def read_episodes(
-        self, run_id: str, first: int, last: int, scalars: bool = False
+        self, run_id: str, first: int, last: int, scalars: bool = False, json: bool = False
     ) -> list[bytes]:
         """The stored bytes of episodes ``first..last`` (inclusive), in order, with their kept
-        detail or without (``scalars``)."""
-        if scalars:
-            rows = self._conn.execute(
-                "SELECT data FROM episodes WHERE run_id=? AND episode BETWEEN ? AND ? "
-                "ORDER BY episode",
-                (run_id, first, last),
-            ).fetchall()
-            return [r[0] for r in rows]
+        detail or without (``scalars``); or their JSON (``json``).
+
+        The details are read by range, apart from the numbers, and matched in Python: details
+        are few (one in tens to thousands of episodes), and a join probed both detail tables
+        for every episode, a third of a replay's time."""
+        where = (run_id, first, last)
         rows = self._conn.execute(
-            "SELECT e.data, coalesce(d.detail, r.detail) FROM episodes e "
-            "LEFT JOIN details d ON d.run_id = e.run_id AND d.episode = e.episode "
-            "LEFT JOIN recent_details r ON r.run_id = e.run_id AND r.episode = e.episode "
-            "WHERE e.run_id=? AND e.episode BETWEEN ? AND ? ORDER BY e.episode",
-            (run_id, first, last),
+            ("SELECT episode, data, json" if json else "SELECT episode, data")
+            + " FROM episodes WHERE run_id=? AND episode BETWEEN ? AND ? ORDER BY episode",
+            where,
         ).fetchall()
-        return [data if detail is None else data + detail for data, detail in rows]
+        if scalars:
+            return stored_json(rows, None) if json else [r[1] for r in rows]
+        columns = "episode, detail, json" if json else "episode, detail"
+        details: dict[int, Any] = {}
+        # Recent first: a detail in both tables (settled, not yet deleted) is the kept one.
+        for table in ("recent_details", "details"):
+            found = self._conn.execute(
+                f"SELECT {columns} FROM {table} WHERE run_id=? AND episode BETWEEN ? AND ?",
+                where,
+            )
+            if json:
+                details.update((n, (detail, text)) for n, detail, text in found)
+            else:
+                details.update(found)
+        return stored_json(rows, details) if json else stored_episodes(rows, details)
 
     def read_curve_blocks(
         self, run_id: str, spans: Sequence[tuple[int, int, int]]
@@ -437,8 +450,8 @@ class SqliteStore:
         drops the others; returns how many it dropped."""
         kept = ",".join(str(int(k)) for k in keep) or "0"
         moved = self._conn.execute(
-            "INSERT OR IGNORE INTO details (run_id, episode, detail) SELECT run_id, episode, "
-            "detail FROM recent_details WHERE run_id=? AND episode BETWEEN ? AND ? "
+            "INSERT OR IGNORE INTO details (run_id, episode, detail, json) SELECT run_id, "
+            "episode, detail, json FROM recent_details WHERE run_id=? AND episode BETWEEN ? AND ? "
             f"AND episode IN ({kept})",
             (run_id, first, last),
         )

@@ -187,11 +187,11 @@ class SqliteBackend(WritableStore):
         return await self._call(SqliteStore.list_runs, query)
 
     async def read_episodes(
-        self, run_id: str, first: int, last: int, scalars: bool = False
+        self, run_id: str, first: int, last: int, scalars: bool = False, json: bool = False
     ) -> list[bytes]:
-        """The stored bytes of episodes ``first..last`` (inclusive), in order (see
-        ``Store.read_episodes``)."""
-        return await self._call(SqliteStore.read_episodes, run_id, first, last, scalars)
+        """The stored bytes of episodes ``first..last`` (inclusive), in order, or their JSON
+        (see ``Store.read_episodes``)."""
+        return await self._call(SqliteStore.read_episodes, run_id, first, last, scalars, json)
 
     async def read_curve_blocks(
         self, run_id: str, spans: Sequence[tuple[int, int, int]]

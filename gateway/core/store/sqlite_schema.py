@@ -30,6 +30,10 @@ Versions:
 6. Jobs across trainers: ``runs`` gains ``trainers`` (JSON: every trainer the run's job spans,
    rank 0's first); the migration fills it in from ``trainer`` (one entry, or none while the
    run never started).
+7. Episodes' JSON: ``episodes``, ``details`` and ``recent_details`` gain ``json``, the
+   episode's JSON in the same parts as its bytes (``gateway.core.episode_json.json_parts``),
+   written with the episode so that the HTTP side's event stream replays without encoding. The
+   migration leaves it NULL for the episodes already stored: their JSON is written when read.
 
 A database at an older version is migrated only when asked (``migrate=True``): a migration runs
 in one transaction (every step from its version to the latest), so a failed one leaves the
@@ -52,7 +56,7 @@ from gateway.core.store.base import DatabaseProblem, SchemaOutdated
 from trainwire.v1 import episode_pb2
 
 APPLICATION_ID = 0x54574952  # "TWIR"
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _RUNS = """
 CREATE TABLE runs (
@@ -290,6 +294,7 @@ def _create(conn: sqlite3.Connection) -> None:
     conn.execute(_CHECKPOINTS)
     conn.execute(_META)
     conn.execute(_CURVE)
+    _migrate_6_to_7(conn)
 
 
 def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
@@ -391,6 +396,12 @@ def _migrate_5_to_6(conn: sqlite3.Connection) -> None:
     )
 
 
+def _migrate_6_to_7(conn: sqlite3.Connection) -> None:
+    for table in ("episodes", "details", "recent_details"):
+        if "json" not in _columns(conn, table):  # a column already there is kept
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN json BLOB")
+
+
 #: ``MIGRATIONS[v]`` takes a database from version ``v - 1`` to ``v``.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     2: _migrate_1_to_2,
@@ -398,4 +409,5 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     4: _migrate_3_to_4,
     5: _migrate_4_to_5,
     6: _migrate_5_to_6,
+    7: _migrate_6_to_7,
 }

@@ -111,8 +111,26 @@ def _timestamp(stamp: timestamp_pb2.Timestamp) -> str:
 
 def episode_json(episode: episode_pb2.Episode) -> str:
     """The episode in the protobuf JSON mapping, on one line (see the module docstring)."""
+    numbers, detail = json_parts(episode)
+    return join_json(numbers, detail).decode()
+
+
+def join_json(numbers: bytes, detail: bytes | None) -> bytes:
+    """The JSON of a whole episode from its ``json_parts``."""
+    if detail is None:
+        return numbers
+    return numbers[:-1] + (b"," if len(numbers) > 2 else b"") + detail + b"}"
+
+
+def json_parts(episode: episode_pb2.Episode, detail: bool = True) -> tuple[bytes, bytes | None]:
+    """The episode's JSON apart from its detail, as the store keeps them: the object of its
+    numbers (every field but ``detail``) and the detail as a member of that object
+    (``"imitation":{...}``), or None when it has none (or ``detail`` is False: the numbers
+    only); ``join_json`` puts them together, and the numbers alone are the episode's scalar
+    view."""
     if not _FAST:  # pragma: no cover
-        return json_format.MessageToJson(episode, indent=None, ensure_ascii=False)
+        numbers, detail_json = _slow_parts(episode)
+        return numbers, detail_json if detail else None
     parts: list[str] = []
     number = episode.episode
     if number:
@@ -133,7 +151,8 @@ def episode_json(episode: episode_pb2.Episode) -> str:
         parts.append(f'"metrics":{{{items}}}')
     if episode.HasField("produce_time"):
         parts.append(f'"produceTime":"{_timestamp(episode.produce_time)}"')
-    kind = episode.WhichOneof("detail")
+    numbers = ("{" + ",".join(parts) + "}").encode()
+    kind = episode.WhichOneof("detail") if detail else None
     if kind == "imitation":
         motion = episode.imitation
         inner = []
@@ -143,11 +162,25 @@ def episode_json(episode: episode_pb2.Episode) -> str:
             inner.append(f'"jointCount":{motion.joint_count}')
         if motion.angles:
             inner.append(f'"angles":[{_floats(motion.angles)}]')
-        parts.append(f'"imitation":{{{",".join(inner)}}}')
-    elif kind == "grpo":
+        return numbers, f'"imitation":{{{",".join(inner)}}}'.encode()
+    if kind == "grpo":
         completions = episode.grpo.sample_completions
         inner_grpo = (
             f'"sampleCompletions":[{",".join(map(_string, completions))}]' if completions else ""
         )
-        parts.append(f'"grpo":{{{inner_grpo}}}')
-    return "{" + ",".join(parts) + "}"
+        return numbers, f'"grpo":{{{inner_grpo}}}'.encode()
+    return numbers, None
+
+
+def _slow_parts(episode: episode_pb2.Episode) -> tuple[bytes, bytes | None]:  # pragma: no cover
+    kind = episode.WhichOneof("detail")
+    numbers = episode_pb2.Episode()
+    numbers.CopyFrom(episode)
+    if kind is not None:
+        numbers.ClearField(kind)
+    text = json_format.MessageToJson(numbers, indent=None, ensure_ascii=False).encode()
+    if kind is None:
+        return text, None
+    name = episode.DESCRIPTOR.fields_by_name[kind].json_name
+    detail = json_format.MessageToJson(getattr(episode, kind), indent=None, ensure_ascii=False)
+    return text, f'"{name}":{detail}'.encode()
