@@ -37,6 +37,8 @@ from gateway.servicer import GatewayServicer
 _LOGGER = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
+#: The page's assets (their files under ``STATIC_DIR``; opened before a token in ``auth``).
+STATIC_ROUTE = "/static/{filename:.+}"
 MAX_BODY_BYTES = 16 << 20
 
 #: The page loads only what this server sends: no other origin, no inline script.
@@ -120,6 +122,10 @@ class PageFiles:
         """``GET /``: the page."""
         return self.respond(request, "index.html")
 
+    async def asset(self, request: web.Request) -> web.Response:
+        """``GET /static/{filename}``: one of the page's assets."""
+        return self.respond(request, request.match_info["filename"])
+
     def respond(self, request: web.Request, name: str) -> web.Response:
         """The answer to a GET or HEAD of the file ``name`` (a path under the root)."""
         page_file = self._file(name)
@@ -166,23 +172,6 @@ class PageFiles:
         return page_file
 
 
-class PageFilesResource(web.StaticResource):
-    """``/static/``: a static resource to the router and to the auth check (canonical
-    ``/static``, which ``gateway.http.auth.OPEN_ROUTES`` opens before a token), its files
-    answered by ``PageFiles`` (aiohttp is pinned: its static handler is the one replaced).
-
-    Args:
-        files: The page's files.
-    """
-
-    def __init__(self, files: PageFiles) -> None:
-        super().__init__("/static", files.root, follow_symlinks=False)
-        self._files = files
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        return self._files.respond(request, request.match_info["filename"])
-
-
 def _accepts_gzip(request: web.Request) -> bool:
     """Whether the request's ``Accept-Encoding`` takes gzip (a ``q`` of 0 refuses it)."""
     for item in request.headers.get("Accept-Encoding", "").lower().split(","):
@@ -222,9 +211,9 @@ def build_app(
         [
             web.get("/v1/runs/{run_id:[^/:]+}/events", streams.handle),
             web.get("/", page.index),
+            web.get(STATIC_ROUTE, page.asset),
         ]
     )
-    app.router.register_resource(PageFilesResource(page))
     app.on_response_prepare.append(_page_headers)
     return app, streams
 

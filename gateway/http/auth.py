@@ -41,7 +41,7 @@ HTTP_RPCS: dict[tuple[str, str], str] = {
 }
 #: What a browser loads before it has a token, by route: the page and its assets (no data in
 #: them).
-OPEN_ROUTES = frozenset({"/", "/static"})
+OPEN_ROUTES = frozenset({"/", "/static/{filename}"})
 EVENTS_ROUTE = "/v1/runs/{run_id}/events"
 DOWNLOAD_ROUTE = "/v1/runs/{run_id}/checkpoints/{episode}:download"
 #: Routes a browser opens without headers (an ``EventSource``, a download link): they may carry

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.http.app import STATIC_DIR, PageFiles, PageFilesResource
+from gateway.http.app import STATIC_DIR, STATIC_ROUTE, PageFiles
 from tests.http.conftest import Http
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,8 +168,7 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[TestClient, Path]]:
     root.mkdir()
     files = PageFiles(root)
     app = web.Application()
-    app.add_routes([web.get("/", files.index)])
-    app.router.register_resource(PageFilesResource(files))
+    app.add_routes([web.get("/", files.index), web.get(STATIC_ROUTE, files.asset)])
     async with TestClient(TestServer(app), auto_decompress=False) as client:
         yield client, root
 
