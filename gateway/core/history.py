@@ -19,6 +19,8 @@ costs: reading bytes.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import math
 import time
 from collections import OrderedDict
@@ -33,6 +35,8 @@ MAX_BATCH_EPISODES = 256
 #: it, so this bounds what a watcher that stopped reading costs the gateway (~256 KiB).
 MAX_BATCH_BYTES = 128 << 10
 PAGE_EPISODES = 256
+#: Pages a page cache reads from the store at once (``PageCache.page``).
+READ_PAGES = 4
 #: Seconds of live wake window per attached watcher (see ``EpisodeLog``): a run's watchers
 #: cost at most ~6,700 messages/s. With 100 watchers of a 200 episodes/s run, a 15 ms window,
 #: 33 messages per episode: ~1.7 ms of the gateway's ~3 ms of CPU per episode
@@ -106,9 +110,17 @@ def detail_offset(data: bytes) -> int:
     return end
 
 
+#: The tag and length of every frame of fewer than 2^14 bytes (all but the largest motions),
+#: looked up instead of written: a replay from the store frames every episode it reads.
+_HEADS = [_EPISODE_TAG + varint(n) for n in range(1 << 14)]
+
+
 def encode_frame(episode_bytes: bytes) -> bytes:
     """The frame of a serialized ``Episode`` (see the module docstring)."""
-    return _EPISODE_TAG + varint(len(episode_bytes)) + episode_bytes
+    size = len(episode_bytes)
+    if size < 16384:
+        return _HEADS[size] + episode_bytes
+    return _EPISODE_TAG + varint(size) + episode_bytes
 
 
 def frame_payload(frame: bytes) -> bytes:
@@ -136,17 +148,12 @@ def batch_end(
     ``end`` and, unless a single frame is larger, at most ``max_bytes`` bytes (message overhead
     included)."""
     # 6 bytes: the batch tag and its length varint (a 1 MiB body needs 3-4 bytes).
-    budget = max_bytes - 6
-    hi = lo
-    size = 0
     limit = min(end, lo + max_episodes)
-    while hi < limit:
-        n = len(frames[hi])
-        if hi > lo and size + n > budget:
-            break
-        size += n
-        hi += 1
-    return hi
+    if limit <= lo:
+        return lo
+    # The running sizes, and how many of them fit (in C: a replay sizes every episode).
+    sizes = list(itertools.accumulate(map(len, frames[lo:limit])))
+    return lo + max(1, bisect.bisect_right(sizes, max_bytes - 6))
 
 
 def split_batches(
@@ -537,22 +544,53 @@ class PageCache:
             # A load of an active run's page that stopped short of what this caller knows is
             # committed (it started earlier): load again, once that one is out of the way.
             return await self.page(run_id, index, last_episode, view, final, origin)
-        future: asyncio.Future[tuple[bytes, ...]] = asyncio.get_running_loop().create_future()
-        self._loading[key] = future
+        # This page and the next ones that are neither cached nor loading, up to READ_PAGES,
+        # in one read: a replay reads on, and a store read costs a round trip to the store's
+        # thread or server (~0.35 ms) beside ~0.25 ms for 256 episodes.
+        pages = [index]
+        while (
+            len(pages) < READ_PAGES
+            and (pages[-1] + 1) * PAGE_EPISODES < last_episode
+            and (run_id, pages[-1] + 1, view) not in self._pages
+            and (run_id, pages[-1] + 1, view) not in self._loading
+        ):
+            pages.append(pages[-1] + 1)
+        read_last = min(last_episode, (pages[-1] + 1) * PAGE_EPISODES)
+        loop = asyncio.get_running_loop()
+        futures = {i: loop.create_future() for i in pages}
+        for i, future in futures.items():
+            self._loading[(run_id, i, view)] = future
         try:
-            data = await self._loader(run_id, first, last, bool(view & SCALARS), bool(view & JSON))
+            data = await self._loader(
+                run_id, first, read_last, bool(view & SCALARS), bool(view & JSON)
+            )
             frames = tuple(data) if view & JSON else tuple(encode_frame(d) for d in data)
         except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # consumed here; other waiters get it from the shield
+            for future in futures.values():
+                future.set_exception(exc)
+                future.exception()  # consumed here; other waiters get it from the shield
             raise
         finally:
-            del self._loading[key]
-        future.set_result(frames)
-        # Only a complete page is cached: a short read means the run was deleted meanwhile.
-        if len(frames) == last - first + 1 and (final or last == (index + 1) * PAGE_EPISODES):
-            self._put(key, frames)
-        return frames
+            for i in pages:
+                del self._loading[(run_id, i, view)]
+        if len(frames) != read_last - first + 1:
+            # A short read (the run was deleted meanwhile): nothing is cached, and the pages
+            # cannot be told apart; this page gets what there is, the others load again.
+            for i, future in futures.items():
+                future.set_result(frames if i == index else ())
+            return frames
+        result = frames
+        for i, future in futures.items():
+            lo = page_start(i, origin) + 1 - first
+            hi = min(read_last, (i + 1) * PAGE_EPISODES) - first + 1
+            page = frames[lo:hi] if len(pages) > 1 else frames
+            future.set_result(page)
+            if i == index:
+                result = page
+            # A page of an active run that is not full may grow: not cached.
+            if final or hi + first - 1 == (i + 1) * PAGE_EPISODES:
+                self._put((run_id, i, view), page)
+        return result
 
     def _put(self, key: tuple[str, int, int], frames: tuple[bytes, ...]) -> None:
         size = sum(len(f) for f in frames)

@@ -152,14 +152,14 @@ async def test_page_cache_shares_loads_and_evicts_by_bytes() -> None:
     await asyncio.sleep(0)
     gate.set()
     pages = await asyncio.gather(*concurrent)
-    assert loads == [("r", 1, 256)]  # twenty watchers, one load
+    assert loads == [("r", 1, 600)]  # twenty watchers, one load (of the pages after it too)
     assert all(p == pages[0] for p in pages)
     assert frame_payload(pages[0][0]) == episodes[0]
-    last_page = await cache.page("r", 2, 600)  # episodes 513..600
-    assert len(last_page) == 88
+    last_page = await cache.page("r", 2, 600)  # episodes 513..600, read with page 0
+    assert len(last_page) == 88 and len(loads) == 1
     assert cache.size_bytes <= page_bytes + 10  # page 0 evicted to make room
     await cache.page("r", 0, 600)
-    assert loads[-1] == ("r", 1, 256)
+    assert loads[-1][:2] == ("r", 1) and len(loads) == 2
     cache.forget("r")
     assert cache.size_bytes == 0
 
@@ -207,7 +207,26 @@ async def test_page_cache_reads_a_forks_first_page_from_after_its_fork_episode()
     assert len(await cache.page("f", 0, 600, final=False, origin=100)) == 156
     assert cache.size_bytes > 0  # complete: through episode 256
     assert len(await cache.page("f", 0, 600, final=False, origin=100)) == 156
-    assert loads == [(101, 250), (101, 256)]
+    assert loads == [(101, 250), (101, 600)]  # with the pages after it
+    assert len(await cache.page("f", 1, 600, final=False, origin=100)) == 256
+    assert len(loads) == 2  # page 1 (257..512) was complete: cached
+
+
+async def test_a_page_is_read_with_the_pages_after_it_in_one_read() -> None:
+    episodes = [e.SerializeToString() for e in valid_episodes(2000)]
+    loads: list[tuple[int, int]] = []
+
+    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
+        loads.append((first, last))
+        return episodes[first - 1 : last]
+
+    cache = PageCache(loader, max_bytes=1 << 30)
+    got = [await cache.page("r", i, 2000) for i in range(8)]
+    assert loads == [(1, 1024), (1025, 2000)]  # pages 0-3, then 4-7
+    assert [frame_payload(f) for page in got for f in page] == episodes
+    assert len(got[7]) == 2000 - 7 * 256
+    await cache.page("r", 5, 2000)
+    assert len(loads) == 2
 
 
 def test_the_detail_offset_splits_an_episode_into_its_numbers_and_its_detail() -> None:

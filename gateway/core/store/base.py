@@ -93,8 +93,22 @@ EpisodeRow = Sequence[Any]
 def stored_episodes(rows: Sequence[EpisodeRow], details: Mapping[int, Any]) -> list[bytes]:
     """Episodes as ``read_episodes`` returns them, from their numbers' rows ``(episode, data)``
     in order and the stored details among them (``episode -> detail``)."""
-    if not details:
-        return [bytes(row[1]) for row in rows]
+    out = [row[1] for row in rows]
+    if out and type(out[0]) is not bytes:
+        out = [bytes(data) for data in out]
+    if details:
+        # The rows are consecutive episodes unless some were deleted meanwhile.
+        first = rows[0][0] if rows else 0
+        for number, detail in details.items():
+            i = number - first
+            if 0 <= i < len(out) and rows[i][0] == number:
+                out[i] += bytes(detail)
+            else:
+                return _matched(rows, details)
+    return out
+
+
+def _matched(rows: Sequence[EpisodeRow], details: Mapping[int, Any]) -> list[bytes]:
     get = details.get
     out = []
     for row in rows:
