@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
-import io
 import multiprocessing as mp
 import os
 import re
@@ -40,7 +39,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -55,6 +53,7 @@ if ROOT not in sys.path:
 import grpc  # noqa: E402
 import psutil  # noqa: E402
 
+from bench._revision import export_revision  # noqa: E402
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc  # noqa: E402
 
 EPISODES = 5000
@@ -333,19 +332,9 @@ class LiveRow:
 def _export(rev: str, tmp: str) -> str | None:
     """The gateway, trainwire_ops and client packages of git revision ``rev`` in a directory
     of their own; None when the revision is not in this checkout."""
-    try:
-        data = subprocess.run(
-            ["git", "archive", rev, "gateway", "trainwire_ops", "clients/trainwire"],
-            cwd=ROOT,
-            capture_output=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    root = os.path.join(tmp, f"before-{rev}")
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(root, filter="data")
-    return root
+    return export_revision(
+        rev, ["gateway", "trainwire_ops", "clients/trainwire"], os.path.join(tmp, f"before-{rev}")
+    )
 
 
 def _live_configs(tmp: str) -> list[LiveGateway]:

@@ -33,15 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import os
 import re
 import shutil
 import sqlite3
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -55,6 +52,7 @@ import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 import psutil  # noqa: E402
 
+from bench._revision import export_revision  # noqa: E402
 from tests.fakes.fake_trainer import FakeTrainer, Script  # noqa: E402
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc  # noqa: E402
 
@@ -388,19 +386,10 @@ def _paint_table(pages: list[PageLoads]) -> str:
 def _export_page(rev: str, tmp: str) -> str | None:
     """The page of git revision ``rev`` (``gateway/http/app.py`` and ``static/``) in a directory
     of its own: the path of its ``app.py``; None when the revision is not in this checkout."""
-    try:
-        data = subprocess.run(
-            ["git", "archive", rev, "gateway/http/app.py", "gateway/http/static"],
-            cwd=ROOT,
-            capture_output=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    root = os.path.join(tmp, f"page-{rev}")
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(root, filter="data")
-    return os.path.join(root, "gateway", "http", "app.py")
+    root = export_revision(
+        rev, ["gateway/http/app.py", "gateway/http/static"], os.path.join(tmp, f"page-{rev}")
+    )
+    return None if root is None else os.path.join(root, "gateway", "http", "app.py")
 
 
 def _page_prelude(app_py: str) -> str:

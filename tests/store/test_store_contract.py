@@ -399,26 +399,36 @@ async def test_checkpoint_records_survive_a_reopen(opener: Opener) -> None:
         await again.close()
 
 
-async def test_details_are_kept_apart_settled_and_curve_blocks_read_back(store: Store) -> None:
-    await store.insert_run(make_run("a"))
+def detail_records(run_id: str, count: int, json_every: int) -> list[EpisodeRecord]:
+    """Episodes with a detail every 4th, kept for good every 8th and the last, with their curve
+    blocks, and their JSON on every ``json_every``-th (0: none)."""
     builder = CurveBuilder()
     recs = []
-    for e in valid_episodes(40, detail_every=4):
+    for e in valid_episodes(count, detail_every=4):
         data = e.SerializeToString(deterministic=True)
         at = detail_offset(data)
-        blocks = builder.add(e.episode, e.reward, e.best_reward, e.metrics)
+        with_json = json_every and e.episode % json_every == 0
+        numbers, detail = json_parts(e) if with_json else (b"", None)
         recs.append(
             EpisodeRecord(
-                "a",
+                run_id,
                 e.episode,
                 e.reward,
                 e.best_reward,
                 data,
                 at if at < len(data) else -1,
-                blocks,
+                builder.add(e.episode, e.reward, e.best_reward, e.metrics),
                 keep_detail=e.episode % 8 == 0 or e.done,
+                numbers_json=numbers,
+                detail_json=detail,
             )
         )
+    return recs
+
+
+async def test_details_are_kept_apart_settled_and_curve_blocks_read_back(store: Store) -> None:
+    await store.insert_run(make_run("a"))
+    recs = detail_records("a", 40, json_every=0)
     assert await append(store, recs) == [None] * 40
     whole = [r.data for r in recs]
     assert await store.read_episodes("a", 1, 40) == whole
@@ -443,24 +453,7 @@ async def test_episodes_json_is_read_as_stored_and_written_where_it_was_not(
     joined, with the detail the store kept or without; the episodes stored without their JSON
     (before the store kept it: the odd ones here) read the same, encoded on the read."""
     await store.insert_run(make_run("a"))
-    recs = []
-    for e in valid_episodes(40, detail_every=4):
-        data = e.SerializeToString(deterministic=True)
-        at = detail_offset(data)
-        numbers, detail = json_parts(e) if e.episode % 2 == 0 else (b"", None)
-        recs.append(
-            EpisodeRecord(
-                "a",
-                e.episode,
-                e.reward,
-                e.best_reward,
-                data,
-                at if at < len(data) else -1,
-                keep_detail=e.episode % 8 == 0 or e.done,
-                numbers_json=numbers,
-                detail_json=detail,
-            )
-        )
+    recs = detail_records("a", 40, json_every=2)
     assert await append(store, recs) == [None] * 40
     assert await store.settle_details("a", 1, 30, [20]) == 3  # 4, 12, 28 dropped; 20 kept
 
