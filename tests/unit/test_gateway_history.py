@@ -152,14 +152,14 @@ async def test_page_cache_shares_loads_and_evicts_by_bytes() -> None:
     await asyncio.sleep(0)
     gate.set()
     pages = await asyncio.gather(*concurrent)
-    assert loads == [("r", 1, 600)]  # twenty watchers, one load (of the pages after it too)
+    assert loads == [("r", 1, 256)]  # twenty watchers, one load
     assert all(p == pages[0] for p in pages)
     assert frame_payload(pages[0][0]) == episodes[0]
-    last_page = await cache.page("r", 2, 600)  # episodes 513..600, read with page 0
-    assert len(last_page) == 88 and len(loads) == 1
+    last_page = await cache.page("r", 2, 600)  # episodes 513..600
+    assert len(last_page) == 88
     assert cache.size_bytes <= page_bytes + 10  # page 0 evicted to make room
     await cache.page("r", 0, 600)
-    assert loads[-1][:2] == ("r", 1) and len(loads) == 2
+    assert loads[-1] == ("r", 1, 256)
     cache.forget("r")
     assert cache.size_bytes == 0
 
@@ -207,12 +207,15 @@ async def test_page_cache_reads_a_forks_first_page_from_after_its_fork_episode()
     assert len(await cache.page("f", 0, 600, final=False, origin=100)) == 156
     assert cache.size_bytes > 0  # complete: through episode 256
     assert len(await cache.page("f", 0, 600, final=False, origin=100)) == 156
-    assert loads == [(101, 250), (101, 600)]  # with the pages after it
+    assert loads == [(101, 250), (101, 256)]
+    # Page 0 is cached: a replay reading on reads page 1 with the ones after it.
     assert len(await cache.page("f", 1, 600, final=False, origin=100)) == 256
-    assert len(loads) == 2  # page 1 (257..512) was complete: cached
+    assert loads[-1] == (257, 600)
+    assert len(await cache.page("f", 1, 600, final=False, origin=100)) == 256
+    assert len(loads) == 3  # page 1 (257..512) was complete: cached
 
 
-async def test_a_page_is_read_with_the_pages_after_it_in_one_read() -> None:
+async def test_a_replay_reads_the_pages_after_its_page_in_one_read() -> None:
     episodes = [e.SerializeToString() for e in valid_episodes(2000)]
     loads: list[tuple[int, int]] = []
 
@@ -222,11 +225,12 @@ async def test_a_page_is_read_with_the_pages_after_it_in_one_read() -> None:
 
     cache = PageCache(loader, max_bytes=1 << 30)
     got = [await cache.page("r", i, 2000) for i in range(8)]
-    assert loads == [(1, 1024), (1025, 2000)]  # pages 0-3, then 4-7
+    # The first page alone (a watcher waits for it), then the next ones four at a time.
+    assert loads == [(1, 256), (257, 1280), (1281, 2000)]
     assert [frame_payload(f) for page in got for f in page] == episodes
     assert len(got[7]) == 2000 - 7 * 256
     await cache.page("r", 5, 2000)
-    assert len(loads) == 2
+    assert len(loads) == 3
 
 
 def test_the_detail_offset_splits_an_episode_into_its_numbers_and_its_detail() -> None:
@@ -339,3 +343,29 @@ def test_the_json_views_are_written_once_each_when_first_asked_for(
     assert log.episodes(JSON | SCALARS, 690, 700) == plain[690:700]
     assert log.episodes(SCALARS, 690, 700) == [scalar_frame(f) for f in frames[690:700]]
     assert log.frames_event(699, 700, JSON) == EpisodeFrames([full[699]], False, 700)
+
+
+async def test_a_read_goes_on_when_the_watcher_that_started_it_goes_away() -> None:
+    """A watcher cancelled while its page is read (a client that hangs up) leaves the read to
+    finish: a read cancelled half way left PostgreSQL's connection unusable."""
+    episodes = [e.SerializeToString() for e in valid_episodes(300)]
+    gate = asyncio.Event()
+    loads: list[tuple[int, int]] = []
+    finished: list[int] = []
+
+    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
+        loads.append((first, last))
+        await gate.wait()
+        finished.append(first)
+        return episodes[first - 1 : last]
+
+    cache = PageCache(loader, max_bytes=1 << 20)
+    watcher = asyncio.create_task(cache.page("r", 0, 300))
+    await asyncio.sleep(0.01)
+    watcher.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await watcher
+    gate.set()
+    page = await asyncio.wait_for(cache.page("r", 0, 300), 10)  # the same read's result
+    assert finished == [1] and loads == [(1, 256)]
+    assert [frame_payload(f) for f in page] == episodes[:256]

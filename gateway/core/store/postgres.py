@@ -358,36 +358,35 @@ class PostgresStore(PostgresDatabase):
         self, run_id: str, first: int, last: int, scalars: bool = False, json: bool = False
     ) -> list[bytes]:
         """The stored bytes of episodes ``first..last`` (inclusive), in order, with their kept
-        detail or without (``scalars``); or their JSON (``json``). The details are read by
-        range apart from the numbers and matched in Python (they are few)."""
-        where = (run_id, first, last)
-        numbers = (
-            "SELECT episode, data, json" if json else "SELECT episode, data"
-        ) + " FROM episodes WHERE run_id=%s AND episode BETWEEN %s AND %s ORDER BY episode"
-        columns = "episode, detail, json" if json else "episode, detail"
+        detail or without (``scalars``); or their JSON (``json``). One statement: the details
+        joined, each bounded to the range (PostgreSQL does not carry the range over from
+        ``episodes``, and would read every detail of the run for each read)."""
+        numbers = "e.episode, e.data, e.json" if json else "e.episode, e.data"
+        query = (
+            f"SELECT {numbers} FROM episodes e "
+            "WHERE e.run_id = %(run)s AND e.episode BETWEEN %(first)s AND %(last)s "
+            "ORDER BY e.episode"
+            if scalars
+            else f"SELECT {numbers}, coalesce(d.detail, r.detail), "
+            "CASE WHEN d.detail IS NULL THEN r.json ELSE d.json END FROM episodes e "
+            "LEFT JOIN details d ON d.run_id = e.run_id AND d.episode = e.episode "
+            "AND d.run_id = %(run)s AND d.episode BETWEEN %(first)s AND %(last)s "
+            "LEFT JOIN recent_details r ON r.run_id = e.run_id AND r.episode = e.episode "
+            "AND r.run_id = %(run)s AND r.episode BETWEEN %(first)s AND %(last)s "
+            "WHERE e.run_id = %(run)s AND e.episode BETWEEN %(first)s AND %(last)s "
+            "ORDER BY e.episode"
+        )
 
         async def go(conn: psycopg.AsyncConnection) -> list[bytes]:
             async with conn.cursor(binary=True) as cur:
-                await cur.execute(numbers, where)
+                await cur.execute(query, {"run": run_id, "first": first, "last": last})
                 rows = await cur.fetchall()
-                if scalars:
-                    return stored_json(rows, None) if json else stored_episodes(rows, {})
-                details: dict[int, Any] = {}
-                # Recent first, then kept: a detail settled between the two reads (moved to
-                # ``details`` and deleted from ``recent_details`` in one transaction) is found
-                # by the second, and one found in both is the kept one.
-                for table in ("recent_details", "details"):
-                    await cur.execute(
-                        f"SELECT {columns} FROM {table} "
-                        "WHERE run_id=%s AND episode BETWEEN %s AND %s",
-                        where,
-                    )
-                    found = await cur.fetchall()
-                    if json:
-                        details.update((n, (detail, text)) for n, detail, text in found)
-                    else:
-                        details.update(found)
-            return stored_json(rows, details) if json else stored_episodes(rows, details)
+            if scalars:
+                return stored_json(rows, None) if json else stored_episodes(rows, {})
+            if not json:
+                return stored_episodes(rows, {r[0]: r[2] for r in rows if r[2] is not None})
+            kept = {r[0]: (r[3], r[4]) for r in rows if r[3] is not None}
+            return stored_json([r[:3] for r in rows], kept)
 
         return await self.read(go)
 
