@@ -140,12 +140,10 @@ class Publisher:
         blocks = self.curve.add(n, episode.reward, episode.best_reward, episode.metrics)
         keep = self.details is None or self.details.keeps(n, episode.done)
         # Its JSON, written once here for every page and event stream that will replay it from
-        # the store: the numbers always (~8 us, ~150 bytes), the detail when the run keeps every
-        # detail. A motion's JSON costs ~0.25 ms and ~8 KiB, a 16 KiB SQLite page with its
-        # bytes: a long run keeps one detail in ``stride`` (1% at 1M episodes), and those are
-        # written when read, 2.5 us per episode of a replay at most.
-        every_detail = self.details is None or self.details.stride == 1
-        numbers_json, detail_json = json_parts(episode, detail=keep and every_detail)
+        # the store: the numbers (~8 us, ~150 bytes) and the detail when it is kept for good (a
+        # 60x11 motion: ~0.25 ms, ~8 KiB). A recent detail is mostly dropped: the few settled
+        # later (a stretch's best) have theirs written when read.
+        numbers_json, detail_json = json_parts(episode, detail=keep)
         record = EpisodeRecord(
             self._run.id,
             n,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -66,12 +67,23 @@ _KEEPALIVE = b": keepalive\n\n"
 
 def episode_events(frames: EpisodeFrames) -> bytes:
     """The ``episode`` events of consecutive episodes' JSON (a watch's ``JSON`` view)."""
-    out: list[bytes] = []
-    number = frames.first
-    for data in frames.frames:
-        out += (b"id: ", str(number).encode(), b"\nevent: episode\ndata: ", data, b"\n\n")
-        number += 1
-    return b"".join(out)
+    data = frames.frames
+    if not data:
+        return b""
+    first = frames.first
+    ids = map(str.encode, map(str, range(first, first + len(data))))
+    # "id: N\nevent: episode\ndata: JSON\n\n" each, put together in C: a replay frames every
+    # episode.
+    parts = [b"id: "]
+    parts += itertools.chain.from_iterable(
+        zip(ids, itertools.repeat(_TO_DATA), data, itertools.repeat(_TO_NEXT_ID))
+    )
+    parts[-1] = b"\n\n"
+    return b"".join(parts)
+
+
+_TO_DATA = b"\nevent: episode\ndata: "
+_TO_NEXT_ID = b"\n\nid: "
 
 
 def _message_event(name: str, message: Any) -> bytes:
