@@ -120,23 +120,24 @@ def _matched(rows: Sequence[EpisodeRow], details: Mapping[int, Any]) -> list[byt
 
 def stored_json(rows: Sequence[EpisodeRow], details: Mapping[int, Any] | None) -> list[bytes]:
     """Episodes' JSON as ``read_episodes(json=True)`` returns it, from their numbers' rows
-    ``(episode, data, numbers_json)`` in order and the stored details among them, ``episode ->
-    (detail, detail_json)`` (None: the view without detail). A part stored without its JSON
-    (written before the store kept JSON) is encoded here from its bytes."""
-    out = []
+    ``(episode, numbers_json, data)`` in order and the stored details among them, ``episode ->
+    (detail_json, detail)`` (None: the view without detail). The bytes (``data``, ``detail``)
+    are read only where the JSON is missing (stored before the store kept JSON, or a detail
+    kept after its episode was stored): that part is written here from them."""
     get = details.get if details else None
-    for number, data, numbers in rows:
+    out = []
+    for number, numbers, data in rows:
+        if numbers is None:
+            numbers = json_parts(Episode.FromString(bytes(data)))[0]
         kept = None if get is None else get(number)
-        if kept is not None:
-            detail, detail_json = kept
-            if numbers is not None and detail_json is not None:
-                out.append(join_json(bytes(numbers), bytes(detail_json)))
-            else:
-                out.append(join_json(*json_parts(Episode.FromString(bytes(data) + bytes(detail)))))
-        elif numbers is not None:
+        if kept is None:
             out.append(bytes(numbers))
-        else:
-            out.append(json_parts(Episode.FromString(bytes(data)))[0])
+            continue
+        detail_json, detail = kept
+        if detail_json is None:
+            # The detail field alone parses as an episode holding only it.
+            detail_json = json_parts(Episode.FromString(bytes(detail)))[1]
+        out.append(join_json(bytes(numbers), bytes(detail_json)))
     return out
 
 

@@ -361,14 +361,25 @@ class PostgresStore(PostgresDatabase):
         detail or without (``scalars``); or their JSON (``json``). One statement: the details
         joined, each bounded to the range (PostgreSQL does not carry the range over from
         ``episodes``, and would read every detail of the run for each read)."""
-        numbers = "e.episode, e.data, e.json" if json else "e.episode, e.data"
+        # With ``json``, the JSON and the bytes only where it is missing (``stored_json``).
+        numbers = (
+            "e.episode, e.json, CASE WHEN e.json IS NULL THEN e.data END"
+            if json
+            else "e.episode, e.data"
+        )
+        detail = (
+            "CASE WHEN d.detail IS NULL THEN r.json ELSE d.json END, "
+            "CASE WHEN (CASE WHEN d.detail IS NULL THEN r.json ELSE d.json END) IS NULL "
+            "THEN coalesce(d.detail, r.detail) END"
+            if json
+            else "coalesce(d.detail, r.detail)"
+        )
         query = (
             f"SELECT {numbers} FROM episodes e "
             "WHERE e.run_id = %(run)s AND e.episode BETWEEN %(first)s AND %(last)s "
             "ORDER BY e.episode"
             if scalars
-            else f"SELECT {numbers}, coalesce(d.detail, r.detail), "
-            "CASE WHEN d.detail IS NULL THEN r.json ELSE d.json END FROM episodes e "
+            else f"SELECT {numbers}, {detail} FROM episodes e "
             "LEFT JOIN details d ON d.run_id = e.run_id AND d.episode = e.episode "
             "AND d.run_id = %(run)s AND d.episode BETWEEN %(first)s AND %(last)s "
             "LEFT JOIN recent_details r ON r.run_id = e.run_id AND r.episode = e.episode "
@@ -385,7 +396,7 @@ class PostgresStore(PostgresDatabase):
                 return stored_json(rows, None) if json else stored_episodes(rows, {})
             if not json:
                 return stored_episodes(rows, {r[0]: r[2] for r in rows if r[2] is not None})
-            kept = {r[0]: (r[3], r[4]) for r in rows if r[3] is not None}
+            kept = {r[0]: (r[3], r[4]) for r in rows if r[3] is not None or r[4] is not None}
             return stored_json([r[:3] for r in rows], kept)
 
         return await self.read(go)

@@ -410,13 +410,20 @@ class SqliteStore:
         for every episode, a third of a replay's time."""
         where = (run_id, first, last)
         rows = self._conn.execute(
-            ("SELECT episode, data, json" if json else "SELECT episode, data")
+            # The JSON, and the bytes only where it is missing (``stored_json``).
+            (
+                "SELECT episode, json, CASE WHEN json IS NULL THEN data END"
+                if json
+                else "SELECT episode, data"
+            )
             + " FROM episodes WHERE run_id=? AND episode BETWEEN ? AND ? ORDER BY episode",
             where,
         ).fetchall()
         if scalars:
             return stored_json(rows, None) if json else [r[1] for r in rows]
-        columns = "episode, detail, json" if json else "episode, detail"
+        columns = (
+            "episode, json, CASE WHEN json IS NULL THEN detail END" if json else "episode, detail"
+        )
         details: dict[int, Any] = {}
         # Recent first: a detail in both tables (settled, not yet deleted) is the kept one.
         for table in ("recent_details", "details"):
@@ -425,7 +432,7 @@ class SqliteStore:
                 where,
             )
             if json:
-                details.update((n, (detail, text)) for n, detail, text in found)
+                details.update((n, (text, detail)) for n, text, detail in found)
             else:
                 details.update(found)
         return stored_json(rows, details) if json else stored_episodes(rows, details)
