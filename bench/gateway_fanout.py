@@ -638,18 +638,31 @@ async def main() -> None:
     print()
     _row("replay of a finished 5000-episode run", *(f"{w} watcher(s)" for w in WATCHER_COUNTS))
     results: dict[str, list[float]] = {}
+    # CPU of the servers (this process) and of the watchers' process during each replay, in
+    # % of one core: what bounds a figure (a process near 100 % bounds it).
+    servers, watchers = psutil.Process(), psutil.Process(watcher_proc.pid)
+    loads: dict[str, list[str]] = {}
     for label, job in (
         ("bare aio, 1 episode/message (episodes/s)", ("bare", bare_port, 1)),
         ("bare aio, batches of 50 (episodes/s)", ("bare", bare_port, 50)),
         ("gateway replay (episodes/s)", ("replay", port, run_id)),
     ):
         rates = []
+        loads[label] = []
         for w in WATCHER_COUNTS:
+            before = (sum(servers.cpu_times()[:2]), sum(watchers.cpu_times()[:2]))
             elapsed, count = await _ask(watch_conn, (*job, w))
+            after = (sum(servers.cpu_times()[:2]), sum(watchers.cpu_times()[:2]))
             assert count == w * EPISODES, (label, count)
             rates.append(count / elapsed)
+            server_pct, watcher_pct = (
+                (a - b) / elapsed * 100 for a, b in zip(after, before, strict=True)
+            )
+            loads[label].append(f"{server_pct:.0f}%/{watcher_pct:.0f}%")
         results[label] = rates
         _row(label, *(f"{r:,.0f}" for r in rates))
+    for label, cells in loads.items():
+        _row(f"  CPU server/watchers, {label.split(' (')[0]}", *cells)
     ratios = [
         g / b
         for g, b in zip(
