@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.core.episode_json import episode_json
 from gateway.core.runs import TrainingRun
 from gateway.core.store import (
     CheckpointRecord,
@@ -352,4 +353,10 @@ def test_a_database_before_long_runs_splits_its_details_and_gets_its_curve(
     )
     top = blocks[-1]
     assert top.count == 64 and top.reward_max == max(e.reward for e in episodes[:64])
+    # Stored before the store kept JSON: their JSON is written when read, the same as ever.
+    assert store.read_episodes("long", 1, 70, json=True) == [
+        episode_json(e).encode() for e in episodes
+    ]
+    plain = store.read_episodes("long", 1, 70, True, json=True)
+    assert plain == [episode_json(e).encode() for e in scalars]
     store.close()
