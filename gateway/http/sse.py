@@ -17,8 +17,8 @@ completions: numbers only, for curves and tables); ``?view=full``, the default, 
 
 Each episode's JSON is written once, when the gateway publishes the episode, and kept with it
 (the core's ``JSON`` views, ``gateway.core.history``; stored beside the episode), so a stream
-only frames it: a replay costs about what a ``WatchRun`` replay costs, and a replayed batch (up
-to 256 episodes) goes out in one write.
+only frames it: a replay from the store costs about what a ``WatchRun`` replay from the store
+costs, and a replayed batch (up to 256 episodes) goes out in one write.
 
 Errors before the first byte (unknown run, bad ``after`` or ``view``) are answered like every
 other call (``gateway.http.errors``); once the stream has begun, an error or a gateway shutdown

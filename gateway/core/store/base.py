@@ -59,8 +59,8 @@ class EpisodeRecord:
 
     ``numbers_json`` and ``detail_json`` are the episode's JSON in the same two parts
     (``gateway.core.episode_json.json_parts``), kept beside the bytes so that the HTTP side's
-    event stream replays without encoding; ``numbers_json`` empty: not written (the store then
-    writes the JSON when it is read).
+    event stream replays without encoding; ``numbers_json`` empty or ``detail_json`` None: that
+    part not written (the store then writes it when it is read).
     """
 
     run_id: str
@@ -86,7 +86,7 @@ class EpisodeRecord:
 
 
 #: A row of an episode's numbers as ``stored_episodes`` and ``stored_json`` take it: (episode,
-#: data) or (episode, data, numbers_json); PostgreSQL gives ``bytea`` as bytes or memoryview.
+#: data) or (episode, numbers_json, data); PostgreSQL gives ``bytea`` as bytes or memoryview.
 EpisodeRow = Sequence[Any]
 
 
@@ -358,7 +358,7 @@ class Store(Protocol):
     ) -> list[bytes]:
         """The stored bytes of episodes ``first..last`` (inclusive), in order: with the detail
         the store kept, or without any (``scalars``); or their JSON (``json``, see
-        ``episode_rows``)."""
+        ``stored_json``)."""
         ...
 
     async def read_curve_blocks(

@@ -166,7 +166,7 @@ class GroupCommit:
                         [r.run_id for r in details],
                         [r.episode for r in details],
                         [r.detail for r in details],
-                        [r.detail_json if r.numbers_json else None for r in details],
+                        [r.detail_json for r in details],
                     ),
                 )
             blocks = [(r.run_id, b) for r in rows for b in r.blocks]

@@ -360,7 +360,7 @@ class SqliteStore:
         )
         for table, keep in (("details", True), ("recent_details", False)):
             details = [
-                (r.run_id, r.episode, r.detail, r.detail_json if r.numbers_json else None)
+                (r.run_id, r.episode, r.detail, r.detail_json)
                 for r in records
                 if r.detail_at >= 0 and r.keep_detail is keep
             ]
