@@ -7,7 +7,8 @@ and runs the same GRPO task (same seed, model, data and per-process settings) fo
   with no channel and no episodes, a callback noting when each step's log arrives: the
   baseline; the training stack is imported first, as in a process that has trained before;
 - **child process**: the trainer's provider (``process.run``): one rank process, driven one
-  optimizer step per pull over the local channel;
+  optimizer step per pull over the local channel; twice: the trainer's first job (the rank
+  launcher starts and imports the training stack) and the next one (the rank forks from it);
 - **2 processes, same per-process batch**: two ranks under gloo, each with the batch above
   (twice the completions per step);
 - **2 processes, same total batch**: two ranks, each with half the batch (the same
@@ -153,6 +154,7 @@ def main() -> None:
 
         cases = [
             ("this process", _this_process, job(1, batch)),
+            ("child process, trainer's first job", _child_processes, job(1, batch)),
             ("child process", _child_processes, job(1, batch)),
             ("2 processes, same per-process batch", _child_processes, job(2, batch)),
             ("2 processes, same total batch", _child_processes, job(2, batch // 2)),
@@ -180,12 +182,13 @@ def main() -> None:
         print(
             f"{name:38} {startup:8.2f}s {median * 1000:7.1f}ms {p90 * 1000:7.1f}ms  {per_step:>6}"
         )
-    here, child = rows[0][2], rows[1][2]
+    here, child = rows[0][2], rows[2][2]
     print(
         f"process boundary: {(child - here) * 1000:+.1f} ms per step "
-        f"({(child / here - 1) * 100:+.1f} %); start-up {rows[1][1] - rows[0][1]:+.2f} s"
+        f"({(child / here - 1) * 100:+.1f} %); start-up {rows[2][1] - rows[0][1]:+.2f} s "
+        f"({rows[1][1] - rows[0][1]:+.2f} s for the trainer's first job: its launcher starts)"
     )
-    one, two = rows[3], rows[4]
+    one, two = rows[4], rows[5]
     print(
         f"two trainers vs one: step p50 x{two[2] / one[2]:.2f} "
         f"({(two[2] - one[2]) * 1000:+.1f} ms), start-up {two[1] - one[1]:+.2f} s"

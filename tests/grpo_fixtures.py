@@ -7,10 +7,12 @@ build tasks with :func:`tiny_grpo_task`. The model and dataset are built once pe
 from __future__ import annotations
 
 import pathlib
+import re
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import psutil
 import pytest
 
 from trainwire.v1 import episode_pb2
@@ -24,6 +26,16 @@ DATASET_FILE = "datasets/demo/train.jsonl"
 DATASET_ROWS = 8
 #: A 4-row dataset: with one prompt per step an epoch is 4 steps.
 FOUR_ROWS_FILE = "datasets/four/train.jsonl"
+
+
+_RANK_TITLE = re.compile(r"\(GRPO rank (\d+), trainer (\d+)\)")
+
+
+def rank_in_title(process: psutil.Process) -> int | None:
+    """The job rank a GRPO rank process names in its title (``launch.RANK_TITLE``); ``None``
+    for another process."""
+    found = _RANK_TITLE.search(" ".join(process.cmdline()))
+    return int(found.group(1)) if found else None
 
 
 def tiny_grpo_task(

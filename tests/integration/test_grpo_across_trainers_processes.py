@@ -65,7 +65,11 @@ def _ranks_of(trainer_pid: int) -> list[int]:
     """The pids of the rank processes a trainer started (each names its trainer on its command
     line)."""
     found = subprocess.run(
-        ["pgrep", "-f", f"trainer_service.providers.grpo.worker .*--parent-pid {trainer_pid}$"],
+        [
+            "pgrep",
+            "-f",
+            rf"trainer_service.providers.grpo.worker \(GRPO rank [0-9]+, trainer {trainer_pid}\)",
+        ],
         capture_output=True,
         text=True,
         check=False,

@@ -25,7 +25,7 @@ import pytest
 from tests.fakes.gateway_harness import trainer_process
 from tests.fakes.trainer_harness import RunningTrainer, running_trainer
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, wait_for
-from tests.grpo_fixtures import grpo_data_root, tiny_grpo_task
+from tests.grpo_fixtures import grpo_data_root, rank_in_title, tiny_grpo_task
 from trainer_service.testing import imitation_request
 from trainwire.contract import StreamChecker
 from trainwire.errors import error_from_rpc
@@ -205,7 +205,7 @@ def test_a_killed_rank_ends_its_run_clearly_and_frees_both_slots_while_another_j
     call = trainer.stub.Train(_grpo_request("run-crash", steps=500), timeout=JOB_TIMEOUT)
     _first_episode(call)
     ranks = _ranks(os.getpid())
-    doomed = [r for r in ranks if r.environ().get("RANK") == "1"]
+    doomed = [r for r in ranks if rank_in_title(r) == 1]
     assert len(ranks) == 2 and len(doomed) == 1
     job = _job_processes(os.getpid())
     os.kill(doomed[0].pid, signal.SIGKILL)

@@ -25,7 +25,7 @@ import pytest
 
 from tests.fakes.trainer_harness import RunningTrainer, running_trainer
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, wait_for
-from tests.grpo_fixtures import grpo_data_root, tiny_grpo_task
+from tests.grpo_fixtures import grpo_data_root, rank_in_title, tiny_grpo_task
 from tests.integration.test_grpo_processes import _assert_gone, _job_processes, _ranks
 from trainwire.contract import StreamChecker
 from trainwire.errors import error_from_rpc
@@ -271,7 +271,7 @@ def test_a_dead_share_fails_rank_0s_stream_within_seconds_and_leaves_no_process(
             _start_share(second, _request(request.run_id, 500, placement), share)
         elif kind == "episode":
             break
-    ranks = {int(p.environ()["RANK"]): p for p in _ranks(os.getpid())}
+    ranks = {rank_in_title(p): p for p in _ranks(os.getpid())}
     assert sorted(ranks) == [0, 1], ranks
     processes = _job_processes(os.getpid())
     # The second trainer's rank dies as it would with its trainer (its lifeline).

@@ -26,7 +26,7 @@ import pytest
 
 from tests.fakes.grpo_rank import scripted_ranks
 from tests.fakes.waiting import TIMEOUT, wait_for
-from tests.grpo_fixtures import make_job, tiny_grpo_task
+from tests.grpo_fixtures import make_job, rank_in_title, tiny_grpo_task
 from trainer_service.core.placement import Placement
 from trainer_service.core.provider import ProviderError, TrainJob
 from trainer_service.providers.grpo import process, rendezvous
@@ -105,9 +105,10 @@ def _ranks(module: str) -> dict[int, psutil.Process]:
     out = {}
     for child in psutil.Process().children(recursive=True):
         try:
-            if module in " ".join(child.cmdline()):
-                out[int(child.environ()["RANK"])] = child
-        except (psutil.Error, KeyError):
+            rank = rank_in_title(child)
+            if rank is not None and module in " ".join(child.cmdline()):
+                out[rank] = child
+        except psutil.Error:
             continue
     return out
 

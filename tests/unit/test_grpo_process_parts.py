@@ -11,11 +11,10 @@ import logging
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import threading
 import types
 from collections.abc import Iterator
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psutil
@@ -32,7 +31,7 @@ from trainer_service.core.provider import ProviderError, TrainJob
 from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
 from trainer_service.providers._device import slot_devices
-from trainer_service.providers.grpo import process, wire
+from trainer_service.providers.grpo import launch, process, wire
 from trainer_service.providers.grpo.ranks import Rank
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire.contract import StreamChecker, check_task
@@ -40,7 +39,6 @@ from trainwire.v1 import episode_pb2
 
 __all__ = ["scripted_ranks"]  # the fixture, re-exported for pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # -- the channel -------------------------------------------------------------------------------
 
@@ -207,27 +205,18 @@ def test_the_first_report_wins_and_provider_errors_pass_as_they_are() -> None:
 
 
 @pytest.fixture
-def rank_process() -> Iterator[tuple[subprocess.Popen[bytes], wire.ChannelEnd]]:
-    """A rank process in a process group of its own, talking to this test over its channel."""
-    ours, theirs = wire.ChannelEnd.pair()
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "trainer_service.providers.grpo.worker"),
-            *("--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())),
-        ],
-        pass_fds=(theirs.fileno(),),
-        process_group=0,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'clients'}"},
-    )
-    theirs.close()
+def rank_process() -> Iterator[tuple[BaseProcess, wire.ChannelEnd]]:
+    """A rank process started as the trainer starts one (by its launcher, in a process group of
+    its own), talking to this test over its channel."""
+    proc, ours = launch.spawn_rank(launch.rank_env({}, 0, 1), None, 0)
     try:
         yield proc, ours
     finally:
         ours.close()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(TIMEOUT)
+        proc.join(TIMEOUT)
+        if proc.exitcode is None and proc.pid is not None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(TIMEOUT)
 
 
 def _messages_until_end(channel: wire.ChannelEnd) -> list[tuple[bytes, bytes]]:
@@ -238,7 +227,7 @@ def _messages_until_end(channel: wire.ChannelEnd) -> list[tuple[bytes, bytes]]:
 
 
 def test_a_rank_reports_a_bad_job_spec_as_a_crash_and_exits(
-    rank_process: tuple[subprocess.Popen[bytes], wire.ChannelEnd],
+    rank_process: tuple[BaseProcess, wire.ChannelEnd],
 ) -> None:
     proc, channel = rank_process
     spec = {
@@ -250,11 +239,12 @@ def test_a_rank_reports_a_bad_job_spec_as_a_crash_and_exits(
     errors = [json.loads(payload) for kind, payload in received if kind == wire.ERROR]
     assert len(errors) == 1 and errors[0]["kind"] == "crash"
     assert errors[0]["exception"] == "DecodeError" and "Traceback" in errors[0]["detail"]
-    assert proc.wait(TIMEOUT) == 1
+    proc.join(TIMEOUT)
+    assert proc.exitcode == 1
 
 
 def test_a_rank_takes_its_process_group_down_when_the_trainer_goes_away(
-    rank_process: tuple[subprocess.Popen[bytes], wire.ChannelEnd],
+    rank_process: tuple[BaseProcess, wire.ChannelEnd],
 ) -> None:
     proc, channel = rank_process
 
@@ -264,7 +254,8 @@ def test_a_rank_takes_its_process_group_down_when_the_trainer_goes_away(
 
     wait_for(beat_or_end, "a heartbeat from the rank")
     channel.close()  # what the trainer's death looks like from the rank
-    assert proc.wait(TIMEOUT) == -signal.SIGKILL  # it killed its whole group, itself included
+    proc.join(TIMEOUT)
+    assert proc.exitcode == -signal.SIGKILL  # it killed its whole group, itself included
 
 
 # -- whole jobs of scripted ranks --------------------------------------------------------------

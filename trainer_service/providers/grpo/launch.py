@@ -1,18 +1,23 @@
-"""Starting the processes of a GRPO job: devices, environment, the command line and the job spec.
+"""Starting the processes of a GRPO job: devices, environment, the launcher and the job spec.
 
-The trainer starts each rank as ``python -m trainer_service.providers.grpo.worker`` (a fresh
-interpreter that finds its entry point by module name, never a fork of the trainer), with its
-end of the job's channel (:mod:`.wire`) passed as ``--fd`` and its process group chosen by the
-caller (the first rank leads a new one; the others join it). The rank's first message is its
-``JOB`` spec (:func:`job_spec`): everything it needs to build the same trainer as every other
-rank.
+Each rank is forked by the trainer's rank launcher (:func:`launcher`: multiprocessing's fork
+server, a fresh interpreter that imported the training stack once, so a rank starts in
+milliseconds instead of importing torch, transformers and TRL for seconds; never a fork of the
+trainer itself, whose gRPC threads do not survive a fork). The forked process joins the job's
+process group (the first rank leads a new one; the others join it), takes the rank's
+environment and runs ``python -m trainer_service.providers.grpo.worker`` as it would run alone
+(:func:`_run_rank`), with its end of the job's channel (:mod:`.wire`) as ``--fd``; ``ps``
+shows it as that module, its rank and its trainer. The rank's first message is its ``JOB``
+spec (:func:`job_spec`): everything it needs to build the same trainer as every other rank.
+The launcher lives as long as the trainer and exits when the trainer dies; the ranks are its
+children (it reaps them and tells the trainer how each exited).
 
 A trainer's share of a job whose ranks span trainers (``TrainJob.placement``) starts its own
 ranks only, ``first_rank`` onwards, on its own slots: ``RANK`` and ``WORLD_SIZE`` are the
 job's, ``LOCAL_RANK`` (and the device, ``CUDA_VISIBLE_DEVICES``) this trainer's. Its ranks
 meet the others in rank 0's ``TCPStore`` (:mod:`.rendezvous`): rank 0's trainer binds a
 listening socket on its ``--rendezvous-host`` (:func:`rendezvous_listener`) and passes it to
-rank 0 (``pass_fds``); the spec's ``meeting`` says where and in which role. Every rank of
+rank 0 (``--listen-fd``); the spec's ``meeting`` says where and in which role. Every rank of
 such a job has ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` on CUDA) set to the
 interface that owns its trainer's ``--rendezvous-host`` (:func:`interface_of`), so the
 collectives listen there only, and ``MASTER_ADDR``/``MASTER_PORT`` set to the rendezvous
@@ -26,17 +31,26 @@ This module imports neither torch nor grpc.
 from __future__ import annotations
 
 import base64
+import contextlib
 import ipaddress
+import multiprocessing
+import multiprocessing.context
 import os
 import pathlib
 import pickle
+import runpy
+import signal
 import socket
-import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Mapping
+from multiprocessing import forkserver, reduction, resource_tracker
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psutil
+import setproctitle
 
 from trainer_service.core.placement import Placement, split_host_port
 from trainer_service.core.provider import ProviderError, TrainJob
@@ -45,8 +59,22 @@ from trainer_service.providers.grpo.library_output import WorkerLogging
 
 #: Seconds between a rank's BEAT messages.
 BEAT_S = 1.0
-#: The module each rank runs (``python -m``).
+#: The module each rank runs (as ``python -m`` would).
 WORKER_MODULE = "trainer_service.providers.grpo.worker"
+#: What the rank launcher imports once, so that a rank starts with the training stack loaded
+#: (about 6 s of CPU per rank otherwise). Nothing here may touch CUDA: the ranks fork from it.
+LAUNCHER_PRELOAD = (
+    "torch",
+    "transformers",
+    "trl",
+    "datasets",
+    "PIL.Image",
+    "trainer_service.providers.grpo.build",
+)
+#: A rank's process title (``ps``): its module, its rank in the job and its trainer's pid.
+RANK_TITLE = "{module} (GRPO rank {rank}, trainer {trainer})"
+#: How long a started rank may take to join its job's process group.
+GROUP_TIMEOUT_S = 30.0
 #: A rank's role in the rendezvous of a job that spans trainers: rank 0 (it hosts the store
 #: and relays its controls), another rank of rank 0's trainer, a rank of another trainer.
 HOST, PEER, FOLLOW = "host", "peer", "follow"
@@ -235,13 +263,11 @@ def job_spec(
     }
 
 
-def meeting_spec(
-    placement: Placement, rank: int, address: str, listen_fd: int | None = None
-) -> dict[str, Any]:
+def meeting_spec(placement: Placement, rank: int, address: str) -> dict[str, Any]:
     """The ``meeting`` of this trainer's ``rank``-th process of a job that spans trainers: the
-    rendezvous and the process's role in it (:mod:`.rendezvous`): ``host`` (rank 0, with the
-    listening socket's descriptor), ``peer`` (another rank of rank 0's trainer) or ``follow``
-    (a rank of another trainer)."""
+    rendezvous and the process's role in it (:mod:`.rendezvous`): ``host`` (rank 0, which gets
+    the listening socket as ``--listen-fd``), ``peer`` (another rank of rank 0's trainer) or
+    ``follow`` (a rank of another trainer)."""
     parsed = split_host_port(address)
     assert parsed is not None, address
     role = (HOST if rank == 0 else PEER) if placement.hosts_rendezvous else FOLLOW
@@ -250,7 +276,6 @@ def meeting_spec(
         "host": parsed[0],
         "port": parsed[1],
         "role": role,
-        "listen_fd": listen_fd if role == HOST else None,
         # The ranks rank 0 relays its controls to: every rank of the other trainers.
         "remote_ranks": list(range(placement.processes, placement.world_size))
         if role == HOST
@@ -258,36 +283,48 @@ def meeting_spec(
     }
 
 
+def launcher() -> multiprocessing.context.ForkServerContext:
+    """The rank launcher: multiprocessing's fork server, with :data:`LAUNCHER_PRELOAD` imported
+    in it once (it starts with the first rank, and again after it died)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(LAUNCHER_PRELOAD))
+    return context
+
+
 def spawn_rank(
-    env: dict[str, str], pgid: int | None, pass_fds: Sequence[int] = ()
-) -> tuple[subprocess.Popen[bytes], wire.ChannelEnd]:
-    """Starts one rank process and returns it with the trainer's end of its channel.
+    env: dict[str, str], pgid: int | None, rank: int, listener: socket.socket | None = None
+) -> tuple[BaseProcess, wire.ChannelEnd]:
+    """Starts one rank process, forked by the :func:`launcher`, and returns it with the trainer's
+    end of its channel once it is in the job's process group.
 
     Args:
         env: The rank's environment (:func:`rank_env`).
         pgid: The job's process group; ``None`` for the first rank, which leads a new one.
-        pass_fds: More descriptors the rank inherits (rank 0's rendezvous socket).
+        rank: The rank's index on this trainer (its process title names it).
+        listener: Rank 0's rendezvous socket, passed as ``--listen-fd``.
 
     Raises:
         ProviderError: The process could not be started.
     """
     parent, child = wire.ChannelEnd.pair()
+    process = launcher().Process(
+        target=_run_rank,
+        args=(WORKER_MODULE, env, pgid or 0, rank, os.getpid(), child, listener, _Inherited(2)),
+        name=f"grpo-rank-{rank}",
+        # Daemonic: a trainer that exits with a job still running sends its ranks SIGTERM
+        # (the lifeline's signal) rather than waiting for them.
+        daemon=True,
+    )
     try:
-        popen = subprocess.Popen(
-            [
-                *(sys.executable, "-m", WORKER_MODULE),
-                *("--fd", str(child.fileno()), "--parent-pid", str(os.getpid())),
-            ],
-            pass_fds=(child.fileno(), *pass_fds),
-            # The first rank leads a new group; the others join it. Everything they start
-            # stays in it, so one killpg ends the whole job (this trainer's share of it).
-            process_group=0 if pgid is None else pgid,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=2,  # the trainer's stdout carries its announcements only
-        )
-    except OSError as exc:
+        process.start()
+        _await_group(process, pgid)
+    except (OSError, ValueError, ProviderError) as exc:
         parent.close()
+        if process.pid is not None and process.exitcode is None:
+            with contextlib.suppress(OSError):
+                os.kill(process.pid, signal.SIGKILL)
+        if isinstance(exc, ProviderError):
+            raise
         raise ProviderError(
             "The trainer could not start a training process.",
             detail=f"{type(exc).__name__}: {exc}",
@@ -296,4 +333,105 @@ def spawn_rank(
         ) from exc
     finally:
         child.close()
-    return popen, parent
+    return process, parent
+
+
+def _await_group(process: BaseProcess, pgid: int | None) -> None:
+    """Waits until ``process`` is in the job's process group (its own, led by it, when ``pgid``
+    is ``None``): from then on one ``killpg`` reaches it."""
+    assert process.pid is not None
+    wanted = process.pid if pgid is None else pgid
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    while True:
+        try:
+            if os.getpgid(process.pid) == wanted:
+                return
+        except ProcessLookupError:
+            pass
+        if process.exitcode is not None or time.monotonic() > deadline:
+            raise ProviderError(
+                "The trainer could not start a training process.",
+                detail=f"pid {process.pid} never joined process group {wanted} "
+                f"(exit code {process.exitcode})",
+                code="INTERNAL",
+                reason="PROCESS_DIED",
+            )
+        time.sleep(0.002)
+
+
+class _Inherited:
+    """A descriptor of the trainer that a forked rank gets a copy of (the launcher passes it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _inherited_fd, (reduction.DupFd(self.fd),)
+
+
+def _inherited_fd(duplicate: Any) -> int:
+    return int(duplicate.detach())
+
+
+def _run_rank(
+    module: str,
+    env: dict[str, str],
+    pgid: int,
+    rank: int,
+    trainer_pid: int,
+    channel: Connection,
+    listener: socket.socket | None,
+    stderr: int,
+) -> None:
+    """A forked rank's first moves, then ``python -m module`` as the rank would run it alone.
+
+    It joins the job's process group (``pgid`` 0: leads a new one), writes to the trainer's
+    stderr (stdout too: the trainer's stdout carries its announcements only), takes the rank's
+    environment (and the thread count it names: torch read it before the fork) and starts
+    from multiprocessing's state of a fresh interpreter; ``ps`` names it after its module, its
+    rank and its trainer.
+    """
+    # First: the title takes its room from the environment's original strings.
+    title = RANK_TITLE.format(module=module, rank=env.get("RANK", rank), trainer=trainer_pid)
+    setproctitle.setproctitle(title)
+    os.setpgid(0, pgid)
+    for target in (1, 2):
+        os.dup2(stderr, target)
+    os.close(stderr)
+    os.environ.clear()
+    os.environ.update(env)
+    torch = sys.modules.get("torch")
+    threads = env.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    _leave_the_launchers_descriptors()
+    # As in a fresh interpreter: the default start method (the fork server's child inherits
+    # "forkserver"), and the rank may start processes of its own (DataLoader workers).
+    multiprocessing.set_start_method(None, force=True)
+    multiprocessing.current_process().daemon = False
+    fd = os.dup(channel.fileno())
+    channel.close()
+    argv = ["--fd", str(fd), "--parent-pid", str(os.getppid())]
+    if listener is not None:
+        argv += ["--listen-fd", str(listener.detach())]
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _leave_the_launchers_descriptors() -> None:
+    """Closes the two descriptors of the trainer that the fork server hands every child.
+
+    The trainer's "alive" pipe: while a rank held it, the launcher would not see the trainer die
+    and the ranks' parent-death signal would never fire. The trainer's resource tracker: a rank
+    registers its semaphores with a tracker of its own, in the job's process group, as when it
+    was started alone, rather than leaving them to the trainer's.
+    """
+    for owner, name in (
+        (forkserver._forkserver, "_forkserver_alive_fd"),
+        (resource_tracker._resource_tracker, "_fd"),
+    ):
+        fd = getattr(owner, name, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            setattr(owner, name, None)

@@ -6,8 +6,10 @@ it too. The trainer kills that group when the job ends, fails or is cancelled. W
 itself dies (``kill -9`` included) nobody is left to do that, so each rank does it:
 
 - :func:`arm_rank`: the rank asks the kernel for ``SIGTERM`` when its parent dies
-  (``PR_SET_PDEATHSIG``) and answers it by killing its group. The signal is handled in the
-  main thread, which may be busy in C for a while, so a second path does not wait for it: the
+  (``PR_SET_PDEATHSIG``) and answers it by killing its group. Its parent is the trainer's rank
+  launcher (:func:`.launch.launcher`), which exits as soon as the trainer is gone (no rank holds
+  the trainer's "alive" pipe to it, see :func:`.launch.spawn_rank`). The signal is handled in
+  the main thread, which may be busy in C for a while, so a second path does not wait for it: the
   rank's channel reader sees end of file on the trainer's socket and kills the group from its
   own thread (:func:`kill_own_group`). A rank never kills a group that holds its parent.
 - :class:`WorkerWatchdog`: a ``worker_init_fn`` wrapper for DataLoader workers. A worker is a

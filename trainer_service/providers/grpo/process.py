@@ -2,13 +2,13 @@
 
 A job in processes of its own keeps a CUDA out-of-memory, a crash in a kernel or a leak from
 hitting the whole service, keeps the forking of DataLoader workers away from gRPC's threads, and
-lets a job use several devices. A job is ``num_processes`` processes
-(``python -m trainer_service.providers.grpo.worker``, one per device, rank 0 first), started by
-the job's producer thread in a new process group led by rank 0. :func:`run` looks like any other
-provider to the service's ``RunningJob``: a generator of episodes, pulled one credited episode at
-a time. Each pull sends ``STEP n`` to every rank (:mod:`.wire`) and returns the episode rank 0
-sends back, so a job computes exactly the steps it has credit for; grants, detach/re-attach and
-the contract check are the service's (``trainer_service.core.job``). A change of the job's
+lets a job use several devices. A job is ``num_processes`` processes (:mod:`.worker`, one per
+device, rank 0 first), forked by the trainer's rank launcher (:mod:`.launch`) for the job's
+producer thread, in a new process group led by rank 0. :func:`run` looks like any other provider
+to the service's ``RunningJob``: a generator of episodes, pulled one credited episode at a time.
+Each pull sends ``STEP n`` to every rank (:mod:`.wire`) and returns the episode rank 0 sends
+back, so a job computes exactly the steps it has credit for; grants, detach/re-attach and the
+contract check are the service's (``trainer_service.core.job``). A change of the job's
 hyperparameters (``job.hyperparameters``) goes to every rank as ``HYPER`` right before the
 ``STEP`` it applies to.
 
@@ -74,7 +74,6 @@ import os
 import pathlib
 import shutil
 import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -83,7 +82,7 @@ from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.placement import Placement
 from trainer_service.core.provider import CheckpointUnusable, ProviderError, TrainJob
 from trainer_service.providers.grpo import checkpoint_files, launch, wire
-from trainer_service.providers.grpo.ranks import Rank, diagnose, peek_exit
+from trainer_service.providers.grpo.ranks import Rank, diagnose, exit_of
 from trainer_service.providers.grpo.validation import resolve_in_roots
 from trainwire.v1 import episode_pb2
 from trainwire_ops.addresses import host_port
@@ -167,19 +166,16 @@ class JobProcesses:
             for rank in range(self.processes):
                 env = launch.rank_env(extra, rank, self.processes, placement)
                 meeting: dict[str, object] | None = None
-                fds: tuple[int, ...] = ()
                 if placement is not None:
-                    fd = listener.fileno() if listener is not None and rank == 0 else None
-                    meeting = launch.meeting_spec(placement, rank, address, fd)
-                    fds = (fd,) if fd is not None else ()
-                popen, channel = launch.spawn_rank(env, self.pgid, fds)
+                    meeting = launch.meeting_spec(placement, rank, address)
+                started, channel = launch.spawn_rank(env, self.pgid, rank, listener)
                 if listener is not None:
                     # Rank 0 holds it now: once rank 0 is gone, nothing answers there.
                     listener.close()
                     listener = None
                 if self.pgid is None:
-                    self.pgid = popen.pid
-                self.ranks.append(Rank(self.first_rank + rank, popen, channel))
+                    self.pgid = started.pid
+                self.ranks.append(Rank(self.first_rank + rank, started, channel))
                 spec = launch.job_spec(
                     self.job, rank, self.processes, devices[rank], backend, scratch, resume, meeting
                 )
@@ -337,7 +333,7 @@ class JobProcesses:
                     rank.failed_at = now
         for rank in self.ranks:
             if rank.exit_status is None:
-                rank.exit_status = peek_exit(rank.pid)
+                rank.exit_status = exit_of(rank.process)
                 if rank.exit_status is not None and not rank.ended and rank.failed_at is None:
                     rank.failed_at = time.monotonic()
         self._show_silence()
@@ -385,7 +381,7 @@ class JobProcesses:
             self._pump(_POLL_S)
         for rank in self.ranks:
             if rank.closed and rank.exit_status is None:
-                rank.exit_status = peek_exit(rank.pid, wait_s=0.5)
+                rank.exit_status = exit_of(rank.process, wait_s=0.5)
         error = self.diagnose()
         self._kill()
         raise error
@@ -446,9 +442,8 @@ class JobProcesses:
         """Waits for every rank; then for any other member of the group that became our child
         (a trainer that is PID 1 or a subreaper adopts the orphaned fork servers and workers)."""
         for rank in self.ranks:
-            try:
-                rank.popen.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+            rank.process.join(30)
+            if rank.process.exitcode is None:  # pragma: no cover - SIGKILL cannot be ignored
                 _LOGGER.error("run %s: rank %d did not exit", self.job.run_id, rank.rank)
         if self.pgid is None:
             return

@@ -1,8 +1,8 @@
 """What the trainer knows of each rank of a GRPO job, and what it makes of their failure.
 
 :class:`Rank` is the trainer's record of one rank process (its rank in the job, what it said
-over its channel, how it exited); :mod:`.process` fills it in. :func:`peek_exit` reads a rank's
-exit without reaping it, so the process group cannot be reused before it is killed.
+over its channel, how it exited); :mod:`.process` fills it in. :func:`exit_of` reads a rank's
+exit as the launcher reported it.
 :func:`diagnose` turns the records of a failed job into the one :class:`ProviderError` the user
 reads: a rank killed by a signal first (for ``SIGKILL``, the out-of-memory advice), then the
 earliest ``ERROR`` report (a ``ProviderError`` of a rank as the rank raised it, a checkpoint
@@ -14,12 +14,11 @@ This module imports neither torch nor grpc.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from trainer_service.core.provider import CheckpointUnusable, ProviderError
@@ -31,7 +30,7 @@ class Rank:
     """What the trainer knows of one rank (``rank``: its rank in the whole job)."""
 
     rank: int
-    popen: subprocess.Popen[bytes]
+    process: BaseProcess
     channel: wire.ChannelEnd
     last_heard: float = field(default_factory=time.monotonic)
     phase: str = "starting"
@@ -39,12 +38,13 @@ class Rank:
     last_step: int | None = None  #: the last step it finished, as its END said
     closed: bool = False  #: its channel reached end of file
     error: dict[str, Any] | None = None  #: its ERROR report
-    exit_status: int | None = None  #: its exit, peeked before any reaping (negative: signal)
+    exit_status: int | None = None  #: how it exited (negative: the signal that killed it)
     failed_at: float | None = None  #: when the trainer first saw it fail
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        assert self.process.pid is not None  # started
+        return self.process.pid
 
 
 def _signal_name(signum: int) -> str:
@@ -54,22 +54,12 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def peek_exit(pid: int, wait_s: float = 0.0) -> int | None:
-    """How process ``pid`` (a child) exited, without reaping it: the exit code, or minus the
-    signal that killed it; ``None`` while it runs."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return None
-        if result is not None:
-            if result.si_code == os.CLD_EXITED:
-                return int(result.si_status)
-            return -int(result.si_status)
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.02)
+def exit_of(process: BaseProcess, wait_s: float = 0.0) -> int | None:
+    """How a rank exited, waiting up to ``wait_s`` for it: the exit code, or minus the signal
+    that killed it; ``None`` while it runs."""
+    if wait_s > 0:
+        process.join(wait_s)
+    return process.exitcode
 
 
 def diagnose(

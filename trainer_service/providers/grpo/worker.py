@@ -1,7 +1,8 @@
 """One rank of a GRPO job: ``python -m trainer_service.providers.grpo.worker --fd N ...``.
 
 The trainer starts one of these per process of a job (see :mod:`.process`; of a job that spans
-trainers, per process of its share), all in one process group, each with its own end of the
+trainers, per process of its share), forked by its rank launcher (:mod:`.launch`), which runs
+this module as ``python -m`` would; all in one process group, each with its own end of the
 job's channel (``--fd``, see :mod:`.wire`). A rank:
 
 1. arms its lifeline first (:func:`.lifeline.arm_rank`: the group dies with the trainer), then
@@ -408,7 +409,10 @@ def main(argv: list[str] | None = None, build: Callable[..., Any] | None = None)
     """
     parser = argparse.ArgumentParser(prog="python -m trainer_service.providers.grpo.worker")
     parser.add_argument("--fd", type=int, required=True, help="this rank's end of the channel")
-    parser.add_argument("--parent-pid", type=int, required=True, help="the trainer's pid")
+    parser.add_argument("--parent-pid", type=int, required=True, help="the process that started it")
+    parser.add_argument(
+        "--listen-fd", type=int, help="rank 0 of a job that spans trainers: its rendezvous socket"
+    )
     args = parser.parse_args(argv)
     lifeline.arm_rank(args.parent_pid)
     os.set_inheritable(args.fd, False)  # the fork server and DataLoader workers never hold it
@@ -419,6 +423,8 @@ def main(argv: list[str] | None = None, build: Callable[..., Any] | None = None)
         print("grpo worker: no job spec arrived", file=sys.stderr)
         return 2
     _apply_logging(spec)
+    if args.listen_fd is not None and spec.get("meeting"):
+        spec["meeting"]["listen_fd"] = args.listen_fd
     channel.beat_s = float(spec.get("beat_s", channel.beat_s))
     meeting = None
     try:
