@@ -73,6 +73,8 @@ LAUNCHER_PRELOAD = (
 )
 #: A rank's process title (``ps``): its module, its rank in the job and its trainer's pid.
 RANK_TITLE = "{module} (GRPO rank {rank}, trainer {trainer})"
+#: How long a rank's start is tried again while the launcher it met is dead.
+LAUNCHER_RETRY_S = 10.0
 #: How long a started rank may take to join its job's process group.
 GROUP_TIMEOUT_S = 30.0
 #: A rank's role in the rendezvous of a job that spans trainers: rank 0 (it hosts the store
@@ -307,20 +309,14 @@ def spawn_rank(
         ProviderError: The process could not be started.
     """
     parent, child = wire.ChannelEnd.pair()
-    process = launcher().Process(
-        target=_run_rank,
-        args=(WORKER_MODULE, env, pgid or 0, rank, os.getpid(), child, listener, _Inherited(2)),
-        name=f"grpo-rank-{rank}",
-        # Daemonic: a trainer that exits with a job still running sends its ranks SIGTERM
-        # (the lifeline's signal) rather than waiting for them.
-        daemon=True,
-    )
+    args = (WORKER_MODULE, env, pgid or 0, rank, os.getpid(), child, listener, _Inherited(2))
+    process: BaseProcess | None = None
     try:
-        process.start()
+        process = _start(args, rank)
         _await_group(process, pgid)
-    except (OSError, ValueError, ProviderError) as exc:
+    except (OSError, ValueError, EOFError, ProviderError) as exc:
         parent.close()
-        if process.pid is not None and process.exitcode is None:
+        if process is not None and process.pid is not None and process.exitcode is None:
             with contextlib.suppress(OSError):
                 os.kill(process.pid, signal.SIGKILL)
         if isinstance(exc, ProviderError):
@@ -334,6 +330,31 @@ def spawn_rank(
     finally:
         child.close()
     return process, parent
+
+
+def _start(args: tuple[Any, ...], rank: int) -> BaseProcess:
+    """Has the launcher fork a rank running :func:`_run_rank` with ``args``.
+
+    A launcher that died is started again by the next request, once it can be reaped: until
+    then (its threads still exiting) a request meets the dead one, and is made again.
+    """
+    deadline = time.monotonic() + LAUNCHER_RETRY_S
+    while True:
+        process = launcher().Process(
+            target=_run_rank,
+            args=args,
+            name=f"grpo-rank-{rank}",
+            # Daemonic: a trainer that exits with a job still running sends its ranks SIGTERM
+            # (the lifeline's signal) rather than waiting for them.
+            daemon=True,
+        )
+        try:
+            process.start()
+            return process
+        except (EOFError, ConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _await_group(process: BaseProcess, pgid: int | None) -> None:
