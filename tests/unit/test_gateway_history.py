@@ -215,8 +215,10 @@ async def test_page_cache_reads_a_forks_first_page_from_after_its_fork_episode()
     assert len(loads) == 3  # page 1 (257..512) was complete: cached
 
 
-async def test_a_replay_reads_the_pages_after_its_page_in_one_read() -> None:
-    episodes = [e.SerializeToString() for e in valid_episodes(2000)]
+async def test_a_replay_reads_the_pages_after_its_page_in_one_read_and_the_next_ones_ahead() -> (
+    None
+):
+    episodes = [e.SerializeToString() for e in valid_episodes(4000)]
     loads: list[tuple[int, int]] = []
 
     async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
@@ -224,13 +226,35 @@ async def test_a_replay_reads_the_pages_after_its_page_in_one_read() -> None:
         return episodes[first - 1 : last]
 
     cache = PageCache(loader, max_bytes=1 << 30)
-    got = [await cache.page("r", i, 2000) for i in range(8)]
-    # The first page alone (a watcher waits for it), then the next ones four at a time.
-    assert loads == [(1, 256), (257, 1280), (1281, 2000)]
+    got = [await cache.page("r", 0, 4000)]
+    assert loads == [(1, 256)]  # the first page alone: a watcher waits for it
+    got.append(await cache.page("r", 1, 4000))
+    # Reading on: pages 1-4 in one read, and pages 5-8 started at once, before they are asked
+    # for (the store reads them while the watcher is sent these).
+    assert loads == [(1, 256), (257, 1280), (1281, 2304)]
+    got += [await cache.page("r", i, 4000) for i in range(2, 10)]
+    assert loads[3:] == [(2305, 3328), (3329, 4000)]  # page 9 on: the same again, to the end
+    got += [await cache.page("r", i, 4000) for i in range(10, 16)]
+    assert len(loads) == 5
     assert [frame_payload(f) for page in got for f in page] == episodes
-    assert len(got[7]) == 2000 - 7 * 256
-    await cache.page("r", 5, 2000)
-    assert len(loads) == 3
+    assert len(got[15]) == 4000 - 15 * 256
+    await cache.page("r", 5, 4000)
+    assert len(loads) == 5
+
+
+async def test_no_page_of_an_active_run_is_read_ahead_before_it_is_whole() -> None:
+    episodes = [e.SerializeToString() for e in valid_episodes(1400)]
+    loads: list[tuple[int, int]] = []
+
+    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
+        loads.append((first, last))
+        return episodes[first - 1 : last]
+
+    cache = PageCache(loader, max_bytes=1 << 30)
+    await cache.page("r", 0, 1300, final=False)
+    await cache.page("r", 1, 1300, final=False)
+    # Pages 1-4 are whole (through 1280); page 5 holds 1281..1300 and will grow: not ahead.
+    assert loads == [(1, 256), (257, 1280)]
 
 
 def test_the_detail_offset_splits_an_episode_into_its_numbers_and_its_detail() -> None:
