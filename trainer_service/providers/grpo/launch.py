@@ -10,7 +10,11 @@ environment and runs ``python -m trainer_service.providers.grpo.worker`` as it w
 shows it as that module, its rank and its trainer. The rank's first message is its ``JOB``
 spec (:func:`job_spec`): everything it needs to build the same trainer as every other rank.
 The launcher lives as long as the trainer and exits when the trainer dies; the ranks are its
-children (it reaps them and tells the trainer how each exited).
+children (it reaps them and tells the trainer how each exited). What the training libraries read
+from the environment when they are imported (``HF_HOME``, ``HF_HUB_OFFLINE``...) is the
+trainer's environment when its first GRPO job started; a rank's own variables (``RANK``,
+``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``...) are read after the fork, and nothing in the
+launcher touches CUDA before it.
 
 A trainer's share of a job whose ranks span trainers (``TrainJob.placement``) starts its own
 ranks only, ``first_rank`` onwards, on its own slots: ``RANK`` and ``WORLD_SIZE`` are the
@@ -415,10 +419,10 @@ def _run_rank(
     # First: the title takes its room from the environment's original strings.
     title = RANK_TITLE.format(module=module, rank=env.get("RANK", rank), trainer=trainer_pid)
     setproctitle.setproctitle(title)
-    os.setpgid(0, pgid)
-    for target in (1, 2):
+    for target in (1, 2):  # before anything can fail: a failure's traceback goes there
         os.dup2(stderr, target)
     os.close(stderr)
+    os.setpgid(0, pgid)
     os.environ.clear()
     os.environ.update(env)
     torch = sys.modules.get("torch")
