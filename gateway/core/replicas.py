@@ -49,8 +49,9 @@ SCAN_S = 1.0
 #: Seconds between two full reads of the PENDING runs no replica owns (the safety net of the
 #: ``c`` and ``p`` notifications).
 PENDING_RESYNC_S = 5.0
-#: How long a replica waits for another one to apply a control before it answers.
-CONTROL_WAIT_S = 2.5
+#: How long a replica waits for another one to apply a control before it answers (a control
+#: that meets a lost lease waits for a take-over, which takes seconds on a loaded machine).
+CONTROL_WAIT_S = 10.0
 #: Seconds before the notification connection is opened again after it broke.
 RECONNECT_S = 1.0
 
