@@ -560,10 +560,14 @@ class PageCache:
         reads_on = (run_id, index - 1, view) in self._pages
         pages = self._unread(run_id, index, last_episode, view, READ_PAGES if reads_on else 1)
         futures = self._start_load(run_id, pages, last_episode, view, final, origin)
-        if reads_on:
-            ahead = self._unread(run_id, pages[-1] + 1, last_episode, view, READ_PAGES)
-            whole = final or (ahead[0] + 1) * PAGE_EPISODES <= last_episode if ahead else False
-            if whole and page_start(ahead[0], origin) < last_episode:
+        after = pages[-1] + 1  # ahead: from the page after these, if it exists and is whole
+        if (
+            reads_on
+            and page_start(after, origin) < last_episode
+            and (final or (after + 1) * PAGE_EPISODES <= last_episode)
+        ):
+            ahead = self._unread(run_id, after, last_episode, view, READ_PAGES)
+            if ahead:
                 self._start_load(run_id, ahead, last_episode, view, final, origin)
         return await asyncio.shield(futures[index])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 from hypothesis import given
@@ -190,14 +191,22 @@ async def test_page_cache_keeps_a_growing_page_of_an_active_run_only_once_full()
     assert 0 < cache.size_bytes < full
 
 
-async def test_page_cache_reads_a_forks_first_page_from_after_its_fork_episode() -> None:
-    episodes = [e.SerializeToString() for e in valid_episodes(600)]
+def _recording_loader(
+    episodes: list[bytes],
+) -> tuple[Callable[..., Awaitable[list[bytes]]], list[tuple[int, int]]]:
+    """A page cache's loader over ``episodes``, and the ``(first, last)`` of each read it made."""
     loads: list[tuple[int, int]] = []
 
     async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
         loads.append((first, last))
         return episodes[first - 1 : last]
 
+    return loader, loads
+
+
+async def test_page_cache_reads_a_forks_first_page_from_after_its_fork_episode() -> None:
+    episodes = [e.SerializeToString() for e in valid_episodes(600)]
+    loader, loads = _recording_loader(episodes)
     cache = PageCache(loader, max_bytes=1 << 20)
     # A fork at episode 100 that has published through 250: its first page grows to 256.
     assert page_start(0, 100) == 100 and page_start(1, 100) == 256
@@ -219,12 +228,7 @@ async def test_a_replay_reads_the_pages_after_its_page_in_one_read_and_the_next_
     None
 ):
     episodes = [e.SerializeToString() for e in valid_episodes(4000)]
-    loads: list[tuple[int, int]] = []
-
-    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
-        loads.append((first, last))
-        return episodes[first - 1 : last]
-
+    loader, loads = _recording_loader(episodes)
     cache = PageCache(loader, max_bytes=1 << 30)
     got = [await cache.page("r", 0, 4000)]
     assert loads == [(1, 256)]  # the first page alone: a watcher waits for it
@@ -244,12 +248,7 @@ async def test_a_replay_reads_the_pages_after_its_page_in_one_read_and_the_next_
 
 async def test_no_page_of_an_active_run_is_read_ahead_before_it_is_whole() -> None:
     episodes = [e.SerializeToString() for e in valid_episodes(1400)]
-    loads: list[tuple[int, int]] = []
-
-    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
-        loads.append((first, last))
-        return episodes[first - 1 : last]
-
+    loader, loads = _recording_loader(episodes)
     cache = PageCache(loader, max_bytes=1 << 30)
     await cache.page("r", 0, 1300, final=False)
     await cache.page("r", 1, 1300, final=False)

@@ -425,8 +425,9 @@ class JobProcesses:
         self.ranks = []
 
     def _kill(self) -> None:
-        """SIGKILL to the job's process group (its leader is not reaped yet, so the group id
-        cannot have been reused)."""
+        """SIGKILL to the job's process group. Its id stays reserved while any member lives (the
+        launcher may have reaped the leader); once none does, the kill finds nothing, unless the
+        id was handed out again, which takes the machine's pids wrapping around meanwhile."""
         if self._killed or self.pgid is None:
             return
         self._killed = True
