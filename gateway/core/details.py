@@ -30,6 +30,7 @@ best.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Callable
@@ -89,6 +90,8 @@ class DetailRetention:
         self.thinned = run.fork_episode
         self._best: tuple[float, int] | None = None  # of the stretch not thinned yet
         self._busy = False
+        self._idle = asyncio.Event()  # set while no chunk is being settled
+        self._idle.set()
 
     @property
     def active(self) -> bool:
@@ -113,17 +116,25 @@ class DetailRetention:
         if has_detail and episode > self.thinned and (self._best is None or reward > self._best[0]):
             self._best = (reward, episode)
         if not self._busy and episode - self._window - self.thinned >= self._chunk:
-            self._busy = True
+            self._set_busy()
             self._spawn(
                 self._thin(episode - self._window, keep_last=False),
                 f"gateway-details-{self._run.id}",
             )
 
     async def finish(self) -> None:
-        """Thins what is left of a run that ended (its last episode keeps its detail)."""
-        if self.active and not self._busy and self._run.episode > self.thinned:
-            self._busy = True
+        """Thins what is left of a run that ended (its last episode keeps its detail), after
+        the chunk being settled, if one is."""
+        if not self.active:
+            return
+        await self._idle.wait()
+        if not self._busy and self._run.episode > self.thinned:
+            self._set_busy()
             await self._thin(self._run.episode, keep_last=True)
+
+    def _set_busy(self) -> None:
+        self._busy = True
+        self._idle.clear()
 
     async def _thin(self, last: int, keep_last: bool) -> None:
         first = self.thinned + 1
@@ -159,3 +170,4 @@ class DetailRetention:
             )
         finally:
             self._busy = False
+            self._idle.set()

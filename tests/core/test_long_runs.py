@@ -112,6 +112,25 @@ async def test_a_long_run_keeps_a_bounded_tail_and_the_documented_details() -> N
     assert not any(e.HasField("imitation") for e in scalars.episodes())
 
 
+async def test_a_run_that_ends_while_old_details_are_settled_still_settles_the_rest() -> None:
+    async with running_core(**SMALL) as core:
+        # The first chunk's settling outlasts the (unpaced) run: the run's end comes while it
+        # is at work, and the rest of the run is settled after it, not left as it came.
+        core.store.settle_delay_s = 5.0
+        run_id = await long_run(core)
+        await core.wait_state(run_id, RunState.DONE)
+        await asyncio.sleep(4 * core.store.settle_delay_s)  # the chunk, then the rest
+        replay = core.watch(run_id)
+        await replay.ended()
+
+    kept = {e.episode for e in replay.episodes() if e.HasField("imitation")}
+    stride = detail_stride(EPISODES, DETAILS)
+    sent = {n for n in range(DETAIL_EVERY, EPISODES + 1, DETAIL_EVERY)} | {EPISODES}
+    must = {n for n in sent if n % stride == 0 or n % CHECKPOINT_EVERY == 0} | {EPISODES}
+    # Two stretches were settled (the first chunk, then the rest at the end): one best each.
+    assert must <= kept and len(kept - must) <= 2
+
+
 async def test_the_curve_is_exact_at_every_scale_while_running_and_after() -> None:
     async with running_core(**SMALL) as core:
         run_id = await long_run(core)
