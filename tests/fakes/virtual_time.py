@@ -3,15 +3,17 @@ to its next timer whenever the loop has nothing else to do, so a test of minutes
 heartbeats and keepalives takes milliseconds.
 
 looptime knows only two kinds of outside work that the clock must wait for: socket I/O and the
-futures of ``loop.run_in_executor``. The SQLite store commits on a thread of its own
-(``gateway.core.store.sqlite_thread``) and hands results back with ``call_soon_threadsafe``,
-which looptime cannot see coming: while a commit is in flight, it would jump the clock to the
-next timer (a heartbeat timeout, a pacing deadline) as if the commit took that long.
-``InFlightStore`` wraps the real store and, while any of its operations is in flight, keeps one
-``run_in_executor`` future pending (a thread that waits for the last operation to come back).
-With that future pending, looptime moves the clock only in step with real time, and not at all
-when the result arrives within 80 % of the time to the next timer (the commit's I/O wakes the
-loop first): a commit then takes no virtual time, as a commit of a fast disk would.
+futures of ``loop.run_in_executor``, and for both it moves the clock in step with real time while
+it waits (a thread's work then takes virtual time, as much as it took real time: more on a busy
+machine). The SQLite store commits on a thread of its own (``gateway.core.store.sqlite_thread``)
+and hands results back with ``call_soon_threadsafe``, which looptime cannot see coming: while a
+commit is in flight, it would jump the clock to the next timer (a heartbeat timeout, a pacing
+deadline) as if the commit took that long. ``InFlightStore`` wraps the real store and, while any
+of its operations is in flight, keeps a callback ready on the loop, so looptime never finds the
+loop idle and the clock stands still: a commit takes no virtual time, however long the machine
+takes over it, as a commit of a fast disk would. When nothing else is ready, the callback blocks
+(the GIL released) until the store thread hands the loop something, so holding the clock costs
+no CPU.
 
 A clock that moves only when the loop is idle turns float rounding into endless loops: a core
 wait of ``deadline - now`` that rounds to a hair above zero fires at once without the clock
@@ -40,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import looptime
@@ -60,10 +61,14 @@ END_OF_TIME_S = 3600.0
 #: The tick of virtual time: a power of two, so float arithmetic on clock readings is exact.
 RESOLUTION_S = 2.0**-20
 
-#: How far a virtual time may be off what the core schedules: a store commit in flight moves the
-#: clock in step with real time (see the module docstring), a fraction of a millisecond on a
-#: quiet machine and a few on one whose cores are busy with other work.
+#: How far a virtual time may be off what the core schedules: the clock stands still while the
+#: store works (see the module docstring), so only the core's own arithmetic (waits computed from
+#: clock readings, whole ticks of ``RESOLUTION_S``) moves it off; a margin of many ticks.
 TICK = 0.01
+
+#: The longest the held loop blocks at a time waiting for the store thread's delivery (a safety
+#: net: a delivery wakes it at once).
+HOLD_SLICE_S = 0.05
 
 #: The marker of tests in virtual time (see the module docstring).
 VIRTUAL_TIME = pytest.mark.looptime(end=END_OF_TIME_S, noop_cycles=0, resolution=RESOLUTION_S)
@@ -80,10 +85,12 @@ class InFlightStore:
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self._in_flight = 0
-        self._idle = threading.Event()
-        self._idle.set()
-        self._executor = ThreadPoolExecutor(2, thread_name_prefix="in-flight-store")
-        self._marker: asyncio.Future[Any] | None = None  # held: looptime keeps only weak refs
+        # What the store thread handed the loop (``call_soon_threadsafe`` calls), counted after
+        # each is queued on the loop, and how many of them the hold has seen.
+        self._handed = threading.Condition()
+        self._handed_count = 0
+        self._handed_seen = 0
+        self._watched: asyncio.AbstractEventLoop | None = None
         #: The last episode of each run whose commit came back (for tests of "after commits").
         self.committed: dict[str, int] = {}
         #: Seconds (virtual) each ``update_run`` waits before it is written, and each episode
@@ -91,19 +98,54 @@ class InFlightStore:
         #: while a run's state or its episodes are on their way to the store.
         self.update_delay_s = 0.0
         self.commit_delay_s = 0.0
+        #: Seconds (virtual) each ``settle_details`` waits before it is written: a slow thinning
+        #: of old details, still at work when its run ends.
+        self.settle_delay_s = 0.0
         self._reported: asyncio.Future[None] | None = None  # the last late commit report
 
     def _begin(self) -> None:
         self._in_flight += 1
         if self._in_flight == 1:
-            self._idle.clear()
             loop = asyncio.get_running_loop()
-            self._marker = loop.run_in_executor(self._executor, self._idle.wait)
+            self._watch_handoffs(loop)
+            loop.call_soon(self._hold, loop)
 
     def _end(self) -> None:
         self._in_flight -= 1
+
+    def _watch_handoffs(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Counts what other threads hand this loop, once the handoff is queued (its wake-up
+        byte written), so that ``_hold`` knows when the loop has something to pick up."""
+        if self._watched is loop:
+            return
+        self._watched = loop
+        handoff = loop.call_soon_threadsafe
+
+        def counted(callback: Callable[..., object], *args: Any, context: Any = None) -> Any:
+            handle = handoff(callback, *args, context=context)
+            with self._handed:
+                self._handed_count += 1
+                self._handed.notify_all()
+            return handle
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
+
+    def _hold(self, loop: asyncio.AbstractEventLoop) -> None:
+        """While an operation is in flight, stays ready for the loop's next pass; when nothing
+        else is ready (the loop would go idle and looptime would move the clock), first waits
+        (blocking, GIL released) until the store thread hands the loop something it has not
+        picked up yet. Anything counted is queued on the loop, so the next pass runs it."""
         if self._in_flight == 0:
-            self._idle.set()
+            return
+        # Other callbacks are ready: the loop is not idle, the clock stands still without a wait.
+        # (asyncio's queue of ready handles; the loop has no public way to ask.)
+        if loop._ready:  # type: ignore[attr-defined]
+            loop.call_soon(self._hold, loop)
+            return
+        with self._handed:
+            self._handed.wait_for(lambda: self._handed_count > self._handed_seen, HOLD_SLICE_S)
+            self._handed_seen = self._handed_count
+        loop.call_soon(self._hold, loop)
 
     async def _call(self, call: Callable[[], Awaitable[T]]) -> T:
         self._begin()
@@ -123,11 +165,7 @@ class InFlightStore:
         await self._call(self.inner.start)
 
     async def close(self) -> None:
-        try:
-            await self._call(self.inner.close)
-        finally:
-            self._idle.set()
-            self._executor.shutdown(wait=False)
+        await self._call(self.inner.close)
 
     async def insert_run(self, run: TrainingRun) -> int:
         return await self._call(lambda: self.inner.insert_run(run))
@@ -205,6 +243,8 @@ class InFlightStore:
         return await self._call(lambda: self.inner.read_curve_blocks(run_id, spans))
 
     async def settle_details(self, run_id: str, first: int, last: int, keep: Sequence[int]) -> int:
+        if self.settle_delay_s:
+            await asyncio.sleep(self.settle_delay_s)
         return await self._call(lambda: self.inner.settle_details(run_id, first, last, keep))
 
     async def update_metadata(
