@@ -127,15 +127,20 @@ class Replay:
             )
 
     async def _chunk(
-        self, log: EpisodeLog, cursor: int, upto: int, view: int
+        self, log: EpisodeLog, cursor: int, upto: int, view: int, reader: object, opening: bool
     ) -> tuple[Sequence[bytes], bool]:
         """Frames of episodes ``cursor + 1`` onwards, at most through ``upto``: from the live
-        tail, else a page from the store; and whether they came from the store."""
+        tail, else a page from the store (read for ``reader``; a watcher's ``opening`` read
+        starts with the page's head); and whether they came from the store."""
         if cursor >= log.base:
             return log.episodes(view, cursor, upto), False
         index = cursor // PAGE_EPISODES
         origin = log.origin
-        page = await self._pages.page(log.run_id, index, upto, view, False, origin)
+        if opening:
+            head = await self._pages.head(log.run_id, cursor, upto, view, False, origin, reader)
+            if head:
+                return head, True
+        page = await self._pages.page(log.run_id, index, upto, view, False, origin, reader)
         first = page_start(index, origin)
         chunk = page[cursor - first : upto - first]
         if not chunk:
@@ -149,14 +154,17 @@ class Replay:
         upto: int,
         view: int,
         sizer: BatchSizer,
+        reader: object,
         history: bool = False,
     ) -> AsyncIterator[EpisodeFrames]:
         """Episodes ``cursor + 1 .. upto`` in batches sized for the watcher (always as batches
         for the ``history`` sent before ``CaughtUp``, or read from the store)."""
         run_id = log.run_id
+        opening = history
         while cursor < upto:
             self._check_closing(run_id, cursor)
-            chunk, stored = await self._chunk(log, cursor, upto, view)
+            chunk, stored = await self._chunk(log, cursor, upto, view, reader, opening)
+            opening = False
             for lo, hi in sizer.batches(chunk, 0, len(chunk)):
                 began = self._clock()
                 yield EpisodeFrames(chunk[lo:hi], history or stored or hi - lo > 1, cursor + lo + 1)
@@ -186,12 +194,13 @@ class Replay:
         closing = self._closing
         log.watchers += 1
         waiter = log.waiter()
+        reader = object()  # what it reads from the store (released when it goes)
         try:
             # A fork's history starts after its fork episode: a watch from before starts there.
             cursor = max(after_episode, log.origin)
             attach = log.last_episode
             sizer = BatchSizer(clock)
-            async for event in self._send(log, cursor, attach, view, sizer, history=True):
+            async for event in self._send(log, cursor, attach, view, sizer, reader, True):
                 yield event
             # The run's real last episode, even when after_episode is beyond it.
             yield CaughtUp(attach)
@@ -217,7 +226,7 @@ class Replay:
                         # A watcher that fell behind (slow network, unpaced run) gets its
                         # backlog in batches rather than one message per episode, one after
                         # the other.
-                        async for event in self._send(log, cursor, visible, view, sizer):
+                        async for event in self._send(log, cursor, visible, view, sizer, reader):
                             yield event
                         last_sent = clock()
                         cursor = visible
@@ -247,6 +256,7 @@ class Replay:
                 await waiter.wait(remaining)
                 woken = True
         finally:
+            self._pages.release(reader)
             waiter.close()
             log.watchers -= 1
 
@@ -258,18 +268,29 @@ class Replay:
         cursor = max(after_episode, origin)
         last = run.episode
         sizer = BatchSizer(self._clock)
-        while cursor < last:
-            self._check_closing(run.id, cursor)
-            index = cursor // PAGE_EPISODES
-            page = await self._pages.page(run.id, index, last, view, True, origin)
-            first = page_start(index, origin)  # episode number before the page's first
-            expected = min(last, (index + 1) * PAGE_EPISODES) - first
-            if len(page) < expected:
-                raise RunNotFound(run.id)  # deleted while being replayed
-            for lo, hi in sizer.batches(page, cursor - first, len(page)):
-                began = self._clock()
-                yield EpisodeFrames(page[lo:hi], True, first + lo + 1)
-                sizer.wrote(self._clock() - began)
-            cursor = first + len(page)
-        yield CaughtUp(last)
-        yield Finished(run)
+        reader = object()  # what it reads from the store (released when it goes)
+        try:
+            if cursor < last:  # its first message: the head of its page, read alone
+                head = await self._pages.head(run.id, cursor, last, view, True, origin, reader)
+                for lo, hi in sizer.batches(head, 0, len(head)):
+                    began = self._clock()
+                    yield EpisodeFrames(head[lo:hi], True, cursor + lo + 1)
+                    sizer.wrote(self._clock() - began)
+                cursor += len(head)
+            while cursor < last:
+                self._check_closing(run.id, cursor)
+                index = cursor // PAGE_EPISODES
+                page = await self._pages.page(run.id, index, last, view, True, origin, reader)
+                first = page_start(index, origin)  # episode number before the page's first
+                expected = min(last, (index + 1) * PAGE_EPISODES) - first
+                if len(page) < expected:
+                    raise RunNotFound(run.id)  # deleted while being replayed
+                for lo, hi in sizer.batches(page, cursor - first, len(page)):
+                    began = self._clock()
+                    yield EpisodeFrames(page[lo:hi], True, first + lo + 1)
+                    sizer.wrote(self._clock() - began)
+                cursor = first + len(page)
+            yield CaughtUp(last)
+            yield Finished(run)
+        finally:
+            self._pages.release(reader)

@@ -481,3 +481,33 @@ async def test_episodes_json_is_read_as_stored_and_written_where_it_was_not(
 def carried_block(recs: list[EpisodeRecord], level: int, index: int) -> object:
     """The block of ``level``/``index`` as the records carried it."""
     return next(b for r in recs for b in r.blocks if (b.level, b.index) == (level, index))
+
+
+async def test_a_read_cancelled_at_any_point_leaves_the_store_serving_reads(store: Store) -> None:
+    """The page cache cancels reads whose watchers went away (``gateway.core.history``): a
+    read cancelled before, during or after its query leaves every connection usable."""
+    run = make_run("a", episodes=3000)
+    run.seq = await store.insert_run(run)
+    recs = records("a", 3000)
+    await append(store, recs)
+    expected = [r.data for r in recs]
+    loop = asyncio.get_running_loop()
+    for attempt in range(24):
+        read = asyncio.ensure_future(store.read_episodes("a", 1, 3000))
+        # Cancelled at once, after a few loop passes, or up to ~6 ms into the query (the whole
+        # read takes 4-8 ms on PostgreSQL).
+        if attempt % 3 == 1:
+            for _ in range(attempt):
+                await asyncio.sleep(0)
+        elif attempt % 3 == 2:
+            began = loop.time()
+            while loop.time() - began < attempt / 4000:
+                await asyncio.sleep(0)
+        read.cancel()
+        await asyncio.gather(read, return_exceptions=True)
+        first, last = 1 + attempt * 100, 256 + attempt * 100
+        assert (
+            await asyncio.wait_for(store.read_episodes("a", first, last), TIMEOUT)
+            == (expected[first - 1 : last])
+        )
+    assert await asyncio.wait_for(store.read_episodes("a", 1, 3000), TIMEOUT) == expected

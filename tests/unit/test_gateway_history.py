@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from gateway.core import history
 from gateway.core.episode_json import episode_json
 from gateway.core.history import (
+    HEAD_EPISODES,
     JSON,
     MAX_BATCH_BYTES,
     SCALARS,
@@ -26,8 +28,9 @@ from gateway.core.history import (
     scalar_frame,
     split_batches,
 )
-from gateway.core.replay import SMALLEST_BATCH_BYTES, BatchSizer
+from gateway.core.replay import SMALLEST_BATCH_BYTES, BatchSizer, Replay
 from tests.fakes.fake_trainer import valid_episodes
+from tests.store.test_store_contract import make_run
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 
@@ -217,9 +220,9 @@ async def test_page_cache_reads_a_forks_first_page_from_after_its_fork_episode()
     assert cache.size_bytes > 0  # complete: through episode 256
     assert len(await cache.page("f", 0, 600, final=False, origin=100)) == 156
     assert loads == [(101, 250), (101, 256)]
-    # Page 0 is cached: a replay reading on reads page 1 with the ones after it.
+    # Page 0 is cached: the fork's second page is read alone, as a watcher's second page.
     assert len(await cache.page("f", 1, 600, final=False, origin=100)) == 256
-    assert loads[-1] == (257, 600)
+    assert loads[-1] == (257, 512)
     assert len(await cache.page("f", 1, 600, final=False, origin=100)) == 256
     assert len(loads) == 3  # page 1 (257..512) was complete: cached
 
@@ -230,30 +233,30 @@ async def test_a_replay_reads_the_pages_after_its_page_in_one_read_and_the_next_
     episodes = [e.SerializeToString() for e in valid_episodes(4000)]
     loader, loads = _recording_loader(episodes)
     cache = PageCache(loader, max_bytes=1 << 30)
-    got = [await cache.page("r", 0, 4000)]
-    assert loads == [(1, 256)]  # the first page alone: a watcher waits for it
-    got.append(await cache.page("r", 1, 4000))
-    # Reading on: pages 1-4 in one read, and pages 5-8 started at once, before they are asked
+    got = [await cache.page("r", 0, 4000), await cache.page("r", 1, 4000)]
+    assert loads == [(1, 256), (257, 512)]  # the first two pages one at a time
+    got.append(await cache.page("r", 2, 4000))
+    # Reading on: pages 2-5 in one read, and pages 6-9 started at once, before they are asked
     # for (the store reads them while the watcher is sent these).
-    assert loads == [(1, 256), (257, 1280), (1281, 2304)]
-    got += [await cache.page("r", i, 4000) for i in range(2, 10)]
-    assert loads[3:] == [(2305, 3328), (3329, 4000)]  # page 9 on: the same again, to the end
-    got += [await cache.page("r", i, 4000) for i in range(10, 16)]
-    assert len(loads) == 5
+    assert loads[2:] == [(513, 1536), (1537, 2560)]
+    got += [await cache.page("r", i, 4000) for i in range(3, 11)]
+    assert loads[4:] == [(2561, 3584), (3585, 4000)]  # page 10 on: the same again, to the end
+    got += [await cache.page("r", i, 4000) for i in range(11, 16)]
+    assert len(loads) == 6
     assert [frame_payload(f) for page in got for f in page] == episodes
     assert len(got[15]) == 4000 - 15 * 256
     await cache.page("r", 5, 4000)
-    assert len(loads) == 5
+    assert len(loads) == 6
 
 
 async def test_no_page_of_an_active_run_is_read_ahead_before_it_is_whole() -> None:
-    episodes = [e.SerializeToString() for e in valid_episodes(1400)]
+    episodes = [e.SerializeToString() for e in valid_episodes(1600)]
     loader, loads = _recording_loader(episodes)
     cache = PageCache(loader, max_bytes=1 << 30)
-    await cache.page("r", 0, 1300, final=False)
-    await cache.page("r", 1, 1300, final=False)
-    # Pages 1-4 are whole (through 1280); page 5 holds 1281..1300 and will grow: not ahead.
-    assert loads == [(1, 256), (257, 1280)]
+    for index in range(3):
+        await cache.page("r", index, 1550, final=False)
+    # Reading on: pages 2-5 (through 1536); page 6 holds 1537..1550 and will grow: not ahead.
+    assert loads == [(1, 256), (257, 512), (513, 1536)]
 
 
 def test_the_detail_offset_splits_an_episode_into_its_numbers_and_its_detail() -> None:
@@ -369,8 +372,8 @@ def test_the_json_views_are_written_once_each_when_first_asked_for(
 
 
 async def test_a_read_goes_on_when_the_watcher_that_started_it_goes_away() -> None:
-    """A watcher cancelled while its page is read (a client that hangs up) leaves the read to
-    finish: a read cancelled half way left PostgreSQL's connection unusable."""
+    """A watcher cancelled while its page is read (a client that hangs up) does not cancel the
+    read by being cancelled: others may wait for it. Only a released reader's reads stop."""
     episodes = [e.SerializeToString() for e in valid_episodes(300)]
     gate = asyncio.Event()
     loads: list[tuple[int, int]] = []
@@ -392,3 +395,142 @@ async def test_a_read_goes_on_when_the_watcher_that_started_it_goes_away() -> No
     page = await asyncio.wait_for(cache.page("r", 0, 300), 10)  # the same read's result
     assert finished == [1] and loads == [(1, 256)]
     assert [frame_payload(f) for f in page] == episodes[:256]
+
+
+def _gated_loader(
+    episodes: list[bytes],
+) -> tuple[Callable[..., Awaitable[list[bytes]]], list[tuple[int, int]], list[int], asyncio.Event]:
+    """A loader that reads nothing until its gate opens; the ``(first, last)`` of each read it
+    started, the ``first`` of each one cancelled, and the gate."""
+    loads: list[tuple[int, int]] = []
+    cancelled: list[int] = []
+    gate = asyncio.Event()
+
+    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
+        loads.append((first, last))
+        try:
+            await gate.wait()
+        except asyncio.CancelledError:
+            cancelled.append(first)
+            raise
+        return episodes[first - 1 : last]
+
+    return loader, loads, cancelled, gate
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_reader_that_goes_cancels_the_reads_only_it_holds() -> None:
+    episodes = [e.SerializeToString() for e in valid_episodes(4000)]
+    loader, loads, cancelled, gate = _gated_loader(episodes)
+    cache = PageCache(loader, max_bytes=1 << 30)
+    a, b = object(), object()
+    gate.set()
+    for index in range(2):
+        await cache.page("r", index, 4000, reader=a)
+    gate.clear()
+    waiting = asyncio.create_task(cache.page("r", 2, 4000, reader=a))
+    await _settle()
+    assert loads[2:] == [(513, 1536), (1537, 2560)]  # reading on, and ahead
+    joined = asyncio.create_task(cache.page("r", 6, 4000, reader=b))  # in the read ahead
+    await _settle()
+    waiting.cancel()  # a's watcher goes while its page is read
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    cache.release(a)
+    await _settle()
+    assert cancelled == [513]  # b holds the read ahead: it goes on
+    gate.set()
+    page = await asyncio.wait_for(joined, 10)
+    assert [frame_payload(f) for f in page] == episodes[1536:1792]
+    # The cancelled pages are read again for whoever asks for them next.
+    page = await asyncio.wait_for(cache.page("r", 3, 4000, reader=b), 10)
+    assert [frame_payload(f) for f in page] == episodes[768:1024]
+    assert loads[4] == (769, 1024)
+    cache.release(b)
+    cache.release(b)  # releasing twice, or a reader that holds nothing, is harmless
+    cache.release(object())
+
+
+async def test_a_read_that_no_named_reader_holds_is_never_cancelled() -> None:
+    episodes = [e.SerializeToString() for e in valid_episodes(300)]
+    loader, loads, cancelled, gate = _gated_loader(episodes)
+    cache = PageCache(loader, max_bytes=1 << 20)
+    a = object()
+    anonymous = asyncio.create_task(cache.page("r", 0, 300))
+    await _settle()
+    joined = asyncio.create_task(cache.page("r", 0, 300, reader=a))
+    await _settle()
+    joined.cancel()
+    cache.release(a)
+    await _settle()
+    gate.set()
+    assert len(await asyncio.wait_for(anonymous, 10)) == 256
+    assert (loads, cancelled) == ([(1, 256)], [])
+
+
+async def test_a_watchers_first_read_is_the_head_of_its_page_alone() -> None:
+    episodes = [e.SerializeToString() for e in valid_episodes(4000)]
+    loader, loads = _recording_loader(episodes)
+    cache = PageCache(loader, max_bytes=1 << 30)
+    head = await cache.head("r", 300, 4000)
+    assert [frame_payload(f) for f in head] == episodes[300 : 300 + HEAD_EPISODES]
+    assert loads == [(301, 300 + HEAD_EPISODES), (257, 512)]  # the head, then its page
+    assert len(await cache.page("r", 1, 4000)) == 256
+    assert len(loads) == 2  # the page was read beside the head
+    # No head where the page is cached (or loading), nor where the head would be the page.
+    assert await cache.head("r", 300, 4000) == ()
+    assert await cache.head("r", 4000 - HEAD_EPISODES, 4000) == ()
+    assert await cache.head("r", 3840 - HEAD_EPISODES, 3840, final=False) == ()
+    assert len(loads) == 2
+    json_head = await cache.head("r", 1000, 4000, view=JSON)
+    assert json_head == tuple(episodes[1000 : 1000 + HEAD_EPISODES])  # as read
+
+
+async def test_a_watcher_that_goes_leaves_no_reads_of_the_store_behind() -> None:
+    """A late watcher of a finished run gets its first message from the head of its page, and
+    the reads started for it stop when it goes."""
+    episodes = [e.SerializeToString() for e in valid_episodes(4000)]
+    loads: list[tuple[int, int]] = []
+    cancelled: list[int] = []
+    never = asyncio.Event()
+
+    async def loader(run_id: str, first: int, last: int, scalars: bool, json: bool) -> list[bytes]:
+        loads.append((first, last))
+        if first > 1280:  # what it reads on: still in flight when it goes
+            try:
+                await never.wait()
+            except asyncio.CancelledError:
+                cancelled.append(first)
+                raise
+        return episodes[first - 1 : last]
+
+    replay = Replay(PageCache(loader, max_bytes=1 << 30), 10.0, time.monotonic, lambda: False)
+    run = make_run("r", episodes=4000)
+    run.episode = 4000
+    watch = replay.finished(run, 1000)
+    first = await asyncio.wait_for(anext(watch), 10)
+    assert isinstance(first, EpisodeFrames) and first.first == 1001
+    assert [frame_payload(f) for f in first.frames] == episodes[1000 : 1000 + HEAD_EPISODES]
+    assert loads == [(1001, 1000 + HEAD_EPISODES), (769, 1024)]
+
+    async def until_it_reads_on() -> asyncio.Future[object]:
+        step = asyncio.ensure_future(anext(watch))
+        while len(loads) < 5:
+            await asyncio.sleep(0)
+            if step.done():
+                step.result()
+                step = asyncio.ensure_future(anext(watch))
+        return step
+
+    waiting = await asyncio.wait_for(until_it_reads_on(), 10)
+    # Its next page alone; then, reading on, four pages and four ahead.
+    assert loads[2:] == [(1025, 1280), (1281, 2304), (2305, 3328)]
+    waiting.cancel()  # the watcher goes while it waits for its page
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await _settle()
+    assert cancelled == [1281, 2305]
