@@ -509,10 +509,10 @@ class PageCache:
 
     A read runs for its *readers*: the watchers that asked for one of its pages, and the one
     that started it ahead of asking. A watcher that goes away releases its reads
-    (``release``), and a read that no reader holds any more is cancelled: a watcher that looks
-    at a run's history and goes leaves no reads of thousands of episodes behind, which the next
-    watcher's first page would wait behind (20-50 ms on PostgreSQL on two cores). A read with
-    no reader named (``reader=None``) is never cancelled.
+    (``release``), and a read of several pages that no reader holds any more is cancelled: a
+    watcher that looks at a run's history and goes leaves no reads of thousands of episodes
+    behind, which the next watcher's first page would wait behind (20-50 ms on PostgreSQL on
+    two cores). A read with no reader named (``reader=None``) is never cancelled.
 
     Args:
         loader: Loads ``(run_id, first, last, scalars, json)`` -> serialized episodes (or their
@@ -634,15 +634,21 @@ class PageCache:
         return tuple(data) if view & JSON else tuple(encode_frame(d) for d in data)
 
     def release(self, reader: object) -> None:
-        """``reader`` wants no more pages: the reads only it holds are cancelled."""
+        """``reader`` wants no more pages: the reads of several pages that only it holds are
+        cancelled."""
         for read in self._held.pop(reader, ()):
             readers = self._reads.get(read)
             if readers is None:
                 continue
             readers.discard(reader)
-            if not readers:
-                # Nobody may join it now: a page asked for later is read again.
-                for key in [k for k, r in self._read_of.items() if r is read]:
+            if readers:
+                continue
+            keys = [k for k, r in self._read_of.items() if r is read]
+            # A read of one page is left to finish, for the next watcher there: cancelling it
+            # costs about as much as reading it (on PostgreSQL, a cancel request on a
+            # connection of its own).
+            if len(keys) > 1:
+                for key in keys:  # nobody may join it now: a page asked for later is read again
                     del self._read_of[key]
                     del self._loading[key]
                 read.cancel()

@@ -423,7 +423,7 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-async def test_a_reader_that_goes_cancels_the_reads_only_it_holds() -> None:
+async def test_a_reader_that_goes_cancels_the_reads_of_pages_only_it_holds() -> None:
     episodes = [e.SerializeToString() for e in valid_episodes(4000)]
     loader, loads, cancelled, gate = _gated_loader(episodes)
     cache = PageCache(loader, max_bytes=1 << 30)
@@ -453,6 +453,18 @@ async def test_a_reader_that_goes_cancels_the_reads_only_it_holds() -> None:
     cache.release(b)
     cache.release(b)  # releasing twice, or a reader that holds nothing, is harmless
     cache.release(object())
+    # A read of one page is left to finish when its reader goes: it is cached for the next.
+    gate.clear()
+    c = object()
+    alone = asyncio.create_task(cache.page("r", 15, 4000, reader=c))
+    await _settle()
+    alone.cancel()
+    cache.release(c)
+    gate.set()
+    await _settle()
+    assert loads[-1] == (3841, 4000) and cancelled == [513]
+    assert len(await cache.page("r", 15, 4000)) == 160
+    assert loads[-1] == (3841, 4000)
 
 
 async def test_a_read_that_no_named_reader_holds_is_never_cancelled() -> None:
