@@ -89,7 +89,6 @@ class DetailRetention:
         #: before its fork episode).
         self.thinned = run.fork_episode
         self._best: tuple[float, int] | None = None  # of the stretch not thinned yet
-        self._busy = False
         self._idle = asyncio.Event()  # set while no chunk is being settled
         self._idle.set()
 
@@ -115,8 +114,8 @@ class DetailRetention:
             return
         if has_detail and episode > self.thinned and (self._best is None or reward > self._best[0]):
             self._best = (reward, episode)
-        if not self._busy and episode - self._window - self.thinned >= self._chunk:
-            self._set_busy()
+        if self._idle.is_set() and episode - self._window - self.thinned >= self._chunk:
+            self._idle.clear()
             self._spawn(
                 self._thin(episode - self._window, keep_last=False),
                 f"gateway-details-{self._run.id}",
@@ -127,14 +126,11 @@ class DetailRetention:
         the chunk being settled, if one is."""
         if not self.active:
             return
-        await self._idle.wait()
-        if not self._busy and self._run.episode > self.thinned:
-            self._set_busy()
+        while not self._idle.is_set():
+            await self._idle.wait()
+        if self._run.episode > self.thinned:
+            self._idle.clear()
             await self._thin(self._run.episode, keep_last=True)
-
-    def _set_busy(self) -> None:
-        self._busy = True
-        self._idle.clear()
 
     async def _thin(self, last: int, keep_last: bool) -> None:
         first = self.thinned + 1
@@ -169,5 +165,4 @@ class DetailRetention:
                 extra={"run_id": self._run.id},
             )
         finally:
-            self._busy = False
             self._idle.set()

@@ -532,11 +532,12 @@ class PageCache:
         self._pages: OrderedDict[tuple[str, int, int], tuple[tuple[bytes, ...], int]] = (
             OrderedDict()
         )
-        self._loading: dict[tuple[str, int, int], asyncio.Future[tuple[bytes, ...]]] = {}
-        # Each read in flight with its readers, the read of each page loading, and each
-        # reader's reads.
+        # Each page loading: its future and the read that loads it.
+        self._loading: dict[
+            tuple[str, int, int], tuple[asyncio.Future[tuple[bytes, ...]], asyncio.Task[None]]
+        ] = {}
+        # Each read in flight with its readers, and each reader's reads.
         self._reads: dict[asyncio.Task[None], set[object]] = {}
-        self._read_of: dict[tuple[str, int, int], asyncio.Task[None]] = {}
         self._held: dict[object, set[asyncio.Task[None]]] = {}
 
     @property
@@ -569,8 +570,9 @@ class PageCache:
         last = min(last_episode, (index + 1) * PAGE_EPISODES)
         loading = self._loading.get(key)
         if loading is not None:
-            self._hold(self._read_of[key], holder)
-            shared = await asyncio.shield(loading)
+            future, read = loading
+            self._hold(read, holder)
+            shared = await asyncio.shield(future)
             if len(shared) >= last - first + 1:
                 return shared
             # A load of an active run's page that stopped short of what this caller knows is
@@ -643,13 +645,12 @@ class PageCache:
             readers.discard(reader)
             if readers:
                 continue
-            keys = [k for k, r in self._read_of.items() if r is read]
+            keys = [k for k, (_, r) in self._loading.items() if r is read]
             # A read of one page is left to finish, for the next watcher there: cancelling it
             # costs about as much as reading it (on PostgreSQL, a cancel request on a
             # connection of its own).
             if len(keys) > 1:
                 for key in keys:  # nobody may join it now: a page asked for later is read again
-                    del self._read_of[key]
                     del self._loading[key]
                 read.cancel()
 
@@ -702,8 +703,7 @@ class PageCache:
         self._hold(load, reader)
         load.add_done_callback(self._read_done)
         for i, future in futures.items():
-            self._loading[(run_id, i, view)] = future
-            self._read_of[(run_id, i, view)] = load
+            self._loading[(run_id, i, view)] = (future, load)
         return futures
 
     async def _load(
@@ -734,9 +734,9 @@ class PageCache:
         finally:
             for i, future in futures.items():
                 key = (run_id, i, view)
-                if self._loading.get(key) is future:  # (a released read's keys are gone)
+                entry = self._loading.get(key)
+                if entry is not None and entry[0] is future:  # (a released read's keys are gone)
                     del self._loading[key]
-                    del self._read_of[key]
         if len(frames) != last - first + 1:
             # A short read (the run was deleted meanwhile): nothing is cached, and the pages
             # cannot be told apart; the first page gets what there is, the others load again.
