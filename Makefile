@@ -39,7 +39,7 @@ run: install
 
 test: install
 	cd protos && ../$(VENV)/bin/buf lint
-	@set +e; TRAINWIRE_GEN_PYTHON=$(GEN_VENV)/bin/python $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
+	@set +e; TRAINWIRE_GEN_PYTHON=$(GEN_VENV)/bin/python $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 gen: install

@@ -30,7 +30,7 @@ from tests.fakes.waiting import TIMEOUT, wait_for
 from tests.http.harness import ApiError, LiveGateway, create_body, threaded_gateway
 from trainwire import motion
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 SCREENSHOTS = ROOT / "var" / "screenshots"
 CHROMIUM_FLAGS = (

@@ -35,7 +35,7 @@ from tests.http.test_browser import (  # noqa: F401 (fixtures)
     wait_until,
 )
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 LONG = 5000  # episodes of the finished run the module shares
 FIRST_PAINT_BOUND_MS = 5000.0  # generous: these machines are loaded (the target is 300 ms)

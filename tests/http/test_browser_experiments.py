@@ -41,7 +41,7 @@ from tests.http.test_browser import (  # noqa: F401 (fixtures)
     wait_until,
 )
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from tests.http.conftest import Http, http_gateway
 from tests.http.harness import Stream, read_stream
 from tests.http.test_api import error_of
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def events_url(http: Http, run_id: str, query: str = "") -> str:

@@ -44,7 +44,7 @@ pb = gateway_service_pb2
 TRAINER_FLAGS = ("--heartbeat", "0.5", "--detach-grace", "60")
 GATEWAY = {"heartbeat_timeout_s": 3.0, "schedule_poll_s": 0.2}
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 s3_endpoint = s3_fixtures.s3_endpoint
 s3_bucket = s3_fixtures.s3_bucket

@@ -24,7 +24,7 @@ from trainwire import render
 from trainwire.cli import main
 from trainwire.v1 import episode_pb2
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 
 @dataclass

@@ -48,6 +48,8 @@ from trainwire.v1 import (
     trainer_service_pb2_grpc,
 )
 
+pytestmark = pytest.mark.slow
+
 State = gateway_service_pb2.Run.State
 pb = gateway_service_pb2
 SLOTS = 3

@@ -30,6 +30,8 @@ from trainwire.cli import main as cli_main
 from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
+pytestmark = pytest.mark.slow
+
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
 Run = gateway_service_pb2.Run

@@ -28,7 +28,7 @@ pb = gateway_service_pb2
 State = pb.Run.State
 GATEWAY = {"heartbeat_timeout_s": 3.0, "schedule_poll_s": 0.2}
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 torch.set_num_threads(1)
 

@@ -5,11 +5,14 @@ fake trainer sending the contract's largest motion detail on every episode."""
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from tests.fakes.fake_trainer import FakeTrainer, Script
 from tests.fakes.gateway_harness import collect, create_request, gateway_process
 from tests.fakes.watch_load import stalled_watchers
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+
+pytestmark = pytest.mark.slow
 
 EPISODES = 600  # x 31 KB of motion each: an 18 MB history, inside the 64 MiB page cache
 WATCHERS = 200

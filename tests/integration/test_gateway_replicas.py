@@ -37,6 +37,8 @@ from tests.fakes.gateway_harness import (
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc, trainer_service_pb2
 
+pytestmark = pytest.mark.slow
+
 pb = gateway_service_pb2
 State = pb.Run.State
 LEASE_S = 3.0

@@ -38,7 +38,7 @@ __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
 pb = gateway_service_pb2
 State = pb.Run.State
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 #: How long every process of a job may outlive the death of one of its trainers.
 GONE_WITHIN_S = 15.0

@@ -32,6 +32,8 @@ from trainer_service.providers.grpo import launch, process
 from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
 
+pytestmark = pytest.mark.slow
+
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
 #: 8 rows, one prompt per step: an epoch is 8 steps. The job resumes in its second epoch, so

@@ -14,6 +14,8 @@ from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.providers.grpo import process
 from trainwire.contract import StreamChecker
 
+pytestmark = pytest.mark.slow
+
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
 STEPS = 5

@@ -32,6 +32,8 @@ from trainwire.errors import error_from_rpc
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 from trainwire_ops.checkpoints import CheckpointStore
 
+pytestmark = pytest.mark.slow
+
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
 WORKER = "trainer_service.providers.grpo.worker"

@@ -36,6 +36,8 @@ from trainer_service.providers.grpo.settings import Settings
 from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
 
+pytestmark = pytest.mark.slow
+
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
 

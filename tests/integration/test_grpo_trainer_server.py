@@ -22,6 +22,8 @@ from trainwire.v1 import (
     trainer_service_pb2,
 )
 
+pytestmark = pytest.mark.slow
+
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
 

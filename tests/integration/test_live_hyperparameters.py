@@ -22,6 +22,8 @@ from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from trainwire.v1 import gateway_service_pb2 as pb
 from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 
+pytestmark = pytest.mark.slow
+
 State = pb.Run.State
 
 

@@ -29,6 +29,8 @@ from tests.http.test_browser import browser, wait_until  # noqa: F401 (the fixtu
 from tests.http.test_browser_curve import FIRST_PAINT_BOUND_MS, chart
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
+pytestmark = pytest.mark.slow
+
 EPISODES = 200_000
 #: Documented in the README ("Long runs"): an episode's numbers, their JSON and its share of
 #: the curve blocks take at most this many bytes of SQLite; a kept motion adds its bytes and its

@@ -12,7 +12,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
+
+pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

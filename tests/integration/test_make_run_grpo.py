@@ -13,7 +13,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
+
+pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

@@ -21,6 +21,8 @@ from tests.fakes.gateway_harness import ROOT, collect, create_request, running_g
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 
+pytestmark = pytest.mark.slow
+
 State = gateway_service_pb2.Run.State
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
 

@@ -24,6 +24,8 @@ from trainwire.v1 import gateway_service_pb2 as pb
 from trainwire.v1 import gateway_service_pb2_grpc
 from trainwire_ops.tls import ServerTls
 
+pytestmark = pytest.mark.slow
+
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
 
 

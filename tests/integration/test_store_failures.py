@@ -27,6 +27,8 @@ from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
 from tests.unit.test_store_schema import make_read_only, undo_read_only, v1_database
 from trainwire.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 
+pytestmark = pytest.mark.slow
+
 pb = gateway_service_pb2
 State = pb.Run.State
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -38,6 +38,8 @@ from trainer_service.metrics import (
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SERVICE = "trainwire.v1.TrainerService"
 TRAIN = {"grpc_type": "server_stream", "grpc_service": SERVICE, "grpc_method": "Train"}

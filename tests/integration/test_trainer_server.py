@@ -28,6 +28,8 @@ from trainer_service.testing import FakeProvider, imitation_request
 from trainwire import contract
 from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 

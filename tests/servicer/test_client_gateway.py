@@ -26,7 +26,7 @@ from trainwire import aio
 from trainwire import client as tc
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 Run: TypeAlias = gateway_service_pb2.Run
 _FAST = tc.RetryPolicy(max_retries=3, initial_backoff=0.01, max_backoff=0.05)

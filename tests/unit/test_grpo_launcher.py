@@ -25,6 +25,8 @@ from tests.grpo_fixtures import rank_in_title
 from trainer_service.core.provider import ProviderError
 from trainer_service.providers.grpo import launch, wire
 
+pytestmark = pytest.mark.slow
+
 ECHOED = "RANK,WORLD_SIZE,ECHO_MARK"
 
 

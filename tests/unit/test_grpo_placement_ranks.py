@@ -32,6 +32,8 @@ from trainer_service.core.provider import ProviderError, TrainJob
 from trainer_service.providers.grpo import process, rendezvous
 from trainwire.v1 import episode_pb2
 
+pytestmark = pytest.mark.slow
+
 __all__ = ["scripted_ranks"]  # the fixture, re-exported for pytest
 
 #: The promise: every rank of a job stops this soon after any trainer of it dies.

@@ -37,6 +37,8 @@ from trainer_service.testing import FakeProvider, imitation_request
 from trainwire.contract import StreamChecker, check_task
 from trainwire.v1 import episode_pb2
 
+pytestmark = pytest.mark.slow
+
 __all__ = ["scripted_ranks"]  # the fixture, re-exported for pytest
 
 

@@ -28,6 +28,8 @@ from trainer_service.providers.grpo import process
 from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
 
+pytestmark = pytest.mark.slow
+
 __all__ = ["scripted_ranks"]  # the fixture, re-exported for pytest
 
 torch.set_num_threads(1)
