@@ -305,6 +305,44 @@ def test_pause_resume_speed_and_stop_from_the_page(page: WebDriver, gw: LiveGate
         assert not page.find_element(By.ID, "run-error").is_displayed()
 
 
+# Holds the answers of the run view's once-a-second GET of its run (not the stream's) until
+# ``release()``; counts them as they are read.
+_HOLD_RUN_POLLS = """
+const original = window.fetch;
+const held = [];
+window.polls = { sent: 0, read: 0, release: () => held.splice(0).forEach((go) => go()) };
+window.fetch = (path, init) => {
+  const answer = original(path, init);
+  if (!/^\\/v1\\/runs\\/[^/:]+$/.test(path) || (init && init.method !== "GET")) return answer;
+  window.polls.sent += 1;
+  return answer.then((response) => new Promise((go) => held.push(() => {
+    const json = response.json.bind(response);
+    response.json = () => json().finally(() => { window.polls.read += 1; });
+    go(response);
+  })));
+};
+"""
+
+
+def test_a_poll_answered_after_the_run_ended_does_not_bring_it_back(
+    page: WebDriver, gw: LiveGateway
+) -> None:
+    # A slow gateway answers a poll sent before the stop after the stream told the page that the
+    # run ended: the page keeps the end (its state, no controls) rather than RUNNING again.
+    with active_run(gw, max_episodes=3000, episodes_per_second=20) as run:
+        open_run(page, gw, run["id"])
+        wait_until(page, lambda: state_badge(page) == "RUNNING" and counter(page) > 5, "running")
+        page.execute_script(_HOLD_RUN_POLLS)
+        wait_until(page, lambda: page.execute_script("return window.polls.sent") > 0, "a poll")
+        gw.api("POST", f"/v1/runs/{run['id']}:stop")
+        wait_until(page, lambda: state_badge(page) == "STOPPED", "STOPPED from the stream")
+        sent = page.execute_script("window.polls.release(); return window.polls.sent")
+        wait_until(page, lambda: page.execute_script("return window.polls.read") >= sent, "read")
+        assert state_badge(page) == "STOPPED"
+        assert not page.find_element(By.ID, "hp-card").is_displayed()
+        assert not page.find_element(By.ID, "stop").is_enabled()
+
+
 def test_a_grpo_run_shows_its_curve_and_its_sample_completions_as_text(
     page: WebDriver, gw: LiveGateway
 ) -> None:

@@ -598,7 +598,9 @@ export class RunView {
     const runId = this.runId;
     try {
       const run = (await api("GET", runPath(runId))).run;
-      if (this.runId === runId) this.update(run);
+      // The stream's end is the run's last word: an answer to a poll sent before it (a slow
+      // gateway) must not bring back the state and the controls of a run still going.
+      if (this.runId === runId && !this.final) this.update(run);
       if (this.final || FINAL.has(stateName(run))) clearInterval(this.timer);
     } catch (err) {
       $("#run-detail").textContent = `cannot reach the gateway: ${err.message}`;
