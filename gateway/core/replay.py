@@ -165,11 +165,20 @@ class Replay:
             self._check_closing(run_id, cursor)
             chunk, stored = await self._chunk(log, cursor, upto, view, reader, opening)
             opening = False
-            for lo, hi in sizer.batches(chunk, 0, len(chunk)):
-                began = self._clock()
-                yield EpisodeFrames(chunk[lo:hi], history or stored or hi - lo > 1, cursor + lo + 1)
-                sizer.wrote(self._clock() - began)
+            for frames in self._batches(chunk, 0, cursor, sizer, history or stored):
+                yield frames
             cursor += len(chunk)
+
+    def _batches(
+        self, frames: Sequence[bytes], start: int, base: int, sizer: BatchSizer, batched: bool
+    ) -> Iterator[EpisodeFrames]:
+        """``frames[start:]`` (the first of ``frames`` is episode ``base + 1``) in batches sized
+        for the watcher, each timed from its yield until the watcher took it; sent as a batch
+        even when alone if ``batched``."""
+        for lo, hi in sizer.batches(frames, start, len(frames)):
+            began = self._clock()
+            yield EpisodeFrames(frames[lo:hi], batched or hi - lo > 1, base + lo + 1)
+            sizer.wrote(self._clock() - began)
 
     async def active(
         self,
@@ -272,10 +281,8 @@ class Replay:
         try:
             if cursor < last:  # its first message: the head of its page, read alone
                 head = await self._pages.head(run.id, cursor, last, view, True, origin, reader)
-                for lo, hi in sizer.batches(head, 0, len(head)):
-                    began = self._clock()
-                    yield EpisodeFrames(head[lo:hi], True, cursor + lo + 1)
-                    sizer.wrote(self._clock() - began)
+                for frames in self._batches(head, 0, cursor, sizer, True):
+                    yield frames
                 cursor += len(head)
             while cursor < last:
                 self._check_closing(run.id, cursor)
@@ -285,10 +292,8 @@ class Replay:
                 expected = min(last, (index + 1) * PAGE_EPISODES) - first
                 if len(page) < expected:
                     raise RunNotFound(run.id)  # deleted while being replayed
-                for lo, hi in sizer.batches(page, cursor - first, len(page)):
-                    began = self._clock()
-                    yield EpisodeFrames(page[lo:hi], True, first + lo + 1)
-                    sizer.wrote(self._clock() - began)
+                for frames in self._batches(page, cursor - first, first, sizer, True):
+                    yield frames
                 cursor = first + len(page)
             yield CaughtUp(last)
             yield Finished(run)
