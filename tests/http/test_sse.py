@@ -228,6 +228,11 @@ async def test_a_replay_frames_the_json_written_at_publication_and_encodes_nothi
     """Each episode's JSON is written once, when it is published (and stored): replays of a
     finished run, from the store, only frame it."""
     run_id = await finished_run(http, 600)
+    # DONE is visible a moment before the gateway lets the run's driver go; until then a
+    # watcher replays the run's live log (which writes each episode's JSON once, on demand).
+    core = http.grpc.gateway.core
+    assert core is not None
+    await until(lambda: core.table.get(run_id) is None, f"run {run_id} let go")
     encoded = 0
     parts = base.json_parts
 
