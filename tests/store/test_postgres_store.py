@@ -13,8 +13,17 @@ from collections.abc import AsyncIterator
 import psycopg
 import pytest
 
+from gateway.core.curve import CurveBuilder
+from gateway.core.history import detail_offset
 from gateway.core.runs import RunState
-from gateway.core.store import DatabaseProblem, NotOwner, PostgresStore, SchemaOutdated
+from gateway.core.store import (
+    DatabaseProblem,
+    EpisodeRecord,
+    NotOwner,
+    PostgresStore,
+    SchemaOutdated,
+)
+from gateway.core.store.postgres import RECENT_VACUUM_ROWS
 from gateway.core.store.postgres_leases import Leases, notifications
 from gateway.core.store.postgres_schema import SCHEMA_VERSION, upgrade
 from tests.fakes.episodes import valid_episodes
@@ -335,5 +344,74 @@ async def test_a_database_before_long_runs_splits_its_details_and_gets_its_curve
             (2, 1),
         ]
         assert blocks[-1].count == 16 and blocks[-1].best_end == episodes[31].best_reward
+    finally:
+        await store.close()
+
+
+def recent_records(run_id: str, count: int) -> list[EpisodeRecord]:
+    """Episodes 1..``count``, each with a 60x11 motion stored as recent (none kept for good)."""
+    builder = CurveBuilder()
+    recs = []
+    for e in valid_episodes(count, detail_every=1):
+        data = e.SerializeToString(deterministic=True)
+        block = builder.add(e.episode, e.reward, e.best_reward, e.metrics)
+        recs.append(
+            EpisodeRecord(
+                run_id,
+                e.episode,
+                e.reward,
+                e.best_reward,
+                data,
+                detail_offset(data),
+                block,
+                keep_detail=False,
+            )
+        )
+    return recs
+
+
+async def recent_table(url: str) -> tuple[int, int]:
+    """``recent_details``: its manual vacuums so far and its size with its TOAST (bytes)."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT vacuum_count, pg_total_relation_size('recent_details') "
+            "FROM pg_stat_user_tables WHERE relname = 'recent_details'"
+        )
+        row = await cur.fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1])
+
+
+async def test_dropped_recent_details_are_vacuumed_and_their_space_reused(
+    postgres_url: str,
+) -> None:
+    """The store vacuums ``recent_details`` itself every ``RECENT_VACUUM_ROWS`` deleted rows,
+    so a long run's dropped motions make room for the next ones instead of waiting for
+    autovacuum's next visit (a minute by default)."""
+    rounds, chunk = 6, RECENT_VACUUM_ROWS // 2
+    store = PostgresStore(postgres_url, "r1")
+    await store.start()
+    try:
+        await store.insert_run(make_run("a"))
+        recs = recent_records("a", rounds * chunk)
+        size_of_chunk = 0
+        for r in range(rounds):
+            first = r * chunk + 1
+            assert await append(store, recs[r * chunk : (r + 1) * chunk]) == [None] * chunk
+            if r == 0:
+                size_of_chunk = (await recent_table(postgres_url))[1]
+            assert await store.settle_details("a", first, first + chunk - 1, []) == chunk
+            vacuums = (r + 1) * chunk // RECENT_VACUUM_ROWS
+            assert (await recent_table(postgres_url))[0] <= vacuums  # never before the count
+
+            async def vacuumed(at_least: int = vacuums) -> bool:
+                return (await recent_table(postgres_url))[0] >= at_least
+
+            await until(vacuumed, f"{vacuums} vacuum(s) of recent_details after round {r + 1}")
+        _, size = await recent_table(postgres_url)
+        # Without the vacuums the table would hold all six chunks' motions (dead); with them,
+        # the space freed after every second chunk is taken again by the next two.
+        assert size < 3 * size_of_chunk, (size, size_of_chunk)
+        assert await store.read_episodes("a", 1, 2) == [r.scalars for r in recs[:2]]
     finally:
         await store.close()
