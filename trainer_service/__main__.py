@@ -15,7 +15,6 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from types import FrameType
 
 from trainer_service import __version__
 from trainer_service.config import TrainerConfig
@@ -28,6 +27,7 @@ from trainwire_ops import settings
 from trainwire_ops.addresses import host_port
 from trainwire_ops.checkpoints import CheckpointStoreProblem
 from trainwire_ops.logs import configure_logging
+from trainwire_ops.signals import SignalInbox
 from trainwire_ops.tls import PlaintextRefused, ServerTls, TlsFileError
 
 # Under ``python -m`` __name__ is "__main__"; log under the module's real name.
@@ -114,22 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         observer=metrics.jobs,
         checkpoint_store=checkpoint_store,
     )
-    stop_requested = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        del frame
-        _LOGGER.info("received %s: shutting down", signal.Signals(signum).name)
-        stop_requested.set()
-
-    def on_hangup(signum: int, frame: FrameType | None) -> None:
-        del signum, frame
-        if tls is not None:  # off the signal handler: it reads files and logs
-            threading.Thread(target=tls.reload, name="trainer-tls-reload", daemon=True).start()
-
     # Installed before the ready line: a SIGTERM right after it is never lost.
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, on_hangup)
+    inbox = SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
     try:
         server, port = build_server(config, runner, metrics, tls)
         server.start()
@@ -150,12 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_store.location,
         config.rendezvous_host,
     )
-    # Polled, not one blocking wait: a signal is delivered to whichever thread does not block
-    # it (gRPC's, torch's), and Python runs its handler only when the main thread next runs
-    # bytecode; a main thread asleep in one wait would never see a SIGTERM that landed
-    # elsewhere.
-    while not stop_requested.wait(0.25):
-        pass
+    while (received := inbox.next()) is signal.SIGHUP:
+        if tls is not None:  # off the main thread: it reads files and logs
+            threading.Thread(target=tls.reload, name="trainer-tls-reload", daemon=True).start()
+    assert received is not None
+    _LOGGER.info("received %s: shutting down", received.name)
     stopped = server.stop(config.grace_s)
     # Bounded: a stop during the warm-up waits for the providers' import to finish (see stop).
     stopped.wait(config.grace_s + 60)

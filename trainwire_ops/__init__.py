@@ -5,6 +5,7 @@
 - ``tls`` and ``addresses``: certificates reloaded on SIGHUP, the plaintext-bind rule, and
   ``HOST:PORT`` as both services print and bind it;
 - ``rich_status``: the ``google.rpc.Status`` both services and the test fakes send;
+- ``signals``: SIGTERM, SIGINT and SIGHUP handed to a waiting main thread without a lock;
 - ``rpc_metrics`` (recorded by the ``grpc.aio`` interceptor in ``rpc_metrics_aio``) and
   ``metrics_endpoint``: Prometheus RPC metrics at ``/metrics``.
 
