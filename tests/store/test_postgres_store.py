@@ -13,12 +13,9 @@ from collections.abc import AsyncIterator
 import psycopg
 import pytest
 
-from gateway.core.curve import CurveBuilder
-from gateway.core.history import detail_offset
 from gateway.core.runs import RunState
 from gateway.core.store import (
     DatabaseProblem,
-    EpisodeRecord,
     NotOwner,
     PostgresStore,
     SchemaOutdated,
@@ -29,7 +26,14 @@ from gateway.core.store.postgres_schema import SCHEMA_VERSION, upgrade
 from tests.fakes.episodes import valid_episodes
 from tests.fakes.gateway_harness import ROOT
 from tests.fakes.waiting import TIMEOUT, until
-from tests.store.test_store_contract import append, checkpoint, listed, make_run, records
+from tests.store.test_store_contract import (
+    append,
+    checkpoint,
+    detail_records,
+    listed,
+    make_run,
+    records,
+)
 from trainwire.v1 import episode_pb2
 
 
@@ -348,28 +352,6 @@ async def test_a_database_before_long_runs_splits_its_details_and_gets_its_curve
         await store.close()
 
 
-def recent_records(run_id: str, count: int) -> list[EpisodeRecord]:
-    """Episodes 1..``count``, each with a 60x11 motion stored as recent (none kept for good)."""
-    builder = CurveBuilder()
-    recs = []
-    for e in valid_episodes(count, detail_every=1):
-        data = e.SerializeToString(deterministic=True)
-        block = builder.add(e.episode, e.reward, e.best_reward, e.metrics)
-        recs.append(
-            EpisodeRecord(
-                run_id,
-                e.episode,
-                e.reward,
-                e.best_reward,
-                data,
-                detail_offset(data),
-                block,
-                keep_detail=False,
-            )
-        )
-    return recs
-
-
 async def recent_table(url: str) -> tuple[int, int]:
     """``recent_details``: its manual vacuums so far and its size with its TOAST (bytes)."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -393,7 +375,8 @@ async def test_dropped_recent_details_are_vacuumed_and_their_space_reused(
     await store.start()
     try:
         await store.insert_run(make_run("a"))
-        recs = recent_records("a", rounds * chunk)
+        # Every episode with a 60x11 motion, stored as recent (none kept for good).
+        recs = detail_records("a", rounds * chunk, json_every=0, detail_every=1, kept=False)
         size_of_chunk = 0
         for r in range(rounds):
             first = r * chunk + 1

@@ -399,12 +399,15 @@ async def test_checkpoint_records_survive_a_reopen(opener: Opener) -> None:
         await again.close()
 
 
-def detail_records(run_id: str, count: int, json_every: int) -> list[EpisodeRecord]:
-    """Episodes with a detail every 4th, kept for good every 8th and the last, with their curve
-    blocks, and their JSON on every ``json_every``-th (0: none; never a 16th's detail's)."""
+def detail_records(
+    run_id: str, count: int, json_every: int, detail_every: int = 4, kept: bool = True
+) -> list[EpisodeRecord]:
+    """Episodes with a detail every ``detail_every``-th, kept for good every 8th and the last
+    (none without ``kept``: all recent), with their curve blocks, and their JSON on every
+    ``json_every``-th (0: none; never a 16th's detail's)."""
     builder = CurveBuilder()
     recs = []
-    for e in valid_episodes(count, detail_every=4):
+    for e in valid_episodes(count, detail_every=detail_every):
         data = e.SerializeToString(deterministic=True)
         at = detail_offset(data)
         with_json = json_every and e.episode % json_every == 0
@@ -420,7 +423,7 @@ def detail_records(run_id: str, count: int, json_every: int) -> list[EpisodeReco
                 data,
                 at if at < len(data) else -1,
                 builder.add(e.episode, e.reward, e.best_reward, e.metrics),
-                keep_detail=e.episode % 8 == 0 or e.done,
+                keep_detail=kept and (e.episode % 8 == 0 or e.done),
                 numbers_json=numbers,
                 detail_json=detail,
             )
