@@ -11,7 +11,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -246,32 +246,48 @@ async def gateway_process(
         await proc.wait()
 
 
+#: Sets RLIMIT_FSIZE to argv[1] bytes, then becomes the command argv[2:] (``trainer_process``).
+_FILE_SIZE_LIMITED = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
 @contextlib.contextmanager
 def trainer_process(
     log: Path,
     *flags: str,
     slots: int = 2,
-    preexec_fn: Callable[[], None] | None = None,
+    file_size_limit: int | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """``python -m trainer_service --port 0 --device cpu`` (imitation and grpo providers) with
     stderr appended to ``log``; yields the process, once it printed its address, and the
-    address. A process still running on exit is killed. ``preexec_fn`` runs in the child
-    before it starts (resource limits); ``env`` adds to its environment."""
+    address. A process still running on exit is killed. ``file_size_limit``: the most bytes it
+    may write to one file (RLIMIT_FSIZE; a larger write fails with EFBIG, as on a full disk);
+    ``env`` adds to its environment.
+
+    The limit is set by a small Python that then execs the trainer, not by a ``preexec_fn``:
+    that would fork this test process, whose other threads may be inside gRPC, and gRPC's fork
+    handlers can kill such a child before it execs (seen: no ready line, an ``epoll_wait``
+    error in its log)."""
+    command = [
+        sys.executable,
+        "-m",
+        "trainer_service",
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--slots",
+        str(slots),
+        *flags,
+    ]
+    if file_size_limit is not None:
+        command = [sys.executable, "-c", _FILE_SIZE_LIMITED, str(file_size_limit), *command]
     with log.open("ab") as err:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "trainer_service",
-                "--port",
-                "0",
-                "--device",
-                "cpu",
-                "--slots",
-                str(slots),
-                *flags,
-            ],
+            command,
             stdout=subprocess.PIPE,
             stderr=err,
             cwd=ROOT,
@@ -281,7 +297,6 @@ def trainer_process(
                 "CUDA_VISIBLE_DEVICES": "",
                 **(env or {}),
             },
-            preexec_fn=preexec_fn,
         )
     try:
         assert proc.stdout is not None

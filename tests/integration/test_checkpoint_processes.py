@@ -19,7 +19,6 @@ import asyncio
 import hashlib
 import io
 import json
-import resource
 import signal
 import subprocess
 import tarfile
@@ -200,12 +199,6 @@ async def test_a_corrupted_latest_checkpoint_is_skipped_on_resume(store: Path, s
         assert [e.episode for e in watched.episodes] == list(range(1, 151))
 
 
-def _small_files() -> None:
-    # A file-size limit far below a checkpoint's weights: every checkpoint write fails
-    # partway, as on a full disk (Python ignores SIGXFSZ, so the write raises EFBIG).
-    resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
-
-
 async def test_a_checkpoint_that_cannot_be_written_is_shown_and_training_goes_on(
     store: Path, tmp_path: Path
 ) -> None:
@@ -215,7 +208,9 @@ async def test_a_checkpoint_that_cannot_be_written_is_shown_and_training_goes_on
         "--checkpoint-store",
         str(store),
         slots=1,
-        preexec_fn=_small_files,
+        # A file-size limit far below a checkpoint's weights: every checkpoint write fails
+        # partway, as on a full disk (Python ignores SIGXFSZ, so the write raises EFBIG).
+        file_size_limit=512,
     ) as (_, address):
         async with running_gateway((address,), checkpoint_store=str(store), **GATEWAY) as client:
             run = await _create(client, _request(100, 50.0, 10))
