@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
+from tests.fakes.gateway_harness import trainer_process
 from tests.fakes.trainer_harness import RunningTrainer, running_trainer
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT
 from trainer_service.config import TrainerConfig
@@ -29,8 +27,6 @@ from trainwire import contract
 from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 
 pytestmark = pytest.mark.slow
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -153,35 +149,9 @@ def test_health_and_reflection() -> None:
 
 
 def test_cli_prints_its_address_serves_and_exits_on_sigterm(tmp_path: pathlib.Path) -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainer_service",
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-            "--slots",
-            "2",
-            "--heartbeat",
-            "0.5",
-            "--data-root",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
-        assert line.startswith("trainer listening on 127.0.0.1:"), line
-        port = int(line.rsplit(":", 1)[1])
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    flags = ("--heartbeat", "0.5", "--data-root", str(tmp_path))
+    with trainer_process(tmp_path / "t.log", *flags, slots=2) as (proc, address):
+        with grpc.insecure_channel(address) as channel:
             stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
             caps = stub.GetCapabilities(
                 trainer_service_pb2.GetCapabilitiesRequest(), timeout=TIMEOUT
@@ -200,14 +170,6 @@ def test_cli_prints_its_address_serves_and_exits_on_sigterm(tmp_path: pathlib.Pa
         # Generous: interpreter teardown with torch takes seconds on a loaded machine.
         assert proc.wait(timeout=60) == 0
         assert time.monotonic() - started < 30
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def test_health_is_not_serving_until_the_providers_are_ready() -> None:
