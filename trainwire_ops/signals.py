@@ -13,6 +13,7 @@ runs bytecode, so one blocking wait could miss it, and a poll every ``POLL_S`` c
 from __future__ import annotations
 
 import collections
+import math
 import signal
 import time
 from collections.abc import Iterable
@@ -39,11 +40,8 @@ class SignalInbox:
     def next(self, timeout: float | None = None) -> signal.Signals | None:
         """The oldest signal not yet taken, waiting for one up to ``timeout`` seconds (``None``:
         for ever); ``None`` if none came in time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         while not self._received:
-            if deadline is None:
-                time.sleep(POLL_S)
-                continue
             left = deadline - time.monotonic()
             if left <= 0:
                 return None

@@ -14,12 +14,7 @@ import psycopg
 import pytest
 
 from gateway.core.runs import RunState
-from gateway.core.store import (
-    DatabaseProblem,
-    NotOwner,
-    PostgresStore,
-    SchemaOutdated,
-)
+from gateway.core.store import DatabaseProblem, NotOwner, PostgresStore, SchemaOutdated
 from gateway.core.store.postgres import RECENT_VACUUM_ROWS
 from gateway.core.store.postgres_leases import Leases, notifications
 from gateway.core.store.postgres_schema import SCHEMA_VERSION, upgrade
