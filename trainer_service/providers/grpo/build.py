@@ -51,6 +51,7 @@ from trainer_service.providers.grpo.lazy_images import (
 )
 from trainer_service.providers.grpo.library_output import WorkerLogging, route_library_output
 from trainer_service.providers.grpo.lifeline import WorkerWatchdog
+from trainer_service.providers.grpo.loader_parts import WorkerSeed, collate_rows
 from trainer_service.providers.grpo.rewards import CompletionTap, build_reward_functions
 from trainer_service.providers.grpo.sampler import EpochSampler
 from trainer_service.providers.grpo.settings import Settings, training_args
@@ -186,6 +187,9 @@ class LazyGRPOTrainer(GRPOTrainer):
 
     Quiet: workers set their logging up like the trainer's (:class:`WorkerLogging`).
 
+    Light workers: the loader's collate and worker-seeding functions are :mod:`.loader_parts`'
+    (not TRL's and transformers'), so a worker imports only what its fork server holds.
+
     Checkpoints: :meth:`save_checkpoint` (:mod:`.checkpoint`); resuming is
     ``train(resume_from_checkpoint=<checkpoint>/trainer)`` on a trainer built for
     ``job.resume`` (see the module docstring).
@@ -213,11 +217,11 @@ class LazyGRPOTrainer(GRPOTrainer):
         # accelerate wraps the torch DataLoader; its __iter__ uses the wrapped one's generator.
         base = getattr(loader, "base_dataloader", loader)
         base.generator = generator
+        base.collate_fn = collate_rows
         if base.num_workers > 0:
             # In a job's process group, workers also exit when their rank is gone (lifeline).
-            base.worker_init_fn = WorkerWatchdog.wrap(
-                WorkerLogging.like_this_process(base.worker_init_fn)
-            )
+            seed = WorkerSeed(base.num_workers, self.args.process_index)
+            base.worker_init_fn = WorkerWatchdog.wrap(WorkerLogging.like_this_process(seed))
         accumulation = self.args.gradient_accumulation_steps
         self.update_steps_per_epoch = max(1, -(-len(loader) // accumulation))
         return loader

@@ -112,7 +112,13 @@ class Settings:
 
 
 # Modules the DataLoader workers need, imported once in the fork server rather than per worker.
-_WORKER_PRELOAD = ["torch", "datasets", "PIL.Image", "trainer_service.providers.grpo.lazy_images"]
+WORKER_PRELOAD = [
+    "torch",
+    "datasets",
+    "PIL.Image",
+    "trainer_service.providers.grpo.lazy_images",
+    "trainer_service.providers.grpo.loader_parts",
+]
 
 
 def worker_start_method() -> str | None:
@@ -124,7 +130,7 @@ def worker_start_method() -> str | None:
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_WORKER_PRELOAD)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
     return "forkserver"
 
 
