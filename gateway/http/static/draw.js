@@ -523,7 +523,10 @@ export function bonesOf(rig) {
 
 export class Avatar {
   /**
-   * The learned motion over the target, animated at the clip's frame rate.
+   * The learned motion over the target, animated at the clip's frame rate: the canvas is
+   * redrawn only when what it shows changes (the clip's frame, the learned motion or the
+   * canvas's size), not on every display refresh (a 30 fps clip on a 60 Hz display would draw
+   * each picture twice; on 120 Hz, four times).
    * @param {HTMLCanvasElement} canvas
    * @param {object} rig a Rig message (JSON mapping)
    * @param {object} clip a Clip message (JSON mapping)
@@ -536,6 +539,8 @@ export class Avatar {
     this.target = framesOf(clip.angles || [], joints).map((f) => forwardKinematics(this.bones, f));
     this.learned = null;
     this._bounds = this._measure();
+    this._drawn = ""; // what the canvas shows: frame, learned motion and size
+    this._version = 0; // bumped when the learned motion changes
     this._start = performance.now();
     this._frame = requestAnimationFrame((t) => this._draw(t));
   }
@@ -547,6 +552,7 @@ export class Avatar {
     if (!frames.length || joints !== this.bones.length) return;
     this.learned = frames.map((f) => forwardKinematics(this.bones, f));
     this._bounds = this._measure();
+    this._version += 1;
     this.canvas.dataset.episode = String(episode);
   }
 
@@ -570,6 +576,11 @@ export class Avatar {
     const w = canvas.clientWidth;
     const h = canvas.clientHeight;
     if (!w || !h || !this.target.length) return;
+    // (A frame's timestamp may precede the moment the avatar was made: clamp at 0.)
+    const frame = Math.floor((Math.max(0, now - this._start) / 1000) * this.fps) % this.target.length;
+    const drawn = `${frame} ${this._version} ${w} ${h} ${dpr}`;
+    if (drawn === this._drawn) return;
+    this._drawn = drawn;
     if (canvas.width !== Math.round(w * dpr) || canvas.height !== Math.round(h * dpr)) {
       canvas.width = Math.round(w * dpr);
       canvas.height = Math.round(h * dpr);
@@ -591,8 +602,6 @@ export class Avatar {
     ctx.lineTo(w - margin / 2, oy - by0 * scale + 6);
     ctx.stroke();
 
-    // (A frame's timestamp may precede the moment the avatar was made: clamp at 0.)
-    const frame = Math.floor((Math.max(0, now - this._start) / 1000) * this.fps) % this.target.length;
     this._figure(ctx, this.target[frame], px, COLOURS.target, 7);
     if (this.learned) {
       const i = Math.min(this.learned.length - 1, Math.floor((frame * this.learned.length) / this.target.length));
