@@ -33,19 +33,15 @@ import itertools
 import os
 import pathlib
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import _offline  # noqa: F401  (first: offline libraries, the repository importable)
+
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench._two_trainers import across_trainers
 from trainer_service.core.provider import TrainJob

@@ -17,18 +17,14 @@ import functools
 import os
 import pathlib
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import _offline  # noqa: F401  (first: offline libraries, the repository importable)
+
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import psutil
 import torch

@@ -30,12 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
+import _offline  # noqa: F401  (first: offline libraries, the repository importable)
 import datasets
 import torch
 from PIL import Image
