@@ -15,7 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -33,16 +33,22 @@ from tests.grpo_fixtures import (
 )
 from trainer_service.core.provider import EpisodeCounter, ProviderError, TrainJob
 from trainer_service.providers.grpo import process
-from trainer_service.providers.grpo.build import build_trainer
-from trainer_service.providers.grpo.callback import EpisodeMaker, StepGate
 from trainer_service.providers.grpo.rewards import CompletionTap
-from trainer_service.providers.grpo.settings import WORKER_PRELOAD, Settings
 from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
 
 pytestmark = pytest.mark.slow
 
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
+
+
+def build_trainer(job: TrainJob, callbacks: Sequence[Any] = (), **kwargs: Any) -> Any:
+    """``build.build_trainer``, imported when first called: its module imports TRL and
+    transformers (~2.3 s of CPU), which every pytest worker would otherwise pay to collect this
+    file."""
+    from trainer_service.providers.grpo.build import build_trainer as build
+
+    return build(job, callbacks, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +76,8 @@ class _Granted:
 
 def _rank_episodes(job: TrainJob, scratch: pathlib.Path) -> list[episode_pb2.Episode]:
     """The episodes rank 0 of ``job`` sends: its trainer and step gate, run in this process."""
+    from trainer_service.providers.grpo.callback import EpisodeMaker, StepGate
+
     tap, channel = CompletionTap(), _Granted()
     steps = job.config.max_episodes
     gate = StepGate(EpisodeMaker(EpisodeCounter(steps), tap), channel, steps)
@@ -133,6 +141,8 @@ def test_a_dataloader_worker_starts_without_importing_trl(
     """What a worker receives (dataset, collate and init functions) unpickles in an interpreter
     that holds only the workers' fork-server preload, and imports neither TRL nor transformers
     there: each worker would otherwise pay their import (about 1.9 s of CPU)."""
+    from trainer_service.providers.grpo.settings import WORKER_PRELOAD
+
     job = make_job(grpo_data_root, tiny_grpo_task(workers=2), seed=3)
     loader = build_trainer(job, output_dir=str(tmp_path)).get_train_dataloader()
     base = getattr(loader, "base_dataloader", loader)
@@ -200,6 +210,8 @@ def test_a_bad_row_fails_the_run_naming_its_line_and_image(grpo_data_root: pathl
 def test_the_default_batch_fits_a_small_dataset_and_a_set_one_must(
     grpo_data_root: pathlib.Path,
 ) -> None:
+    from trainer_service.providers.grpo.settings import Settings
+
     # 8 rows: the default 16 prompts per step shrink to 8; a batch that needs 16 rows is refused.
     fitted = Settings.from_task(tiny_grpo_task(num_generations=2, batch_size=0).grpo, rows=8)
     assert (fitted.batch_size, fitted.memo_rows) == (16, 8)

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from trl.trainer.utils import RepeatSampler
 
 from tests.fakes.grpo_rank import scripted_ranks
 from tests.fakes.local_checkpoints import LocalCheckpoints
@@ -21,7 +20,6 @@ from tests.fakes.waiting import TIMEOUT
 from tests.grpo_fixtures import make_job, tiny_grpo_task
 from trainer_service.core.provider import CheckpointUnusable, RestoredCheckpoint
 from trainer_service.providers.grpo import checkpoint_files, process
-from trainer_service.providers.grpo.sampler import EpochSampler
 
 __all__ = ["scripted_ranks"]  # the fixture, re-exported for pytest
 
@@ -29,11 +27,16 @@ __all__ = ["scripted_ranks"]  # the fixture, re-exported for pytest
 # -- each epoch's order ------------------------------------------------------------------------
 
 
-def _repeat_sampler(seed: int = 11) -> RepeatSampler:
+def _repeat_sampler(seed: int = 11) -> Any:
+    # Imported here: TRL's import (~1.5 s of CPU) would be paid by every worker collecting this.
+    from trl.trainer.utils import RepeatSampler
+
     return RepeatSampler(range(8), mini_repeat_count=2, batch_size=1, repeat_count=1, seed=seed)
 
 
 def test_each_epoch_has_the_order_of_an_uninterrupted_run_whatever_came_before() -> None:
+    from trainer_service.providers.grpo.sampler import EpochSampler
+
     torch.set_num_threads(1)
     running = _repeat_sampler()
     passes = [list(running) for _ in range(4)]  # TRL's order: one draw per pass
