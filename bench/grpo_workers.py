@@ -18,7 +18,6 @@ import os
 import pathlib
 import statistics
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -29,38 +28,14 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 import psutil
 import torch
 
-from trainer_service.core.provider import NoCheckpoints, TrainJob
 from trainer_service.providers.grpo.library_output import WorkerLogging
 from trainer_service.tools import make_demo_dataset, make_tiny_vlm
-from trainwire.v1 import episode_pb2
 
-# The workers import this script as their main module (forkserver children do): TRL and
-# transformers are imported in the functions below, so that a worker does not import them here.
+# The workers import this script as their main module (forkserver children do): TRL,
+# transformers and the test fixtures (pytest) are imported in the functions below, so that a
+# worker does not import them here.
 
 MIB = 1024 * 1024
-
-
-def _job(root: pathlib.Path, workers: int) -> TrainJob:
-    grpo = episode_pb2.GrpoTask(
-        model_path="model",
-        dataset_path="data/train.jsonl",
-        reward_functions=["exact_match", "format", "length"],
-        num_generations=2,
-        batch_size=2,
-        max_completion_length=8,
-        dataloader_num_workers=workers,
-    )
-    return TrainJob(
-        run_id="bench-workers",
-        task=episode_pb2.TrainTask(grpo=grpo),
-        config=episode_pb2.TrainConfig(max_episodes=3, seed=3),
-        device="cpu",
-        data_root=root,
-        image_cache_dir=None,
-        stop_event=threading.Event(),
-        set_phase=lambda phase: None,
-        checkpoints=NoCheckpoints(),
-    )
 
 
 def _measure(root: pathlib.Path, workers: int, libraries: bool) -> dict[str, float]:
@@ -69,9 +44,11 @@ def _measure(root: pathlib.Path, workers: int, libraries: bool) -> dict[str, flo
     from transformers.trainer_utils import seed_worker
     from trl.trainer.utils import identity
 
+    from tests.grpo_fixtures import make_job, tiny_grpo_task
     from trainer_service.providers.grpo.build import build_trainer
 
-    trainer = build_trainer(_job(root, workers), output_dir=str(root / "out"), provenance_key="_p")
+    job = make_job(root, tiny_grpo_task(workers=workers), seed=3, run_id="bench-workers")
+    trainer = build_trainer(job, output_dir=str(root / "out"), provenance_key="_p")
     loader = trainer.get_train_dataloader()
     base = getattr(loader, "base_dataloader", loader)
     if libraries:  # what the Trainer and TRL install, before this project's replacements
@@ -107,8 +84,10 @@ def main() -> None:
     results: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     with tempfile.TemporaryDirectory(prefix="grpo-workers-bench-") as tmp:
         root = pathlib.Path(tmp)
-        make_tiny_vlm.build(root / "model")
-        make_demo_dataset.build(root / "data", rows=16)
+        from tests.grpo_fixtures import DATASET_FILE, MODEL_DIR
+
+        make_tiny_vlm.build(root / MODEL_DIR)
+        make_demo_dataset.build((root / DATASET_FILE).parent, rows=16)
         _measure(root, args.workers, libraries=False)  # warms the fork server and page cache
         for _ in range(args.rounds):
             for libraries in (True, False):
