@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrainwire/v1/episode.proto\x12\x0ctrainwire.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xcc\x02\n\x07\x45pisode\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\x03\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x13\n\x0b\x62\x65st_reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x33\n\x07metrics\x18\x05 \x03(\x0b\x32\".trainwire.v1.Episode.MetricsEntry\x12\x30\n\x0cproduce_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\timitation\x18\n \x01(\x0b\x32\x1d.trainwire.v1.ImitationDetailH\x00\x12(\n\x04grpo\x18\x0b \x01(\x0b\x32\x18.trainwire.v1.GrpoDetailH\x00\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06\x64\x65tail\"K\n\x0fImitationDetail\x12\x13\n\x0b\x66rame_count\x18\x01 \x01(\x05\x12\x13\n\x0bjoint_count\x18\x02 \x01(\x05\x12\x0e\n\x06\x61ngles\x18\x03 \x03(\x02\"(\n\nGrpoDetail\x12\x1a\n\x12sample_completions\x18\x01 \x03(\t\"e\n\x0bTrainConfig\x12\x14\n\x0cmax_episodes\x18\x01 \x01(\x05\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x18\n\x10\x63heckpoint_every\x18\x03 \x01(\x05\x12\x18\n\x10keep_checkpoints\x18\x04 \x01(\x05\"r\n\nCheckpoint\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\x03\x12/\n\x0b\x63reate_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"m\n\tTrainTask\x12\x30\n\timitation\x18\x01 \x01(\x0b\x32\x1b.trainwire.v1.ImitationTaskH\x00\x12&\n\x04grpo\x18\x02 \x01(\x0b\x32\x16.trainwire.v1.GrpoTaskH\x00\x42\x06\n\x04kind\"\xd9\x01\n\rImitationTask\x12\x11\n\tavatar_id\x18\x01 \x01(\t\x12\x12\n\x08rig_name\x18\x02 \x01(\tH\x00\x12 \n\x03rig\x18\x03 \x01(\x0b\x32\x11.trainwire.v1.RigH\x00\x12\x13\n\tclip_name\x18\x04 \x01(\tH\x01\x12\"\n\x04\x63lip\x18\x05 \x01(\x0b\x32\x12.trainwire.v1.ClipH\x01\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\x12\x15\n\rlearning_rate\x18\x07 \x01(\x01\x42\x0c\n\nrig_sourceB\r\n\x0b\x63lip_source\"6\n\x03Rig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x62ones\x18\x02 \x03(\x0b\x32\x12.trainwire.v1.Bone\"4\n\x04\x42one\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\x05\x12\x0e\n\x06length\x18\x03 \x01(\x01\"[\n\x04\x43lip\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\x12\x13\n\x0b\x66rame_count\x18\x03 \x01(\x05\x12\x13\n\x0bjoint_count\x18\x04 \x01(\x05\x12\x0e\n\x06\x61ngles\x18\x05 \x03(\x02\"\xa6\x03\n\x08GrpoTask\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61taset_path\x18\x02 \x01(\t\x12\x18\n\x10reward_functions\x18\x03 \x03(\t\x12\x17\n\x0fnum_generations\x18\x04 \x01(\x05\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x1d\n\x15max_completion_length\x18\x06 \x01(\x05\x12\x15\n\rlearning_rate\x18\x07 \x01(\x01\x12\x11\n\x04\x62\x65ta\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\t \x01(\x01\x12#\n\x1bgradient_accumulation_steps\x18\n \x01(\x05\x12#\n\x16\x64\x61taloader_num_workers\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\'\n\x1a\x64\x61taloader_prefetch_factor\x18\x0c \x01(\x05H\x02\x88\x01\x01\x12\x15\n\rnum_processes\x18\r \x01(\x05\x42\x07\n\x05_betaB\x19\n\x17_dataloader_num_workersB\x1d\n\x1b_dataloader_prefetch_factorb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrainwire/v1/episode.proto\x12\x0ctrainwire.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xcc\x02\n\x07\x45pisode\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\x03\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x13\n\x0b\x62\x65st_reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x33\n\x07metrics\x18\x05 \x03(\x0b\x32\".trainwire.v1.Episode.MetricsEntry\x12\x30\n\x0cproduce_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\timitation\x18\n \x01(\x0b\x32\x1d.trainwire.v1.ImitationDetailH\x00\x12(\n\x04grpo\x18\x0b \x01(\x0b\x32\x18.trainwire.v1.GrpoDetailH\x00\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06\x64\x65tail\"K\n\x0fImitationDetail\x12\x13\n\x0b\x66rame_count\x18\x01 \x01(\x05\x12\x13\n\x0bjoint_count\x18\x02 \x01(\x05\x12\x0e\n\x06\x61ngles\x18\x03 \x03(\x02\"S\n\nGrpoDetail\x12\x1a\n\x12sample_completions\x18\x01 \x03(\t\x12)\n\x07samples\x18\x02 \x03(\x0b\x32\x18.trainwire.v1.GrpoSample\"\xdd\x01\n\nGrpoSample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\x0c\x12\x12\n\nimage_type\x18\x03 \x01(\t\x12\x12\n\ncompletion\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x36\n\x07rewards\x18\x06 \x03(\x0b\x32%.trainwire.v1.GrpoSample.RewardsEntry\x12\x10\n\x08solution\x18\x07 \x01(\t\x1a.\n\x0cRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"R\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\"B\n\x0e\x44\x61tasetColumns\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x01(\t\x12\x10\n\x08solution\x18\x03 \x01(\t\"e\n\x0bTrainConfig\x12\x14\n\x0cmax_episodes\x18\x01 \x01(\x05\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x18\n\x10\x63heckpoint_every\x18\x03 \x01(\x05\x12\x18\n\x10keep_checkpoints\x18\x04 \x01(\x05\"r\n\nCheckpoint\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\x03\x12/\n\x0b\x63reate_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"m\n\tTrainTask\x12\x30\n\timitation\x18\x01 \x01(\x0b\x32\x1b.trainwire.v1.ImitationTaskH\x00\x12&\n\x04grpo\x18\x02 \x01(\x0b\x32\x16.trainwire.v1.GrpoTaskH\x00\x42\x06\n\x04kind\"\xd9\x01\n\rImitationTask\x12\x11\n\tavatar_id\x18\x01 \x01(\t\x12\x12\n\x08rig_name\x18\x02 \x01(\tH\x00\x12 \n\x03rig\x18\x03 \x01(\x0b\x32\x11.trainwire.v1.RigH\x00\x12\x13\n\tclip_name\x18\x04 \x01(\tH\x01\x12\"\n\x04\x63lip\x18\x05 \x01(\x0b\x32\x12.trainwire.v1.ClipH\x01\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\x12\x15\n\rlearning_rate\x18\x07 \x01(\x01\x42\x0c\n\nrig_sourceB\r\n\x0b\x63lip_source\"6\n\x03Rig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x62ones\x18\x02 \x03(\x0b\x32\x12.trainwire.v1.Bone\"4\n\x04\x42one\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\x05\x12\x0e\n\x06length\x18\x03 \x01(\x01\"[\n\x04\x43lip\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\x12\x13\n\x0b\x66rame_count\x18\x03 \x01(\x05\x12\x13\n\x0bjoint_count\x18\x04 \x01(\x05\x12\x0e\n\x06\x61ngles\x18\x05 \x03(\x02\"\xb5\x04\n\x08GrpoTask\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61taset_path\x18\x02 \x01(\t\x12\x18\n\x10reward_functions\x18\x03 \x03(\t\x12\x17\n\x0fnum_generations\x18\x04 \x01(\x05\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x1d\n\x15max_completion_length\x18\x06 \x01(\x05\x12\x15\n\rlearning_rate\x18\x07 \x01(\x01\x12\x11\n\x04\x62\x65ta\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\t \x01(\x01\x12#\n\x1bgradient_accumulation_steps\x18\n \x01(\x05\x12#\n\x16\x64\x61taloader_num_workers\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\'\n\x1a\x64\x61taloader_prefetch_factor\x18\x0c \x01(\x05H\x02\x88\x01\x01\x12\x15\n\rnum_processes\x18\r \x01(\x05\x12&\n\x04lora\x18\x0e \x01(\x0b\x32\x18.trainwire.v1.LoraConfig\x12\x1e\n\x16gradient_checkpointing\x18\x0f \x01(\x08\x12\x16\n\x0ereward_weights\x18\x10 \x03(\x01\x12-\n\x07\x63olumns\x18\x11 \x01(\x0b\x32\x1c.trainwire.v1.DatasetColumnsB\x07\n\x05_betaB\x19\n\x17_dataloader_num_workersB\x1d\n\x1b_dataloader_prefetch_factorb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EPISODE_METRICSENTRY']._loaded_options = None
   _globals['_EPISODE_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_GRPOSAMPLE_REWARDSENTRY']._loaded_options = None
+  _globals['_GRPOSAMPLE_REWARDSENTRY']._serialized_options = b'8\001'
   _globals['_EPISODE']._serialized_start=78
   _globals['_EPISODE']._serialized_end=410
   _globals['_EPISODE_METRICSENTRY']._serialized_start=354
@@ -41,21 +43,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMITATIONDETAIL']._serialized_start=412
   _globals['_IMITATIONDETAIL']._serialized_end=487
   _globals['_GRPODETAIL']._serialized_start=489
-  _globals['_GRPODETAIL']._serialized_end=529
-  _globals['_TRAINCONFIG']._serialized_start=531
-  _globals['_TRAINCONFIG']._serialized_end=632
-  _globals['_CHECKPOINT']._serialized_start=634
-  _globals['_CHECKPOINT']._serialized_end=748
-  _globals['_TRAINTASK']._serialized_start=750
-  _globals['_TRAINTASK']._serialized_end=859
-  _globals['_IMITATIONTASK']._serialized_start=862
-  _globals['_IMITATIONTASK']._serialized_end=1079
-  _globals['_RIG']._serialized_start=1081
-  _globals['_RIG']._serialized_end=1135
-  _globals['_BONE']._serialized_start=1137
-  _globals['_BONE']._serialized_end=1189
-  _globals['_CLIP']._serialized_start=1191
-  _globals['_CLIP']._serialized_end=1282
-  _globals['_GRPOTASK']._serialized_start=1285
-  _globals['_GRPOTASK']._serialized_end=1707
+  _globals['_GRPODETAIL']._serialized_end=572
+  _globals['_GRPOSAMPLE']._serialized_start=575
+  _globals['_GRPOSAMPLE']._serialized_end=796
+  _globals['_GRPOSAMPLE_REWARDSENTRY']._serialized_start=750
+  _globals['_GRPOSAMPLE_REWARDSENTRY']._serialized_end=796
+  _globals['_LORACONFIG']._serialized_start=798
+  _globals['_LORACONFIG']._serialized_end=880
+  _globals['_DATASETCOLUMNS']._serialized_start=882
+  _globals['_DATASETCOLUMNS']._serialized_end=948
+  _globals['_TRAINCONFIG']._serialized_start=950
+  _globals['_TRAINCONFIG']._serialized_end=1051
+  _globals['_CHECKPOINT']._serialized_start=1053
+  _globals['_CHECKPOINT']._serialized_end=1167
+  _globals['_TRAINTASK']._serialized_start=1169
+  _globals['_TRAINTASK']._serialized_end=1278
+  _globals['_IMITATIONTASK']._serialized_start=1281
+  _globals['_IMITATIONTASK']._serialized_end=1498
+  _globals['_RIG']._serialized_start=1500
+  _globals['_RIG']._serialized_end=1554
+  _globals['_BONE']._serialized_start=1556
+  _globals['_BONE']._serialized_end=1608
+  _globals['_CLIP']._serialized_start=1610
+  _globals['_CLIP']._serialized_end=1701
+  _globals['_GRPOTASK']._serialized_start=1704
+  _globals['_GRPOTASK']._serialized_end=2269
 # @@protoc_insertion_point(module_scope)

@@ -151,22 +151,178 @@ class GrpoDetail(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SAMPLE_COMPLETIONS_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def sample_completions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """At most 8 completions, each at most 4 KiB of UTF-8."""
+
+    @_builtins.property
+    def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___GrpoSample]:
+        """At most 8 of the step's scored completions with the prompt and the image
+        each answered: what the model saw next to what it said.
+        """
 
     def __init__(
         self,
         *,
         sample_completions: _abc.Iterable[_builtins.str] | None = ...,
+        samples: _abc.Iterable[Global___GrpoSample] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sample_completions", b"sample_completions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sample_completions", b"sample_completions", "samples", b"samples"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GrpoDetail: _TypeAlias = GrpoDetail  # noqa: Y015
+
+@_typing.final
+class GrpoSample(_message.Message):
+    """One scored completion of a GRPO step, with its prompt and image."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RewardsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    PROMPT_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    IMAGE_TYPE_FIELD_NUMBER: _builtins.int
+    COMPLETION_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
+    REWARDS_FIELD_NUMBER: _builtins.int
+    SOLUTION_FIELD_NUMBER: _builtins.int
+    prompt: _builtins.str
+    """The prompt's text (its text parts, joined), at most 4 KiB of UTF-8."""
+    image: _builtins.bytes
+    """A thumbnail of the row's (first) image, at most 16 KiB; empty when the
+    row had none.
+    """
+    image_type: _builtins.str
+    """The thumbnail's MIME type ("image/webp", "image/png", "image/jpeg");
+    set exactly when image is.
+    """
+    completion: _builtins.str
+    """The completion's text, at most 4 KiB of UTF-8."""
+    reward: _builtins.float
+    """The completion's total reward: the weighted sum of rewards (a function
+    that returned None counts 0).
+    """
+    solution: _builtins.str
+    """The row's expected answer ("solution"), at most 4 KiB; empty when none."""
+    @_builtins.property
+    def rewards(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Each reward function's own reward, by name; a function that returned
+        None for this completion is absent. Every value is finite.
+        """
+
+    def __init__(
+        self,
+        *,
+        prompt: _builtins.str = ...,
+        image: _builtins.bytes = ...,
+        image_type: _builtins.str = ...,
+        completion: _builtins.str = ...,
+        reward: _builtins.float = ...,
+        rewards: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        solution: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion", b"completion", "image", b"image", "image_type", b"image_type", "prompt", b"prompt", "reward", b"reward", "rewards", b"rewards", "solution", b"solution"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrpoSample: _TypeAlias = GrpoSample  # noqa: Y015
+
+@_typing.final
+class LoraConfig(_message.Message):
+    """LoRA adapters (peft) instead of full fine-tuning."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    DROPOUT_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """Rank of the adapters, 1..256; 0 means the default 16."""
+    alpha: _builtins.float
+    """Scaling alpha, > 0; 0 means 2 x rank."""
+    dropout: _builtins.float
+    """Dropout on the adapters' input, in [0, 1); 0 means none."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Module names (suffixes) to adapt, as peft matches them; empty means every
+        linear layer of the language model (not the vision tower or the head).
+        """
+
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        dropout: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "dropout", b"dropout", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraConfig: _TypeAlias = LoraConfig  # noqa: Y015
+
+@_typing.final
+class DatasetColumns(_message.Message):
+    """Column names of a dataset whose columns are named differently from the
+    defaults; an empty name keeps the default.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
+    SOLUTION_FIELD_NUMBER: _builtins.int
+    prompt: _builtins.str
+    """The prompt column (default "prompt"): chat messages, or a string."""
+    images: _builtins.str
+    """The images column (default "images", then "image", then "image_paths"):
+    paths, Hugging Face Image values ({bytes, path}), or a list of either.
+    """
+    solution: _builtins.str
+    """The expected answer column (default "solution")."""
+    def __init__(
+        self,
+        *,
+        prompt: _builtins.str = ...,
+        images: _builtins.str = ...,
+        solution: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images", "prompt", b"prompt", "solution", b"solution"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DatasetColumns: _TypeAlias = DatasetColumns  # noqa: Y015
 
 @_typing.final
 class TrainConfig(_message.Message):
@@ -469,14 +625,21 @@ class GrpoTask(_message.Message):
     DATALOADER_NUM_WORKERS_FIELD_NUMBER: _builtins.int
     DATALOADER_PREFETCH_FACTOR_FIELD_NUMBER: _builtins.int
     NUM_PROCESSES_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
+    GRADIENT_CHECKPOINTING_FIELD_NUMBER: _builtins.int
+    REWARD_WEIGHTS_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Directory of the model, relative to the trainer's --data-root; loaded
     from local files only.
     """
     dataset_path: _builtins.str
-    """JSONL dataset file, relative to the trainer's --data-root. One row per
-    line: "prompt" (chat messages), "image_paths" (relative to the dataset
-    file), "solution", and any extra keys (passed to reward functions).
+    """The dataset, relative to the trainer's --data-root: a JSONL file (one
+    row per line), a .parquet file, or a directory written by datasets'
+    save_to_disk. Columns: "prompt" (chat messages or a string), the images
+    ("image_paths", "images" or "image": paths relative to the dataset, or
+    Hugging Face Image values), "solution", and any other column (passed to
+    reward functions). See columns to rename them.
     """
     num_generations: _builtins.int
     """Completions sampled per prompt, 2..64; 0 means the default 8."""
@@ -510,13 +673,35 @@ class GrpoTask(_message.Message):
     takes one trainer slot, so the job needs that many free slots (on
     distinct GPUs when the trainer has CUDA). batch_size is per process.
     """
+    gradient_checkpointing: _builtins.bool
+    """Recompute activations in the backward pass instead of keeping them
+    (less memory, more time).
+    """
     @_builtins.property
     def reward_functions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Reward functions by name ("exact_match": the answer, inside
+        """Reward functions by name: built-in ("exact_match": the answer, inside
         <answer></answer> if present, equals "solution" ignoring case, edge
-        whitespace and punctuation; "format"; "length"); empty means
-        ["exact_match", "format"].
+        whitespace and punctuation; "format"; "length") or MODULE:FUNCTION from
+        a trainer's --reward-module (GetCapabilitiesResponse.reward_functions);
+        empty means ["exact_match", "format"].
         """
+
+    @_builtins.property
+    def lora(self) -> Global___LoraConfig:
+        """Train LoRA adapters instead of every weight; unset means full
+        fine-tuning. A LoRA run's checkpoints hold the adapter (PEFT's format)
+        and a record of the base model.
+        """
+
+    @_builtins.property
+    def reward_weights(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """One weight per reward function, aligned with reward_functions (finite);
+        empty means all 1.
+        """
+
+    @_builtins.property
+    def columns(self) -> Global___DatasetColumns:
+        """Dataset column names; unset or empty names keep the defaults."""
 
     def __init__(
         self,
@@ -534,10 +719,14 @@ class GrpoTask(_message.Message):
         dataloader_num_workers: _builtins.int | None = ...,
         dataloader_prefetch_factor: _builtins.int | None = ...,
         num_processes: _builtins.int = ...,
+        lora: Global___LoraConfig | None = ...,
+        gradient_checkpointing: _builtins.bool = ...,
+        reward_weights: _abc.Iterable[_builtins.float] | None = ...,
+        columns: Global___DatasetColumns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_dataloader_num_workers", b"_dataloader_num_workers", "_dataloader_prefetch_factor", b"_dataloader_prefetch_factor", "beta", b"beta", "dataloader_num_workers", b"dataloader_num_workers", "dataloader_prefetch_factor", b"dataloader_prefetch_factor"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_dataloader_num_workers", b"_dataloader_num_workers", "_dataloader_prefetch_factor", b"_dataloader_prefetch_factor", "beta", b"beta", "columns", b"columns", "dataloader_num_workers", b"dataloader_num_workers", "dataloader_prefetch_factor", b"dataloader_prefetch_factor", "lora", b"lora"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_dataloader_num_workers", b"_dataloader_num_workers", "_dataloader_prefetch_factor", b"_dataloader_prefetch_factor", "batch_size", b"batch_size", "beta", b"beta", "dataloader_num_workers", b"dataloader_num_workers", "dataloader_prefetch_factor", b"dataloader_prefetch_factor", "dataset_path", b"dataset_path", "gradient_accumulation_steps", b"gradient_accumulation_steps", "learning_rate", b"learning_rate", "max_completion_length", b"max_completion_length", "model_path", b"model_path", "num_generations", b"num_generations", "num_processes", b"num_processes", "reward_functions", b"reward_functions", "temperature", b"temperature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_dataloader_num_workers", b"_dataloader_num_workers", "_dataloader_prefetch_factor", b"_dataloader_prefetch_factor", "batch_size", b"batch_size", "beta", b"beta", "columns", b"columns", "dataloader_num_workers", b"dataloader_num_workers", "dataloader_prefetch_factor", b"dataloader_prefetch_factor", "dataset_path", b"dataset_path", "gradient_accumulation_steps", b"gradient_accumulation_steps", "gradient_checkpointing", b"gradient_checkpointing", "learning_rate", b"learning_rate", "lora", b"lora", "max_completion_length", b"max_completion_length", "model_path", b"model_path", "num_generations", b"num_generations", "num_processes", b"num_processes", "reward_functions", b"reward_functions", "reward_weights", b"reward_weights", "temperature", b"temperature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__beta: _TypeAlias = _typing.Literal["beta"]  # noqa: Y015
     _WhichOneofArgType__beta: _TypeAlias = _typing.Literal["_beta", b"_beta"]  # noqa: Y015

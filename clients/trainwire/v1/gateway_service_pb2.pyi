@@ -1016,19 +1016,26 @@ class DownloadCheckpointRequest(_message.Message):
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     EPISODE_FIELD_NUMBER: _builtins.int
+    MERGED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run."""
     episode: _builtins.int
     """The checkpoint's episode; 0 means the latest."""
+    merged: _builtins.bool
+    """A LoRA run's model merged into its base model, loadable by transformers
+    alone (instead of the adapter); FAILED_PRECONDITION on a run that is not
+    LoRA.
+    """
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
         episode: _builtins.int = ...,
+        merged: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "merged", b"merged", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

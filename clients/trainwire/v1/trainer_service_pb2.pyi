@@ -611,6 +611,8 @@ class GetCapabilitiesResponse(_message.Message):
     TORCH_VERSION_FIELD_NUMBER: _builtins.int
     TRL_VERSION_FIELD_NUMBER: _builtins.int
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    REWARD_FUNCTIONS_FIELD_NUMBER: _builtins.int
     device: _builtins.str
     """The torch device jobs run on, e.g. "cpu" or "cuda:0 NVIDIA H200"."""
     slots_total: _builtins.int
@@ -627,6 +629,16 @@ class GetCapabilitiesResponse(_message.Message):
     def providers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Provider names this trainer runs ("imitation", "grpo")."""
 
+    @_builtins.property
+    def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___Gpu]:
+        """The GPUs jobs may use (empty on a CPU trainer)."""
+
+    @_builtins.property
+    def reward_functions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every reward function name a GRPO task may use on this trainer: the
+        built-in ones, then MODULE:FUNCTION for each --reward-module.
+        """
+
     def __init__(
         self,
         *,
@@ -637,11 +649,51 @@ class GetCapabilitiesResponse(_message.Message):
         torch_version: _builtins.str = ...,
         trl_version: _builtins.str = ...,
         server_version: _builtins.str = ...,
+        gpus: _abc.Iterable[Global___Gpu] | None = ...,
+        reward_functions: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "providers", b"providers", "server_version", b"server_version", "slots_free", b"slots_free", "slots_total", b"slots_total", "torch_version", b"torch_version", "trl_version", b"trl_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "gpus", b"gpus", "providers", b"providers", "reward_functions", b"reward_functions", "server_version", b"server_version", "slots_free", b"slots_free", "slots_total", b"slots_total", "torch_version", b"torch_version", "trl_version", b"trl_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetCapabilitiesResponse: _TypeAlias = GetCapabilitiesResponse  # noqa: Y015
+
+@_typing.final
+class Gpu(_message.Message):
+    """One GPU of a trainer, read when asked."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
+    UTILIZATION_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The CUDA device index."""
+    name: _builtins.str
+    """The device's name, e.g. "NVIDIA H200"."""
+    memory_total_bytes: _builtins.int
+    """Total memory in bytes."""
+    memory_used_bytes: _builtins.int
+    """Memory in use, by every process, in bytes."""
+    utilization: _builtins.float
+    """Compute utilization over the last sample period, 0..1."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        name: _builtins.str = ...,
+        memory_total_bytes: _builtins.int = ...,
+        memory_used_bytes: _builtins.int = ...,
+        utilization: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "name", b"name", "utilization", b"utilization"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Gpu: _TypeAlias = Gpu  # noqa: Y015
