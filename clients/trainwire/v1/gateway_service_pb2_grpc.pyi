@@ -159,15 +159,24 @@ class GatewayServiceStub:
     """Streams one checkpoint: its record first, then the bytes of an
     uncompressed POSIX tar of its directory in chunks of at most 1 MiB. The
     SHA-256 of the concatenated chunks equals checkpoint.sha256. A GRPO
-    checkpoint's model/ directory loads with transformers' from_pretrained.
+    checkpoint's model/ directory loads with transformers' from_pretrained; a
+    LoRA run's holds the adapter (peft's PeftModel.from_pretrained(base,
+    model/)) and base_model.json, the base model's path. With merged, a
+    trainer merges the adapter into its base model (TrainerService's
+    MergeCheckpoint, the run's own trainer first) and the tar holds model/,
+    the merged model, and trainwire.json; the record's size_bytes and sha256
+    are then the merged tar's.
 
     Status codes:
-      OK                the whole tar was sent.
-      INVALID_ARGUMENT  bad run_id or a negative episode.
-      NOT_FOUND         no such run, or no checkpoint at that episode (the
-                        message lists the ones there are).
-      DATA_LOSS         the stored checkpoint no longer matches its digest.
-      UNAVAILABLE       the checkpoint store cannot be read.
+      OK                  the whole tar was sent.
+      INVALID_ARGUMENT    bad run_id or a negative episode.
+      NOT_FOUND           no such run, or no checkpoint at that episode (the
+                          message lists the ones there are).
+      FAILED_PRECONDITION merged for a run that trains no LoRA adapter, or no
+                          trainer that can merge has the run's base model.
+      DATA_LOSS           the stored checkpoint no longer matches its digest.
+      UNAVAILABLE         the checkpoint store cannot be read; merged and no
+                          trainer that offers grpo answers.
     """
     GetRunCurve: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.GetRunCurveRequest, _gateway_service_pb2.GetRunCurveResponse]
     """A run's reward curve as contiguous buckets covering first_episode ..
@@ -350,15 +359,24 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """Streams one checkpoint: its record first, then the bytes of an
     uncompressed POSIX tar of its directory in chunks of at most 1 MiB. The
     SHA-256 of the concatenated chunks equals checkpoint.sha256. A GRPO
-    checkpoint's model/ directory loads with transformers' from_pretrained.
+    checkpoint's model/ directory loads with transformers' from_pretrained; a
+    LoRA run's holds the adapter (peft's PeftModel.from_pretrained(base,
+    model/)) and base_model.json, the base model's path. With merged, a
+    trainer merges the adapter into its base model (TrainerService's
+    MergeCheckpoint, the run's own trainer first) and the tar holds model/,
+    the merged model, and trainwire.json; the record's size_bytes and sha256
+    are then the merged tar's.
 
     Status codes:
-      OK                the whole tar was sent.
-      INVALID_ARGUMENT  bad run_id or a negative episode.
-      NOT_FOUND         no such run, or no checkpoint at that episode (the
-                        message lists the ones there are).
-      DATA_LOSS         the stored checkpoint no longer matches its digest.
-      UNAVAILABLE       the checkpoint store cannot be read.
+      OK                  the whole tar was sent.
+      INVALID_ARGUMENT    bad run_id or a negative episode.
+      NOT_FOUND           no such run, or no checkpoint at that episode (the
+                          message lists the ones there are).
+      FAILED_PRECONDITION merged for a run that trains no LoRA adapter, or no
+                          trainer that can merge has the run's base model.
+      DATA_LOSS           the stored checkpoint no longer matches its digest.
+      UNAVAILABLE         the checkpoint store cannot be read; merged and no
+                          trainer that offers grpo answers.
     """
     GetRunCurve: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.GetRunCurveRequest, _gateway_service_pb2.GetRunCurveResponse]  # type: ignore[assignment]
     """A run's reward curve as contiguous buckets covering first_episode ..
@@ -604,15 +622,24 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         """Streams one checkpoint: its record first, then the bytes of an
         uncompressed POSIX tar of its directory in chunks of at most 1 MiB. The
         SHA-256 of the concatenated chunks equals checkpoint.sha256. A GRPO
-        checkpoint's model/ directory loads with transformers' from_pretrained.
+        checkpoint's model/ directory loads with transformers' from_pretrained; a
+        LoRA run's holds the adapter (peft's PeftModel.from_pretrained(base,
+        model/)) and base_model.json, the base model's path. With merged, a
+        trainer merges the adapter into its base model (TrainerService's
+        MergeCheckpoint, the run's own trainer first) and the tar holds model/,
+        the merged model, and trainwire.json; the record's size_bytes and sha256
+        are then the merged tar's.
 
         Status codes:
-          OK                the whole tar was sent.
-          INVALID_ARGUMENT  bad run_id or a negative episode.
-          NOT_FOUND         no such run, or no checkpoint at that episode (the
-                            message lists the ones there are).
-          DATA_LOSS         the stored checkpoint no longer matches its digest.
-          UNAVAILABLE       the checkpoint store cannot be read.
+          OK                  the whole tar was sent.
+          INVALID_ARGUMENT    bad run_id or a negative episode.
+          NOT_FOUND           no such run, or no checkpoint at that episode (the
+                              message lists the ones there are).
+          FAILED_PRECONDITION merged for a run that trains no LoRA adapter, or no
+                              trainer that can merge has the run's base model.
+          DATA_LOSS           the stored checkpoint no longer matches its digest.
+          UNAVAILABLE         the checkpoint store cannot be read; merged and no
+                              trainer that offers grpo answers.
         """
 
     @_abc_1.abstractmethod

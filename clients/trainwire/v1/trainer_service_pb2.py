@@ -26,49 +26,53 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from trainwire.v1 import episode_pb2 as trainwire_dot_v1_dot_episode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"trainwire/v1/trainer_service.proto\x12\x0ctrainwire.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1atrainwire/v1/episode.proto\"\xac\x02\n\x0cTrainRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12%\n\x04task\x18\x02 \x01(\x0b\x32\x17.trainwire.v1.TrainTask\x12)\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x19.trainwire.v1.TrainConfig\x12\x1d\n\x15grant_through_episode\x18\x04 \x01(\x03\x12!\n\x14\x61ttach_after_episode\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x30\n\x0bresume_from\x18\x06 \x03(\x0b\x32\x1b.trainwire.v1.CheckpointRef\x12-\n\tplacement\x18\x07 \x01(\x0b\x32\x1a.trainwire.v1.JobPlacementB\x17\n\x15_attach_after_episode\"]\n\x0cJobPlacement\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12\x12\n\nfirst_rank\x18\x02 \x01(\x05\x12\x11\n\tprocesses\x18\x03 \x01(\x05\x12\x12\n\nrendezvous\x18\x04 \x01(\t\"\x1d\n\nRendezvous\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"M\n\rCheckpointRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12,\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x18.trainwire.v1.Checkpoint\"\x81\x01\n\x07Resumed\x12/\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1b.trainwire.v1.CheckpointRef\x12\x13\n\x0b\x62\x65st_reward\x18\x02 \x01(\x01\x12\x30\n\x07skipped\x18\x03 \x03(\x0b\x32\x1f.trainwire.v1.SkippedCheckpoint\"4\n\x11SkippedCheckpoint\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x11\x43heckpointFailure\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\x03\x12\x0f\n\x07message\x18\x02 \x01(\t\"7\n\x0cGrantRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0fthrough_episode\x18\x02 \x01(\x03\"%\n\rGrantResponse\x12\x14\n\x0clast_episode\x18\x01 \x01(\x03\"6\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\x08\"q\n\x11\x43\x61ncelJobResponse\x12\x14\n\x0clast_episode\x18\x01 \x01(\x03\x12,\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x18.trainwire.v1.Checkpoint\x12\x18\n\x10\x63heckpoint_error\x18\x03 \x01(\t\"\x9f\x01\n\x19SetHyperparametersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1a\n\rlearning_rate\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04\x62\x65ta\x18\x04 \x01(\x01H\x02\x88\x01\x01\x42\x10\n\x0e_learning_rateB\x0e\n\x0c_temperatureB\x07\n\x05_beta\"\xa6\x01\n\x1aSetHyperparametersResponse\x12\x1a\n\rlearning_rate\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04\x62\x65ta\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x14\n\x0clast_episode\x18\x04 \x01(\x03\x42\x10\n\x0e_learning_rateB\x0e\n\x0c_temperatureB\x07\n\x05_beta\"\xb9\x02\n\rTrainResponse\x12(\n\x07\x65pisode\x18\x01 \x01(\x0b\x32\x15.trainwire.v1.EpisodeH\x00\x12,\n\theartbeat\x18\x02 \x01(\x0b\x32\x17.trainwire.v1.HeartbeatH\x00\x12.\n\ncheckpoint\x18\x03 \x01(\x0b\x32\x18.trainwire.v1.CheckpointH\x00\x12(\n\x07resumed\x18\x04 \x01(\x0b\x32\x15.trainwire.v1.ResumedH\x00\x12=\n\x12\x63heckpoint_failure\x18\x05 \x01(\x0b\x32\x1f.trainwire.v1.CheckpointFailureH\x00\x12.\n\nrendezvous\x18\x06 \x01(\x0b\x32\x18.trainwire.v1.RendezvousH\x00\x42\x07\n\x05\x65vent\"Z\n\tHeartbeat\x12\x14\n\x0clast_episode\x18\x01 \x01(\x03\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05phase\x18\x03 \x01(\t\"\x18\n\x16GetCapabilitiesRequest\"\xe4\x01\n\x17GetCapabilitiesResponse\x12\x11\n\tproviders\x18\x01 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x13\n\x0bslots_total\x18\x03 \x01(\x05\x12\x12\n\nslots_free\x18\x04 \x01(\x05\x12\x15\n\rtorch_version\x18\x05 \x01(\t\x12\x13\n\x0btrl_version\x18\x06 \x01(\t\x12\x16\n\x0eserver_version\x18\x07 \x01(\t\x12\x1f\n\x04gpus\x18\x08 \x03(\x0b\x32\x11.trainwire.v1.Gpu\x12\x18\n\x10reward_functions\x18\t \x03(\t\"n\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x03\x12\x19\n\x11memory_used_bytes\x18\x04 \x01(\x03\x12\x13\n\x0butilization\x18\x05 \x01(\x01\x32\xad\x03\n\x0eTrainerService\x12\x42\n\x05Train\x12\x1a.trainwire.v1.TrainRequest\x1a\x1b.trainwire.v1.TrainResponse0\x01\x12@\n\x05Grant\x12\x1a.trainwire.v1.GrantRequest\x1a\x1b.trainwire.v1.GrantResponse\x12L\n\tCancelJob\x12\x1e.trainwire.v1.CancelJobRequest\x1a\x1f.trainwire.v1.CancelJobResponse\x12g\n\x12SetHyperparameters\x12\'.trainwire.v1.SetHyperparametersRequest\x1a(.trainwire.v1.SetHyperparametersResponse\x12^\n\x0fGetCapabilities\x12$.trainwire.v1.GetCapabilitiesRequest\x1a%.trainwire.v1.GetCapabilitiesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"trainwire/v1/trainer_service.proto\x12\x0ctrainwire.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1atrainwire/v1/episode.proto\"V\n\x16MergeCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12,\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x18.trainwire.v1.Checkpoint\"e\n\x17MergeCheckpointResponse\x12.\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x18.trainwire.v1.CheckpointH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\t\n\x07\x63ontent\"\xac\x02\n\x0cTrainRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12%\n\x04task\x18\x02 \x01(\x0b\x32\x17.trainwire.v1.TrainTask\x12)\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x19.trainwire.v1.TrainConfig\x12\x1d\n\x15grant_through_episode\x18\x04 \x01(\x03\x12!\n\x14\x61ttach_after_episode\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x30\n\x0bresume_from\x18\x06 \x03(\x0b\x32\x1b.trainwire.v1.CheckpointRef\x12-\n\tplacement\x18\x07 \x01(\x0b\x32\x1a.trainwire.v1.JobPlacementB\x17\n\x15_attach_after_episode\"]\n\x0cJobPlacement\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12\x12\n\nfirst_rank\x18\x02 \x01(\x05\x12\x11\n\tprocesses\x18\x03 \x01(\x05\x12\x12\n\nrendezvous\x18\x04 \x01(\t\"\x1d\n\nRendezvous\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"M\n\rCheckpointRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12,\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x18.trainwire.v1.Checkpoint\"\x81\x01\n\x07Resumed\x12/\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1b.trainwire.v1.CheckpointRef\x12\x13\n\x0b\x62\x65st_reward\x18\x02 \x01(\x01\x12\x30\n\x07skipped\x18\x03 \x03(\x0b\x32\x1f.trainwire.v1.SkippedCheckpoint\"4\n\x11SkippedCheckpoint\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x11\x43heckpointFailure\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\x03\x12\x0f\n\x07message\x18\x02 \x01(\t\"7\n\x0cGrantRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0fthrough_episode\x18\x02 \x01(\x03\"%\n\rGrantResponse\x12\x14\n\x0clast_episode\x18\x01 \x01(\x03\"6\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ncheckpoint\x18\x02 \x01(\x08\"q\n\x11\x43\x61ncelJobResponse\x12\x14\n\x0clast_episode\x18\x01 \x01(\x03\x12,\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x18.trainwire.v1.Checkpoint\x12\x18\n\x10\x63heckpoint_error\x18\x03 \x01(\t\"\x9f\x01\n\x19SetHyperparametersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1a\n\rlearning_rate\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04\x62\x65ta\x18\x04 \x01(\x01H\x02\x88\x01\x01\x42\x10\n\x0e_learning_rateB\x0e\n\x0c_temperatureB\x07\n\x05_beta\"\xa6\x01\n\x1aSetHyperparametersResponse\x12\x1a\n\rlearning_rate\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04\x62\x65ta\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x14\n\x0clast_episode\x18\x04 \x01(\x03\x42\x10\n\x0e_learning_rateB\x0e\n\x0c_temperatureB\x07\n\x05_beta\"\xb9\x02\n\rTrainResponse\x12(\n\x07\x65pisode\x18\x01 \x01(\x0b\x32\x15.trainwire.v1.EpisodeH\x00\x12,\n\theartbeat\x18\x02 \x01(\x0b\x32\x17.trainwire.v1.HeartbeatH\x00\x12.\n\ncheckpoint\x18\x03 \x01(\x0b\x32\x18.trainwire.v1.CheckpointH\x00\x12(\n\x07resumed\x18\x04 \x01(\x0b\x32\x15.trainwire.v1.ResumedH\x00\x12=\n\x12\x63heckpoint_failure\x18\x05 \x01(\x0b\x32\x1f.trainwire.v1.CheckpointFailureH\x00\x12.\n\nrendezvous\x18\x06 \x01(\x0b\x32\x18.trainwire.v1.RendezvousH\x00\x42\x07\n\x05\x65vent\"Z\n\tHeartbeat\x12\x14\n\x0clast_episode\x18\x01 \x01(\x03\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05phase\x18\x03 \x01(\t\"\x18\n\x16GetCapabilitiesRequest\"\xe4\x01\n\x17GetCapabilitiesResponse\x12\x11\n\tproviders\x18\x01 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x13\n\x0bslots_total\x18\x03 \x01(\x05\x12\x12\n\nslots_free\x18\x04 \x01(\x05\x12\x15\n\rtorch_version\x18\x05 \x01(\t\x12\x13\n\x0btrl_version\x18\x06 \x01(\t\x12\x16\n\x0eserver_version\x18\x07 \x01(\t\x12\x1f\n\x04gpus\x18\x08 \x03(\x0b\x32\x11.trainwire.v1.Gpu\x12\x18\n\x10reward_functions\x18\t \x03(\t\"n\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x03 \x01(\x03\x12\x19\n\x11memory_used_bytes\x18\x04 \x01(\x03\x12\x13\n\x0butilization\x18\x05 \x01(\x01\x32\x8f\x04\n\x0eTrainerService\x12\x42\n\x05Train\x12\x1a.trainwire.v1.TrainRequest\x1a\x1b.trainwire.v1.TrainResponse0\x01\x12@\n\x05Grant\x12\x1a.trainwire.v1.GrantRequest\x1a\x1b.trainwire.v1.GrantResponse\x12L\n\tCancelJob\x12\x1e.trainwire.v1.CancelJobRequest\x1a\x1f.trainwire.v1.CancelJobResponse\x12g\n\x12SetHyperparameters\x12\'.trainwire.v1.SetHyperparametersRequest\x1a(.trainwire.v1.SetHyperparametersResponse\x12^\n\x0fGetCapabilities\x12$.trainwire.v1.GetCapabilitiesRequest\x1a%.trainwire.v1.GetCapabilitiesResponse\x12`\n\x0fMergeCheckpoint\x12$.trainwire.v1.MergeCheckpointRequest\x1a%.trainwire.v1.MergeCheckpointResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trainwire.v1.trainer_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAINREQUEST']._serialized_start=114
-  _globals['_TRAINREQUEST']._serialized_end=414
-  _globals['_JOBPLACEMENT']._serialized_start=416
-  _globals['_JOBPLACEMENT']._serialized_end=509
-  _globals['_RENDEZVOUS']._serialized_start=511
-  _globals['_RENDEZVOUS']._serialized_end=540
-  _globals['_CHECKPOINTREF']._serialized_start=542
-  _globals['_CHECKPOINTREF']._serialized_end=619
-  _globals['_RESUMED']._serialized_start=622
-  _globals['_RESUMED']._serialized_end=751
-  _globals['_SKIPPEDCHECKPOINT']._serialized_start=753
-  _globals['_SKIPPEDCHECKPOINT']._serialized_end=805
-  _globals['_CHECKPOINTFAILURE']._serialized_start=807
-  _globals['_CHECKPOINTFAILURE']._serialized_end=860
-  _globals['_GRANTREQUEST']._serialized_start=862
-  _globals['_GRANTREQUEST']._serialized_end=917
-  _globals['_GRANTRESPONSE']._serialized_start=919
-  _globals['_GRANTRESPONSE']._serialized_end=956
-  _globals['_CANCELJOBREQUEST']._serialized_start=958
-  _globals['_CANCELJOBREQUEST']._serialized_end=1012
-  _globals['_CANCELJOBRESPONSE']._serialized_start=1014
-  _globals['_CANCELJOBRESPONSE']._serialized_end=1127
-  _globals['_SETHYPERPARAMETERSREQUEST']._serialized_start=1130
-  _globals['_SETHYPERPARAMETERSREQUEST']._serialized_end=1289
-  _globals['_SETHYPERPARAMETERSRESPONSE']._serialized_start=1292
-  _globals['_SETHYPERPARAMETERSRESPONSE']._serialized_end=1458
-  _globals['_TRAINRESPONSE']._serialized_start=1461
-  _globals['_TRAINRESPONSE']._serialized_end=1774
-  _globals['_HEARTBEAT']._serialized_start=1776
-  _globals['_HEARTBEAT']._serialized_end=1866
-  _globals['_GETCAPABILITIESREQUEST']._serialized_start=1868
-  _globals['_GETCAPABILITIESREQUEST']._serialized_end=1892
-  _globals['_GETCAPABILITIESRESPONSE']._serialized_start=1895
-  _globals['_GETCAPABILITIESRESPONSE']._serialized_end=2123
-  _globals['_GPU']._serialized_start=2125
-  _globals['_GPU']._serialized_end=2235
-  _globals['_TRAINERSERVICE']._serialized_start=2238
-  _globals['_TRAINERSERVICE']._serialized_end=2667
+  _globals['_MERGECHECKPOINTREQUEST']._serialized_start=113
+  _globals['_MERGECHECKPOINTREQUEST']._serialized_end=199
+  _globals['_MERGECHECKPOINTRESPONSE']._serialized_start=201
+  _globals['_MERGECHECKPOINTRESPONSE']._serialized_end=302
+  _globals['_TRAINREQUEST']._serialized_start=305
+  _globals['_TRAINREQUEST']._serialized_end=605
+  _globals['_JOBPLACEMENT']._serialized_start=607
+  _globals['_JOBPLACEMENT']._serialized_end=700
+  _globals['_RENDEZVOUS']._serialized_start=702
+  _globals['_RENDEZVOUS']._serialized_end=731
+  _globals['_CHECKPOINTREF']._serialized_start=733
+  _globals['_CHECKPOINTREF']._serialized_end=810
+  _globals['_RESUMED']._serialized_start=813
+  _globals['_RESUMED']._serialized_end=942
+  _globals['_SKIPPEDCHECKPOINT']._serialized_start=944
+  _globals['_SKIPPEDCHECKPOINT']._serialized_end=996
+  _globals['_CHECKPOINTFAILURE']._serialized_start=998
+  _globals['_CHECKPOINTFAILURE']._serialized_end=1051
+  _globals['_GRANTREQUEST']._serialized_start=1053
+  _globals['_GRANTREQUEST']._serialized_end=1108
+  _globals['_GRANTRESPONSE']._serialized_start=1110
+  _globals['_GRANTRESPONSE']._serialized_end=1147
+  _globals['_CANCELJOBREQUEST']._serialized_start=1149
+  _globals['_CANCELJOBREQUEST']._serialized_end=1203
+  _globals['_CANCELJOBRESPONSE']._serialized_start=1205
+  _globals['_CANCELJOBRESPONSE']._serialized_end=1318
+  _globals['_SETHYPERPARAMETERSREQUEST']._serialized_start=1321
+  _globals['_SETHYPERPARAMETERSREQUEST']._serialized_end=1480
+  _globals['_SETHYPERPARAMETERSRESPONSE']._serialized_start=1483
+  _globals['_SETHYPERPARAMETERSRESPONSE']._serialized_end=1649
+  _globals['_TRAINRESPONSE']._serialized_start=1652
+  _globals['_TRAINRESPONSE']._serialized_end=1965
+  _globals['_HEARTBEAT']._serialized_start=1967
+  _globals['_HEARTBEAT']._serialized_end=2057
+  _globals['_GETCAPABILITIESREQUEST']._serialized_start=2059
+  _globals['_GETCAPABILITIESREQUEST']._serialized_end=2083
+  _globals['_GETCAPABILITIESRESPONSE']._serialized_start=2086
+  _globals['_GETCAPABILITIESRESPONSE']._serialized_end=2314
+  _globals['_GPU']._serialized_start=2316
+  _globals['_GPU']._serialized_end=2426
+  _globals['_TRAINERSERVICE']._serialized_start=2429
+  _globals['_TRAINERSERVICE']._serialized_end=2956
 # @@protoc_insertion_point(module_scope)

@@ -26,6 +26,68 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class MergeCheckpointRequest(_message.Message):
+    """Asks for a LoRA checkpoint merged into its base model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run that wrote the checkpoint."""
+    @_builtins.property
+    def checkpoint(self) -> _episode_pb2.Checkpoint:
+        """The checkpoint as the gateway recorded it: its episode (at least 1) and
+        its digest (empty: the store's record is trusted).
+        """
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        checkpoint: _episode_pb2.Checkpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MergeCheckpointRequest: _TypeAlias = MergeCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class MergeCheckpointResponse(_message.Message):
+    """One message of a merged model's stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    chunk: _builtins.bytes
+    """The next bytes of the tar."""
+    @_builtins.property
+    def checkpoint(self) -> _episode_pb2.Checkpoint:
+        """The merged model's record: the checkpoint's episode and create_time,
+        and the size and SHA-256 of the merged tar that follows (first message).
+        """
+
+    def __init__(
+        self,
+        *,
+        checkpoint: _episode_pb2.Checkpoint | None = ...,
+        chunk: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "chunk", b"chunk", "content", b"content"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "chunk", b"chunk", "content", b"content"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_content: _TypeAlias = _typing.Literal["checkpoint", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_content: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_content) -> _WhichOneofReturnType_content | None: ...
+
+Global___MergeCheckpointResponse: _TypeAlias = MergeCheckpointResponse  # noqa: Y015
+
+@_typing.final
 class TrainRequest(_message.Message):
     """A training job."""
 

@@ -60,6 +60,11 @@ class TrainerServiceStub(object):
                 request_serializer=trainwire_dot_v1_dot_trainer__service__pb2.GetCapabilitiesRequest.SerializeToString,
                 response_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.GetCapabilitiesResponse.FromString,
                 _registered_method=True)
+        self.MergeCheckpoint = channel.unary_stream(
+                '/trainwire.v1.TrainerService/MergeCheckpoint',
+                request_serializer=trainwire_dot_v1_dot_trainer__service__pb2.MergeCheckpointRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.MergeCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer(object):
@@ -169,6 +174,39 @@ class TrainerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MergeCheckpoint(self, request, context):
+        """Merges a LoRA checkpoint's adapter into its base model and streams the
+        result (the gateway's DownloadCheckpoint with merged): the record first,
+        then an uncompressed POSIX tar, canonical as a checkpoint's (see
+        Checkpoint.sha256), in chunks of at most 1 MiB. The tar holds model/ (the
+        merged model, in the base model's dtype, and the processor: transformers'
+        from_pretrained loads it without peft) and trainwire.json (the
+        checkpoint's record). The trainer fetches the checkpoint from its
+        checkpoint store, loads the base model from the path the checkpoint
+        records (resolved in its data roots) and merges in a process of its own,
+        on the CPU, one merge at a time; no job slot is taken.
+
+        Status codes:
+        OK                  the whole tar was sent.
+        INVALID_ARGUMENT    bad run_id, or an episode below 1.
+        NOT_FOUND           the store holds no such checkpoint (ErrorInfo
+        CHECKPOINT_NOT_FOUND).
+        DATA_LOSS           the stored checkpoint does not match checkpoint.sha256
+        (ErrorInfo CHECKPOINT_CORRUPT).
+        FAILED_PRECONDITION not a LoRA checkpoint (ErrorInfo BAD_TASK), or its
+        base model is not on this trainer or is another model
+        now (MODEL_NOT_FOUND): the details hold a
+        google.rpc.LocalizedMessage.
+        UNAVAILABLE         this trainer has no checkpoint store or cannot read
+        it (CHECKPOINT_STORE_UNAVAILABLE), no provider that
+        merges (PROVIDER_UNAVAILABLE), or it is shutting down.
+        INTERNAL            the merge failed.
+        CANCELLED           the client cancelled (the merge is stopped).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +234,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetCapabilities,
                     request_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.GetCapabilitiesRequest.FromString,
                     response_serializer=trainwire_dot_v1_dot_trainer__service__pb2.GetCapabilitiesResponse.SerializeToString,
+            ),
+            'MergeCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.MergeCheckpoint,
+                    request_deserializer=trainwire_dot_v1_dot_trainer__service__pb2.MergeCheckpointRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_trainer__service__pb2.MergeCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -334,6 +377,33 @@ class TrainerService(object):
             '/trainwire.v1.TrainerService/GetCapabilities',
             trainwire_dot_v1_dot_trainer__service__pb2.GetCapabilitiesRequest.SerializeToString,
             trainwire_dot_v1_dot_trainer__service__pb2.GetCapabilitiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MergeCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/trainwire.v1.TrainerService/MergeCheckpoint',
+            trainwire_dot_v1_dot_trainer__service__pb2.MergeCheckpointRequest.SerializeToString,
+            trainwire_dot_v1_dot_trainer__service__pb2.MergeCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -121,6 +121,35 @@ class TrainerServiceStub:
     Status codes:
       OK  always, while the server is up.
     """
+    MergeCheckpoint: _grpc.UnaryStreamMultiCallable[_trainer_service_pb2.MergeCheckpointRequest, _trainer_service_pb2.MergeCheckpointResponse]
+    """Merges a LoRA checkpoint's adapter into its base model and streams the
+    result (the gateway's DownloadCheckpoint with merged): the record first,
+    then an uncompressed POSIX tar, canonical as a checkpoint's (see
+    Checkpoint.sha256), in chunks of at most 1 MiB. The tar holds model/ (the
+    merged model, in the base model's dtype, and the processor: transformers'
+    from_pretrained loads it without peft) and trainwire.json (the
+    checkpoint's record). The trainer fetches the checkpoint from its
+    checkpoint store, loads the base model from the path the checkpoint
+    records (resolved in its data roots) and merges in a process of its own,
+    on the CPU, one merge at a time; no job slot is taken.
+
+    Status codes:
+      OK                  the whole tar was sent.
+      INVALID_ARGUMENT    bad run_id, or an episode below 1.
+      NOT_FOUND           the store holds no such checkpoint (ErrorInfo
+                          CHECKPOINT_NOT_FOUND).
+      DATA_LOSS           the stored checkpoint does not match checkpoint.sha256
+                          (ErrorInfo CHECKPOINT_CORRUPT).
+      FAILED_PRECONDITION not a LoRA checkpoint (ErrorInfo BAD_TASK), or its
+                          base model is not on this trainer or is another model
+                          now (MODEL_NOT_FOUND): the details hold a
+                          google.rpc.LocalizedMessage.
+      UNAVAILABLE         this trainer has no checkpoint store or cannot read
+                          it (CHECKPOINT_STORE_UNAVAILABLE), no provider that
+                          merges (PROVIDER_UNAVAILABLE), or it is shutting down.
+      INTERNAL            the merge failed.
+      CANCELLED           the client cancelled (the merge is stopped).
+    """
 
 @_typing.type_check_only
 class TrainerServiceAsyncStub(TrainerServiceStub):
@@ -209,6 +238,35 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
 
     Status codes:
       OK  always, while the server is up.
+    """
+    MergeCheckpoint: _aio.UnaryStreamMultiCallable[_trainer_service_pb2.MergeCheckpointRequest, _trainer_service_pb2.MergeCheckpointResponse]  # type: ignore[assignment]
+    """Merges a LoRA checkpoint's adapter into its base model and streams the
+    result (the gateway's DownloadCheckpoint with merged): the record first,
+    then an uncompressed POSIX tar, canonical as a checkpoint's (see
+    Checkpoint.sha256), in chunks of at most 1 MiB. The tar holds model/ (the
+    merged model, in the base model's dtype, and the processor: transformers'
+    from_pretrained loads it without peft) and trainwire.json (the
+    checkpoint's record). The trainer fetches the checkpoint from its
+    checkpoint store, loads the base model from the path the checkpoint
+    records (resolved in its data roots) and merges in a process of its own,
+    on the CPU, one merge at a time; no job slot is taken.
+
+    Status codes:
+      OK                  the whole tar was sent.
+      INVALID_ARGUMENT    bad run_id, or an episode below 1.
+      NOT_FOUND           the store holds no such checkpoint (ErrorInfo
+                          CHECKPOINT_NOT_FOUND).
+      DATA_LOSS           the stored checkpoint does not match checkpoint.sha256
+                          (ErrorInfo CHECKPOINT_CORRUPT).
+      FAILED_PRECONDITION not a LoRA checkpoint (ErrorInfo BAD_TASK), or its
+                          base model is not on this trainer or is another model
+                          now (MODEL_NOT_FOUND): the details hold a
+                          google.rpc.LocalizedMessage.
+      UNAVAILABLE         this trainer has no checkpoint store or cannot read
+                          it (CHECKPOINT_STORE_UNAVAILABLE), no provider that
+                          merges (PROVIDER_UNAVAILABLE), or it is shutting down.
+      INTERNAL            the merge failed.
+      CANCELLED           the client cancelled (the merge is stopped).
     """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -325,6 +383,41 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
 
         Status codes:
           OK  always, while the server is up.
+        """
+
+    @_abc_1.abstractmethod
+    def MergeCheckpoint(
+        self,
+        request: _trainer_service_pb2.MergeCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_trainer_service_pb2.MergeCheckpointResponse], _abc.AsyncIterator[_trainer_service_pb2.MergeCheckpointResponse]]:
+        """Merges a LoRA checkpoint's adapter into its base model and streams the
+        result (the gateway's DownloadCheckpoint with merged): the record first,
+        then an uncompressed POSIX tar, canonical as a checkpoint's (see
+        Checkpoint.sha256), in chunks of at most 1 MiB. The tar holds model/ (the
+        merged model, in the base model's dtype, and the processor: transformers'
+        from_pretrained loads it without peft) and trainwire.json (the
+        checkpoint's record). The trainer fetches the checkpoint from its
+        checkpoint store, loads the base model from the path the checkpoint
+        records (resolved in its data roots) and merges in a process of its own,
+        on the CPU, one merge at a time; no job slot is taken.
+
+        Status codes:
+          OK                  the whole tar was sent.
+          INVALID_ARGUMENT    bad run_id, or an episode below 1.
+          NOT_FOUND           the store holds no such checkpoint (ErrorInfo
+                              CHECKPOINT_NOT_FOUND).
+          DATA_LOSS           the stored checkpoint does not match checkpoint.sha256
+                              (ErrorInfo CHECKPOINT_CORRUPT).
+          FAILED_PRECONDITION not a LoRA checkpoint (ErrorInfo BAD_TASK), or its
+                              base model is not on this trainer or is another model
+                              now (MODEL_NOT_FOUND): the details hold a
+                              google.rpc.LocalizedMessage.
+          UNAVAILABLE         this trainer has no checkpoint store or cannot read
+                              it (CHECKPOINT_STORE_UNAVAILABLE), no provider that
+                              merges (PROVIDER_UNAVAILABLE), or it is shutting down.
+          INTERNAL            the merge failed.
+          CANCELLED           the client cancelled (the merge is stopped).
         """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
