@@ -1,74 +1,52 @@
 #!/usr/bin/env bash
-# GPU benchmark: a few GRPO steps of the grpo provider on CUDA with bf16 on the offline tiny VLM;
-# prints the step time. Run from anywhere on a GPU machine holding a copy of the repo:
+# GPU benchmark: a few GRPO steps of the offline tiny VLM on CUDA in bf16, as the trainer runs a
+# job (the grpo provider's processes, ``process.run``); prints each step and a RESULT line.
 #
 #   bash bench/gpu_grpo.sh [STEPS]            # default 8 steps
 #   BENCH_DEVICE=cpu bash bench/gpu_grpo.sh 2 # dry run of the same path without a GPU
 #
-# It runs the provider in this process on one GPU, then as the trainer runs it: in processes of
-# its own, one per GPU (num_processes = the number of visible GPUs, under NCCL; on a one-GPU host
-# a single child process). BENCH_PROCESSES=N picks N instead (BENCH_PROCESSES=2 with
-# BENCH_DEVICE=cpu dry-runs two ranks under gloo; 0 skips the processes case).
-# Then, on a host with two GPUs or more, one job across two trainer processes (one GPU each,
-# ranks 0 and 1 of 2, NCCL, rendezvous on 127.0.0.1: bench/_two_trainers.py), as the gateway
-# places a job no single trainer fits. BENCH_TRAINERS=2 forces it (with BENCH_DEVICE=cpu: a dry
-# run under gloo); BENCH_TRAINERS=0 skips it. NCCL refuses two ranks on one GPU, so a one-GPU
-# host skips it.
+# The job runs in processes of its own, one per GPU (num_processes = the number of visible
+# GPUs, under NCCL; on a one-GPU host a single process). BENCH_PROCESSES=N picks N instead
+# (BENCH_PROCESSES=2 with BENCH_DEVICE=cpu dry-runs two ranks under gloo). Then, on a host with
+# two GPUs or more, one job across two trainer processes (one GPU each, ranks 0 and 1 of 2,
+# NCCL, rendezvous on 127.0.0.1: bench/_two_trainers.py), as the gateway places a job no single
+# trainer fits. BENCH_TRAINERS=2 forces it (with BENCH_DEVICE=cpu: a dry run under gloo);
+# BENCH_TRAINERS=0 skips it. NCCL refuses two ranks on one GPU, so a one-GPU host skips it.
+# On the CPU the task is smaller (2 completions of 8 tokens per step, one DataLoader worker).
 #
-# Python selection (first that imports torch with CUDA and trl):
-#   $PYTHON, .venv/bin/python, .venv-gpu/bin/python, python3.
-# If none qualifies, it creates .venv-gpu (with --system-site-packages, so a preinstalled CUDA
-# torch is reused) and installs what is missing OFFLINE from a wheel folder: $WHEELS_DIR, else
-# ./wheels, else ./bench/wheels (pip install --no-index --find-links). Fill that folder on a
-# connected machine with, e.g.:
-#   pip download -d wheels -c constraints.txt torch trl transformers accelerate datasets \
-#       pillow tokenizers numpy protobuf grpcio googleapis-common-protos safetensors
-# The repo's packages are used from source (PYTHONPATH), nothing of it is installed.
+# Python: $PYTHON, else .venv/bin/python, else python3: the first that imports torch (with CUDA
+# unless BENCH_DEVICE=cpu), trl and the client's protobuf modules. On a bare GPU machine run it
+# through bench/gpu_check.sh, which installs the carried wheels and sets PYTHON and PYTHONPATH.
+# The repository's packages are used from source (PYTHONPATH), nothing of it is installed.
 set -euo pipefail
 
 STEPS="${1:-8}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="$REPO/clients:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$REPO/clients:$REPO"
 
 export BENCH_DEVICE="${BENCH_DEVICE:-cuda:0}"
-CHECK='import os, torch, trl, transformers, datasets, PIL, google.protobuf, google.rpc.error_details_pb2
-assert os.environ["BENCH_DEVICE"] == "cpu" or torch.cuda.is_available()'
+# Found, not imported (the benchmark imports them), except torch on a GPU: it must see CUDA.
+CHECK='import importlib.util as u, os, sys
+names = ("torch", "trl", "transformers", "datasets", "PIL", "google.rpc.error_details_pb2")
+if any(u.find_spec(name) is None for name in names):
+    sys.exit(1)
+if os.environ["BENCH_DEVICE"] != "cpu":
+    import torch
+    sys.exit(not torch.cuda.is_available())'
 
-usable() { [ -n "$1" ] && [ -x "$(command -v "$1" 2>/dev/null || echo "$1")" ] && "$1" -c "$CHECK" >/dev/null 2>&1; }
+usable() { [ -n "$1" ] && command -v "$1" >/dev/null 2>&1 && "$1" -c "$CHECK" >/dev/null 2>&1; }
 
 PY=""
-for candidate in "${PYTHON:-}" .venv/bin/python .venv-gpu/bin/python python3; do
+for candidate in "${PYTHON:-}" .venv/bin/python python3; do
     if usable "$candidate"; then PY="$candidate"; break; fi
 done
-
 if [ -z "$PY" ]; then
-    WHEELS="${WHEELS_DIR:-}"
-    for dir in "$WHEELS" wheels bench/wheels; do
-        if [ -n "$dir" ] && [ -d "$dir" ]; then WHEELS="$dir"; break; fi
-    done
-    BASE_PY="$(command -v python3.11 || command -v python3)"
-    echo "no Python with CUDA torch + trl found; creating .venv-gpu from $BASE_PY" >&2
-    [ -x .venv-gpu/bin/python ] || "$BASE_PY" -m venv --system-site-packages .venv-gpu
-    if [ -n "$WHEELS" ] && [ -d "$WHEELS" ]; then
-        echo "installing from wheels in $WHEELS (offline)" >&2
-        PKGS=(trl transformers accelerate datasets pillow tokenizers numpy protobuf grpcio
-              googleapis-common-protos safetensors)
-        # Keep a preinstalled CUDA torch; install torch only when there is none.
-        .venv-gpu/bin/python -c 'import torch' 2>/dev/null || PKGS=(torch "${PKGS[@]}")
-        CONSTRAINTS=()
-        [ -f constraints.txt ] && CONSTRAINTS=(-c constraints.txt)
-        .venv-gpu/bin/python -m pip install --quiet --no-index --find-links "$WHEELS" \
-            "${CONSTRAINTS[@]}" "${PKGS[@]}"
-    else
-        echo "no wheel folder (set WHEELS_DIR); trying with what the system has" >&2
-    fi
-    PY=.venv-gpu/bin/python
-    if ! "$PY" -c "$CHECK"; then
-        echo "FAILED: $PY cannot import torch with CUDA, trl, transformers and datasets" >&2
-        exit 2
-    fi
+    echo "FAILED: no Python here imports torch${BENCH_DEVICE/cpu/} with trl, transformers and" \
+        "datasets (BENCH_DEVICE=$BENCH_DEVICE); on a bare GPU machine run bench/gpu_check.sh," \
+        "which installs the wheels bench/gpu_wheels.sh carries" >&2
+    exit 2
 fi
 
 echo "python: $PY"
@@ -77,30 +55,26 @@ echo "python: $PY"
 RUNNER="$(mktemp -t gpu_grpo_XXXXXX.py)"
 trap 'rm -f "$RUNNER"' EXIT
 cat > "$RUNNER" <<'PYEOF'
+import os
 import pathlib
 import statistics
 import sys
 import tempfile
 import threading
-import os
 import time
 import warnings
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 import torch
-import transformers
 from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
 
 from trainer_service.core.provider import TrainJob
-from trainer_service.providers.grpo import process, provider, validate
+from trainer_service.providers.grpo import process, validate
 from trainer_service.tools import make_demo_dataset, make_tiny_vlm
 
 
-
 def main() -> None:
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     steps = int(sys.argv[1])
     device = os.environ["BENCH_DEVICE"]
     cuda = device.startswith("cuda")
@@ -111,31 +85,31 @@ def main() -> None:
         root = pathlib.Path(tmp)
         make_tiny_vlm.build(root / "model")
         make_demo_dataset.build(root / "data", rows=64, size=(640, 480))
+        generations, batch, tokens, workers = (8, 16, 32, 2) if cuda else (2, 2, 8, 1)
         task = episode_pb2.TrainTask(
             grpo=episode_pb2.GrpoTask(
                 model_path="model",
                 dataset_path="data/train.jsonl",
                 reward_functions=["exact_match", "format", "length"],
-                num_generations=8,
-                batch_size=16,
-                max_completion_length=32,
-                dataloader_num_workers=2,
+                num_generations=generations,
+                batch_size=batch,
+                max_completion_length=tokens,
+                dataloader_num_workers=workers,
             )
         )
-        assert validate(task, root) == []
+        problems = validate(task, (root,))
+        assert problems == [], problems
         config = episode_pb2.TrainConfig(max_episodes=steps, seed=1)
-        job = TrainJob("gpu-bench", task, config, device, root, None, threading.Event())
-        measure("in-thread", provider.run, job, steps, f"device={device} bf16={bf16}")
         gpus = torch.cuda.device_count() if cuda else 0
-        processes = int(os.environ.get("BENCH_PROCESSES", max(1, gpus) if cuda else 0))
+        processes = int(os.environ.get("BENCH_PROCESSES", max(1, gpus)))
         if processes > 0:
             # As the trainer runs it: one process per GPU (batch_size is per process).
             task.grpo.num_processes = processes
             devices = tuple(f"cuda:{i}" for i in range(processes)) if cuda else ("cpu",) * processes
             job = TrainJob("gpu-bench-processes", task, config, device, root, None,
                            threading.Event(), devices=devices)
-            measure(f"{processes} process(es)", process.run, job, steps,
-                    f"devices={','.join(devices)} processes={processes}")
+            measure(f"{processes} process(es)", job, steps,
+                    f"devices={','.join(devices)} processes={processes} bf16={bf16}")
         trainers = int(os.environ.get("BENCH_TRAINERS", 2 if gpus >= 2 else 0))
         if trainers >= 2:
             across(root, task, config, trainers, cuda, steps)
@@ -158,25 +132,31 @@ def across(root, task, config, trainers, cuda, steps) -> None:
           f"first_step_wall_ms={(stamps[0] - started) * 1000:.1f} (trainer logs: {logs})")
 
 
-def measure(name, run, job, steps, what) -> None:
+def measure(name, job, steps, what) -> None:
+    """Runs the job as the trainer's provider does and prints each step and a RESULT line."""
     print(f"== {name}")
     checker = StreamChecker.for_task(job.task, job.config, job.run_id)
-    walls, step_times = [], []
+    walls, step_times, peaks = [], [], []
     last = time.perf_counter()
-    for episode in run(job):
+    for episode in process.run(job):
         now = time.perf_counter()
         checker.check(episode)
         walls.append(now - last)
         last = now
         step_times.append(episode.metrics.get("step_time", float("nan")))
+        if "gpu_memory_peak_gib" in episode.metrics:  # CUDA only
+            peaks.append(episode.metrics["gpu_memory_peak_gib"])
         print(f"step {episode.episode:3d}  reward {episode.reward:+.3f}  "
               f"step_time {step_times[-1] * 1000:8.1f} ms  wall {walls[-1] * 1000:8.1f} ms")
     checker.finish()
+    if len(walls) != steps:
+        raise SystemExit(f"FAILED: {len(walls)} episodes for {steps} steps")
     steady = step_times[1:] or step_times
     print(f"RESULT mode={name.replace(' ', '_')} {what} steps={steps} "
           f"median_step_time_ms={statistics.median(steady) * 1000:.1f} "
           f"median_wall_ms={statistics.median(walls[1:] or walls) * 1000:.1f} "
-          f"first_step_wall_ms={walls[0] * 1000:.1f}")
+          f"first_step_wall_ms={walls[0] * 1000:.1f}"
+          + (f" gpu_memory_peak_gib={max(peaks):.2f}" if peaks else ""))
 
 
 # DataLoader workers start from a fork server and re-import this file: guard the entry point.
