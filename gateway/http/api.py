@@ -20,11 +20,18 @@ message is the body, the JSON grpcurl shows.
 ``GET /v1/runs/{run_id}/checkpoints``       ListCheckpoints
 ``GET /v1/runs/{run_id}/checkpoints/{episode}:download``
                                             DownloadCheckpoint: the tar itself
-                                            (``application/x-tar``; episode 0: the latest)
+                                            (``application/x-tar``; episode 0: the latest;
+                                            ``?merged=true``: a LoRA run's model merged into
+                                            its base model)
 ``GET /v1/runs/{run_id}/curve``             GetRunCurve (``?buckets=&metrics=a,b&firstEpisode=
                                             &lastEpisode=``; metrics comma-separated)
 ``GET /v1/runs/{run_id}/motion``            an imitation run's rig and target clip
 ``GET /v1/motions``                         the built-in rigs and clips
+``GET /v1/trainers``                        the trainers as the gateway last probed them: per
+                                            trainer ``address``, ``reachable``, ``error`` (why
+                                            not) and ``capabilities`` (its
+                                            ``GetCapabilitiesResponse``: providers, slots,
+                                            device, ``gpus``)
 ==========================================  ==================================================
 
 A POST must say ``Content-Type: application/json`` (its body may be empty for the controls):
@@ -35,7 +42,7 @@ drive runs through a visitor's browser.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -43,7 +50,9 @@ from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from gateway.convert import capabilities_to_proto
 from gateway.core.errors import InvalidRequest
+from gateway.core.scheduler import TrainerReport
 from gateway.http.context import HttpContext
 from gateway.http.errors import HttpAbort
 from gateway.servicer import GatewayServicer
@@ -81,6 +90,21 @@ def from_query(request: web.Request, cls: type[M]) -> M:
         return json_format.ParseDict(dict(query), cls())
     except json_format.ParseError as exc:
         raise _bad("query", f"bad query parameters for {cls.DESCRIPTOR.name}: {exc}") from None
+
+
+def query_flag(request: web.Request, name: str) -> bool:
+    """A boolean query parameter: ``true``/``1`` or ``false``/``0`` (absent: false).
+
+    Raises:
+        InvalidRequest: it is repeated or another value.
+    """
+    values = request.query.getall(name, [])
+    if len(values) > 1:
+        raise _bad(name, f"the query parameter {name} is repeated")
+    value = values[0].strip().lower() if values else "false"
+    if value not in ("true", "1", "false", "0"):
+        raise _bad(name, f"{name}={values[0]!r}; need true or false")
+    return value in ("true", "1")
 
 
 async def from_body(request: web.Request, cls: type[M], **path: str) -> M:
@@ -134,12 +158,36 @@ class _Motions:
         }
 
 
-class JsonApi:
-    """The JSON API's handlers (see the module docstring)."""
+def trainer_to_json(report: TrainerReport) -> dict[str, Any]:
+    """A trainer of ``GET /v1/trainers``."""
+    found: dict[str, Any] = {
+        "address": report.address,
+        "reachable": report.capabilities is not None,
+        "error": report.error,
+    }
+    if report.capabilities is not None:
+        found["capabilities"] = json_format.MessageToDict(
+            capabilities_to_proto(report.capabilities)
+        )
+    return found
 
-    def __init__(self, servicer: GatewayServicer) -> None:
+
+class JsonApi:
+    """The JSON API's handlers (see the module docstring).
+
+    Args:
+        servicer: Answers the routes that stand for RPCs.
+        trainers: The trainers as the gateway last probed them (``RunRegistry.trainers``).
+    """
+
+    def __init__(
+        self,
+        servicer: GatewayServicer,
+        trainers: Callable[[], Sequence[TrainerReport]] = list,
+    ) -> None:
         self._servicer = servicer
         self._motions = _Motions(servicer)
+        self._trainers = trainers
 
     def routes(self) -> list[web.RouteDef]:
         """The routes, for ``app.add_routes``."""
@@ -160,6 +208,7 @@ class JsonApi:
             web.get(run + "/curve", self.get_run_curve),
             web.get(run + "/motion", self.run_motion),
             web.get("/v1/motions", self.motions),
+            web.get("/v1/trainers", self.trainers),
         ]
 
     @staticmethod
@@ -251,10 +300,12 @@ class JsonApi:
     async def download_checkpoint(self, request: web.Request) -> web.StreamResponse:
         """DownloadCheckpoint, as the tar file itself: headers once the checkpoint is found
         (errors before that are JSON errors), then the chunks as they are read. A checkpoint
-        that turns out corrupt cuts the body short of its Content-Length."""
+        that turns out corrupt cuts the body short of its Content-Length. ``?merged=true``: a
+        LoRA run's checkpoint merged into its base model."""
         run_id = request.match_info["run_id"]
+        merged = query_flag(request, "merged")
         message = pb.DownloadCheckpointRequest(
-            run_id=run_id, episode=int(request.match_info["episode"])
+            run_id=run_id, episode=int(request.match_info["episode"]), merged=merged
         )
         context = cast(grpc.aio.ServicerContext, HttpContext(request))
         stream = cast(
@@ -264,7 +315,7 @@ class JsonApi:
         try:
             first = await anext(stream)
             record = first.checkpoint
-            name = f"{run_id}-episode-{record.episode}.tar"
+            name = f"{run_id}-episode-{record.episode}{'-merged' if merged else ''}.tar"
             response = web.StreamResponse(
                 headers={
                     "Content-Type": "application/x-tar",
@@ -300,3 +351,8 @@ class JsonApi:
         return json_reply(
             {"rigs": sorted(motion.BUILTIN_RIGS), "clips": list(motion.BUILTIN_CLIP_NAMES)}
         )
+
+    async def trainers(self, request: web.Request) -> web.Response:
+        """The trainers, their capabilities and GPUs as last probed (the page's Trainers
+        card); the probes run in the background, so this never waits for a trainer."""
+        return json_reply({"trainers": [trainer_to_json(r) for r in self._trainers()]})

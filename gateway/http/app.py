@@ -206,7 +206,7 @@ def build_app(
     )
     streams = EventStreams(core)
     page = PageFiles(STATIC_DIR)
-    app.add_routes(JsonApi(GatewayServicer(core)).routes())
+    app.add_routes(JsonApi(GatewayServicer(core), lambda: core.trainers()).routes())
     app.add_routes(
         [
             web.get("/v1/runs/{run_id:[^/:]+}/events", streams.handle),

@@ -35,6 +35,7 @@ HTTP_RPCS: dict[tuple[str, str], str] = {
     ("GET", "/v1/runs/{run_id}/motion"): "GetRun",
     ("GET", "/v1/runs/{run_id}/curve"): "GetRunCurve",
     ("GET", "/v1/motions"): "ListRuns",  # read like the runs (viewer)
+    ("GET", "/v1/trainers"): "ListRuns",  # likewise
     ("GET", "/v1/runs/{run_id}/events"): "WatchRun",
     ("GET", "/v1/runs/{run_id}/checkpoints"): "ListCheckpoints",
     ("GET", "/v1/runs/{run_id}/checkpoints/{episode}:download"): "DownloadCheckpoint",

@@ -24,10 +24,12 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from tests.fakes.episodes import scripted_samples
 from tests.fakes.fake_trainer import Script, running_fake
 from tests.fakes.gateway_harness import ROOT
 from tests.fakes.waiting import TIMEOUT, wait_for
 from tests.http.harness import ApiError, LiveGateway, create_body, threaded_gateway
+from tests.unit.test_contract_stream import make_stream
 from trainwire import motion
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -367,11 +369,12 @@ def test_a_poll_answered_after_the_run_ended_does_not_bring_it_back(
         assert not page.find_element(By.ID, "stop").is_enabled()
 
 
-def test_a_grpo_run_shows_its_curve_and_its_sample_completions_as_text(
+def test_a_grpo_run_shows_its_curve_and_what_the_model_saw(
     page: WebDriver, gw: LiveGateway
 ) -> None:
-    # The fake trainer's GRPO steps carry "<answer>N</answer>": model output, shown as text
-    # (markup in a completion must never become elements on the page).
+    # The fake trainer's GRPO steps carry two samples each (scripted_samples): a JPEG thumbnail,
+    # an answer (one with markup: model output, shown as text, never as elements), the expected
+    # answer and the rewards.
     gw.fake.push(Script(motion=True))  # type: ignore[attr-defined]
     body = create_body(max_episodes=12)
     body["task"] = {"grpo": {"modelPath": "tiny-vlm", "datasetPath": "shapes.jsonl"}}
@@ -383,12 +386,45 @@ def test_a_grpo_run_shows_its_curve_and_its_sample_completions_as_text(
     card = page.find_element(By.ID, "completions-card")
     assert card.is_displayed() and not page.find_element(By.ID, "avatar-card").is_displayed()
     wait_until(page, lambda: attr(page, "completions-note", "textContent") == "episode 12", "12")
-    shown = [item.text for item in page.find_elements(By.CSS_SELECTOR, "#completions li")]
-    assert shown == ["<answer>12</answer>"]
-    assert not page.find_elements(By.TAG_NAME, "answer")
+    assert attr(page, "samples", "data-episode") == "12"
+    assert attr(page, "completions-title", "textContent") == "Samples"
+    rows = page.find_elements(By.CSS_SELECTOR, "#samples tbody tr")
+    cells = [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+    expected = scripted_samples(12)
+    assert [c[1:3] for c in cells] == [[s.completion, s.solution] for s in expected]
+    assert [c[3].splitlines() for c in cells] == [
+        ["2.00", "exact_match 1.00", "format 1.00"],
+        ["0.00", "exact_match 0.00", "format 0.00"],
+    ]
+    assert not page.find_elements(By.CSS_SELECTOR, "#samples b, #completions-card answer")
+    assert not page.find_elements(By.CSS_SELECTOR, "#completions li")  # the table replaces it
+    # Real pictures: each thumbnail decoded by the browser, at its own size.
+    sizes = page.execute_script(
+        "return [...document.querySelectorAll('#samples img.thumb')]"
+        ".map((img) => [img.complete, img.naturalWidth, img.naturalHeight, img.title]);"
+    )
+    assert sizes == [[True, 24, 16, s.prompt] for s in expected], sizes
     assert "grpo" in attr(page, "run-task", "textContent")
     assert "tiny-vlm" in attr(page, "run-task", "textContent")
     screenshot(page, "run-view-grpo.png")
+
+
+def test_a_trainer_that_sends_no_samples_shows_its_completions(
+    page: WebDriver, gw: LiveGateway
+) -> None:
+    stream = make_stream([0.1, 0.2, 0.3], kind="grpo")
+    for episode in stream:
+        episode.grpo.sample_completions.append(f"<i>answer {episode.episode}</i>")
+    gw.fake.push(Script(stream=tuple(stream)))  # type: ignore[attr-defined]
+    body = create_body(max_episodes=3)
+    body["task"] = {"grpo": {"modelPath": "tiny-vlm", "datasetPath": "shapes.jsonl"}}
+    run = gw.api("POST", "/v1/runs", body)["run"]
+    open_run(page, gw, run["id"])
+    wait_until(page, lambda: attr(page, "completions-note", "textContent") == "episode 3", "3")
+    shown = [item.text for item in page.find_elements(By.CSS_SELECTOR, "#completions li")]
+    assert shown == ["<i>answer 3</i>"]
+    assert attr(page, "completions-title", "textContent") == "Sample completions"
+    assert not page.find_element(By.ID, "samples").is_displayed()
 
 
 def test_an_error_run_shows_its_message(page: WebDriver, gw: LiveGateway) -> None:

@@ -50,6 +50,16 @@ def episodes(draw: st.DrawFn, numbers: st.SearchStrategy[float] = doubles) -> ep
         episode.imitation.angles.extend(draw(st.lists(float32s, max_size=50)))
     elif kind == "grpo":
         episode.grpo.sample_completions.extend(draw(st.lists(texts, max_size=4)))
+        for _ in range(draw(st.integers(0, 3))):
+            episode.grpo.samples.add(
+                prompt=draw(texts),
+                image=draw(st.binary(max_size=64)),
+                image_type=draw(st.sampled_from(["", "image/webp", "image/png"])),
+                completion=draw(texts),
+                reward=draw(numbers),
+                rewards=draw(st.dictionaries(texts, numbers, max_size=3)),
+                solution=draw(texts),
+            )
     return episode
 
 

@@ -77,6 +77,7 @@ def test_the_import_pattern_reads_the_page_s_import_lines() -> None:
         "/static/early.js",
         "/static/run.js",
         "/static/runs.js",
+        "/static/trainers.js",
     ]
     assert "/static/vendor/uplot/uPlot.esm.js" in imports("/static/draw.js")
     assert "/static/early.js" in imports("/static/api.js")

@@ -10,8 +10,10 @@ import { CompareView } from "./compare.js";
 import { runOfHash } from "./early.js";
 import { RunView } from "./run.js";
 import { RunsView } from "./runs.js";
+import { TrainersPanel } from "./trainers.js";
 
 const runsView = new RunsView();
+const trainersPanel = new TrainersPanel(); // shown with the runs view
 const runView = new RunView();
 const compareView = new CompareView();
 let current = null;
@@ -24,6 +26,7 @@ function hashQuery(hash) {
 
 function route(event) {
   if (current) current.stop();
+  trainersPanel.stop();
   const hash = location.hash;
   const runId = runOfHash(hash);
   if (runId) {
@@ -37,6 +40,7 @@ function route(event) {
   } else {
     current = runsView;
     runsView.start(hashQuery(hash));
+    trainersPanel.start();
   }
 }
 

@@ -176,10 +176,27 @@ export class CurveBuckets {
 const same = (a, b) => Math.abs(a - b) <= 1e-9 * Math.max(Math.abs(a), Math.abs(b), 1e-300);
 const between = (a, m, c) => !same(a, m) && !same(m, c) && (a < m) === (m < c);
 
+/** How many times the slope on either side of it a move's slope must differ by to be a change. */
+const JUMP = 1;
+/** The slopes on each side of a move that say how the value moves there (their median). */
+const SIDE = 3;
+
+const median = (values) => {
+  const sorted = [...values].sort((a, b) => a - b);
+  const half = sorted.length >> 1;
+  return sorted.length % 2 ? sorted[half] : (sorted[half - 1] + sorted[half]) / 2;
+};
+
 /**
  * Where a run's hyperparameters changed, from the means of their metrics per bucket: a
  * change between two buckets happened at the later one's first episode; a bucket whose mean
  * lies between its neighbours' holds the change somewhere inside it.
+ *
+ * A value may follow a schedule: the trainer reports the learning rate each step used, and
+ * TRL's decays at every step. So a move is a change only where its slope (per episode) differs
+ * by more than JUMP times from how the value moves on each side of it (the median slope of up
+ * to SIDE neighbouring moves): a schedule moves alike from bucket to bucket, a change stands
+ * out. A value that holds still between changes has slopes of 0 around each of its moves.
  * @param {CurveBuckets} buckets
  * @param {string[]} names the metrics to look at
  * @returns {{name: string, from: number, to: number, first: number, last: number}[]} the
@@ -187,29 +204,41 @@ const between = (a, m, c) => !same(a, m) && !same(m, c) && (a < m) === (m < c);
  */
 export function hyperparameterChanges(buckets, names = HYPERPARAMETERS) {
   const changes = [];
+  const middles = buckets.middles();
   for (const name of names) {
     const column = buckets.metrics[name];
     if (!column) continue;
-    const next = (i) => {
-      for (let j = i + 1; j < column.length; j += 1) if (column[j] != null) return j;
-      return -1;
+    const at = []; // the buckets with a value
+    column.forEach((value, i) => value != null && at.push(i));
+    const value = (k) => column[at[k]];
+    const slope = (k, l) => (value(l) - value(k)) / Math.max(middles[at[l]] - middles[at[k]], 1e-9);
+    const slopes = at.slice(1).map((_, k) => slope(k, k + 1)); // slopes[k]: from k to k + 1
+    // Whether the move from the k-th bucket with a value to the l-th is a change.
+    const jump = (k, l) => {
+      if (same(value(k), value(l))) return false;
+      const s = slope(k, l);
+      const sides = [slopes.slice(Math.max(0, k - SIDE), k), slopes.slice(l, l + SIDE)];
+      return sides.every((side) => !side.length || Math.abs(s - median(side)) > JUMP * Math.abs(median(side)));
     };
-    let prev = -1; // the last bucket with a value
-    for (let i = 0; i < column.length; i += 1) {
-      if (column[i] == null) continue;
-      if (prev >= 0 && !same(column[prev], column[i])) {
-        const after = next(i);
-        const inside = buckets.last[i] > buckets.first[i];
-        if (inside && after >= 0 && between(column[prev], column[i], column[after])) {
-          changes.push({ name, from: column[prev], to: column[after], first: buckets.first[i], last: buckets.last[i] });
-          prev = i = after;
+    for (let k = 1; k < at.length; k += 1) {
+      const [p, i] = [at[k - 1], at[k]];
+      if (same(column[p], column[i])) continue;
+      const inside = buckets.last[i] > buckets.first[i];
+      const into = jump(k - 1, k);
+      // Inside the bucket: its mean moved off towards the next one's (or neither move is a
+      // change, but both together are).
+      if (inside && k + 1 < at.length && between(column[p], column[i], value(k + 1))) {
+        if (into || (!jump(k, k + 1) && jump(k - 1, k + 1))) {
+          changes.push({ name, from: column[p], to: value(k + 1), first: buckets.first[i], last: buckets.last[i] });
+          k += 1; // that move is this change's
           continue;
         }
-        const unsure = inside && after < 0; // the last bucket: the change may be anywhere in it
-        const first = buckets.first[i];
-        changes.push({ name, from: column[prev], to: column[i], first, last: unsure ? buckets.last[i] : first });
       }
-      prev = i;
+      if (into) {
+        const unsure = inside && k + 1 === at.length; // the last bucket: the change may be anywhere in it
+        const first = buckets.first[i];
+        changes.push({ name, from: column[p], to: column[i], first, last: unsure ? buckets.last[i] : first });
+      }
     }
   }
   return changes.sort((a, b) => a.first - b.first);

@@ -13,6 +13,32 @@ import { $, FINAL, badge, el, fieldError, fixed, link, num, precise, speedText, 
 import { Avatar, Curve, CurveBuckets, HYPERPARAMETERS } from "./draw.js";
 import { firstCurvePath } from "./early.js";
 
+/** A metric's name as text with a line break allowed after each "/" (`rewards/<wbr>exact_match/<wbr>mean`). */
+function breakable(name) {
+  return name.split(/(?<=\/)/).flatMap((part, i) => (i ? [el("wbr"), part] : [part]));
+}
+
+/** One GRPO sample as a table row: the image the model saw (a thumbnail; the prompt as its
+ * tooltip), its answer, the expected answer and its reward (each reward function's below it). */
+function sampleRow(sample) {
+  const picture = sample.image
+    ? el("img", { class: "thumb", src: `data:${sample.imageType};base64,${sample.image}`, alt: "the image the model saw", title: sample.prompt || "" })
+    : el("span", { class: "muted", textContent: "\u2013", title: sample.prompt || "" });
+  const parts = Object.keys(sample.rewards || {})
+    .sort()
+    .map((name) => `${name} ${fixed(num(sample.rewards[name]), 2)}`);
+  const reward = el("td", { class: "num", title: parts.join("\n") }, el("div", { textContent: fixed(num(sample.reward), 2) }));
+  reward.append(...parts.map((part) => el("div", { class: "muted rewards", textContent: part })));
+  return el(
+    "tr",
+    {},
+    el("td", {}, picture),
+    el("td", {}, el("pre", { class: "answer", textContent: sample.completion || "" })),
+    el("td", { class: "expected", textContent: sample.solution || "\u2013" }),
+    reward,
+  );
+}
+
 /** Calls `fn` once the browser has painted what the page drew so far: after the next frame. */
 function afterPaint(fn) {
   requestAnimationFrame(() => setTimeout(fn, 0));
@@ -296,6 +322,9 @@ export class RunView {
     $("#avatar-card").hidden = true;
     $("#completions-card").hidden = true;
     $("#completions").replaceChildren();
+    $("#samples tbody").replaceChildren();
+    $("#samples").hidden = true;
+    this.completionsEpisode = 0;
     $("#metrics").replaceChildren();
     $("#metric-picker").replaceChildren(el("option", { value: "", textContent: "reward" }));
     this.labels.reset();
@@ -545,7 +574,7 @@ export class RunView {
       if (this.avatar) this.avatar.setLearned(episode.imitation, n);
     }
     if (this.avatar) this.motionNote(n);
-    if (episode.grpo) this.completions(episode.grpo.sampleCompletions || [], n);
+    if (episode.grpo) this.completions(episode.grpo, n);
     else if (this.run && this.run.task && this.run.task.grpo) this.completionsNote(n);
     if (episode.metrics) this.metrics(episode.metrics);
   }
@@ -560,8 +589,17 @@ export class RunView {
     $("#avatar-note").textContent = note;
   }
 
-  completions(texts, n) {
-    $("#completions").replaceChildren(...texts.map((text) => el("li", {}, el("pre", { textContent: text }))));
+  /** A GRPO episode's detail: its samples as a table (thumbnail, answer, expected answer,
+   * reward), or, from a trainer that sends none, its completions as a list. Model output and
+   * dataset text are shown as text, never as markup. */
+  completions(grpo, n) {
+    const samples = grpo.samples || [];
+    const texts = grpo.sampleCompletions || [];
+    $("#samples tbody").replaceChildren(...samples.map(sampleRow));
+    $("#samples").hidden = !samples.length;
+    $("#samples").dataset.episode = String(n);
+    $("#completions").replaceChildren(...(samples.length ? [] : texts.map((text) => el("li", {}, el("pre", { textContent: text })))));
+    $("#completions-title").textContent = samples.length || !texts.length ? "Samples" : "Sample completions";
     this.completionsEpisode = n;
     this.completionsNote(n);
   }
@@ -571,7 +609,7 @@ export class RunView {
     const shown = this.completionsEpisode;
     let note = `episode ${shown}`;
     if (shown !== latest) {
-      note = `episode ${latest}: no completions kept for this episode` + (shown ? ` (showing episode ${shown})` : "");
+      note = `episode ${latest}: no samples kept for this episode` + (shown ? ` (showing episode ${shown})` : "");
     }
     $("#completions-note").textContent = note;
   }
@@ -581,7 +619,7 @@ export class RunView {
   metrics(metrics) {
     this.latestMetrics = metrics;
     const keys = Object.keys(metrics).sort();
-    const rows = keys.map((key) => el("div", {}, el("dt", { textContent: key }), el("dd", { textContent: precise(metrics[key]) })));
+    const rows = keys.map((key) => el("div", {}, el("dt", { title: key }, ...breakable(key)), el("dd", { textContent: precise(metrics[key]) })));
     $("#metrics").replaceChildren(...rows);
     const fresh = keys.filter((key) => !this.metricNames.has(key));
     if (!fresh.length) return;
