@@ -32,6 +32,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 _LISTENING = re.compile(r"trainer listening on (\S+:\d+)\n")
 
 
+def _python_path() -> str:
+    """The repository and the client package, then this process's path (on a GPU machine the
+    packages ``bench/gpu_check.sh`` installed from carried wheels)."""
+    paths = [str(ROOT), str(ROOT / "clients"), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in paths if p)
+
+
 @contextlib.contextmanager
 def trainer(
     data_root: pathlib.Path, device: str, env: Mapping[str, str], log: pathlib.Path
@@ -48,7 +55,7 @@ def trainer(
             stdout=subprocess.PIPE,
             stderr=err,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'clients'}", **env},
+            env={**os.environ, "PYTHONPATH": _python_path(), **env},
         )
     try:
         assert proc.stdout is not None

@@ -214,9 +214,9 @@ def grpo_step_times(root: pathlib.Path, steps: int, repeats: int) -> dict[str, A
 
     The gate is the callback every rank of a job trains with (``callback.StepGate``), here
     with a channel that grants every step at once, so what is timed is its own work: making and
-    serializing each step's episode. Per run the median TRL ``step_time``; across runs the
-    minimum (the run least disturbed by other load on a shared box). The gate's own time is
-    measured directly as well.
+    serializing each step's episode (its samples' thumbnails and step metrics included). Per run
+    the median TRL ``step_time``; across runs the minimum (the run least disturbed by other load
+    on a shared box). The gate's own time is measured directly as well.
     """
     from trainer_service.core.provider import EpisodeCounter, TrainJob
     from trainer_service.providers.grpo.build import build_trainer
@@ -257,6 +257,7 @@ def grpo_step_times(root: pathlib.Path, steps: int, repeats: int) -> dict[str, A
                     maker = EpisodeMaker(EpisodeCounter(steps), tap)
                     gate = _TimedGate(maker, _GrantingChannel(), steps)
                     trainer = build_trainer(job, [gate], output_dir=scratch, tap=tap)
+                    maker.meter = trainer.step_meter  # as a rank wires it (worker.py)
                     trainer.train()
                     callback_s.append(gate.spent / steps)
                 times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]

@@ -21,9 +21,9 @@ from gateway.core.registry import (
 )
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import CheckpointRecord
-from gateway.core.trainers import CheckpointSaved
+from gateway.core.trainers import Capabilities, CheckpointSaved, Gpu
 from trainwire.contract import FieldViolation, check_create_run, describe_violations
-from trainwire.v1 import episode_pb2, gateway_service_pb2
+from trainwire.v1 import episode_pb2, gateway_service_pb2, trainer_service_pb2
 
 #: The largest CreateRunRequest accepted (the gRPC server lets larger ones through, up to its
 #: own limit, so they get this clear answer).
@@ -257,4 +257,46 @@ def hyperparameters_from_proto(
         learning_rate=request.learning_rate if request.HasField("learning_rate") else None,
         temperature=request.temperature if request.HasField("temperature") else None,
         beta=request.beta if request.HasField("beta") else None,
+    )
+
+
+def capabilities_from_proto(reply: trainer_service_pb2.GetCapabilitiesResponse) -> Capabilities:
+    """What a trainer's ``GetCapabilities`` answer says."""
+    return Capabilities(
+        tuple(reply.providers),
+        reply.slots_total,
+        reply.slots_free,
+        device=reply.device,
+        torch_version=reply.torch_version,
+        trl_version=reply.trl_version,
+        server_version=reply.server_version,
+        gpus=tuple(
+            Gpu(g.index, g.name, g.memory_total_bytes, g.memory_used_bytes, g.utilization)
+            for g in reply.gpus
+        ),
+        reward_functions=tuple(reply.reward_functions),
+    )
+
+
+def capabilities_to_proto(caps: Capabilities) -> trainer_service_pb2.GetCapabilitiesResponse:
+    """The ``GetCapabilitiesResponse`` a trainer answered (as the gateway keeps it)."""
+    return trainer_service_pb2.GetCapabilitiesResponse(
+        providers=caps.providers,
+        slots_total=caps.slots_total,
+        slots_free=caps.slots_free,
+        device=caps.device,
+        torch_version=caps.torch_version,
+        trl_version=caps.trl_version,
+        server_version=caps.server_version,
+        gpus=[
+            trainer_service_pb2.Gpu(
+                index=g.index,
+                name=g.name,
+                memory_total_bytes=g.memory_total_bytes,
+                memory_used_bytes=g.memory_used_bytes,
+                utilization=g.utilization,
+            )
+            for g in caps.gpus
+        ],
+        reward_functions=caps.reward_functions,
     )

@@ -172,11 +172,14 @@ class GatewayServicer:
     async def DownloadCheckpoint(
         self, request: pb.DownloadCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DownloadCheckpointResponse]:
-        """Streams a checkpoint: its record, then its tar in chunks (each written before the
-        next is read, so memory stays flat in the checkpoint's size)."""
+        """Streams a checkpoint (or a LoRA checkpoint merged into its base model): its record,
+        then its tar in chunks (each written before the next is read, so memory stays flat in
+        the checkpoint's size)."""
         if isinstance(request, Undecodable):
             raise request.error()
-        record, chunks = await self._core.open_checkpoint(request.run_id, request.episode)
+        record, chunks = await self._core.open_checkpoint(
+            request.run_id, request.episode, request.merged
+        )
         yield pb.DownloadCheckpointResponse(checkpoint=convert.checkpoint_to_proto(record))
         async for chunk in chunks:
             yield pb.DownloadCheckpointResponse(chunk=chunk)

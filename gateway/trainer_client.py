@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from gateway.convert import checkpoint_to_proto
+from gateway.convert import capabilities_from_proto, checkpoint_to_proto
 from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.trainers import (
     Cancelled,
@@ -20,6 +20,7 @@ from gateway.core.trainers import (
     CheckpointFailed,
     CheckpointSaved,
     JobPlacement,
+    MergedCheckpoint,
     Rendezvous,
     Resumed,
     ResumePoint,
@@ -33,6 +34,7 @@ from gateway.core.trainers import (
     TrainerJobFinished,
     TrainerJobGone,
     TrainerLost,
+    TrainerMergeFailed,
     TrainerProcessDied,
     TrainerRefused,
 )
@@ -174,6 +176,20 @@ def hyperparameters_error(
     if error_reason(error) == ErrorReason.JOB_FINISHED:
         return TrainerJobFinished(failure_detail(error, address, server_name))
     return classify(error, address, server_name)
+
+
+def merge_error(
+    error: grpc.aio.AioRpcError, address: str, server_name: str | None = None
+) -> TrainerError:
+    """A failed ``MergeCheckpoint``: ``TrainerLost`` when the trainer cannot be reached,
+    ``TrainerMergeFailed`` (its code and message for people) when it answered."""
+    detail = failure_detail(error, address, server_name)
+    if error.code() in _LOST_CODES and error.code() != grpc.StatusCode.UNAVAILABLE:
+        return TrainerLost(detail)
+    if error.code() == grpc.StatusCode.UNAVAILABLE and not error_reason(error):
+        return TrainerLost(detail)  # no answer from the service itself: not reachable
+    user = localized_message(error) or (error.details() or error.code().name)
+    return TrainerMergeFailed(detail, error.code().name, user)
 
 
 def checkpoint_saved(message: episode_pb2.Checkpoint) -> CheckpointSaved:
@@ -365,15 +381,7 @@ class GrpcTrainerConnector:
             raise TrainerLost(failure_detail(exc, address, self._server_name)) from None
         finally:
             self._ended(channel)
-        return Capabilities(
-            tuple(reply.providers),
-            reply.slots_total,
-            reply.slots_free,
-            device=reply.device,
-            torch_version=reply.torch_version,
-            trl_version=reply.trl_version,
-            server_version=reply.server_version,
-        )
+        return capabilities_from_proto(reply)
 
     def train(
         self,
@@ -452,6 +460,40 @@ class GrpcTrainerConnector:
             raise hyperparameters_error(exc, address, self._server_name) from None
         finally:
             self._ended(channel)
+
+    async def merge_checkpoint(
+        self, address: str, run_id: str, checkpoint: CheckpointSaved, timeout: float
+    ) -> MergedCheckpoint:
+        """Has a trainer merge a LoRA checkpoint (``MergeCheckpoint``); returns once its record
+        arrived, with the rest of its tar to read."""
+        channel, stub = self._open(address)
+        call = stub.MergeCheckpoint(
+            trainer_service_pb2.MergeCheckpointRequest(
+                run_id=run_id, checkpoint=checkpoint_to_proto(checkpoint)
+            ),
+            timeout=timeout,
+        )
+        call.add_done_callback(lambda _: self._ended(channel))
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise merge_error(exc, address, self._server_name) from None
+        if first is grpc.aio.EOF or first.WhichOneof("content") != "checkpoint":
+            call.cancel()
+            raise TrainerCrashed(f"trainer {address}: MergeCheckpoint sent no record first")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            while True:
+                try:
+                    message = await call.read()
+                except grpc.aio.AioRpcError as exc:
+                    raise merge_error(exc, address, self._server_name) from None
+                if message is grpc.aio.EOF:
+                    return
+                if message.WhichOneof("content") == "chunk":
+                    yield message.chunk
+
+        return MergedCheckpoint(checkpoint_saved(first.checkpoint), chunks(), call.cancel)
 
     async def close(self) -> None:
         """Closes every channel (cancelling calls still open)."""

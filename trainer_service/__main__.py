@@ -1,7 +1,8 @@
 """Command line entry point: ``python -m trainer_service --host ... --port ... --slots ...``.
 
-Parses flags into a ``TrainerConfig``, sets up logging (``--log-format text|json``), resolves the
-device, starts the server and prints ``trainer listening on HOST:PORT`` (and, with
+Parses flags into a ``TrainerConfig``, sets up logging (``--log-format text|json``), imports the
+``--reward-module`` modules (one that does not import: exit status 2 and one line saying why),
+resolves the device, starts the server and prints ``trainer listening on HOST:PORT`` (and, with
 ``--metrics-port``, ``trainer metrics on http://HOST:PORT/metrics``). SIGTERM/SIGINT stop
 accepting calls, stop running jobs at their next episode and exit within a few seconds.
 """
@@ -20,6 +21,7 @@ from trainer_service import __version__
 from trainer_service.config import TrainerConfig
 from trainer_service.core.jobs import JobRunner, RunnerSettings
 from trainer_service.core.slots import SlotPool
+from trainer_service.gpus import GpuProbe, cuda_indices
 from trainer_service.metrics import TrainerMetrics
 from trainer_service.providers import default_registry
 from trainer_service.server import build_server, open_checkpoint_store
@@ -89,7 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointStoreProblem as exc:
         print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
         return 2
-    from trainer_service.providers._device import resolve_device, slot_devices
+    from trainer_service.providers.grpo.reward_modules import (
+        RewardModuleError,
+        canonical_spec,
+        load_reward_modules,
+    )
+
+    reward_modules = tuple(canonical_spec(spec) for spec in config.reward_modules)
+    try:  # the operator's code: a module that does not import stops the trainer here
+        rewards = load_reward_modules(reward_modules)
+    except RewardModuleError as exc:
+        print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
+        return 2
+    from trainer_service.providers._device import resolve_device, slot_devices, torch_gpus
 
     try:
         device, description = resolve_device(config.device)
@@ -109,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_s=config.heartbeat_s,
             detach_grace_s=config.detach_grace_s,
             rendezvous_host=config.rendezvous_host,
+            reward_modules=reward_modules,
         ),
         server_version=__version__,
         observer=metrics.jobs,
         checkpoint_store=checkpoint_store,
+        gpus=GpuProbe(cuda_indices(devices), torch_gpus),
     )
     # Installed before the ready line: a SIGTERM right after it is never lost.
     inbox = SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
@@ -127,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer metrics on {server.metrics_endpoint.url}", flush=True)
     _LOGGER.info(
         "trainer %s: %d slot(s) on %s, data roots %s, image cache %s, checkpoint store %s, "
-        "rendezvous host %s",
+        "rendezvous host %s, custom rewards %s",
         __version__,
         len(devices),
         description,
@@ -135,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         config.image_cache_dir or "off",
         checkpoint_store.location,
         config.rendezvous_host,
+        ", ".join(rewards) or "none",
     )
     while (received := inbox.next()) is signal.SIGHUP:
         if tls is not None:  # off the main thread: it reads files and logs

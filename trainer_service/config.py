@@ -79,6 +79,16 @@ class TrainerConfig:
         "cache decoded dataset images here (also from $TRAINWIRE_IMAGE_CACHE_DIR; none: off)",
         metavar="DIR",
     )
+    reward_modules: tuple[str, ...] = option(
+        (),
+        "a module of reward functions for GRPO tasks: a module name (importable here) or a .py "
+        "file; each public function in it is a reward named MODULE:FUNCTION, called as TRL "
+        "calls reward functions. Repeat the flag for more. Imported at start-up, and in each "
+        "GRPO job's processes: only this flag makes the trainer import code",
+        flag="--reward-module",
+        metavar="MODULE|FILE.py",
+        repeat=True,
+    )
     checkpoint_store: str = option(
         DEFAULT_STORE,
         "where jobs write checkpoints and find those they resume from: a directory (shared "
@@ -158,6 +168,8 @@ class TrainerConfig:
             problems.append(str(exc))
         if self.log_format not in LOG_FORMATS:
             problems.append(f"log format {self.log_format!r} must be text or json")
+        if any(not spec.strip() for spec in self.reward_modules):
+            problems.append("--reward-module must not be empty")
         if not self.checkpoint_store.strip():
             problems.append("--checkpoint-store must not be empty")
         if not self.metrics_host:

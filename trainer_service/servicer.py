@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -15,7 +16,8 @@ from trainer_service.core.checkpointing import checkpoint_message
 from trainer_service.core.errors import InvalidRequest
 from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.job_stream import StreamEvent
-from trainer_service.core.jobs import Heartbeat, JobRunner
+from trainer_service.core.jobs import Gpu, Heartbeat, JobRunner
+from trainer_service.core.merging import CheckpointMerges, MergedModel
 from trainer_service.status import apply_status, to_status
 from trainwire.contract import FieldViolation
 from trainwire.v1 import episode_pb2, trainer_service_pb2
@@ -53,6 +55,17 @@ def event_to_proto(event: StreamEvent | Heartbeat) -> trainer_service_pb2.TrainR
     return trainer_service_pb2.TrainResponse(checkpoint_failure=event)
 
 
+def gpu_to_proto(gpu: Gpu) -> trainer_service_pb2.Gpu:
+    """Converts a GPU's reading to its message."""
+    return trainer_service_pb2.Gpu(
+        index=gpu.index,
+        name=gpu.name,
+        memory_total_bytes=gpu.memory_total_bytes,
+        memory_used_bytes=gpu.memory_used_bytes,
+        utilization=gpu.utilization,
+    )
+
+
 def hyperparameters_from_proto(
     request: trainer_service_pb2.SetHyperparametersRequest,
 ) -> Hyperparameters:
@@ -66,10 +79,18 @@ def hyperparameters_from_proto(
 
 
 class TrainerServicer:
-    """Serves ``trainwire.v1.TrainerService`` over a :class:`JobRunner`."""
+    """Serves ``trainwire.v1.TrainerService`` over a :class:`JobRunner` (and the
+    :class:`CheckpointMerges` of merged downloads, over the runner's providers and store by
+    default)."""
 
-    def __init__(self, runner: JobRunner) -> None:
+    def __init__(self, runner: JobRunner, merges: CheckpointMerges | None = None) -> None:
         self._runner = runner
+        self._merges = merges or CheckpointMerges(
+            runner.providers,
+            runner.checkpoint_store,
+            runner.settings.data_roots,
+            runner.settings.scratch_dir,
+        )
 
     async def Train(
         self, request: trainer_service_pb2.TrainRequest, context: grpc.aio.ServicerContext
@@ -160,7 +181,49 @@ class TrainerServicer:
             torch_version=caps.torch_version,
             trl_version=caps.trl_version,
             server_version=caps.server_version,
+            gpus=[gpu_to_proto(gpu) for gpu in caps.gpus],
+            reward_functions=caps.reward_functions,
         )
+
+    async def MergeCheckpoint(
+        self,
+        request: trainer_service_pb2.MergeCheckpointRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[trainer_service_pb2.MergeCheckpointResponse]:
+        """Merges a LoRA checkpoint into its base model and streams the merged tar."""
+        run_id, checkpoint = request.run_id, request.checkpoint
+        stop = threading.Event()
+        merged: MergedModel | None = None
+        merging = asyncio.ensure_future(
+            asyncio.to_thread(
+                self._merges.merge, run_id, checkpoint.episode, checkpoint.sha256, stop
+            )
+        )
+        try:
+            try:
+                merged = await asyncio.shield(merging)
+            except asyncio.CancelledError:
+                # The merge's thread goes on until it sees stop: what it made is removed.
+                merging.add_done_callback(_close_merged)
+                raise
+            yield trainer_service_pb2.MergeCheckpointResponse(
+                checkpoint=checkpoint_message(merged.info)
+            )
+            chunks = merged.chunks()
+            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield trainer_service_pb2.MergeCheckpointResponse(chunk=chunk)
+        except Exception as exc:
+            apply_status(context, to_status(exc, run_id))
+        finally:
+            stop.set()  # a cancelled call stops the merge it waits for
+            if merged is not None:
+                await asyncio.to_thread(merged.close)
+
+
+def _close_merged(future: asyncio.Future[MergedModel]) -> None:
+    """Removes the merged model of a merge whose caller is gone."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
 
 
 class _Undecodable:
@@ -231,6 +294,11 @@ METHODS: dict[str, tuple[type[Message], type[Message], bool]] = {
         trainer_service_pb2.GetCapabilitiesRequest,
         trainer_service_pb2.GetCapabilitiesResponse,
         False,
+    ),
+    "MergeCheckpoint": (
+        trainer_service_pb2.MergeCheckpointRequest,
+        trainer_service_pb2.MergeCheckpointResponse,
+        True,
     ),
 }
 

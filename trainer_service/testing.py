@@ -84,10 +84,13 @@ class FakeProvider:
         self._lock = threading.Lock()
 
     def validate(
-        self, task: episode_pb2.TrainTask, data_roots: Sequence[pathlib.Path]
+        self,
+        task: episode_pb2.TrainTask,
+        data_roots: Sequence[pathlib.Path],
+        reward_modules: Sequence[str] = (),
     ) -> list[FieldViolation]:
         """Returns the configured violations."""
-        del task, data_roots
+        del task, data_roots, reward_modules
         return list(self.violations)
 
     def run(self, job: TrainJob) -> Iterator[episode_pb2.Episode]:

@@ -57,6 +57,8 @@ __all__ = [
     "CheckpointStore",
     "CheckpointStoreProblem",
     "CheckpointWriteFailed",
+    "canonical_tar",
+    "canonical_tar_digest",
 ]
 
 #: The store both services use unless told otherwise (relative to the working directory).
@@ -227,6 +229,31 @@ def _local_members(directory: Path) -> list[_Member]:
             members.append(_Member(relative, path.stat().st_size))
     members.sort(key=lambda member: member.path)
     return members
+
+
+def canonical_tar(directory: Path, chunk_size: int = _CHUNK) -> Iterator[bytes]:
+    """The canonical tar of the regular files under a local ``directory`` (what a checkpoint of
+    those files would be recorded and downloaded as), in ``chunk_size`` chunks.
+
+    Raises:
+        OSError: A file changed size while read.
+    """
+    members = _local_members(Path(directory))
+
+    def open_member(relative: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        return open(Path(directory) / relative, "rb")
+
+    yield from _rechunk(_canonical_tar(members, open_member, chunk_size), chunk_size)
+
+
+def canonical_tar_digest(directory: Path) -> tuple[str, int]:
+    """The hex SHA-256 and size of :func:`canonical_tar` of ``directory``."""
+    digest = hashlib.sha256()
+    size = 0
+    for chunk in canonical_tar(directory):
+        digest.update(chunk)
+        size += len(chunk)
+    return digest.hexdigest(), size
 
 
 class CheckpointStore:

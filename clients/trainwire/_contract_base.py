@@ -24,6 +24,13 @@ MAX_JOINTS = 32
 MAX_BONES = MAX_JOINTS
 MAX_COMPLETIONS = 8
 MAX_COMPLETION_BYTES = 4096
+#: GrpoDetail.samples: at most this many per episode, each image a thumbnail of at most
+#: MAX_SAMPLE_IMAGE_BYTES in one of SAMPLE_IMAGE_TYPES, each text at most MAX_SAMPLE_TEXT_BYTES
+#: of UTF-8.
+MAX_SAMPLES = 8
+MAX_SAMPLE_IMAGE_BYTES = 16 * 1024
+MAX_SAMPLE_TEXT_BYTES = 4096
+SAMPLE_IMAGE_TYPES: tuple[str, ...] = ("image/webp", "image/png", "image/jpeg")
 MAX_GROUP_SIZE = 1024
 MAX_ID_LENGTH = 128
 MAX_RUN_ID_LENGTH = 64
@@ -52,7 +59,7 @@ class ContractViolation(Exception):
 
     Attributes:
         rule: Which rule: ``sequence``, ``max_episodes``, ``finite``, ``best_reward``, ``done``,
-            ``detail_kind`` or ``detail_size``.
+            ``detail_kind``, ``detail_size`` or ``detail_format``.
         episode: The offending episode's number (``None`` for a stream-level problem).
         field: The offending field (``reward``, ``metrics[loss]``, ``detail.imitation.angles``...).
         run_id: The run the stream belongs to, when the checker knows it.

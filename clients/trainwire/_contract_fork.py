@@ -5,8 +5,10 @@ A fork starts from another run's checkpoint (``CreateRunRequest.fork_from``): it
 training state. It trains the same thing with the same model, so it has the same task kind and
 the same model: imitation the same rig and clip, GRPO the same model, dataset, reward functions
 and batch layout. It may change its hyperparameters (``FORK_FIELDS``), its seed and
-``max_episodes``. The gateway refuses a fork that changes more; a trainer refuses to restore a
-checkpoint of another run whose task differs more (the same function, so both agree).
+``max_episodes``. A LoRA run's fork trains the same adapters (``lora``: the same rank, alpha,
+dropout and targets, defaults filled in), and a full fine-tuning run's fork no adapters. The
+gateway refuses a fork that changes more; a trainer refuses to restore a checkpoint of another
+run whose task differs more (the same function, so both agree).
 
 This module depends on protobuf and the generated messages only (no grpc calls, no torch).
 """
@@ -19,8 +21,8 @@ from trainwire._contract_base import DEFAULT_RIG, FieldViolation, task_kind
 from trainwire.v1 import episode_pb2
 
 #: The task fields a fork may change, by kind: the hyperparameters (and, for GRPO, how many
-#: DataLoader workers decode images, which changes no result; for imitation the avatar's
-#: free-form id).
+#: DataLoader workers decode images and whether activations are recomputed, which change no
+#: result; for imitation the avatar's free-form id).
 FORK_FIELDS: dict[str, tuple[str, ...]] = {
     "imitation": ("learning_rate", "group_size", "avatar_id"),
     "grpo": (
@@ -30,8 +32,11 @@ FORK_FIELDS: dict[str, tuple[str, ...]] = {
         "num_generations",
         "dataloader_num_workers",
         "dataloader_prefetch_factor",
+        "gradient_checkpointing",
     ),
 }
+#: LoRA rank when ``LoraConfig.rank`` is 0 (alpha 0 means 2 x rank).
+_DEFAULT_LORA_RANK = 16
 
 #: GRPO fields whose 0 (or empty) means a default: compared with the default filled in.
 _GRPO_DEFAULTS = {
@@ -61,11 +66,19 @@ def _comparable(task: episode_pb2.TrainTask) -> Message | None:
         for name in ("max_completion_length", "gradient_accumulation_steps", "num_processes"):
             if not getattr(copy, name):
                 setattr(copy, name, _GRPO_DEFAULTS[name])
+        if copy.HasField("lora"):
+            copy.lora.rank = copy.lora.rank or _DEFAULT_LORA_RANK
+            copy.lora.alpha = copy.lora.alpha or 2.0 * copy.lora.rank
     return copy
 
 
 def _shown(value: object) -> str:
     """A field's value for people: scalars as they are, messages and lists summarised."""
+    if isinstance(value, episode_pb2.LoraConfig):
+        targets = ", ".join(value.target_modules) or "the language model's linear layers"
+        return (
+            f"LoRA rank {value.rank}, alpha {value.alpha:g}, dropout {value.dropout:g} on {targets}"
+        )
     if isinstance(value, Message):
         name = getattr(value, "name", "")
         kind = type(value).__name__.lower()
@@ -119,6 +132,18 @@ def fork_differences(
                     )
                 )
                 continue
+        # A singular message: whether it is set counts (an empty LoRA config is LoRA).
+        if isinstance(getattr(mine, name), Message) and (
+            mine.HasField(name) != theirs.HasField(name)
+        ):
+            here = _shown(getattr(mine, name)) if mine.HasField(name) else "unset"
+            there = _shown(getattr(theirs, name)) if theirs.HasField(name) else "unset"
+            out.append(
+                FieldViolation(
+                    f"{prefix}.{kind}.{name}", f"{here}; the checkpoint's task has {there}"
+                )
+            )
+            continue
         if getattr(mine, name) != getattr(theirs, name):
             out.append(
                 FieldViolation(

@@ -253,21 +253,137 @@ def _check_range(
         out.append(FieldViolation(field, f"{value}; need {low}..{high}{default}"))
 
 
-def _check_grpo(task: episode_pb2.GrpoTask, p: str, out: list[FieldViolation]) -> None:
-    _check_data_path(task.model_path, f"{p}.model_path", out)
-    _check_data_path(task.dataset_path, f"{p}.dataset_path", out)
+#: LoRA ranks a task may ask for (0: the default, 16).
+MAX_LORA_RANK = 256
+#: At most this many target module names, each at most this long.
+MAX_LORA_TARGETS = 256
+MAX_LORA_TARGET_LENGTH = 256
+_LORA_TARGET = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+
+
+def _check_lora(lora: episode_pb2.LoraConfig, p: str, out: list[FieldViolation]) -> None:
+    """``task.grpo.lora``: rank, alpha and dropout in range; target module names that peft can
+    match (dotted identifiers, no repeats). Whether they name layers of the model is the
+    trainer's to say, once it loaded the model."""
+    _check_range(lora.rank, 1, MAX_LORA_RANK, f"{p}.rank", out)
+    if lora.alpha != 0 and not (math.isfinite(lora.alpha) and lora.alpha > 0):
+        out.append(
+            FieldViolation(f"{p}.alpha", f"{lora.alpha}; need a finite value > 0 (0 = 2 x rank)")
+        )
+    if not (math.isfinite(lora.dropout) and 0 <= lora.dropout < 1):
+        out.append(FieldViolation(f"{p}.dropout", f"{lora.dropout}; need [0, 1)"))
+    if len(lora.target_modules) > MAX_LORA_TARGETS:
+        out.append(
+            FieldViolation(
+                f"{p}.target_modules",
+                f"{len(lora.target_modules)} names; at most {MAX_LORA_TARGETS}",
+            )
+        )
+        return
+    seen: set[str] = set()
+    for i, name in enumerate(lora.target_modules):
+        field = f"{p}.target_modules[{i}]"
+        if len(name) > MAX_LORA_TARGET_LENGTH or not _LORA_TARGET.fullmatch(name):
+            out.append(
+                FieldViolation(
+                    field,
+                    f"{name[:64]!r}; need a module name or dotted suffix such as 'q_proj' "
+                    f"(letters, digits, '_' and '.', at most {MAX_LORA_TARGET_LENGTH} characters)",
+                )
+            )
+        elif name in seen:
+            out.append(FieldViolation(field, f"{name!r} is listed twice"))
+        seen.add(name)
+
+
+#: The reward functions of a GRPO task that names none.
+DEFAULT_REWARD_FUNCTIONS: tuple[str, ...] = ("exact_match", "format")
+#: A reward of a trainer's --reward-module: MODULE:FUNCTION (a public function).
+_CUSTOM_REWARD = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z]\w*", re.ASCII)
+MAX_REWARD_NAME_LENGTH = 256
+#: Longest dataset column name.
+MAX_COLUMN_LENGTH = 256
+
+
+def is_custom_reward(name: str) -> bool:
+    """Whether ``name`` has the shape of a reward module's reward, ``MODULE:FUNCTION``. Which
+    ones a trainer offers it says itself (``GetCapabilitiesResponse.reward_functions``)."""
+    return len(name) <= MAX_REWARD_NAME_LENGTH and _CUSTOM_REWARD.fullmatch(name) is not None
+
+
+def _check_rewards(task: episode_pb2.GrpoTask, p: str, out: list[FieldViolation]) -> None:
+    """Reward names built in or shaped ``MODULE:FUNCTION``, none twice; one finite weight per
+    reward function (the defaults count when the task names none), or none."""
     seen: set[str] = set()
     for i, name in enumerate(task.reward_functions):
-        if name not in REWARD_FUNCTIONS:
+        if name not in REWARD_FUNCTIONS and not is_custom_reward(name):
             out.append(
                 FieldViolation(
                     f"{p}.reward_functions[{i}]",
-                    f"unknown reward function {name!r}; built-in: {', '.join(REWARD_FUNCTIONS)}",
+                    f"unknown reward function {name[:64]!r}; built-in: "
+                    f"{', '.join(REWARD_FUNCTIONS)}, or MODULE:FUNCTION of a trainer's "
+                    "--reward-module",
                 )
             )
         elif name in seen:
             out.append(FieldViolation(f"{p}.reward_functions[{i}]", f"{name!r} is listed twice"))
         seen.add(name)
+    weights = task.reward_weights
+    if not weights:
+        return
+    functions = len(task.reward_functions) or len(DEFAULT_REWARD_FUNCTIONS)
+    if len(weights) != functions:
+        named = (
+            f"{functions} reward functions"
+            if task.reward_functions
+            else f"the {functions} default reward functions ({', '.join(DEFAULT_REWARD_FUNCTIONS)})"
+        )
+        out.append(
+            FieldViolation(
+                f"{p}.reward_weights",
+                f"{len(weights)} weights for {named}; give one per function, or none (all 1)",
+            )
+        )
+    bad = [i for i, weight in enumerate(weights) if not math.isfinite(weight)]
+    if bad:
+        out.append(
+            FieldViolation(
+                f"{p}.reward_weights", f"weight {bad[0]} is {weights[bad[0]]}; need finite values"
+            )
+        )
+
+
+def _check_columns(columns: episode_pb2.DatasetColumns, p: str, out: list[FieldViolation]) -> None:
+    """Column names without control characters, at most :data:`MAX_COLUMN_LENGTH` long, a
+    different one for each role. Whether the dataset has them the trainer says when it opens
+    it."""
+    seen: dict[str, str] = {}
+    for role in ("prompt", "images", "solution"):
+        name = getattr(columns, role)
+        if not name:
+            continue
+        field = f"{p}.{role}"
+        if len(name) > MAX_COLUMN_LENGTH or not name.isprintable() or not name.strip():
+            out.append(
+                FieldViolation(
+                    field,
+                    f"{name[:64]!r}; need a column name of printable characters, at most "
+                    f"{MAX_COLUMN_LENGTH} long (empty: the default)",
+                )
+            )
+        elif name in seen:
+            out.append(FieldViolation(field, f"{name!r} is also columns.{seen[name]}"))
+        seen.setdefault(name, role)
+
+
+def _check_grpo(task: episode_pb2.GrpoTask, p: str, out: list[FieldViolation]) -> None:
+    _check_data_path(task.model_path, f"{p}.model_path", out)
+    _check_data_path(task.dataset_path, f"{p}.dataset_path", out)
+    if task.HasField("lora"):
+        _check_lora(task.lora, f"{p}.lora", out)
+    _check_rewards(task, p, out)
+    if task.HasField("columns"):
+        _check_columns(task.columns, f"{p}.columns", out)
     _check_range(task.num_generations, 2, 64, f"{p}.num_generations", out)
     _check_range(task.batch_size, 1, 1024, f"{p}.batch_size", out)
     generations = task.num_generations or DEFAULT_GRPO_GENERATIONS

@@ -1,8 +1,8 @@
 """``StreamChecker``: applies the stream rules to one episode stream, episode by episode.
 
 The rules themselves (``sequence``, ``max_episodes``, ``finite``, ``best_reward``, ``done``,
-``detail_kind``, ``detail_size``) are listed in ``trainwire.contract``, which re-exports
-``StreamChecker``; import it from there.
+``detail_kind``, ``detail_size``, ``detail_format``) are listed in ``trainwire.contract``,
+which re-exports ``StreamChecker``; import it from there.
 
 Both services check every episode, so ``check`` runs a screen first: a few comparisons that
 prove a well-formed episode passes every rule. An episode the screen cannot clear goes through
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 from trainwire._contract_base import (
     MAX_COMPLETION_BYTES,
@@ -23,6 +24,10 @@ from trainwire._contract_base import (
     MAX_EPISODES,
     MAX_FRAMES,
     MAX_JOINTS,
+    MAX_SAMPLE_IMAGE_BYTES,
+    MAX_SAMPLE_TEXT_BYTES,
+    MAX_SAMPLES,
+    SAMPLE_IMAGE_TYPES,
     TASK_KINDS,
     ContractViolation,
     task_kind,
@@ -32,6 +37,43 @@ from trainwire.v1 import episode_pb2
 _DETAIL_FOR_KIND = {"imitation": "imitation", "grpo": "grpo"}
 #: A str of this many characters is at most MAX_COMPLETION_BYTES of UTF-8 (4 bytes a character).
 _SURELY_SHORT_COMPLETION = MAX_COMPLETION_BYTES // 4
+#: Likewise for a sample's texts.
+_SURELY_SHORT_TEXT = MAX_SAMPLE_TEXT_BYTES // 4
+_SAMPLE_TEXTS = ("prompt", "completion", "solution")
+
+
+def image_type_of(data: bytes) -> str:
+    """The MIME type (one of ``SAMPLE_IMAGE_TYPES``) that ``data`` starts like; ``""`` for none."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return ""
+
+
+def _samples_surely_valid(samples: Sequence[episode_pb2.GrpoSample]) -> bool:
+    """True when the samples certainly keep every rule; False when they may not (the exact
+    check decides)."""
+    if len(samples) > MAX_SAMPLES:
+        return False
+    total = 0.0
+    for sample in samples:
+        image = sample.image
+        if len(image) > MAX_SAMPLE_IMAGE_BYTES or sample.image_type != image_type_of(image):
+            return False
+        if (
+            len(sample.prompt) > _SURELY_SHORT_TEXT
+            or len(sample.completion) > _SURELY_SHORT_TEXT
+            or len(sample.solution) > _SURELY_SHORT_TEXT
+        ):
+            return False
+        total += sample.reward
+        rewards = sample.rewards
+        for name in rewards:
+            total += rewards[name]
+    return math.isfinite(total)
 
 
 def _varint(value: int) -> bytes:
@@ -198,9 +240,13 @@ class StreamChecker:
             return False
         if detail == "imitation":
             return _motion_surely_valid(episode.imitation)
-        completions = episode.grpo.sample_completions
-        return len(completions) <= MAX_COMPLETIONS and (
-            not completions or max(map(len, completions)) <= _SURELY_SHORT_COMPLETION
+        grpo = episode.grpo
+        completions = grpo.sample_completions
+        samples = grpo.samples
+        return (
+            len(completions) <= MAX_COMPLETIONS
+            and (not completions or max(map(len, completions)) <= _SURELY_SHORT_COMPLETION)
+            and (not samples or _samples_surely_valid(samples))
         )
 
     def _check_exactly(self, episode: episode_pb2.Episode) -> None:
@@ -299,6 +345,65 @@ class StreamChecker:
                         f"completion of {size} bytes; at most {MAX_COMPLETION_BYTES}",
                         n,
                         f"detail.grpo.sample_completions[{i}]",
+                    )
+            self._check_samples(episode.grpo.samples, n)
+
+    def _check_samples(self, samples: Sequence[episode_pb2.GrpoSample], n: int) -> None:
+        if len(samples) > MAX_SAMPLES:
+            raise self._violation(
+                "detail_size",
+                f"{len(samples)} samples; at most {MAX_SAMPLES}",
+                n,
+                "detail.grpo.samples",
+            )
+        for i, sample in enumerate(samples):
+            field = f"detail.grpo.samples[{i}]"
+            for name in _SAMPLE_TEXTS:
+                size = len(getattr(sample, name).encode("utf-8"))
+                if size > MAX_SAMPLE_TEXT_BYTES:
+                    raise self._violation(
+                        "detail_size",
+                        f"{name} of {size} bytes; at most {MAX_SAMPLE_TEXT_BYTES}",
+                        n,
+                        f"{field}.{name}",
+                    )
+            image, image_type = sample.image, sample.image_type
+            if len(image) > MAX_SAMPLE_IMAGE_BYTES:
+                raise self._violation(
+                    "detail_size",
+                    f"image of {len(image)} bytes; at most {MAX_SAMPLE_IMAGE_BYTES}",
+                    n,
+                    f"{field}.image",
+                )
+            if not image:
+                if image_type:
+                    raise self._violation(
+                        "detail_format",
+                        f"image_type {image_type!r} without an image",
+                        n,
+                        f"{field}.image_type",
+                    )
+            elif image_type not in SAMPLE_IMAGE_TYPES:
+                raise self._violation(
+                    "detail_format",
+                    f"image_type {image_type!r}; one of {', '.join(SAMPLE_IMAGE_TYPES)}",
+                    n,
+                    f"{field}.image_type",
+                )
+            elif image_type_of(image) != image_type:
+                actual = image_type_of(image) or "not a PNG, JPEG or WebP image"
+                raise self._violation(
+                    "detail_format",
+                    f"image_type {image_type!r}, but the image's bytes are {actual}",
+                    n,
+                    f"{field}.image",
+                )
+            if not math.isfinite(sample.reward):
+                raise self._violation("finite", f"reward is {sample.reward}", n, f"{field}.reward")
+            for name, value in sample.rewards.items():
+                if not math.isfinite(value):
+                    raise self._violation(
+                        "finite", f"reward is {value}", n, f"{field}.rewards[{name}]"
                     )
 
     def finish(self) -> None:

@@ -305,13 +305,16 @@ class GatewayClient:
         out_dir: str | Path,
         *,
         episode: int = 0,
+        merged: bool = False,
         timeout: float | None = None,
     ) -> episode_pb2.Checkpoint:
         """Downloads a checkpoint into ``out_dir``; see
         ``trainwire.client.GatewayClient.download_checkpoint``. Disk writes and the extraction
         run in a thread."""
         download = await asyncio.to_thread(TarDownload, run_id, out_dir)
-        request = gateway_service_pb2.DownloadCheckpointRequest(run_id=run_id, episode=episode)
+        request = gateway_service_pb2.DownloadCheckpointRequest(
+            run_id=run_id, episode=episode, merged=merged
+        )
         try:
             call = self._stub.DownloadCheckpoint(
                 request,

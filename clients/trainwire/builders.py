@@ -107,13 +107,19 @@ def grpo_task(
     dataloader_num_workers: int | None = None,
     dataloader_prefetch_factor: int | None = None,
     num_processes: int = 0,
+    reward_weights: Sequence[float] = (),
+    columns: Mapping[str, str] | None = None,
+    lora: episode_pb2.LoraConfig | None = None,
+    gradient_checkpointing: bool = False,
 ) -> episode_pb2.TrainTask:
     """Builds a GRPO ``TrainTask``; zeros and ``None`` leave the trainer's defaults.
 
     Args:
         model: Model directory, relative to the trainer's data root.
-        dataset: JSONL dataset file, relative to the trainer's data root.
-        reward_functions: Reward function names; empty for ``exact_match`` and ``format``.
+        dataset: The dataset, relative to the trainer's data root: a JSONL or Parquet file, or
+            a directory written by ``datasets``' ``save_to_disk``.
+        reward_functions: Reward function names (built-in, or ``MODULE:FUNCTION`` of a
+            trainer's ``--reward-module``); empty for ``exact_match`` and ``format``.
         num_generations: Completions per prompt.
         batch_size: Per-device batch size in completions.
         max_completion_length: Maximum completion length in tokens.
@@ -125,6 +131,14 @@ def grpo_task(
         dataloader_prefetch_factor: Batches each worker prefetches.
         num_processes: Processes (one trainer slot, and one GPU where there are GPUs, each)
             the job trains on; ``batch_size`` is per process.
+        reward_weights: One weight per reward function (empty: all 1).
+        columns: Dataset column names by role (``prompt``, ``images``, ``solution``) where
+            they differ from the defaults.
+        lora: Train LoRA adapters with this config instead of every weight (an empty
+            ``LoraConfig()``: rank 16, alpha 2 x rank, every linear layer of the language
+            model); ``None``: full fine-tuning.
+        gradient_checkpointing: Recompute activations in the backward pass, trading compute
+            for memory.
     """
     task = episode_pb2.GrpoTask(
         model_path=model,
@@ -137,7 +151,13 @@ def grpo_task(
         temperature=temperature,
         gradient_accumulation_steps=gradient_accumulation_steps,
         num_processes=num_processes,
+        reward_weights=list(reward_weights),
+        gradient_checkpointing=gradient_checkpointing,
     )
+    if lora is not None:
+        task.lora.CopyFrom(lora)
+    if columns:
+        task.columns.CopyFrom(episode_pb2.DatasetColumns(**columns))
     if beta is not None:
         task.beta = beta
     if dataloader_num_workers is not None:

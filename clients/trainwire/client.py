@@ -508,24 +508,34 @@ class GatewayClient:
         out_dir: str | Path,
         *,
         episode: int = 0,
+        merged: bool = False,
         timeout: float | None = None,
     ) -> episode_pb2.Checkpoint:
         """Downloads a checkpoint (``episode`` 0: the latest) into ``out_dir`` (a directory
         that does not exist yet, or an empty one); returns its record once its SHA-256 matched
         and it was extracted. A GRPO checkpoint's ``model/`` loads with transformers'
-        ``from_pretrained``. Memory stays flat: the chunks go to disk as they come.
+        ``from_pretrained``; a LoRA run's holds the adapter, which peft's
+        ``PeftModel.from_pretrained(base, out_dir / "model")`` loads onto the base model that
+        ``model/base_model.json`` names. Memory stays flat: the chunks go to disk as they come.
 
         Args:
-            timeout: Deadline of the whole download (default: ``stream_timeout``).
+            merged: A LoRA run's adapter merged into its base model by a trainer: ``model/``
+                then loads with transformers alone (the record's size and digest are the
+                merged tar's).
+            timeout: Deadline of the whole download (default: ``stream_timeout``; a merge
+                takes the time to load, merge and save the model first).
 
         Raises:
             CheckpointNotFound, RunNotFound: no such checkpoint or run.
             CheckpointCorrupt: the bytes did not match the checkpoint's digest (nothing is left
                 at ``out_dir``).
+            FailedPrecondition: ``merged`` for a run without LoRA adapters.
             FileExistsError: ``out_dir`` is not empty.
         """
         download = TarDownload(run_id, out_dir)
-        request = gateway_service_pb2.DownloadCheckpointRequest(run_id=run_id, episode=episode)
+        request = gateway_service_pb2.DownloadCheckpointRequest(
+            run_id=run_id, episode=episode, merged=merged
+        )
         try:
             responses = self._stub.DownloadCheckpoint(
                 request,

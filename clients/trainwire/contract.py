@@ -11,7 +11,10 @@ everywhere. Stream rules (each named by the ``ContractViolation.rule`` it raises
    (``finish``) or reaches ``max_episodes`` without done is a violation too.
 4. ``detail_kind``: the detail matches the task kind; ``detail_size``: it stays within its limits
    (imitation: 1..240 frames x 1..32 joints, finite angles; grpo: at most 8 completions of at
-   most 4 KiB of UTF-8 each).
+   most 4 KiB of UTF-8 each, and at most 8 samples whose texts are at most 4 KiB of UTF-8 each
+   and whose image is at most 16 KiB); ``detail_format``: a sample's ``image_type`` is set
+   exactly when it has an image, is one of ``SAMPLE_IMAGE_TYPES`` and names the format the
+   image's bytes start with; a sample's ``reward`` and ``rewards`` are finite (``finite``).
 
 Request validation (``check_task``, ``check_train_request``, ``check_create_run``) returns every
 bad field at once as ``FieldViolation`` s, ready for a ``google.rpc.BadRequest``.
@@ -54,9 +57,13 @@ from trainwire._contract_base import (
     MAX_KEEP_CHECKPOINTS,
     MAX_NAME_LENGTH,
     MAX_RUN_ID_LENGTH,
+    MAX_SAMPLE_IMAGE_BYTES,
+    MAX_SAMPLE_TEXT_BYTES,
+    MAX_SAMPLES,
     MIN_BONE_LENGTH,
     MIN_EPISODE_RATE,
     REWARD_FUNCTIONS,
+    SAMPLE_IMAGE_TYPES,
     TASK_KINDS,
     ContractViolation,
     FieldViolation,
@@ -64,6 +71,7 @@ from trainwire._contract_base import (
 )
 from trainwire._contract_fork import FORK_FIELDS, fork_differences
 from trainwire._contract_requests import (
+    DEFAULT_REWARD_FUNCTIONS,
     LIVE_HYPERPARAMETERS,
     bad_request,
     check_create_run,
@@ -76,6 +84,7 @@ from trainwire._contract_requests import (
     check_train_request,
     describe_violations,
     display_run_id,
+    is_custom_reward,
 )
 from trainwire._contract_stream import StreamChecker
 
@@ -83,6 +92,7 @@ __all__ = [
     "BUILTIN_CLIPS",
     "BUILTIN_RIG_BONES",
     "DEFAULT_GRPO_GENERATIONS",
+    "DEFAULT_REWARD_FUNCTIONS",
     "DEFAULT_RIG",
     "FORK_FIELDS",
     "LIVE_HYPERPARAMETERS",
@@ -102,9 +112,13 @@ __all__ = [
     "MAX_KEEP_CHECKPOINTS",
     "MAX_NAME_LENGTH",
     "MAX_RUN_ID_LENGTH",
+    "MAX_SAMPLES",
+    "MAX_SAMPLE_IMAGE_BYTES",
+    "MAX_SAMPLE_TEXT_BYTES",
     "MIN_BONE_LENGTH",
     "MIN_EPISODE_RATE",
     "REWARD_FUNCTIONS",
+    "SAMPLE_IMAGE_TYPES",
     "TASK_KINDS",
     "ContractViolation",
     "FieldViolation",
@@ -121,5 +135,6 @@ __all__ = [
     "describe_violations",
     "display_run_id",
     "fork_differences",
+    "is_custom_reward",
     "task_kind",
 ]

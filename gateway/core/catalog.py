@@ -24,7 +24,7 @@ from gateway.core.history import PageCache
 from gateway.core.observer import Observer
 from gateway.core.ownership import Ownership
 from gateway.core.pacing import clamp_speed
-from gateway.core.placement import slots_needed
+from gateway.core.placement import rewards_needed, slots_needed
 from gateway.core.recovery import UnsavedEnds
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
@@ -33,6 +33,7 @@ from gateway.core.settings import CoreSettings
 from gateway.core.store import STORE_MESSAGE, DuplicateRequest, Store, StoreWriteFailed
 from gateway.core.table import RunTable
 from trainwire.contract import (
+    REWARD_FUNCTIONS,
     FieldViolation,
     check_display_name,
     check_labels,
@@ -226,8 +227,43 @@ class RunCatalog:
             ],
         )
 
+    def _check_rewards(self, spec: RunSpec) -> None:
+        """Refuses a GRPO task naming a reward function (``MODULE:FUNCTION``, from a trainer's
+        ``--reward-module``) that no trainer offering GRPO has offered since the gateway
+        started: no trainer could ever run it. While none of them has answered it may wait.
+
+        Raises:
+            InvalidRequest: naming ``task.grpo.reward_functions[i]`` of each such reward.
+        """
+        kind = task_kind(spec.task)
+        needed = rewards_needed(spec.task)
+        offered = self._scheduler.reward_functions(kind) if needed else None
+        if offered is None:
+            return
+        custom = sorted(name for name in offered if name not in REWARD_FUNCTIONS)
+        listed = ", ".join(custom) or "none"
+        missing = [
+            (f"task.grpo.reward_functions[{i}]", name)
+            for i, name in enumerate(spec.task.grpo.reward_functions)
+            if name in needed and name not in offered
+        ]
+        if missing:
+            field, name = missing[0]
+            raise InvalidRequest(
+                f"cannot create the run: no trainer offers the reward function {name!r} ({field})",
+                [
+                    FieldViolation(
+                        field,
+                        f"no trainer offers {name!r}; the trainers' --reward-module rewards: "
+                        f"{listed}",
+                    )
+                    for field, name in missing
+                ],
+            )
+
     async def _insert(self, spec: RunSpec) -> TrainingRun:
         self._check_fits(spec)
+        self._check_rewards(spec)
         fork = await self._fork_point(spec) if spec.fork_run_id else None
         if not self._store.writable:
             raise StoreUnavailable(f"cannot create a run: {STORE_MESSAGE}")

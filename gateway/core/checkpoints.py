@@ -7,6 +7,12 @@ was taken after; the driver records it in the gateway's store (``Store.add_check
 keeps the latest ``keep_checkpoints`` and returns the older ones for ``CheckpointFiles.delete``.
 A run continues (park, restart) from a checkpoint only if the gateway has received every episode
 up to it, so nothing it skips is lost.
+
+A LoRA run's checkpoint can also be downloaded merged into its base model: the gateway has no
+torch and may not see the trainers' data roots, so a trainer that offers grpo merges it
+(``CheckpointMerger``; the run's own trainer first, then the others in configured order, past
+any that cannot be reached or lacks the base model) and the gateway relays its tar, checking the
+digest the trainer announced as it does a stored checkpoint's.
 """
 
 from __future__ import annotations
@@ -17,10 +23,23 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from gateway.core.errors import CheckpointCorrupt, CheckpointNotFound, CheckpointStoreUnavailable
+from gateway.core.errors import (
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    CheckpointStoreUnavailable,
+    IllegalTransition,
+    TrainerUnavailable,
+)
 from gateway.core.runs import TrainingRun
 from gateway.core.store import CheckpointRecord, Store
-from gateway.core.trainers import CheckpointSaved, ResumePoint
+from gateway.core.trainers import (
+    CheckpointMerger,
+    CheckpointSaved,
+    MergedCheckpoint,
+    ResumePoint,
+    TrainerError,
+    TrainerMergeFailed,
+)
 from trainwire.v1 import episode_pb2
 from trainwire_ops.checkpoints import CheckpointError
 
@@ -30,6 +49,8 @@ _LOGGER = logging.getLogger(__name__)
 DEFAULT_KEEP = 3
 #: Bytes per ``DownloadCheckpoint`` chunk.
 CHUNK_BYTES = 1 << 20
+#: The longest a trainer may take to merge a checkpoint and send it.
+MERGE_TIMEOUT_S = 3600.0
 
 
 class CheckpointFiles(Protocol):
@@ -88,6 +109,41 @@ def _next_hashed(chunks: Iterator[bytes], digest: Any) -> bytes | None:
     return chunk
 
 
+async def _verified(
+    run_id: str, episode: int, sha256: str, chunks: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    """``chunks``, the last one held back until the digest of all of them is ``sha256``.
+
+    Raises:
+        CheckpointCorrupt: It is not.
+    """
+    digest = hashlib.sha256()
+    held: bytes | None = None
+    async for chunk in chunks:
+        digest.update(chunk)
+        if held is not None:
+            yield held
+        held = chunk
+    if digest.hexdigest() != sha256:
+        _LOGGER.error(
+            "run %s: the merged checkpoint at episode %d does not match the digest its "
+            "trainer announced",
+            run_id,
+            episode,
+            extra={"run_id": run_id},
+        )
+        raise CheckpointCorrupt(
+            f"run {run_id!r}: the merged checkpoint at episode {episode} arrived damaged", run_id
+        )
+    if held is not None:
+        yield held
+
+
+def is_lora(run: TrainingRun) -> bool:
+    """Whether the run trains LoRA adapters (its checkpoints can be merged)."""
+    return run.task.WhichOneof("kind") == "grpo" and run.task.grpo.HasField("lora")
+
+
 class CheckpointReads:
     """Lists a run's checkpoints and streams one, verifying its digest on the way.
 
@@ -95,6 +151,9 @@ class CheckpointReads:
         store: Where the records are.
         get_run: The run (raises ``RunNotFound``).
         files: The checkpoint store (None: downloads are unavailable).
+        merger: Asks trainers for merged checkpoints (None: merged downloads are unavailable).
+        merge_trainers: The trainers that may merge, in the order to ask them (those that
+            offer grpo, or have not answered yet); the run's own are asked first.
     """
 
     def __init__(
@@ -102,10 +161,14 @@ class CheckpointReads:
         store: Store,
         get_run: Callable[[str], Awaitable[TrainingRun]],
         files: CheckpointFiles | None,
+        merger: CheckpointMerger | None = None,
+        merge_trainers: Callable[[], Sequence[str]] = tuple,
     ) -> None:
         self._store = store
         self._get_run = get_run
         self._files = files
+        self._merger = merger
+        self._merge_trainers = merge_trainers
 
     async def list(self, run_id: str) -> list[CheckpointRecord]:
         """The run's checkpoints, oldest first.
@@ -117,9 +180,11 @@ class CheckpointReads:
         return await self._store.list_checkpoints(run_id)
 
     async def open(
-        self, run_id: str, episode: int
+        self, run_id: str, episode: int, merged: bool = False
     ) -> tuple[CheckpointRecord, AsyncIterator[bytes]]:
-        """One checkpoint (``episode`` 0: the latest) and its canonical tar, in chunks.
+        """One checkpoint (``episode`` 0: the latest) and its canonical tar, in chunks; with
+        ``merged``, a LoRA checkpoint merged into its base model by a trainer (the record's
+        size and digest are then the merged tar's).
 
         The last chunk is held back until the digest of everything read matches the record,
         so a corrupt checkpoint is never delivered whole.
@@ -129,7 +194,17 @@ class CheckpointReads:
             CheckpointNotFound: no checkpoint at that episode (the message lists the ones
                 there are).
             CheckpointStoreUnavailable: the gateway has no checkpoint store.
+            IllegalTransition: ``merged`` for a run without LoRA adapters, or no trainer has
+                the run's base model.
+            TrainerUnavailable: ``merged`` and no trainer that can merge answers.
+            CheckpointCorrupt: ``merged`` and the stored checkpoint is damaged.
         """
+        if merged and not is_lora(await self._get_run(run_id)):
+            raise IllegalTransition(
+                f"run {run_id!r}: merged: the run trains every weight (no LoRA adapters); its "
+                "checkpoints hold the whole model already, download them without merged",
+                run_id,
+            )
         records = await self.list(run_id)
         if not records:
             raise CheckpointNotFound(f"run {run_id!r} has no checkpoint yet", run_id)
@@ -144,11 +219,103 @@ class CheckpointReads:
                     run_id,
                 )
             record = found[0]
+        if merged:
+            return await self._merged(await self._get_run(run_id), record)
         if self._files is None:
             raise CheckpointStoreUnavailable(
                 f"run {run_id!r}: this gateway has no checkpoint store", run_id
             )
         return record, self._chunks(self._files, record)
+
+    async def _merged(
+        self, run: TrainingRun, record: CheckpointRecord
+    ) -> tuple[CheckpointRecord, AsyncIterator[bytes]]:
+        """Asks the trainers, the run's own first, to merge ``record``; the first that does
+        streams it."""
+        run_id = run.id
+        own = [address for address in (run.trainer, *run.trainers) if address]
+        order = list(dict.fromkeys([*own, *self._merge_trainers()]))
+        if self._merger is None or not order:
+            raise TrainerUnavailable(
+                f"run {run_id!r}: merged: no trainer that can merge a checkpoint is configured",
+                run_id,
+            )
+        saved = CheckpointSaved(
+            record.episode, record.create_time, record.size_bytes, record.sha256
+        )
+        refusals: list[str] = []
+        for address in order:
+            try:
+                found = await self._merger.merge_checkpoint(address, run_id, saved, MERGE_TIMEOUT_S)
+            except TrainerMergeFailed as exc:
+                if exc.code == "NOT_FOUND":
+                    raise CheckpointNotFound(
+                        f"run {run_id!r}: the checkpoint at episode {record.episode} is gone "
+                        "from the checkpoint store",
+                        run_id,
+                    ) from None
+                if exc.code == "DATA_LOSS":
+                    raise CheckpointCorrupt(
+                        f"run {run_id!r}: the checkpoint at episode {record.episode} is damaged",
+                        run_id,
+                    ) from None
+                _LOGGER.warning(
+                    "run %s: trainer %s could not merge the checkpoint at episode %d: %s",
+                    run_id,
+                    address,
+                    record.episode,
+                    exc,
+                    extra={"run_id": run_id},
+                )
+                if exc.code == "FAILED_PRECONDITION":
+                    refusals.append(exc.user_message)
+                continue
+            except TrainerError as exc:
+                _LOGGER.warning(
+                    "run %s: trainer %s cannot merge: %s",
+                    run_id,
+                    address,
+                    exc,
+                    extra={"run_id": run_id},
+                )
+                continue
+            merged = CheckpointRecord(
+                run_id=run_id,
+                episode=record.episode,
+                create_time=found.record.create_time,
+                size_bytes=found.record.size_bytes,
+                sha256=found.record.sha256,
+            )
+            return merged, self._relay(run_id, merged, found)
+        if refusals:
+            raise IllegalTransition(f"run {run_id!r}: merged: {refusals[0]}", run_id)
+        raise TrainerUnavailable(
+            f"run {run_id!r}: merged: no trainer that can merge a checkpoint answers; try "
+            "again later",
+            run_id,
+        )
+
+    async def _relay(
+        self, run_id: str, record: CheckpointRecord, found: MergedCheckpoint
+    ) -> AsyncIterator[bytes]:
+        """The merged tar's chunks, checked against its record; the trainer's call is ended
+        however the relay ends."""
+        try:
+            async for chunk in _verified(run_id, record.episode, record.sha256, found.chunks):
+                yield chunk
+        except TrainerError as exc:
+            _LOGGER.warning(
+                "run %s: the merged checkpoint's stream broke: %s",
+                run_id,
+                exc,
+                extra={"run_id": run_id},
+            )
+            raise TrainerUnavailable(
+                f"run {run_id!r}: the trainer stopped sending the merged checkpoint; try again",
+                run_id,
+            ) from None
+        finally:
+            found.cancel()
 
     async def _chunks(
         self, files: CheckpointFiles, record: CheckpointRecord

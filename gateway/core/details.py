@@ -1,8 +1,9 @@
 """Which episodes of a long run keep their detail (motions, completions) in the store.
 
 Every episode keeps its numbers (reward, best reward, metrics, time) for ever. Details are what
-make a long run large (an imitation motion is 2.6-31 KiB, a GRPO step's completions up to
-32 KiB), so a run keeps the detail of:
+make a long run large (an imitation motion is 2.6-31 KiB, a GRPO step's completions and
+samples with their thumbnails about 20 KiB, at most about 250 KiB), so a run keeps the detail
+of:
 
 - every episode whose number is a multiple of its *detail stride*, ``ceil(max_episodes /
   details_per_run)`` (``CoreSettings.details_per_run``, 10,000): a run of up to 10,000

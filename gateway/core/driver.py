@@ -69,7 +69,7 @@ from gateway.core.history import EpisodeLog
 from gateway.core.hyperparameters import HyperparameterChange, has_reference_model
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
-from gateway.core.placement import Placement, slots_needed
+from gateway.core.placement import Placement, rewards_needed, slots_needed
 from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.settings import CoreSettings
@@ -228,6 +228,11 @@ class RunDriver:
     def slots(self) -> int:
         """Trainer slots its job takes."""
         return slots_needed(self.run.task)
+
+    @property
+    def rewards(self) -> tuple[str, ...]:
+        """Reward functions its trainers must offer beyond the built-in ones."""
+        return rewards_needed(self.run.task)
 
     @property
     def trainer(self) -> str:

@@ -7,7 +7,9 @@ directly: field names in lowerCamelCase, int64 as a string, defaults omitted, no
 ``"NaN"``/``"Infinity"``, timestamps in RFC 3339. The one difference: ``float`` values (motion
 angles) are written with 9 significant digits, which reads back to the same float32, where
 json_format searches the shortest such string. ``json_format.Parse`` of the output gives back
-the same message (``tests/http/test_episode_json.py`` proves it on generated episodes).
+the same message (``tests/http/test_episode_json.py`` proves it on generated episodes). A GRPO
+sample's thumbnail (``bytes``) is standard base64, as the mapping writes bytes: the page shows
+it as a ``data:`` URL of its ``imageType``.
 
 If ``Episode`` gains a field this module does not know, it falls back to json_format for every
 episode (correct, slow) and says so once in the log.
@@ -15,6 +17,7 @@ episode (correct, slow) and says so once in the log.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import functools
 import logging
@@ -34,7 +37,10 @@ KNOWN_FIELDS = frozenset(
 )
 _KNOWN_DETAIL_FIELDS = {
     "ImitationDetail": frozenset({"frame_count", "joint_count", "angles"}),
-    "GrpoDetail": frozenset({"sample_completions"}),
+    "GrpoDetail": frozenset({"sample_completions", "samples"}),
+    "GrpoSample": frozenset(
+        {"prompt", "image", "image_type", "completion", "reward", "rewards", "solution"}
+    ),
 }
 
 
@@ -42,7 +48,11 @@ def _descriptor_known() -> bool:
     fields = {f.name for f in episode_pb2.Episode.DESCRIPTOR.fields}
     details = {
         d.name: {f.name for f in d.fields}
-        for d in (episode_pb2.ImitationDetail.DESCRIPTOR, episode_pb2.GrpoDetail.DESCRIPTOR)
+        for d in (
+            episode_pb2.ImitationDetail.DESCRIPTOR,
+            episode_pb2.GrpoDetail.DESCRIPTOR,
+            episode_pb2.GrpoSample.DESCRIPTOR,
+        )
     }
     return fields == KNOWN_FIELDS and details == _KNOWN_DETAIL_FIELDS
 
@@ -164,12 +174,40 @@ def json_parts(episode: episode_pb2.Episode, detail: bool = True) -> tuple[bytes
             inner.append(f'"angles":[{_floats(motion.angles)}]')
         return numbers, f'"imitation":{{{",".join(inner)}}}'.encode()
     if kind == "grpo":
-        completions = episode.grpo.sample_completions
-        inner_grpo = (
-            f'"sampleCompletions":[{",".join(map(_string, completions))}]' if completions else ""
-        )
-        return numbers, f'"grpo":{{{inner_grpo}}}'.encode()
+        grpo = episode.grpo
+        completions = grpo.sample_completions
+        samples = grpo.samples
+        inner_grpo = []
+        if completions:
+            inner_grpo.append(f'"sampleCompletions":[{",".join(map(_string, completions))}]')
+        if samples:
+            inner_grpo.append(f'"samples":[{",".join(map(_sample, samples))}]')
+        return numbers, f'"grpo":{{{",".join(inner_grpo)}}}'.encode()
     return numbers, None
+
+
+def _sample(sample: episode_pb2.GrpoSample) -> str:
+    """One ``GrpoSample`` object (fields at their default left out, as for the episode)."""
+    parts: list[str] = []
+    if sample.prompt:
+        parts.append(f'"prompt":{_string(sample.prompt)}')
+    image = sample.image
+    if image:
+        parts.append(f'"image":"{base64.b64encode(image).decode("ascii")}"')
+    if sample.image_type:
+        parts.append(f'"imageType":{_string(sample.image_type)}')
+    if sample.completion:
+        parts.append(f'"completion":{_string(sample.completion)}')
+    reward = sample.reward
+    if reward or math.copysign(1.0, reward) < 0:
+        parts.append(f'"reward":{_double(reward)}')
+    rewards = sample.rewards
+    if rewards:
+        items = ",".join([f"{_string(k)}:{_double(rewards[k])}" for k in rewards])
+        parts.append(f'"rewards":{{{items}}}')
+    if sample.solution:
+        parts.append(f'"solution":{_string(sample.solution)}')
+    return "{" + ",".join(parts) + "}"
 
 
 def _slow_parts(episode: episode_pb2.Episode) -> tuple[bytes, bytes | None]:  # pragma: no cover

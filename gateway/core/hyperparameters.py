@@ -67,8 +67,9 @@ class HyperparameterChange:
 
 
 def has_reference_model(task: episode_pb2.TrainTask) -> bool:
-    """Whether a new job of ``task`` builds a reference model (a grpo job with beta above 0;
-    other kinds have no beta to check)."""
+    """Whether a new job of ``task`` has a reference model (a grpo job with beta above 0, or
+    one that trains LoRA adapters: its base model, adapters disabled; other kinds have no beta
+    to check)."""
     if task.WhichOneof("kind") != "grpo":
         return True
-    return task.grpo.HasField("beta") and task.grpo.beta > 0
+    return (task.grpo.HasField("beta") and task.grpo.beta > 0) or task.grpo.HasField("lora")

@@ -1,4 +1,5 @@
-"""Where a job runs: how many trainer slots a task needs (``slots_needed``), one trainer's
+"""Where a job runs: how many trainer slots a task needs (``slots_needed``) and which reward
+functions its trainers must offer (``rewards_needed``), one trainer's
 share of a job (``Share``: its address and ranks) and the whole (``Placement``, rank 0's share
 first).
 
@@ -14,7 +15,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.core.trainers import JobPlacement
+from trainwire.contract import REWARD_FUNCTIONS
 from trainwire.v1 import episode_pb2
+
+
+def rewards_needed(task: episode_pb2.TrainTask) -> tuple[str, ...]:
+    """The reward functions a job of ``task`` needs that not every trainer of its kind has:
+    a GRPO task's ``MODULE:FUNCTION`` rewards (from a trainer's ``--reward-module``), in order.
+    Every GRPO trainer offers the built-in ones."""
+    if task.WhichOneof("kind") != "grpo":
+        return ()
+    return tuple(name for name in task.grpo.reward_functions if name not in REWARD_FUNCTIONS)
 
 
 def slots_needed(task: episode_pb2.TrainTask) -> int:

@@ -43,11 +43,11 @@ from gateway.core.recovery import Recovery, UnsavedEnds
 from gateway.core.replay import CaughtUp, EpisodeFrames, Finished, Keepalive, Replay, WatchEvent
 from gateway.core.replicas import SharedReplicas
 from gateway.core.runs import RunState, TrainingRun
-from gateway.core.scheduler import Scheduler
+from gateway.core.scheduler import Scheduler, TrainerReport
 from gateway.core.settings import CoreSettings
 from gateway.core.store import CheckpointRecord, NotOwner, Store
 from gateway.core.table import RunTable
-from gateway.core.trainers import TrainerConnector
+from gateway.core.trainers import CheckpointMerger, TrainerConnector
 from gateway.core.watches import Watches
 from trainwire.contract import FieldViolation
 
@@ -154,11 +154,26 @@ class RunRegistry:
         self._recovery = Recovery(
             store, self.table, self.scheduler, self._observer, self._make_driver, wall_clock
         )
-        self.checkpoints = CheckpointReads(store, self.catalog.get, checkpoint_files)
+        self.checkpoints = CheckpointReads(
+            store,
+            self.catalog.get,
+            checkpoint_files,
+            merger=connector if isinstance(connector, CheckpointMerger) else None,
+            merge_trainers=self._merge_trainers,
+        )
         replay = Replay(self._pages, settings.keepalive_s, clock, lambda: self.table.closing)
         self._watches = Watches(
             self.table, replay, self.ownership, self.catalog.get, self._observer
         )
+
+    def _merge_trainers(self) -> list[str]:
+        """The trainers that may merge a LoRA checkpoint: those that offer grpo, and those that
+        have not answered (yet), in configured order."""
+        return [
+            address
+            for address, state in self.scheduler.trainers.items()
+            if state.caps is None or state.offers("grpo")
+        ]
 
     def _make_driver(self, run: TrainingRun, owned: bool) -> RunDriver:
         return RunDriver(run, self._ctx, owned)
@@ -229,9 +244,10 @@ class RunRegistry:
         return await self.checkpoints.list(run_id)
 
     async def open_checkpoint(
-        self, run_id: str, episode: int
+        self, run_id: str, episode: int, merged: bool = False
     ) -> tuple[CheckpointRecord, AsyncIterator[bytes]]:
-        """One checkpoint and its tar; see ``CheckpointReads.open``."""
+        """One checkpoint and its tar (``merged``: a LoRA checkpoint merged into its base
+        model); see ``CheckpointReads.open``."""
         require_run_id(run_id)
         if episode < 0:
             raise InvalidRequest(
@@ -239,7 +255,7 @@ class RunRegistry:
                 [FieldViolation("episode", f"must be >= 0, got {episode}")],
                 run_id,
             )
-        return await self.checkpoints.open(run_id, episode)
+        return await self.checkpoints.open(run_id, episode, merged)
 
     async def curve(
         self,
@@ -386,7 +402,12 @@ class RunRegistry:
         await self._connector.close()
         _LOGGER.info("gateway core stopped")
 
-    # -- health ------------------------------------------------------------------------------
+    # -- trainers and health -----------------------------------------------------------------
+
+    def trainers(self) -> list[TrainerReport]:
+        """Every configured trainer as of the scheduler's last probe of it (its capabilities,
+        GPUs included), in configured order."""
+        return self.scheduler.reports()
 
     @property
     def healthy(self) -> bool:

@@ -10,17 +10,22 @@ its next answer.
 The bookkeeping counts slots: a run needs ``slots_needed`` of them (a GRPO job one per process,
 any other one), and a trainer's free slots are its reported ``slots_free`` less the slots
 reserved for runs dispatched to it that it has not answered yet. A run goes to the first
-trainer, in configured order, that offers its kind and has the slots free. A run that fits on no
+trainer, in configured order, that offers its kind (and every reward function of a trainer's
+``--reward-module`` that its task names: ``GetCapabilitiesResponse.reward_functions``) and has
+the slots free. A run that fits on no
 single trainer but on the free slots of the trainers offering its kind together is placed on
 several, all or none: its slots are reserved on each before anything starts, the trainers with
 the most free slots first (ties in configured order) so that it spans as few as it can, and the
-first is rank 0's (``gateway.core.placement``). Placement is first in, first out per task kind:
-a run waits behind earlier runs of its kind, and a run no trainer offers a provider for waits
-without blocking runs of other kinds. Every waiting run carries a ``pending_detail`` saying what
-it waits for, with the slots it needs and those free.
+first is rank 0's (``gateway.core.placement``). Placement is first in, first out per task kind
+and set of such reward functions: a run waits behind earlier runs that need what it needs, and
+a run no trainer offers a provider (or a reward) for waits without blocking the others.
+Every waiting run carries a ``pending_detail`` saying what it waits for, with the slots it
+needs and those free.
 
 ``capacity`` tells ``CreateRun`` how many slots the answering trainers that offer a kind have
-in all, so that a job bigger than all of them together is refused instead of waiting forever.
+in all, so that a job bigger than all of them together is refused instead of waiting forever,
+and ``reward_functions`` which reward functions the trainers that offer it have ever offered,
+so that a reward none of them knows is refused too.
 
 The gateway is healthy while at least one trainer answers (``on_health``).
 """
@@ -32,7 +37,7 @@ import bisect
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -70,6 +75,12 @@ class Placeable(Protocol):
         """Trainer slots its job takes (``gateway.core.placement.slots_needed``)."""
         ...
 
+    @property
+    def rewards(self) -> tuple[str, ...]:
+        """Reward functions its trainers must offer beyond the built-in ones
+        (``gateway.core.placement.rewards_needed``)."""
+        ...
+
     pending_detail: str
 
     def dispatch(self, placement: Placement) -> None:
@@ -93,6 +104,8 @@ class TrainerState:
         wake: Set to end its probe loop's wait: a probe now, or a new due time (runs began
             to wait, so it is due after the poll interval instead of the idle one).
         asked_at: When it was last asked (monotonic seconds).
+        known_rewards: The reward functions it offered when it last answered (kept while it
+            does not answer); None before its first answer.
     """
 
     address: str
@@ -104,6 +117,7 @@ class TrainerState:
     probe_now: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     asked_at: float = -math.inf
+    known_rewards: frozenset[str] | None = None
 
     @property
     def free(self) -> int:
@@ -112,9 +126,22 @@ class TrainerState:
             return 0
         return max(0, self.caps.slots_free - self.starting)
 
-    def offers(self, kind: str) -> bool:
-        """Whether it answers and offers ``kind``."""
-        return self.caps is not None and kind in self.caps.providers
+    def offers(self, kind: str, rewards: Sequence[str] = ()) -> bool:
+        """Whether it answers and offers ``kind`` and each of ``rewards``."""
+        caps = self.caps
+        if caps is None or kind not in caps.providers:
+            return False
+        return all(name in caps.reward_functions for name in rewards)
+
+
+@dataclass(frozen=True)
+class TrainerReport:
+    """A trainer as the gateway last saw it, for people: its address, its last answer (None
+    while it does not answer) and why it does not (empty while it does)."""
+
+    address: str
+    capabilities: Capabilities | None
+    error: str
 
 
 class Scheduler:
@@ -172,6 +199,10 @@ class Scheduler:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
+    def reports(self) -> list[TrainerReport]:
+        """Every configured trainer as of its last probe, in configured order."""
+        return [TrainerReport(s.address, s.caps, s.error) for s in self.trainers.values()]
+
     @property
     def healthy(self) -> bool:
         """Whether at least one trainer answers."""
@@ -204,6 +235,17 @@ class Scheduler:
     def waiting(self) -> int:
         """Runs in the queue."""
         return len(self._queue)
+
+    def reward_functions(self, kind: str) -> frozenset[str] | None:
+        """Every reward function the trainers that offer ``kind`` offered when they last
+        answered (those that do not answer now included); None while none of them has
+        answered."""
+        known = [
+            s.known_rewards
+            for s in self.trainers.values()
+            if s.known_rewards is not None and (s.caps is None or kind in s.caps.providers)
+        ]
+        return frozenset().union(*known) if known else None
 
     def capacity(self, kind: str) -> tuple[int, str] | None:
         """The slots of every answering trainer that offers ``kind`` together, and each one's
@@ -288,6 +330,7 @@ class Scheduler:
             if state.caps is None and state.error != "not asked yet":
                 _LOGGER.info("trainer %s reachable again", address)
             state.caps = caps
+            state.known_rewards = frozenset(caps.reward_functions)
             state.error = ""
             state.started -= started  # those are in its answer
             if was_stale and not state.probe_now:
@@ -306,23 +349,25 @@ class Scheduler:
     def place(self) -> None:
         """Places queued runs on trainers with free slots, FIFO per kind; says why the others
         wait."""
-        blocked: dict[str, str] = {}  # kind -> why its runs wait
-        ahead: dict[str, int] = {}
+        # (kind, reward functions beyond the built-in ones) -> why its runs wait
+        blocked: dict[tuple[str, frozenset[str]], str] = {}
+        ahead: dict[tuple[str, frozenset[str]], int] = {}
         keep: list[tuple[int, int, Placeable]] = []
         for item in self._queue:
             run = item[2]
             if not run.placeable:
                 continue
-            kind = run.kind
-            if kind in blocked:
-                ahead[kind] = ahead.get(kind, 0) + 1
-                run.pending_detail = f"{blocked[kind]}; {ahead[kind]} run(s) ahead in the queue"
+            kind, rewards = run.kind, run.rewards
+            need = (kind, frozenset(rewards))
+            if need in blocked:
+                ahead[need] = ahead.get(need, 0) + 1
+                run.pending_detail = f"{blocked[need]}; {ahead[need]} run(s) ahead in the queue"
                 keep.append(item)
                 continue
-            placement = self._fit(kind, run.slots)
+            placement = self._fit(kind, run.slots, rewards)
             if placement is None:
-                blocked[kind] = self._why_waiting(kind, run.slots)
-                run.pending_detail = blocked[kind]
+                blocked[need] = self._why_waiting(kind, run.slots, rewards)
+                run.pending_detail = blocked[need]
                 keep.append(item)
                 continue
             for share in placement.shares:
@@ -330,10 +375,11 @@ class Scheduler:
             run.dispatch(placement)
         self._queue = keep
 
-    def _fit(self, kind: str, slots: int) -> Placement | None:
-        """Where a job of ``slots`` slots of ``kind`` goes now: the first trainer (configured
-        order) with that many free, else several with the most free first, all or none."""
-        offering = [s for s in self.trainers.values() if s.offers(kind) and s.free > 0]
+    def _fit(self, kind: str, slots: int, rewards: Sequence[str] = ()) -> Placement | None:
+        """Where a job of ``slots`` slots of ``kind`` that needs ``rewards`` goes now: the first
+        trainer (configured order) with that many free, else several with the most free first,
+        all or none."""
+        offering = [s for s in self.trainers.values() if s.offers(kind, rewards) and s.free > 0]
         alone = next((s for s in offering if s.free >= slots), None)
         if alone is not None:
             return Placement.of([(alone.address, slots)])
@@ -350,7 +396,7 @@ class Scheduler:
                 break
         return Placement.of(parts)
 
-    def _why_waiting(self, kind: str, slots: int) -> str:
+    def _why_waiting(self, kind: str, slots: int, rewards: Sequence[str] = ()) -> str:
         states = list(self.trainers.values())
         reachable = [s for s in states if s.caps is not None]
         if not reachable:
@@ -362,6 +408,17 @@ class Scheduler:
                 for s in reachable
             )
             return f"no trainer offers {kind}: {offers}"
+        if rewards and not any(s.offers(kind, rewards) for s in offering):
+            offers = ", ".join(
+                f"{s.address} has "
+                + (", ".join(n for n in s.caps.reward_functions if ":" in n) or "none")  # type: ignore[union-attr]
+                for s in offering
+            )
+            return (
+                f"no reachable trainer offers the reward functions {', '.join(rewards)} "
+                f"(reward modules: {offers})"
+            )
+        offering = [s for s in offering if s.offers(kind, rewards)]
         if slots > 1:
             totals = [(s, s.caps.slots_total if s.caps is not None else 0) for s in offering]
             free = ", ".join(f"{s.address} {s.free}/{total}" for s, total in totals)

@@ -6,15 +6,16 @@ A stream yields ``Episode`` messages, ``None`` for heartbeats, the checkpoint ev
 (``CheckpointSaved``, ``Resumed``, ``CheckpointFailed``) and, from rank 0's trainer of a job
 that spans trainers, where the other trainers' ranks join it (``Rendezvous``); it raises one of
 the ``TrainerError`` subclasses below when it fails. A ``train`` call with a ``JobPlacement``
-starts one trainer's share of such a job.
+starts one trainer's share of such a job. A connector that also implements ``CheckpointMerger``
+asks trainers for LoRA checkpoints merged into their base model (merged downloads).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from gateway.core.hyperparameters import HyperparameterChange
 from trainwire.contract import FieldViolation
@@ -78,16 +79,47 @@ class TrainerRefused(TrainerError):
         self.violations = tuple(violations)
 
 
+class TrainerMergeFailed(TrainerError):
+    """A trainer could not merge a checkpoint: ``code`` is its status code's name
+    (``NOT_FOUND``: no such checkpoint in its store, ``DATA_LOSS``: the checkpoint is damaged,
+    ``FAILED_PRECONDITION``: not a LoRA checkpoint, or its base model is not there...) and
+    ``user_message`` says why, for people."""
+
+    def __init__(self, detail: str, code: str, user_message: str) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.user_message = user_message
+
+
 class TrainerJobFinished(TrainerError):
     """The job has trained its last episode or stopped (``FAILED_PRECONDITION``
     ``JOB_FINISHED``): a change of its hyperparameters has no step left to act on."""
 
 
 @dataclass(frozen=True)
+class Gpu:
+    """One GPU a trainer's jobs may use, as the trainer last read it (``Gpu``).
+
+    Attributes:
+        index: Its CUDA device index on the trainer.
+        name: The device's name.
+        memory_total_bytes: Its memory.
+        memory_used_bytes: Memory in use by every process on it.
+        utilization: Compute utilization, 0..1.
+    """
+
+    index: int
+    name: str
+    memory_total_bytes: int
+    memory_used_bytes: int
+    utilization: float
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a trainer offers and how busy it is: the fields of the trainer's own
     ``trainer_service.core.jobs.Capabilities`` (``GetCapabilitiesResponse``). Placement reads
-    the first three; the rest say where a run trains."""
+    the first three; the rest say where a run trains (``gpus``: empty on a CPU trainer)."""
 
     providers: tuple[str, ...]
     slots_total: int
@@ -96,6 +128,9 @@ class Capabilities:
     torch_version: str = ""
     trl_version: str = ""
     server_version: str = ""
+    gpus: tuple[Gpu, ...] = ()
+    #: Every reward function name a GRPO task may use there (placement reads it too).
+    reward_functions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,3 +311,27 @@ async def next_event(
             return await events.__anext__()
     except TimeoutError:
         raise TrainerLost(f"{silent} for {timeout:g} s") from None
+
+
+@dataclass(frozen=True, slots=True)
+class MergedCheckpoint:
+    """A merged model a trainer streams: its record (the checkpoint's episode and time, the
+    merged tar's size and digest) and the tar's bytes. ``chunks`` raises ``TrainerError`` when
+    the stream breaks; ``cancel`` ends the call."""
+
+    record: CheckpointSaved
+    chunks: AsyncIterator[bytes]
+    cancel: Callable[[], None]
+
+
+@runtime_checkable
+class CheckpointMerger(Protocol):
+    """Asks trainers for LoRA checkpoints merged into their base model (``MergeCheckpoint``)."""
+
+    async def merge_checkpoint(
+        self, address: str, run_id: str, checkpoint: CheckpointSaved, timeout: float
+    ) -> MergedCheckpoint:
+        """Has the trainer at ``address`` merge ``checkpoint`` of ``run_id``; returns once its
+        record arrived. Raises ``TrainerMergeFailed`` when the trainer refused or failed, or
+        another ``TrainerError`` when it cannot be reached."""
+        ...

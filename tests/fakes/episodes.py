@@ -9,6 +9,8 @@ their own, as input.
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 import time
 from collections.abc import Iterator
@@ -66,7 +68,7 @@ def scripted_episodes(
 ) -> list[episode_pb2.Episode]:
     """A valid episode stream for the task: rewards from ``scripted_reward``; imitation runs carry
     the policy's motion every 10th episode and on the last (the target clip plus an error that
-    shrinks as training goes), grpo runs a sample completion."""
+    shrinks as training goes), grpo runs a sample completion and ``scripted_samples``."""
     kind = contract.task_kind(task)
     clip = motion.clip_from_task(task.imitation) if kind == "imitation" else None
     total = config.max_episodes
@@ -93,8 +95,46 @@ def scripted_episodes(
             )
         elif kind == "grpo":
             episode.grpo.sample_completions.append(f"<answer>{n}</answer>")
+            episode.grpo.samples.extend(scripted_samples(n))
         episodes.append(episode)
     return episodes
+
+
+#: The colours of the fake's GRPO rows, and their pixels.
+SAMPLE_COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220)}
+
+
+@functools.cache
+def sample_thumbnail(colour: str) -> bytes:
+    """A 24 x 16 JPEG of one colour: a row's image as a trainer sends its thumbnail."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (24, 16), SAMPLE_COLOURS[colour]).save(out, "JPEG", quality=80)
+    return out.getvalue()
+
+
+def scripted_samples(n: int) -> list[episode_pb2.GrpoSample]:
+    """Episode n's samples: two rows (their colours turn with n), one answered right and one
+    wrong, with markup in the wrong answer (model output, which a page must show as text)."""
+    names = list(SAMPLE_COLOURS)
+    samples = []
+    for k, right in ((0, True), (1, False)):
+        colour = names[(n + k) % len(names)]
+        answer = f"<answer>{colour}</answer>" if right else f"<b>{names[(n + k + 1) % 3]}</b>"
+        rewards = {"exact_match": 1.0 if right else 0.0, "format": 1.0 if right else 0.0}
+        samples.append(
+            episode_pb2.GrpoSample(
+                prompt=f"What colour is the shape? (row {n}-{k})",
+                image=sample_thumbnail(colour),
+                image_type="image/jpeg",
+                completion=answer,
+                reward=sum(rewards.values()),
+                rewards=rewards,
+                solution=colour,
+            )
+        )
+    return samples
 
 
 def _now() -> timestamp_pb2.Timestamp:

@@ -69,6 +69,7 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
         slots: Concurrent Train calls it accepts; more get RESOURCE_EXHAUSTED.
         providers: What GetCapabilities reports.
         default: The script for calls with nothing queued.
+        gpus: The GPUs GetCapabilities reports (``gpus`` may be changed while it serves).
     """
 
     def __init__(
@@ -76,9 +77,11 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
         slots: int = 4,
         providers: tuple[str, ...] = ("imitation", "grpo"),
         default: Script | None = None,
+        gpus: tuple[trainer_service_pb2.Gpu, ...] = (),
     ) -> None:
         self.slots = slots
         self.providers = providers
+        self.gpus = gpus
         self.hang_capabilities = threading.Event()  # set: GetCapabilities hangs
         self.default = default or Script()
         self.scripts: deque[Script] = deque()
@@ -203,6 +206,7 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
             slots_total=self.slots,
             slots_free=free,
             server_version="fake",
+            gpus=list(self.gpus),
         )
 
     def Train(

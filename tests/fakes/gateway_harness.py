@@ -253,6 +253,16 @@ _FILE_SIZE_LIMITED = (
 )
 
 
+# The trainer's main with its slots on CUDA devices 0..N-1 of no real GPU (its device resolution
+# answers so): what it reports of its GPUs can be tested on a CPU. No job may run there.
+_ON_FAKE_CUDA = (
+    "import sys; from trainer_service.providers import _device; n = int(sys.argv[1]); "
+    "_device.resolve_device = lambda spec: ('cuda:0', 'cuda:0 (no real GPU)'); "
+    "_device.slot_devices = lambda *a: (tuple(f'cuda:{i}' for i in range(n)), f'{n} fake GPUs'); "
+    "from trainer_service.__main__ import main; sys.exit(main(sys.argv[2:]))"
+)
+
+
 @contextlib.contextmanager
 def trainer_process(
     log: Path,
@@ -260,12 +270,14 @@ def trainer_process(
     slots: int = 2,
     file_size_limit: int | None = None,
     env: Mapping[str, str] | None = None,
+    fake_cuda_devices: int = 0,
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """``python -m trainer_service --port 0 --device cpu`` (imitation and grpo providers) with
     stderr appended to ``log``; yields the process, once it printed its address, and the
     address. A process still running on exit is killed. ``file_size_limit``: the most bytes it
     may write to one file (RLIMIT_FSIZE; a larger write fails with EFBIG, as on a full disk);
-    ``env`` adds to its environment.
+    ``env`` adds to its environment; ``fake_cuda_devices``: its slots are ``cuda:0`` .. ``cuda:N-1``
+    instead, of no real GPU (for what it reports of GPUs; no job can run).
 
     The limit is set by a small Python that then execs the trainer, not by a ``preexec_fn``:
     that would fork this test process, whose other threads may be inside gRPC, and gRPC's fork
@@ -283,6 +295,8 @@ def trainer_process(
         str(slots),
         *flags,
     ]
+    if fake_cuda_devices:
+        command = [sys.executable, "-c", _ON_FAKE_CUDA, str(fake_cuda_devices), *command[3:]]
     if file_size_limit is not None:
         command = [sys.executable, "-c", _FILE_SIZE_LIMITED, str(file_size_limit), *command]
     with log.open("ab") as err:

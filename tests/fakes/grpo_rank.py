@@ -40,6 +40,7 @@ class ScriptedTrainer:
     step, and stops when one of them asks it to."""
 
     lazy_dataset = None  # no rows for the rank's background check
+    step_meter = None  # no step metrics
 
     def __init__(self, job: Any, callbacks: Sequence[Any], **kwargs: Any) -> None:
         del kwargs

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from trainer_service.providers.grpo.lazy_images import DecodeStats, LazyImageDataset
+from trainer_service.providers.grpo.rows import ImageRef
 
 MODULE = "tests.fakes.grpo_traced_rank"
 TRACE_ENV = "TRAINWIRE_TEST_TRACE"
@@ -42,8 +43,8 @@ class TracedImageDataset(LazyImageDataset):
         row[_ROW_KEY] = index
         return row
 
-    def _decode(self, index: int, path: str, raw: str, stats: DecodeStats) -> Any:
-        image = super()._decode(index, path, raw, stats)
+    def _decode(self, index: int, ref: ImageRef, stats: DecodeStats) -> Any:
+        image = super()._decode(index, ref, stats)
         _append({"decode": index, "pid": os.getpid()})
         return image
 

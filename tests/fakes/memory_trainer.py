@@ -81,7 +81,12 @@ from gateway.core.trainers import (
     TrainerRefused,
 )
 from tests.fakes.episodes import broken, make_episode, reward_of
-from trainwire.contract import check_hyperparameters, describe_violations, task_kind
+from trainwire.contract import (
+    REWARD_FUNCTIONS,
+    check_hyperparameters,
+    describe_violations,
+    task_kind,
+)
 from trainwire.v1 import episode_pb2
 
 #: Seconds between two heartbeats of a stream whose job waits (the real trainer's default).
@@ -612,6 +617,8 @@ class MemoryTrainer:
     Attributes:
         address: Where the connector reaches it.
         providers: Task kinds it offers.
+        reward_functions: The reward functions a GRPO task may name there (as a real trainer
+            refuses any other, it fails a job that names one).
         slots_total: Jobs it runs at once.
         heartbeat_s: Seconds between heartbeats of a waiting job's stream.
         call_s: Seconds every unary call (probe, grant, cancel) takes to answer or fail: a
@@ -626,6 +633,7 @@ class MemoryTrainer:
 
     address: str
     providers: tuple[str, ...] = ("imitation",)
+    reward_functions: tuple[str, ...] = REWARD_FUNCTIONS
     slots_total: int = 4
     heartbeat_s: float = HEARTBEAT_S
     call_s: float = CALL_S
@@ -677,7 +685,13 @@ class MemoryTrainer:
     def capabilities(self) -> Capabilities:
         self._check_alive()
         self.probes += 1
-        return Capabilities(self.providers, self.slots_total, self.slots_free, device="memory")
+        return Capabilities(
+            self.providers,
+            self.slots_total,
+            self.slots_free,
+            device="memory",
+            reward_functions=self.reward_functions,
+        )
 
     def open(
         self,
@@ -701,6 +715,10 @@ class MemoryTrainer:
             return MemoryStream(self, None, 0, TrainerJobExists(f"{self.address}: EXISTS"))
         if task_kind(task) not in self.providers:
             error = TrainerFailed(f"{self.address}: no provider", "No provider for this task.")
+            return MemoryStream(self, None, 0, error)
+        unknown = [n for n in task.grpo.reward_functions if n not in self.reward_functions]
+        if task_kind(task) == "grpo" and unknown:
+            error = TrainerFailed(f"{self.address}: INVALID_ARGUMENT", f"Unknown {unknown[0]}.")
             return MemoryStream(self, None, 0, error)
         if self.answer_busy > 0 or self.slots_free < job_slots(task, placement):
             self.answer_busy = max(0, self.answer_busy - 1)

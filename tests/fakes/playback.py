@@ -1,8 +1,8 @@
 """How one ``Train`` call of the fake trainer plays its ``Script``: the mixin ``ScriptPlayer``.
 
-It streams the script's episodes (``valid_episodes``, or ``scripted_episodes`` with
-``Script.motion``) after a "loading" heartbeat: normally, slowly, or not at all;
-it holds an episode until the grant covers it (with "waiting" heartbeats) or until
+It streams the script's episodes (``valid_episodes``, ``scripted_episodes`` with
+``Script.motion``, or ``Script.stream``) after a "loading" heartbeat: normally, slowly, or not
+at all; it holds an episode until the grant covers it (with "waiting" heartbeats) or until
 ``Script.release``, breaks one contract rule, or aborts with a ``google.rpc.LocalizedMessage`` or
 plainly. ``tests.fakes.fake_trainer.FakeTrainer`` mixes it in and owns the state it reads.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NoReturn
 
 import grpc
@@ -19,7 +19,7 @@ import grpc
 from tests.fakes.episodes import broken, scripted_episodes, valid_episodes
 from tests.fakes.scripts import Script
 from trainwire.reasons import ErrorReason
-from trainwire.v1 import trainer_service_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 from trainwire_ops.rich_status import rich_status
 
 
@@ -91,11 +91,15 @@ class ScriptPlayer:
             return
         yield _heartbeat(after, "loading")
         count = script.episodes or request.config.max_episodes
-        source = (
-            scripted_episodes(request.task, request.config)[:count]
-            if script.motion
-            else valid_episodes(count, script.detail_every, script.frames, script.joints)
-        )
+        source: Iterable[episode_pb2.Episode]
+        if script.stream is not None:
+            # Copies: sending stamps each episode's produce_time (and a violation edits it).
+            source = [episode_pb2.Episode.FromString(e.SerializeToString()) for e in script.stream]
+            source = source[:count]
+        elif script.motion:
+            source = scripted_episodes(request.task, request.config)[:count]
+        else:
+            source = valid_episodes(count, script.detail_every, script.frames, script.joints)
         for ep in source:
             n = ep.episode
             if n <= after:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from trainwire.v1 import episode_pb2
+
 #: Contract rules a script can break (``Script.violate``).
 VIOLATIONS = (
     "sequence",
@@ -50,6 +52,8 @@ class Script:
         joints: Joints of the imitation detail (32 with 240 frames: the contract's largest).
         motion: Send ``scripted_episodes``: a reward curve that rises and, for imitation runs,
             the motion of the task's own rig and clip (the CLI's pictures need it).
+        stream: Send these episodes instead (a valid stream the test built; ``episodes`` still
+            cuts it).
     """
 
     episodes: int | None = None
@@ -69,3 +73,4 @@ class Script:
     frames: int = 60
     joints: int = 11
     motion: bool = False
+    stream: tuple[episode_pb2.Episode, ...] | None = None

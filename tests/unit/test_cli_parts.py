@@ -69,7 +69,7 @@ def test_create_options() -> None:
     assert (grpo.model, grpo.dataset, grpo.reward, grpo.beta, grpo.workers, grpo.processes) == (
         "m",
         "d.jsonl",
-        "exact_match,length",
+        [("exact_match", None), ("length", None)],
         0.1,
         0,
         2,
@@ -322,6 +322,28 @@ def test_every_grpo_flag_has_help_and_its_default() -> None:
         assert action.help and action.help != argparse.SUPPRESS, action.option_strings
         if not action.required and action.dest not in ("quiet", "watch", "json", "verbose"):
             assert "default" in action.help, action.option_strings
+
+
+def test_grpo_lora_and_memory_flags_build_the_task() -> None:
+    from trainwire.cli._commands import grpo_task_of
+
+    def parse(flags: str) -> episode_pb2.GrpoTask:
+        command = f"runs create grpo --model m --dataset d.jsonl {flags}"
+        return grpo_task_of(build_parser().parse_args(shlex.split(command))).grpo
+
+    full = parse("")
+    assert not full.HasField("lora") and not full.gradient_checkpointing
+    defaults = parse("--lora")
+    assert defaults.HasField("lora") and defaults.lora == episode_pb2.LoraConfig()
+    tuned = parse(
+        "--lora-rank 8 --lora-alpha 4 --lora-dropout 0.1 --lora-targets 'q_proj, v_proj' "
+        "--gradient-checkpointing"
+    )
+    assert tuned.lora == episode_pb2.LoraConfig(
+        rank=8, alpha=4.0, dropout=0.1, target_modules=["q_proj", "v_proj"]
+    )
+    assert tuned.gradient_checkpointing
+    assert parse("--lora-rank 4").lora.rank == 4  # any --lora-* flag asks for LoRA
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from trainer_service.providers.grpo.callback import (
     truncate_utf8,
 )
 from trainer_service.providers.grpo.lazy_images import DatasetError
-from trainer_service.providers.grpo.rewards import CompletionTap
+from trainer_service.providers.grpo.rewards import CompletionTap, format_reward
 from trainer_service.providers.grpo.worker import (
     OUT_OF_MEMORY_ADVICE,
     RankChannel,
@@ -68,6 +68,7 @@ def test_finite_metrics_and_truncation() -> None:
 
 def test_episodes_carry_a_reward_on_every_step() -> None:
     tap = CompletionTap()
+    (score,) = tap.wrap([format_reward], ["format"])
     channel = GrantingChannel()
     gate = StepGate(EpisodeMaker(EpisodeCounter(4), tap), channel, max_steps=4)
     state, control = TrainerState(), TrainerControl()
@@ -80,7 +81,10 @@ def test_episodes_carry_a_reward_on_every_step() -> None:
         (4, None, None),
     ]:
         if texts is not None:
-            tap.record([[{"role": "assistant", "content": t}] for t in texts])
+            score(
+                prompts=[[]] * len(texts),
+                completions=[[{"role": "assistant", "content": t}] for t in texts],
+            )
         state.global_step = step
         gate.on_log(ARGS, state, control, logs=_step_logs(reward))
         gate.on_log(ARGS, state, control, logs=_step_logs(reward))  # same step again: ignored

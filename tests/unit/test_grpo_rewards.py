@@ -89,13 +89,14 @@ def test_build_names_defaults_and_tap() -> None:
     assert [f.__name__ for f in funcs] == list(DEFAULT_REWARDS)
     funcs = build_reward_functions(["length", "format"], 8, tap)
     assert [f.__name__ for f in funcs] == ["length", "format"]
-    assert tap.latest() == (0, [])
-    out = funcs[0](
-        prompts=[[]], completions=[_chat("hello")], completion_ids=[[1, 2]], solution=["s"]
-    )
+    assert tap.latest() is None
+    completions = [_chat("hello")]
+    out = funcs[0](prompts=[[]], completions=completions, completion_ids=[[1, 2]], solution=["s"])
     assert out == [0.0]
-    assert tap.latest() == (1, ["hello"])
-    funcs[1](prompts=[[]], completions=[_chat("other")])  # only the first function records
-    assert tap.latest() == (1, ["hello"])
+    assert tap.latest() is None  # until every function scored the batch
+    funcs[1](prompts=[[]], completions=completions)
+    batch = tap.latest()
+    assert batch is not None and batch.number == 1 and batch.completion(0) == "hello"
+    assert batch.function_rewards(0) == {"length": 0.0, "format": 0.0}
     with pytest.raises(ValueError, match="nope"):
         build_reward_functions(["nope"], 8)

@@ -503,9 +503,7 @@ def test_memo_and_counters_reset_after_a_fork(data: pathlib.Path) -> None:
     assert not dataset._memo
 
 
-@pytest.mark.parametrize(
-    "prompt", ["What colour is it?", [], ["hi"], [{"role": "user"}], [{"content": "x"}]]
-)
+@pytest.mark.parametrize("prompt", [3, [], ["hi"], [{"role": "user"}], [{"content": "x"}]])
 def test_a_prompt_that_is_not_chat_messages_names_the_row(
     data: pathlib.Path, prompt: object
 ) -> None:

@@ -78,8 +78,11 @@ def admit(
     registry: ProviderLookup,
     slots: SlotPool,
     data_roots: Sequence[pathlib.Path],
+    reward_modules: Sequence[str] = (),
 ) -> Admission:
     """Checks that ``request`` may start a job on this trainer (takes no slot).
+
+    ``data_roots`` and ``reward_modules`` are the trainer's, for the provider's ``validate``.
 
     Raises:
         InvalidRequest: Bad fields (every one of them), or more slots than the trainer could
@@ -101,7 +104,7 @@ def admit(
         )
     validate = getattr(provider, "validate", None)
     if validate is not None:
-        violations = validate(request.task, data_roots)
+        violations = validate(request.task, data_roots, reward_modules)
         if violations:
             raise InvalidRequest(run_id, violations)
     return Admission(kind, provider, _slots_needed(run_id, provider, kind, request, slots))

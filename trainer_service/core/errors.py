@@ -16,6 +16,9 @@ Each class carries its status code (a ``grpc.StatusCode`` name: the core imports
 | JobCancelled | CANCELLED | JOB_CANCELLED |
 | JobFinished | FAILED_PRECONDITION | JOB_FINISHED |
 | ShuttingDown | UNAVAILABLE | SHUTTING_DOWN |
+| CheckpointNotFound | NOT_FOUND | CHECKPOINT_NOT_FOUND |
+| CheckpointCorrupt | DATA_LOSS | CHECKPOINT_CORRUPT |
+| CheckpointStoreUnavailable | UNAVAILABLE | CHECKPOINT_STORE_UNAVAILABLE |
 
 ``ProviderError`` (a provider's failure, with a message for users) lives in
 ``trainer_service.core.provider`` next to the interface providers implement;
@@ -164,3 +167,24 @@ class JobFinished(TrainerError):
             run_id,
             f"the job has no optimizer step left to change: it ended at episode {last_episode}",
         )
+
+
+class CheckpointNotFound(TrainerError):
+    """The checkpoint store holds no such checkpoint (``NOT_FOUND``)."""
+
+    status_code = "NOT_FOUND"
+    reason = ErrorReason.CHECKPOINT_NOT_FOUND
+
+
+class CheckpointCorrupt(TrainerError):
+    """A stored checkpoint does not match its digest (``DATA_LOSS``)."""
+
+    status_code = "DATA_LOSS"
+    reason = ErrorReason.CHECKPOINT_CORRUPT
+
+
+class CheckpointStoreUnavailable(TrainerError):
+    """The trainer has no checkpoint store, or cannot read it (``UNAVAILABLE``)."""
+
+    status_code = "UNAVAILABLE"
+    reason = ErrorReason.CHECKPOINT_STORE_UNAVAILABLE

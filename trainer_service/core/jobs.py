@@ -24,6 +24,7 @@ import pathlib
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ from trainer_service.core.job_stream import Heartbeat, JobStream
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
 from trainer_service.core.placement import placement_of
 from trainer_service.core.provider import NoCheckpoints, TrainJob
-from trainer_service.core.runner_settings import Capabilities, RunnerSettings
+from trainer_service.core.runner_settings import Capabilities, Gpu, RunnerSettings
 from trainer_service.core.slots import SlotPool
 from trainwire import contract
 from trainwire.v1 import trainer_service_pb2
@@ -55,6 +56,7 @@ from trainwire_ops.checkpoints import CheckpointInfo, CheckpointStore
 __all__ = [
     "Capabilities",
     "FinalCheckpoint",
+    "Gpu",
     "Heartbeat",
     "JobObserver",
     "JobOutcome",
@@ -111,6 +113,8 @@ class JobRunner:
             checkpoints (the trainer's metrics); ignored by default.
         checkpoint_store: Where jobs write their checkpoints and find the ones they resume
             from; None: jobs write none and resume from none.
+        gpus: Reads the GPUs the jobs may use, for :meth:`capabilities` (called on every
+            call: it caches what it must); none by default.
     """
 
     def __init__(
@@ -121,8 +125,10 @@ class JobRunner:
         server_version: str = "",
         observer: JobObserver | None = None,
         checkpoint_store: CheckpointStore | None = None,
+        gpus: Callable[[], Sequence[Gpu]] = tuple,
     ) -> None:
         self._registry = registry
+        self._gpus = gpus
         self.checkpoint_store = checkpoint_store
         self.observer: JobObserver = observer or NullJobObserver()
         self.slots = slots
@@ -160,7 +166,13 @@ class JobRunner:
         run_id = request.run_id
         if self._shutting_down:
             raise ShuttingDown(run_id)
-        admitted = admit(request, self._registry, self.slots, self.settings.data_roots)
+        admitted = admit(
+            request,
+            self._registry,
+            self.slots,
+            self.settings.data_roots,
+            self.settings.reward_modules,
+        )
         kind = admitted.kind
         with self._cond:
             existing = self._live.get(run_id)
@@ -266,6 +278,7 @@ class JobRunner:
             placement=placement_of(request),
             rendezvous_host=self.settings.rendezvous_host,
             announce_rendezvous=lambda address: holder[0].announce_rendezvous(address),
+            reward_modules=self.settings.reward_modules,
         )
         job = RunningJob(
             train_job,
@@ -480,6 +493,11 @@ class JobRunner:
             self._cond.notify_all()
         _LOGGER.debug("run %s: job thread exited, slots %s released", job.run_id, slots)
 
+    @property
+    def providers(self) -> ProviderLookup:
+        """The provider registry jobs start from (merged downloads find their provider there)."""
+        return self._registry
+
     def job(self, run_id: str) -> RunningJob | None:
         """The live job of ``run_id``, if any."""
         with self._cond:
@@ -524,4 +542,15 @@ class JobRunner:
             torch_version=_package_version("torch"),
             trl_version=_package_version("trl"),
             server_version=self._server_version,
+            gpus=tuple(self._gpus()),
+            reward_functions=self._reward_functions(),
         )
+
+    def _reward_functions(self) -> tuple[str, ...]:
+        """Every reward name the providers offer here (those that have rewards), in order."""
+        names: list[str] = []
+        for kind in self._registry.available():
+            offered = getattr(self._registry.get(kind), "reward_functions", None)
+            if offered is not None:
+                names.extend(n for n in offered(self.settings.reward_modules) if n not in names)
+        return tuple(names)

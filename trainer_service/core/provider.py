@@ -2,8 +2,11 @@
 
 A provider is a module exposing ``run(job: TrainJob) -> Iterator[Episode]`` (fully filled
 episodes: ``episode``, ``reward``, ``best_reward``, ``done``, ``metrics``, ``produce_time`` and
-``detail``), optionally ``validate(task, data_roots) -> list[FieldViolation]`` (called before a
-slot is taken; any violation answers ``INVALID_ARGUMENT``) and optionally
+``detail``), optionally ``validate(task, data_roots, reward_modules) -> list[FieldViolation]``
+(called before a slot is taken, with the trainer's data roots and ``--reward-module`` specs; any
+violation answers ``INVALID_ARGUMENT``), optionally ``reward_functions(reward_modules) ->
+Sequence[str]`` (the reward names its tasks may use on this trainer: ``GetCapabilities``) and
+optionally
 ``slots_needed(task) -> int`` (slots, i.e. devices, the job takes: one per process it runs; 1
 without it), and ``DEFAULT_CHECKPOINT_EVERY`` (its checkpoint interval when the config leaves
 ``checkpoint_every`` at 0), and optionally ``hyperparameters(task)`` and
@@ -190,6 +193,8 @@ class TrainJob:
             trainer's ``--rendezvous-host``).
         announce_rendezvous: Called by rank 0's share with ``HOST:PORT`` once the job's
             rendezvous is bound: the job's stream sends it on (``TrainResponse.rendezvous``).
+        reward_modules: The trainer's ``--reward-module`` specs: the provider imports them for
+            the reward functions they define.
     """
 
     run_id: str
@@ -208,6 +213,7 @@ class TrainJob:
     placement: Placement | None = None
     rendezvous_host: str = DEFAULT_RENDEZVOUS_HOST
     announce_rendezvous: Callable[[str], None] = field(default=lambda address: None)
+    reward_modules: tuple[str, ...] = ()
 
     @property
     def data_roots(self) -> tuple[pathlib.Path, ...]:

@@ -1,6 +1,7 @@
 """How the job runner runs jobs and what it reports of itself: :class:`RunnerSettings` (with the
-defaults of its stream settings) and :class:`Capabilities` (``GetCapabilities``). The runner
-itself lives in ``trainer_service.core.jobs``, which re-exports both."""
+defaults of its stream settings) and :class:`Capabilities` (``GetCapabilities``, with each
+:class:`Gpu` its jobs may use). The runner itself lives in ``trainer_service.core.jobs``, which
+re-exports them."""
 
 from __future__ import annotations
 
@@ -20,8 +21,29 @@ DEFAULT_DETACH_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
+class Gpu:
+    """One GPU a trainer's jobs may use, as read when asked (``GetCapabilitiesResponse.gpus``).
+
+    Attributes:
+        index: Its CUDA device index in the trainer (``cuda:N``: after
+            ``CUDA_VISIBLE_DEVICES``).
+        name: The device's name (``NVIDIA H200``).
+        memory_total_bytes: Its memory.
+        memory_used_bytes: Memory in use by every process on it.
+        utilization: Compute utilization over the driver's last sample period, 0..1.
+    """
+
+    index: int
+    name: str
+    memory_total_bytes: int
+    memory_used_bytes: int
+    utilization: float
+
+
+@dataclass(frozen=True)
 class Capabilities:
-    """What this trainer offers and how busy it is."""
+    """What this trainer offers and how busy it is; ``gpus`` in CUDA index order (empty on a
+    CPU trainer)."""
 
     providers: tuple[str, ...]
     device: str
@@ -30,6 +52,10 @@ class Capabilities:
     torch_version: str
     trl_version: str
     server_version: str
+    gpus: tuple[Gpu, ...] = ()
+    #: Every reward function name a task may use here (GRPO's built-in ones, then those of
+    #: the trainer's reward modules).
+    reward_functions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,8 @@ class RunnerSettings:
         rendezvous_host: The address of this machine that jobs spanning several trainers
             meet on: rank 0's trainer binds the job's rendezvous there, and every rank's
             collectives use the interface that owns it.
+        reward_modules: The trainer's ``--reward-module`` specs (modules or ``.py`` files),
+            which providers import for their reward functions; no request can add one.
     """
 
     device: str = "cpu"
@@ -66,6 +94,7 @@ class RunnerSettings:
     detach_grace_s: float = DEFAULT_DETACH_GRACE_S
     scratch_dir: pathlib.Path | None = None
     rendezvous_host: str = DEFAULT_RENDEZVOUS_HOST
+    reward_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.data_roots:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+
+from trainer_service.core.jobs import Gpu
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -58,3 +61,20 @@ def slot_devices(
         label = f"{count} x {' / '.join(names)} (cuda:0..{count - 1}, one slot per GPU)"
         return tuple(f"cuda:{i}" for i in range(count)), label
     return (device,), description
+
+
+def torch_gpus(indices: Sequence[int]) -> list[Gpu]:
+    """The name and total memory of CUDA devices ``indices``, as torch reads them (none
+    without CUDA): the fallback of :class:`trainer_service.gpus.GpuProbe` where neither NVML nor
+    ``nvidia-smi`` is found. Memory in use and utilization read 0: torch has them only through
+    NVML, or from a CUDA context that would take memory on every GPU in this process."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for index in indices:
+        if index < torch.cuda.device_count():
+            props = torch.cuda.get_device_properties(index)
+            gpus.append(Gpu(index, props.name, int(props.total_memory), 0, 0.0))
+    return gpus

@@ -96,14 +96,16 @@ CHECKPOINT_FORMAT = "trainwire-imitation/1"
 
 
 def validate(
-    task: episode_pb2.TrainTask, data_roots: Sequence[pathlib.Path]
+    task: episode_pb2.TrainTask,
+    data_roots: Sequence[pathlib.Path],
+    reward_modules: Sequence[str] = (),
 ) -> list[FieldViolation]:
     """Checks what the contract cannot: the rig must have a height in the clip's first frame.
 
     The reward divides by that height, so a pose lying flat on the x axis cannot be scored.
     Called after the contract's structural checks passed.
     """
-    del data_roots
+    del data_roots, reward_modules
     imitation = task.imitation
     rig = motion.rig_from_task(imitation)
     clip = motion.clip_from_task(imitation)

@@ -69,11 +69,24 @@ def cmd_create_imitation(client: GatewayClient, args: argparse.Namespace, out: O
     return _create(client, args, out, task)
 
 
-def cmd_create_grpo(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
-    task = grpo_task(
+def grpo_task_of(args: argparse.Namespace) -> episode_pb2.TrainTask:
+    """The task ``runs create grpo`` asks for: ``--reward NAME[=WEIGHT],...`` sends weights
+    only when one is given (then a reward without one weighs 1); ``--*-column`` names the
+    dataset's columns."""
+    rewards: list[tuple[str, float | None]] = args.reward
+    # Weights go only when one is given; then a reward without one weighs 1.
+    weighted = any(weight is not None for _, weight in rewards)
+    columns = {
+        role: getattr(args, f"{role}_column")
+        for role in ("prompt", "images", "solution")
+        if getattr(args, f"{role}_column")
+    }
+    return grpo_task(
         model=args.model,
         dataset=args.dataset,
-        reward_functions=[r.strip() for r in args.reward.split(",") if r.strip()],
+        reward_functions=[name for name, _ in rewards],
+        reward_weights=[1.0 if w is None else w for _, w in rewards] if weighted else [],
+        columns=columns,
         num_generations=args.num_generations,
         batch_size=args.batch_size,
         max_completion_length=args.max_completion_length,
@@ -84,8 +97,27 @@ def cmd_create_grpo(client: GatewayClient, args: argparse.Namespace, out: Output
         dataloader_num_workers=args.workers,
         dataloader_prefetch_factor=args.prefetch,
         num_processes=args.processes,
+        lora=_lora_of(args),
+        gradient_checkpointing=args.gradient_checkpointing,
     )
-    return _create(client, args, out, task)
+
+
+def _lora_of(args: argparse.Namespace) -> episode_pb2.LoraConfig | None:
+    """``--lora`` or any ``--lora-*`` flag asks for LoRA; zeros and empties are the
+    defaults."""
+    targets = [name.strip() for name in args.lora_targets.split(",") if name.strip()]
+    if not (args.lora or args.lora_rank or args.lora_alpha or args.lora_dropout or targets):
+        return None
+    return episode_pb2.LoraConfig(
+        rank=args.lora_rank,
+        alpha=args.lora_alpha,
+        dropout=args.lora_dropout,
+        target_modules=targets,
+    )
+
+
+def cmd_create_grpo(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
+    return _create(client, args, out, grpo_task_of(args))
 
 
 def cmd_list(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
@@ -124,13 +156,16 @@ def cmd_checkpoints(client: GatewayClient, args: argparse.Namespace, out: Output
 
 def cmd_download(client: GatewayClient, args: argparse.Namespace, out: Output) -> int:
     try:
-        record = client.download_checkpoint(args.run_id, args.out, episode=args.episode)
+        record = client.download_checkpoint(
+            args.run_id, args.out, episode=args.episode, merged=args.merged
+        )
     except FileExistsError as exc:
         raise CliError(f"--out: {exc}") from None
     except OSError as exc:
         raise CliError(f"--out {args.out}: {exc.strerror or exc}") from None
+    what = "checkpoint merged into its base model" if args.merged else "checkpoint"
     out.result(
-        f"run {args.run_id}: checkpoint at episode {record.episode} "
+        f"run {args.run_id}: {what} at episode {record.episode} "
         f"({_format.size_text(record.size_bytes)}, SHA-256 {record.sha256}) extracted into "
         f"{args.out}",
         {"checkpoint": _format.to_dict(record), "out": str(args.out)},

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainwire.cli import _format
 from trainwire.cli._output import (
@@ -32,6 +32,9 @@ from trainwire.client import (
     state_name,
 )
 from trainwire.v1 import episode_pb2, gateway_service_pb2
+
+if TYPE_CHECKING:
+    from trainwire.cli._watch import WatchView
 
 
 def _watch_exit(run: Run) -> int:
@@ -119,7 +122,7 @@ def cmd_watch(client: GatewayClient, args: argparse.Namespace, out: Output) -> i
     run = client.get_run(args.run_id)
     view = WatchView(run, args.after)
     console = Console()
-    # The view shows numbers only: the detail would be bytes for nothing.
+    # The view shows numbers only: the detail of the history would be bytes for nothing.
     stream = client.watch(
         args.run_id,
         args.after,
@@ -129,6 +132,7 @@ def cmd_watch(client: GatewayClient, args: argparse.Namespace, out: Output) -> i
     with (
         _detach_on_ctrl_c(stream) as interrupted,
         Live(console=console, get_renderable=view.render, refresh_per_second=8),
+        _latest_answers(client, run, args.after, view),  # ends first: the last frame has them
     ):
         for event in stream:
             view.on_event(event)
@@ -137,6 +141,39 @@ def cmd_watch(client: GatewayClient, args: argparse.Namespace, out: Output) -> i
     if interrupted.is_set() or view.finished is None:
         return _detached(args.run_id, stream.last_episode)
     return _report_end(view.finished)
+
+
+@contextlib.contextmanager
+def _latest_answers(client: GatewayClient, run: Run, after: int, view: WatchView) -> Iterator[None]:
+    """For a GRPO run, feeds ``view`` the samples of its episodes from the latest one on (not
+    the history's: a thumbnail per sample adds up over a long run), on a stream of their own
+    followed by a thread. On exit it cancels that stream, after waiting briefly for its last
+    episodes when the run ended."""
+    if run.task.WhichOneof("kind") != "grpo":
+        yield
+        return
+    answers = client.watch(run.id, max(after, run.episode - 1), view=EpisodeView.EPISODE_VIEW_FULL)
+
+    def follow() -> None:
+        # The main stream reports the run's end and any error; this one only shows answers.
+        with contextlib.suppress(Exception):
+            for event in answers:
+                if isinstance(event, episode_pb2.Episode):
+                    view.on_answers(event)
+
+    thread = threading.Thread(target=follow, name="trainwire-answers", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        if view.finished is not None:
+            thread.join(_ANSWERS_GRACE_S)  # this stream ends too, right after the main one
+        answers.cancel()
+        thread.join(_ANSWERS_GRACE_S)
+
+
+#: How long the live view waits for the answers of a run's last episodes once the run ended.
+_ANSWERS_GRACE_S = 2.0
 
 
 def _report_end(run: Run) -> int:

@@ -7,6 +7,7 @@ number``, never an internal function's name.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,25 @@ def _number(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _rewards(text: str) -> list[tuple[str, float | None]]:
+    """``--reward NAME[=WEIGHT],...``: each reward's name and weight (None: not given)."""
+    rewards: list[tuple[str, float | None]] = []
+    for part in text.split(","):
+        name, equals, weight = part.partition("=")
+        name = name.strip()
+        if not name:
+            if equals or part.strip():
+                raise argparse.ArgumentTypeError(f"{part.strip()!r} names no reward function")
+            continue
+        value = None
+        if equals:
+            value = _number(weight.strip())
+            if not math.isfinite(value):
+                raise argparse.ArgumentTypeError(f"the weight of {name} is {weight.strip()}")
+        rewards.append((name, value))
+    return rewards
 
 
 def _integer(text: str) -> int:
@@ -295,14 +315,33 @@ def build_parser() -> argparse.ArgumentParser:
         "of its --data-root directories).",
     )
     grpo.add_argument("--model", required=True, metavar="DIR", help="model directory")
-    grpo.add_argument("--dataset", required=True, metavar="FILE", help="JSONL dataset file")
+    grpo.add_argument(
+        "--dataset",
+        required=True,
+        metavar="PATH",
+        help="the dataset: a .jsonl or .parquet file, or a directory written by datasets' "
+        "save_to_disk",
+    )
     grpo.add_argument(
         "--reward",
-        default="",
-        metavar="NAMES",
-        help=f"comma-separated reward functions ({', '.join(REWARD_FUNCTIONS)}); "
-        "default: exact_match,format",
+        type=_rewards,
+        default=[],
+        metavar="NAME[=WEIGHT],...",
+        help=f"comma-separated reward functions: built-in ({', '.join(REWARD_FUNCTIONS)}) or "
+        "MODULE:FUNCTION of a trainer's --reward-module, each with an optional weight (a "
+        "missing one is 1); default: exact_match,format",
     )
+    for role, default in (
+        ("prompt", "prompt"),
+        ("images", "images, else image, else image_paths"),
+        ("solution", "solution"),
+    ):
+        grpo.add_argument(
+            f"--{role}-column",
+            default="",
+            metavar="NAME",
+            help=f"the dataset's {role} column (default: {default})",
+        )
     trainers = "0: the trainer's default (see GrpoTask in episode.proto)"
     for flag, kind, meta, text in (
         ("--num-generations", _integer, "N", "completions sampled per prompt, 2..64"),
@@ -355,6 +394,47 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="batches each worker prefetches, 1..64 (default: unset, the trainer's default)",
+    )
+    grpo.add_argument(
+        "--lora",
+        action="store_true",
+        help="train LoRA adapters instead of every weight (implied by any --lora-* flag); "
+        "the download is then the adapter in peft's format, or the merged model with "
+        "`runs download --merged` (default: off, full fine-tuning)",
+    )
+    grpo.add_argument(
+        "--lora-rank",
+        type=_integer,
+        default=0,
+        metavar="R",
+        help="rank of the adapters, 1..256 (default: 16)",
+    )
+    grpo.add_argument(
+        "--lora-alpha",
+        type=_number,
+        default=0.0,
+        metavar="A",
+        help="LoRA scaling alpha, > 0 (default: 2 x rank)",
+    )
+    grpo.add_argument(
+        "--lora-dropout",
+        type=_number,
+        default=0.0,
+        metavar="P",
+        help="dropout on the adapters' input, in [0, 1) (default: none)",
+    )
+    grpo.add_argument(
+        "--lora-targets",
+        default="",
+        metavar="NAME,...",
+        help="comma-separated module names to adapt, as peft matches them, e.g. "
+        "q_proj,v_proj (default: every linear layer of the language model)",
+    )
+    grpo.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass: less memory, more compute "
+        "(default: off)",
     )
     _run_options(grpo, 20)
     grpo.set_defaults(handler=cmd_create_grpo)
@@ -415,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="DIR",
         help="a directory that does not exist yet (or is empty) to extract it into",
+    )
+    download.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA run's adapter merged into its base model by a trainer: model/ then loads "
+        "with transformers alone (without it, model/ is the adapter, for peft)",
     )
     download.set_defaults(handler=cmd_download)
 

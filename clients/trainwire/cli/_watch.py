@@ -1,8 +1,10 @@
 """``trainwire watch``: the state behind the live view, and the rich rendering of it.
 
 ``WatchView`` folds watch events into what the view shows (progress, live rate, ETA, state,
-rewards, the learning curve, connection health). It is plain Python; only ``render`` imports rich,
-so the JSON mode and the tests of the bookkeeping need no rich.
+rewards, the learning curve, connection health, and for a GRPO run the latest answers: the
+samples of the latest episode that has some, each answer beside the expected one and its
+reward). It is plain Python; only ``render`` imports rich, so the JSON mode and the tests of the
+bookkeeping need no rich.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ if TYPE_CHECKING:
 
 # Live episodes within this many seconds make up the displayed rate.
 _RATE_WINDOW_S = 10.0
+#: The latest answers shown, and how much of each text.
+SHOWN_ANSWERS = 4
+_ANSWER_CHARS = 48
 _STATE_STYLE = {
     "pending": "yellow",
     "running": "green",
@@ -55,6 +60,9 @@ class WatchView:
         self.reconnects = 0
         self.last_message = clock()
         self.keepalives = 0
+        #: The latest episode with GRPO samples, and the samples shown of it.
+        self.answers_episode = 0
+        self.answers: list[episode_pb2.GrpoSample] = []
         self._arrivals: deque[tuple[float, int]] = deque()
         # rich renders from its refresh thread while events arrive on the main thread.
         self._lock = threading.Lock()
@@ -73,6 +81,7 @@ class WatchView:
             self.reward = event.reward
             self.best_reward = event.best_reward
             self.rewards.append(event.reward)
+            self._take_answers(event)
             if self.caught_up:  # replayed history would inflate the rate
                 self._arrivals.append((now, event.episode))
                 while self._arrivals and now - self._arrivals[0][0] > _RATE_WINDOW_S:
@@ -88,6 +97,19 @@ class WatchView:
             self.finished = event
             self.state = event.state
             self.run = event
+
+    def on_answers(self, episode: episode_pb2.Episode) -> None:
+        """Shows an episode's samples, if it has any and is not older than those shown (the
+        live view reads them from a stream of their own)."""
+        with self._lock:
+            self._take_answers(episode)
+
+    def _take_answers(self, episode: episode_pb2.Episode) -> None:
+        if episode.WhichOneof("detail") != "grpo" or not episode.grpo.samples:
+            return
+        if episode.episode >= self.answers_episode:
+            self.answers_episode = episode.episode
+            self.answers = list(episode.grpo.samples[:SHOWN_ANSWERS])
 
     def on_reconnect(self, reconnect: Reconnect) -> None:
         """Records a dropped stream that ``watch`` is about to resume."""
@@ -171,9 +193,50 @@ class WatchView:
         text, style = self.connection_text()
         grid.add_row("link", Text(("● " if style == "green" else "◌ ") + text, style=style))
         parts: list[RenderableType] = [grid]
+        if self.answers:
+            parts.append(self._answers_table())
         if self.finished is not None and self.finished.error_message:
             parts.append(Text(f"error: {clean(self.finished.error_message)}", style="bold red"))
         title = f"run {self.run.id} · {task_summary(self.run)}"
         if self.run.display_name:
             title += f" · {clean(self.run.display_name)}"
         return Panel(Group(*parts), title=title, title_align="left", expand=False)
+
+    def _answers_table(self) -> RenderableType:
+        """The latest answers: answer, expected answer, reward (model and dataset text as plain
+        text: control characters escaped, no rich markup)."""
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(
+            title=f"latest answers (episode {self.answers_episode})",
+            title_justify="left",
+            title_style="bold",
+            box=None,
+            padding=(0, 1),
+        )
+        table.add_column("answer", overflow="fold")
+        table.add_column("expected", overflow="fold")
+        table.add_column("reward", justify="right")
+        for sample in self.answers:
+            table.add_row(
+                Text(one_line(sample.completion)),
+                Text(one_line(sample.solution) or "-"),
+                Text(f"{sample.reward:.2f}", style=_reward_style(sample)),
+            )
+        return table
+
+
+def one_line(text: str, limit: int = _ANSWER_CHARS) -> str:
+    """``text`` on one line (whitespace runs as one space), escaped (``clean``), at most
+    ``limit`` characters (an ellipsis ends a cut one)."""
+    flat = clean(" ".join(text.split()))
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _reward_style(sample: episode_pb2.GrpoSample) -> str:
+    """Green for an answer that matched (``exact_match`` 1), red for one that did not."""
+    match = sample.rewards.get("exact_match")
+    if match is None:
+        return ""
+    return "green" if match >= 1.0 else "red"

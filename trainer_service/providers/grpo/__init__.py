@@ -7,18 +7,21 @@ trainers runs its ranks on each of them, meeting in rank 0's store, :mod:`.rende
 settings of :mod:`.settings`, and :mod:`.callback` turns its steps into episodes.
 
 Importing this package is cheap (no torch, trl or transformers): the registry imports it to list
-providers, :func:`validate` runs before a slot is taken, and :func:`hyperparameters` /
+providers, :func:`validate` runs before a slot is taken, :func:`reward_functions` lists the reward
+names a task may use (those of the trainer's reward modules included), and :func:`hyperparameters` /
 :func:`check_hyperparameters` answer for live changes (:mod:`.hyperparameters`). Neither does
 :func:`run` import the training stack into the trainer: its processes do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import pathlib
+import threading
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from trainer_service.providers.grpo.hyperparameters import check_hyperparameters, hyperparameters
-from trainer_service.providers.grpo.validation import validate
+from trainer_service.providers.grpo.validation import reward_functions, validate
 
 if TYPE_CHECKING:
     from trainer_service.core.provider import TrainJob
@@ -28,6 +31,8 @@ __all__ = [
     "DEFAULT_CHECKPOINT_EVERY",
     "check_hyperparameters",
     "hyperparameters",
+    "merge_checkpoint",
+    "reward_functions",
     "run",
     "slots_needed",
     "validate",
@@ -52,3 +57,16 @@ def slots_needed(task: episode_pb2.TrainTask) -> int:
     """Trainer slots (devices) a task takes: one per process (a share of a job placed across
     trainers takes its own processes' slots instead; the runner's admission sees to that)."""
     return max(1, task.grpo.num_processes)
+
+
+def merge_checkpoint(
+    checkpoint_dir: pathlib.Path,
+    out_dir: pathlib.Path,
+    data_roots: Sequence[pathlib.Path],
+    stop: threading.Event,
+) -> None:
+    """Writes a LoRA checkpoint merged into its base model into ``out_dir``, in a process of its
+    own (the trainer loads no training stack; see :func:`.merge.merge_checkpoint`)."""
+    from trainer_service.providers.grpo import merge
+
+    merge.merge_checkpoint(checkpoint_dir, out_dir, data_roots, stop)

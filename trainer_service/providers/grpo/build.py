@@ -15,8 +15,14 @@ training DataLoader draws its worker seeds from a generator of its own, so the n
 workers does not change the stream: 0 and N workers train on the same rows and sample the same
 completions, epoch after epoch.
 
+LoRA (``GrpoTask.lora``, :mod:`.lora`): the model loaded is the task's base model, and TRL wraps
+it with the job's adapters (``peft_config``), so that its reference (beta above 0) is that base
+model with the adapters disabled. Gradient checkpointing is the task's switch (:mod:`.settings`);
+with adapters TRL makes the inputs require gradients, which checkpointed frozen layers need.
+
 Resuming (``job.resume``): the weights come from the checkpoint's ``model/`` (every tensor of
-the model, none left over, or :class:`CheckpointUnusable`), the processor from the task's model;
+the model, none left over, or :class:`CheckpointUnusable`; a LoRA job loads its base model from
+the task and every adapter tensor from the checkpoint), the processor from the task's model;
 ``LazyGRPOTrainer.train(resume_from_checkpoint=<checkpoint>/trainer)`` then restores the rest
 the way ``Trainer`` does (see :mod:`.checkpoint`), any file that does not load being
 :class:`CheckpointUnusable` too. Each epoch's order depends on the epoch alone
@@ -26,6 +32,7 @@ the way ``Trainer`` does (see :mod:`.checkpoint`), any file that does not load b
 from __future__ import annotations
 
 import pathlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,9 +49,10 @@ from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from trainer_service.core.provider import CheckpointUnusable, ProviderError, TrainJob
-from trainer_service.providers.grpo import checkpoint
+from trainer_service.providers.grpo import checkpoint, lora
 from trainer_service.providers.grpo import checkpoint_files as files
 from trainer_service.providers.grpo.lazy_images import (
+    Columns,
     LazyImageDataset,
     RowTransform,
     resolve_cache_dir,
@@ -52,9 +60,15 @@ from trainer_service.providers.grpo.lazy_images import (
 from trainer_service.providers.grpo.library_output import WorkerLogging, route_library_output
 from trainer_service.providers.grpo.lifeline import WorkerWatchdog
 from trainer_service.providers.grpo.loader_parts import WorkerSeed, collate_rows
+from trainer_service.providers.grpo.reward_modules import (
+    RewardFunction,
+    RewardModuleError,
+    load_reward_modules,
+)
 from trainer_service.providers.grpo.rewards import CompletionTap, build_reward_functions
 from trainer_service.providers.grpo.sampler import EpochSampler
 from trainer_service.providers.grpo.settings import Settings, training_args
+from trainer_service.providers.grpo.step_metrics import CudaMemory, StepMeter
 from trainer_service.providers.grpo.validation import resolve_in_roots
 
 
@@ -70,26 +84,46 @@ def _resolve(job: TrainJob, requested: str, what: str) -> pathlib.Path:
 
 
 def load_dataset(job: TrainJob, provenance_key: str | None = None) -> LazyImageDataset:
-    """Opens the task's JSONL dataset lazily (no row is parsed, no image decoded here).
+    """Opens the task's dataset lazily (no row is parsed, no image decoded here): a JSONL file,
+    a ``.parquet`` file or a ``save_to_disk`` directory, with the task's column names.
 
     Raises:
-        ProviderError: Missing or unreadable file, or one without rows. Bad rows are reported
-            when read (see :mod:`.rows`).
+        ProviderError: Missing or unreadable dataset, one without rows, or one whose schema
+            lacks a column the task names. Bad rows are reported when read (see :mod:`.rows`).
     """
     task = job.task.grpo
     path = _resolve(job, task.dataset_path, "dataset")
-    if not path.is_file():
+    if not path.exists():
         raise ProviderError(
             f"The dataset file {task.dataset_path!r} was not found on the trainer.",
             detail=str(path),
             reason="DATASET_NOT_FOUND",
         )
-    return LazyImageDataset.from_jsonl(
+    columns = task.columns
+    return LazyImageDataset.open(
         path,
         data_root=job.data_roots,
         cache_dir=resolve_cache_dir(job.image_cache_dir),
         provenance_key=provenance_key,
+        columns=Columns(columns.prompt, columns.images, columns.solution),
     )
+
+
+def load_rewards(job: TrainJob) -> dict[str, RewardFunction]:
+    """The reward functions of the trainer's reward modules (imported in this process).
+
+    Raises:
+        ProviderError: A module that imported in the trainer does not import here.
+    """
+    try:
+        return load_reward_modules(job.reward_modules)
+    except RewardModuleError as exc:
+        raise ProviderError(
+            "The trainer's reward modules could not be imported in the training process.",
+            detail=str(exc),
+            code="INTERNAL",
+            reason="REWARD_MODULE_FAILED",
+        ) from exc
 
 
 def task_model_dir(job: TrainJob) -> pathlib.Path:
@@ -111,7 +145,8 @@ def task_model_dir(job: TrainJob) -> pathlib.Path:
 
 def load_model(job: TrainJob, dtype: torch.dtype) -> tuple[Any, ProcessorMixin]:
     """Loads the vision-language model and its processor from local files only (the weights
-    from ``job.resume``'s checkpoint when it has one).
+    from ``job.resume``'s checkpoint when it has one, unless the job trains LoRA adapters: then
+    the task's model is the base, and the adapter is loaded once TRL wrapped it).
 
     Raises:
         ProviderError: Missing directory, unloadable files, or not a vision-language model.
@@ -124,7 +159,7 @@ def load_model(job: TrainJob, dtype: torch.dtype) -> tuple[Any, ProcessorMixin]:
             path, local_files_only=True, padding_side="left", truncation_side="left"
         )
         model = None
-        if job.resume is None:
+        if job.resume is None or task.HasField("lora"):
             model = AutoModelForImageTextToText.from_pretrained(
                 path, local_files_only=True, dtype=dtype
             )
@@ -197,13 +232,25 @@ class LazyGRPOTrainer(GRPOTrainer):
     Attributes:
         lazy_dataset: The rows behind ``train_dataset``.
         model_fingerprint: The task model's fingerprint (``checkpoint_files``).
+        model_path: The task's model path as it named it (a LoRA checkpoint records its base).
         update_steps_per_epoch: Optimizer steps in one pass over the data (once the training
             DataLoader exists).
     """
 
     lazy_dataset: LazyImageDataset | None = None
     model_fingerprint: str = ""
+    model_path: str = ""
     update_steps_per_epoch: int = 0
+    #: Times each generation (seconds and completion tokens; :mod:`.step_metrics`).
+    step_meter: StepMeter | None = None
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        completion_ids, *rest = super()._generate_single_turn(*args, **kwargs)
+        if self.step_meter is not None:
+            tokens = sum(len(ids) for ids in completion_ids)
+            self.step_meter.generated(time.perf_counter() - started, tokens)
+        return (completion_ids, *rest)
 
     def _get_train_sampler(self, dataset: Any = None) -> EpochSampler:
         sampler = super()._get_train_sampler(dataset)
@@ -235,6 +282,7 @@ class LazyGRPOTrainer(GRPOTrainer):
             "best_reward": best_reward,
             "last_reward": last_reward,
             "model_fingerprint": self.model_fingerprint,
+            "model_path": self.model_path,
         }
         return checkpoint.save(self, directory, extra)
 
@@ -264,11 +312,15 @@ class LazyGRPOTrainer(GRPOTrainer):
             generation_kwargs = getattr(self, "generation_kwargs", None)
             if generation_kwargs is not None:
                 generation_kwargs["temperature"] = temperature
-            for model in (self.accelerator.unwrap_model(self.model), self.ref_model):
+            policy = self.accelerator.unwrap_model(self.model)
+            if lora.is_lora(policy):  # TRL fused the head of the model under the adapters
+                policy = policy.get_base_model()
+            for model in (policy, self.ref_model):
                 if model is not None:
                     set_fused_head_temperature(model, temperature)
         if beta is not None:
-            if beta > 0 and self.ref_model is None:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            if beta > 0 and self.ref_model is None and not lora.is_lora(unwrapped):
                 # The trainer refuses this before it reaches a rank (hyperparameters.py).
                 raise ValueError("beta > 0 needs a reference model, and this job has none")
             self.beta = beta
@@ -402,7 +454,7 @@ def build_trainer(
         callbacks: Extra trainer callbacks (the streaming callback).
         output_dir: Trainer scratch directory (nothing is saved there: ``save_strategy="no"``;
             checkpoints go where the job says, see :meth:`LazyGRPOTrainer.save_checkpoint`).
-        tap: Receives each scored batch's completions.
+        tap: Receives each scored batch (every reward function is tapped).
         provenance_key: Passed to :class:`LazyImageDataset` (diagnostics and tests).
 
     Raises:
@@ -410,6 +462,7 @@ def build_trainer(
         CheckpointUnusable: ``job.resume``'s weights do not load.
     """
     route_library_output()  # before any model or dataset code draws a bar or warns
+    custom_rewards = load_rewards(job)  # before seeding: the modules' imports may draw numbers
     use_cpu, bf16, dtype = _precision(job.device)
     set_seed(job.config.seed)
     job.set_phase("loading dataset")
@@ -422,18 +475,23 @@ def build_trainer(
         RowTransform(lazy)
     )
     reward_funcs: list[Any] = list(
-        build_reward_functions(settings.reward_functions, settings.max_completion_length, tap)
+        build_reward_functions(
+            settings.reward_functions, settings.max_completion_length, tap, custom_rewards
+        )
     )
     args = training_args(job, settings, output_dir, use_cpu, bf16)
+    peft_config = lora.lora_config(settings.lora, model) if settings.lora is not None else None
     try:
-        trainer = LazyGRPOTrainer(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            processing_class=processor,
-            callbacks=list(callbacks),
-        )
+        with lora.quiet_wrapping():
+            trainer = LazyGRPOTrainer(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                processing_class=processor,
+                callbacks=list(callbacks),
+                peft_config=peft_config,
+            )
     except (ValueError, TypeError) as exc:
         raise ProviderError(
             "The GRPO settings do not fit this model or dataset.",
@@ -444,5 +502,11 @@ def build_trainer(
     # With tqdm off, Trainer prints every log dict to stdout; episodes carry the metrics instead.
     trainer.remove_callback(PrinterCallback)
     trainer.lazy_dataset = lazy
+    trainer.step_meter = StepMeter(memory=None if use_cpu else CudaMemory(job.device))
+    if tap is not None:
+        tap.set_weights(trainer.reward_weights.tolist())
     trainer.model_fingerprint = files.model_fingerprint(task_model_dir(job))
+    trainer.model_path = job.task.grpo.model_path
+    if peft_config is not None and job.resume is not None:
+        lora.load_adapter(trainer.model, job.resume.directory / files.MODEL_DIR)
     return trainer

@@ -7,7 +7,9 @@ the ones ``Trainer.train(resume_from_checkpoint=...)`` reads, in its own formats
 and scheduler ``state_dict``s, ``trainer_state.json`` and one ``rng_state`` file per rank (the
 dict ``Trainer._save_rng_state`` writes: ``python``, ``numpy``, ``cpu``, and ``cuda`` where
 there is one). The trainer state is saved without its log history, which grows with every step
-and which resuming does not need.
+and which resuming does not need. A LoRA job's ``model/`` is its adapter in PEFT's format and the
+record of its base model (:func:`.lora.save_adapter`), and its optimizer state covers the
+adapter's parameters only (the only ones it trains).
 
 A checkpoint is taken in a step's ``on_log`` (after its collectives, before the next step draws
 anything), and every optimizer step of this provider generates its own completions
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from trainer_service.providers.grpo import checkpoint_files as files
+from trainer_service.providers.grpo import lora
 
 
 def rng_states() -> dict[str, Any]:
@@ -64,7 +67,8 @@ def save(trainer: Any, directory: pathlib.Path, extra: Mapping[str, Any]) -> int
         trainer: The job's ``LazyGRPOTrainer``.
         directory: An empty directory (rank 0's view; other ranks only send their RNG states).
         extra: Rank 0's part of ``trainwire.json`` besides what the trainer knows:
-            ``best_reward``, ``last_reward`` and ``model_fingerprint``.
+            ``best_reward``, ``last_reward``, ``model_fingerprint`` and ``model_path`` (the
+            task's, recorded as a LoRA adapter's base).
 
     Returns:
         Bytes written (0 on ranks other than 0).
@@ -81,7 +85,13 @@ def save(trainer: Any, directory: pathlib.Path, extra: Mapping[str, Any]) -> int
     state_dir = directory / files.STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
     model = trainer.accelerator.unwrap_model(trainer.model)
-    model.save_pretrained(model_dir, safe_serialization=True)
+    adapter = lora.is_lora(model)
+    fingerprint = str(extra["model_fingerprint"])
+    if adapter:
+        model_dir.mkdir(parents=True, exist_ok=True)
+        lora.save_adapter(model, model_dir, str(extra.get("model_path") or ""), fingerprint)
+    else:
+        model.save_pretrained(model_dir, safe_serialization=True)
     trainer.processing_class.save_pretrained(model_dir)
     torch.save(trainer.optimizer.state_dict(), state_dir / files.OPTIMIZER)
     torch.save(trainer.lr_scheduler.state_dict(), state_dir / files.SCHEDULER)
@@ -97,8 +107,9 @@ def save(trainer: Any, directory: pathlib.Path, extra: Mapping[str, Any]) -> int
         seed=trainer.args.seed,
         epoch=state.global_step // per_epoch,
         batches_done=state.global_step % per_epoch,
-        model_fingerprint=str(extra["model_fingerprint"]),
+        model_fingerprint=fingerprint,
         hyperparameters=trainer.live_hyperparameters(),
+        lora=adapter,
     )
     (directory / files.RECORD).write_text(json.dumps(content, indent=1), encoding="utf-8")
     return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())

@@ -3,22 +3,29 @@
 A checkpoint taken after optimizer step ``n``::
 
     model/                      the trained model and its processor (``save_pretrained``):
-                                ``from_pretrained`` loads it with plain transformers classes
+                                ``from_pretrained`` loads it with plain transformers classes;
+                                a LoRA job's: the adapter in PEFT's format
+                                (adapter_config.json, adapter_model.safetensors:
+                                ``PeftModel.from_pretrained(base, model_dir)``), the processor,
+                                and base_model.json (the base model's path as the task named
+                                it, and its fingerprint)
     trainer/                    the training state, as ``Trainer.train(resume_from_checkpoint=)``
                                 reads it: optimizer.pt, scheduler.pt, trainer_state.json
                                 (global step; the log history is left out), rng_state.pth (one
                                 process) or rng_state_<rank>.pth (each rank's)
     trainwire.json              written last: the step, best and last reward, the processes, the
-                                seed and the data position, and the task model's fingerprint
+                                seed and the data position, the task model's fingerprint, and
+                                whether ``model/`` is a LoRA adapter (``lora``)
 
 The data position is not stored as rows: each epoch's order is a pure function of the seed and
 the epoch (:mod:`.sampler`), so the global step names it (``epoch``, ``batches_done`` are in
 ``trainwire.json`` for people and checks).
 
 :func:`check_resume` runs in the trainer before any rank starts: a checkpoint with a file
-missing, for another number of processes, from another model or another step raises
-:class:`CheckpointUnusable` at once. What only loading shows (a truncated weights file, an
-optimizer state of other shapes) the ranks report the same way, before the first episode.
+missing, for another number of processes, from another model or another step, or a LoRA adapter
+for a full fine-tuning job (or the other way round), raises :class:`CheckpointUnusable` at once.
+What only loading shows (a truncated weights file, an optimizer state of other shapes) the ranks
+report the same way, before the first episode.
 
 This module imports neither torch nor grpc.
 """
@@ -46,6 +53,9 @@ TRAINER_STATE = "trainer_state.json"
 #: Bumped when the layout changes in a way an older reader would misread.
 FORMAT = 1
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+#: A LoRA checkpoint's ``model/``: the adapter (PEFT's names) and the record of its base model.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+BASE_RECORD = "base_model.json"
 
 
 def rng_file(rank: int, world_size: int) -> str:
@@ -77,9 +87,10 @@ def record(
     batches_done: int,
     model_fingerprint: str,
     hyperparameters: Mapping[str, float] | None = None,
+    lora: bool = False,
 ) -> dict[str, Any]:
     """The content of ``trainwire.json`` (``hyperparameters``: the live ones in effect, for
-    people; a resumed job trains with its task's)."""
+    people; a resumed job trains with its task's; ``lora``: ``model/`` is an adapter)."""
     return {
         "format": FORMAT,
         "step": step,
@@ -90,11 +101,35 @@ def record(
         "data_position": {"epoch": epoch, "batches_done": batches_done},
         "model_fingerprint": model_fingerprint,
         "hyperparameters": dict(hyperparameters or {}),
+        "lora": lora,
     }
 
 
+def is_lora_checkpoint(content: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint whose ``trainwire.json`` is ``content`` holds a LoRA adapter."""
+    return content.get("lora") is True
+
+
+def read_record(directory: pathlib.Path) -> dict[str, Any]:
+    """A checkpoint's ``trainwire.json``.
+
+    Raises:
+        CheckpointUnusable: It is missing, unreadable, or not of this format.
+    """
+    try:
+        content = json.loads((directory / RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointUnusable(f"its {RECORD} is missing or unreadable ({exc})") from exc
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise CheckpointUnusable(f"it is not a GRPO checkpoint of format {FORMAT}")
+    return content
+
+
 def check_resume(
-    resume: RestoredCheckpoint, task_model_dir: pathlib.Path | None, processes: int
+    resume: RestoredCheckpoint,
+    task_model_dir: pathlib.Path | None,
+    processes: int,
+    lora: bool = False,
 ) -> Mapping[str, Any]:
     """Checks that ``resume`` is a complete GRPO checkpoint that fits this job; returns its
     record (``trainwire.json``).
@@ -107,17 +142,20 @@ def check_resume(
             it always does.
         processes: The job's processes in all (its world size, on however many trainers):
             each needs its own RNG state, and the batches are split among them.
+        lora: The job trains LoRA adapters: the checkpoint must hold one (and a full fine-tuning
+            job a whole model).
 
     Raises:
         CheckpointUnusable: Why it does not fit.
     """
     directory = resume.directory
-    try:
-        content = json.loads((directory / RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointUnusable(f"its {RECORD} is missing or unreadable ({exc})") from exc
-    if not isinstance(content, dict) or content.get("format") != FORMAT:
-        raise CheckpointUnusable(f"it is not a GRPO checkpoint of format {FORMAT}")
+    content = read_record(directory)
+    if is_lora_checkpoint(content) != lora:
+        raise CheckpointUnusable(
+            "it holds a LoRA adapter, and this job trains every weight"
+            if not lora
+            else "it holds a whole model, and this job trains LoRA adapters"
+        )
     if content.get("step") != resume.episode:
         raise CheckpointUnusable(
             f"it was taken after step {content.get('step')}, not {resume.episode}"
@@ -128,15 +166,16 @@ def check_resume(
         )
     model = directory / MODEL_DIR
     state = directory / STATE_DIR
+    weights = [model / name for name in ADAPTER_FILES] if lora else [model / "config.json"]
     needed = [
-        model / "config.json",
+        *weights,
         state / OPTIMIZER,
         state / SCHEDULER,
         state / TRAINER_STATE,
         *(state / rng_file(rank, processes) for rank in range(processes)),
     ]
     missing = [str(path.relative_to(directory)) for path in needed if not path.is_file()]
-    if not any((model / name).is_file() for name in _WEIGHTS):
+    if not lora and not any((model / name).is_file() for name in _WEIGHTS):
         missing.append(f"{MODEL_DIR}/{_WEIGHTS[0]}")
     if missing:
         raise CheckpointUnusable(f"files are missing: {', '.join(missing)}")

@@ -1,9 +1,10 @@
 """The optional disk cache of decoded dataset images, and the per-process decode counters.
 
-An entry is a lossless PNG of the decoded RGB image, keyed by the sha256 of the source file's
-bytes and stored at ``<dir>/<key[:2]>/<key>.png``; it is published atomically (a temp file unique
-to the writing process and thread, then ``os.replace``), so concurrent DataLoader workers never
-see a torn entry. A hit has the pixels of a miss; an unreadable entry is rewritten.
+An entry is a lossless PNG of the decoded RGB image, keyed by the sha256 of the source's bytes
+(an image file's, or the encoded bytes a dataset row holds) and stored at
+``<dir>/<key[:2]>/<key>.png``; it is published atomically (a temp file unique to the writing
+process and thread, then ``os.replace``), so concurrent DataLoader workers never see a torn
+entry. A hit has the pixels of a miss; an unreadable entry is rewritten.
 
 When it pays: a hit replaces decoding the source with hashing its bytes and decoding a PNG of
 the same pixels, so it only pays when the source is much more expensive to decode than a PNG of
@@ -66,6 +67,12 @@ def open_rgb(path: str | os.PathLike[str]) -> Image.Image:
         return image.convert("RGB")
 
 
+def decode_rgb(data: bytes) -> Image.Image:
+    """Decodes encoded image bytes (PNG, JPEG...) to RGB, as :func:`open_rgb` decodes a file."""
+    with Image.open(io.BytesIO(data)) as image:
+        return image.convert("RGB")
+
+
 class ImageCache:
     """A content-addressed disk cache of decoded images (lossless PNG).
 
@@ -90,7 +97,14 @@ class ImageCache:
         Raises:
             OSError: The source cannot be read or decoded.
         """
-        data = source.read_bytes()
+        return self.load_bytes(source.read_bytes(), stats)
+
+    def load_bytes(self, data: bytes, stats: DecodeStats) -> Image.Image:
+        """Returns encoded image bytes decoded to RGB, via the cache.
+
+        Raises:
+            OSError: The bytes cannot be decoded.
+        """
         key = hashlib.sha256(data).hexdigest()
         entry = self.entry_path(key)
         if entry.exists():
@@ -103,8 +117,7 @@ class ImageCache:
             else:
                 stats.cache_hits += 1
                 return image
-        with Image.open(io.BytesIO(data)) as decoded:
-            image = decoded.convert("RGB")
+        image = decode_rgb(data)
         stats.cache_misses += 1
         self._publish(entry, image)
         return image

@@ -261,6 +261,7 @@ def job_spec(
         "config": base64.b64encode(job.config.SerializeToString()).decode(),
         "data_roots": [str(root) for root in job.data_roots],
         "image_cache_dir": str(job.image_cache_dir) if job.image_cache_dir else None,
+        "reward_modules": list(job.reward_modules),
         "output_dir": str(output),
         "log": {"formatter": formatter, "level": logging_like.level},
         "beat_s": BEAT_S,

@@ -1,4 +1,4 @@
-"""The lazy image dataset: prepared JSONL rows whose images are decoded per row, on demand.
+"""The lazy image dataset: prepared rows whose images are decoded per row, on demand.
 
 The slow way to feed a vision-language GRPO run decodes every image up front and re-encodes it
 into an Arrow table on every launch (hours for tens of thousands of images). This module keeps
@@ -9,18 +9,21 @@ while the trainer computes step X.
 What it guarantees (each point is tested):
 
 1. :class:`LazyImageDataset` is a plain map-style class; this module imports no torch.
-2. ``dataset[i]`` is a pure function of ``i``: a fresh copy of row ``i`` with ``image_paths``
-   popped, ``image`` (one path) or ``images`` (several) set to decoded RGB images and
-   ``assistant_response`` dropped. Stored rows are never mutated.
-3. Opening a JSONL file does not parse or check its rows (see :mod:`.rows`): time to the first
-   batch does not grow with the row count. A row is parsed and checked when it is read; a bad
-   row (not a JSON object, missing or empty ``image_paths``, a path outside every data root, an
-   unreadable image) raises :class:`DatasetError` naming its 1-based line number and the image
-   path as the row wrote it. :meth:`LazyImageDataset.check_rows` checks every row without
-   decoding images (rank 0 of a job runs it in the background as it starts).
-4. Without a cache an image is ``Image.open(path).convert("RGB")``.
-5. An optional disk cache (:mod:`.image_cache`) keyed by the sha256 of the source bytes; a hit
-   has the pixels of a miss.
+2. ``dataset[i]`` is a pure function of ``i``: a fresh copy of row ``i`` with its images
+   column popped, ``image`` (one image) or ``images`` (several) set to decoded RGB images, the
+   prompt and solution under the names TRL and the rewards read (``prompt``, ``solution``; see
+   :class:`.rows.Columns`) and ``assistant_response`` dropped. Stored rows are never mutated.
+3. Opening a dataset (a JSONL file, a Parquet file, a ``save_to_disk`` directory:
+   :meth:`LazyImageDataset.open`) does not parse or check its rows (see :mod:`.rows` and
+   :mod:`.table_rows`): time to the first batch does not grow with the row count. A row is
+   parsed and checked when it is read; a bad row (not an object, no images, a path outside
+   every data root, an unreadable image) raises :class:`DatasetError` naming the row, the
+   column and the image as the row wrote it. :meth:`LazyImageDataset.check_rows` checks every
+   row without decoding images (rank 0 of a job runs it in the background as it starts).
+4. Without a cache an image is ``Image.open(path).convert("RGB")`` (or the same of the bytes a
+   row holds).
+5. An optional disk cache (:mod:`.image_cache`) keyed by the sha256 of the source bytes (the
+   file's, or those the row holds); a hit has the pixels of a miss.
 6. No randomness: the index stream (TRL's ``RepeatSampler``) lives in the main process. (That
    alone does not make 0 and N workers give the same training stream: the DataLoader also
    draws worker seeds; see ``build.LazyGRPOTrainer``.)
@@ -47,19 +50,25 @@ from trainer_service.providers.grpo.image_cache import (
     CACHE_DIR_ENV,
     DecodeStats,
     ImageCache,
+    decode_rgb,
     open_rgb,
     resolve_cache_dir,
 )
 from trainer_service.providers.grpo.rows import (
+    DEFAULT_COLUMNS,
+    Columns,
     DatasetError,
+    ImageRef,
     JsonlRows,
     ListRows,
     RowChecker,
     RowSource,
 )
+from trainer_service.providers.grpo.table_rows import ParquetRows, SavedRows
 
 __all__ = [
     "CACHE_DIR_ENV",
+    "Columns",
     "DatasetError",
     "DecodeStats",
     "ImageCache",
@@ -74,10 +83,10 @@ class LazyImageDataset:
     """Prepared image+text rows, decoded one row at a time (map-style: ``len`` and ``[i]``).
 
     Args:
-        rows: Prepared rows; each has ``image_paths`` (a non-empty list of paths relative to
-            ``base_dir``). Rows are deep-copied once here and never mutated. They are checked
-            when read (or by :meth:`check_rows`), like rows of a JSONL file.
-        base_dir: Directory image paths are relative to (the dataset file's directory).
+        rows: A row source, or prepared rows (each with its images, e.g. ``image_paths``: a
+            non-empty list of paths relative to ``base_dir``), deep-copied once here and never
+            mutated. Rows are checked when read (or by :meth:`check_rows`).
+        base_dir: Directory image paths are relative to (the one that holds the dataset).
         data_root: The data root, or every data root: image paths must resolve inside one of
             them (symlinks followed); defaults to ``base_dir``.
         cache_dir: Disk cache directory, or ``None`` for no cache.
@@ -85,6 +94,11 @@ class LazyImageDataset:
         provenance_key: When set, every returned row carries this key with
             ``{"pid": <decoding process>, "decodes": <images decoded for the row so far in that
             process>}`` (diagnostics and tests; off by default).
+        columns: Which columns hold the prompt, images and solution.
+
+    Raises:
+        DatasetError: The source's schema lacks a column ``columns`` names (or any images or
+            prompt column).
     """
 
     def __init__(
@@ -96,12 +110,17 @@ class LazyImageDataset:
         cache_dir: pathlib.Path | None = None,
         memo_rows: int = 0,
         provenance_key: str | None = None,
+        columns: Columns = DEFAULT_COLUMNS,
     ) -> None:
         if memo_rows < 0:
             raise ValueError(f"memo_rows must be >= 0, got {memo_rows}")
-        source = rows if isinstance(rows, JsonlRows | ListRows) else ListRows(rows)  # type: ignore[arg-type]
+        source: RowSource
+        if isinstance(rows, JsonlRows | ListRows | ParquetRows | SavedRows):
+            source = rows
+        else:
+            source = ListRows(rows)  # type: ignore[arg-type]
         roots = [data_root] if isinstance(data_root, pathlib.Path) else list(data_root or [])
-        self._checker = RowChecker(source, base_dir, roots or [base_dir])
+        self._checker = RowChecker(source, base_dir, roots or [base_dir], columns)
         self._cache = ImageCache(cache_dir) if cache_dir is not None else None
         self._memo_rows = memo_rows
         self._provenance_key = provenance_key
@@ -119,6 +138,7 @@ class LazyImageDataset:
         cache_dir: pathlib.Path | None = None,
         memo_rows: int = 0,
         provenance_key: str | None = None,
+        columns: Columns = DEFAULT_COLUMNS,
     ) -> LazyImageDataset:
         """Opens a JSONL dataset file (one JSON object per non-blank line) without parsing it.
 
@@ -133,6 +153,43 @@ class LazyImageDataset:
             cache_dir=cache_dir,
             memo_rows=memo_rows,
             provenance_key=provenance_key,
+            columns=columns,
+        )
+
+    @classmethod
+    def open(
+        cls,
+        path: pathlib.Path,
+        *,
+        data_root: pathlib.Path | Sequence[pathlib.Path],
+        cache_dir: pathlib.Path | None = None,
+        memo_rows: int = 0,
+        provenance_key: str | None = None,
+        columns: Columns = DEFAULT_COLUMNS,
+    ) -> LazyImageDataset:
+        """Opens a dataset without reading its rows: a directory written by ``datasets``'
+        ``save_to_disk``, a ``.parquet`` file, or else a JSONL file. Relative image paths are
+        relative to the directory that holds it.
+
+        Raises:
+            DatasetError: It cannot be read, has no rows, or its schema lacks a column
+                ``columns`` names. Bad rows are reported when read.
+        """
+        source: RowSource
+        if path.is_dir():
+            source = SavedRows(path)
+        elif path.suffix.lower() == ".parquet":
+            source = ParquetRows(path)
+        else:
+            source = JsonlRows(path)
+        return cls(
+            source,
+            path.parent,
+            data_root=data_root,
+            cache_dir=cache_dir,
+            memo_rows=memo_rows,
+            provenance_key=provenance_key,
+            columns=columns,
         )
 
     def __len__(self) -> int:
@@ -143,10 +200,9 @@ class LazyImageDataset:
             raise IndexError(f"row {index} out of range 0..{len(self) - 1}")
         stats = self.stats
         stats.rows += 1
-        row, paths = self._checker.row(index)
-        raw_paths = row.pop("image_paths")
+        row, refs = self._checker.row(index)
         row.pop("assistant_response", None)
-        images = self._images(index, paths, raw_paths, stats)
+        images = self._images(index, refs, stats)
         if len(images) == 1:
             row["image"] = images[0]
         else:
@@ -175,14 +231,6 @@ class LazyImageDataset:
             self._memo.clear()
         return self._stats
 
-    def row_paths(self, index: int) -> tuple[str, ...]:
-        """The resolved image paths of row ``index``.
-
-        Raises:
-            DatasetError: The row is bad.
-        """
-        return self._checker.row(index)[1]
-
     def check_rows(self, stop: threading.Event | None = None) -> int:
         """Parses and checks every row (no image is decoded); returns how many were checked.
 
@@ -195,7 +243,7 @@ class LazyImageDataset:
         return self._checker.check_all(stop)
 
     def _images(
-        self, index: int, paths: Sequence[str], raw_paths: Sequence[str], stats: DecodeStats
+        self, index: int, refs: Sequence[ImageRef], stats: DecodeStats
     ) -> tuple[Image.Image, ...]:
         memo = self._memo
         if self._memo_rows and index in memo:
@@ -203,10 +251,7 @@ class LazyImageDataset:
             stats.memo_hits += 1
             # Copies keep rows independent: nothing downstream can alter another row's image.
             return tuple(image.copy() for image in memo[index])
-        images = tuple(
-            self._decode(index, path, raw, stats)
-            for path, raw in zip(paths, raw_paths, strict=True)
-        )
+        images = tuple(self._decode(index, ref, stats) for ref in refs)
         if self._memo_rows:
             memo[index] = images
             while len(memo) > self._memo_rows:
@@ -214,15 +259,18 @@ class LazyImageDataset:
             return tuple(image.copy() for image in images)
         return images
 
-    def _decode(self, index: int, path: str, raw: str, stats: DecodeStats) -> Image.Image:
+    def _decode(self, index: int, ref: ImageRef, stats: DecodeStats) -> Image.Image:
+        cache = self._cache
         try:
-            if self._cache is not None:
-                image = self._cache.load(pathlib.Path(path), stats)
+            if ref.data is not None:
+                image = cache.load_bytes(ref.data, stats) if cache else decode_rgb(ref.data)
             else:
-                image = open_rgb(path)
+                assert ref.path is not None
+                image = cache.load(pathlib.Path(ref.path), stats) if cache else open_rgb(ref.path)
         except (OSError, SyntaxError, ValueError) as exc:
+            where = ref.path if ref.path is not None else f"{len(ref.data or b'')} bytes"
             raise self._checker.image_error(
-                index, raw, "could not be read.", detail=f"{path}: {exc}"
+                index, ref, "could not be read.", detail=f"{where}: {exc}"
             ) from exc
         stats.decodes += 1
         stats.decodes_by_row[index] += 1

@@ -475,7 +475,8 @@ def _checked_resume(job: TrainJob, processes: int) -> dict[str, object] | None:
             f"{job.config.max_episodes}"
         )
     model_dir = resolve_in_roots(job.data_roots, job.task.grpo.model_path)
-    record = checkpoint_files.check_resume(resume, model_dir, processes)
+    lora = job.task.grpo.HasField("lora")
+    record = checkpoint_files.check_resume(resume, model_dir, processes, lora=lora)
     return {
         "directory": str(resume.directory),
         "episode": resume.episode,

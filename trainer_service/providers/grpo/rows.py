@@ -1,13 +1,31 @@
 """Dataset rows for the lazy image dataset: indexed without parsing, parsed and checked on access.
 
-Opening a JSONL dataset costs one read of the file and one vectorised scan for its line
-boundaries (:class:`JsonlRows`), a few milliseconds even at 46,000 rows: no row is parsed and
-no image path is resolved until that row is read. Reading a row parses its line and checks it
-(:class:`RowChecker`): a JSON object, a ``prompt`` (if any) of chat messages, a non-empty
-``image_paths`` list of paths, each relative to the dataset file or absolute, without ``..``,
-that lie inside one of the trainer's data roots once symlinks are followed. Every problem raises
-a :class:`DatasetError` naming the row by its 1-based line number in the file and, where an
-image is at fault, the image path as the row wrote it, never a server path of its own.
+A row source (:class:`RowSource`) knows how many rows there are and loads one by index: a JSONL
+file (:class:`JsonlRows`: one read of the file and one vectorised scan for its line boundaries,
+a few milliseconds even at 46,000 rows), in-memory rows (:class:`ListRows`), or a Parquet file
+or a ``datasets`` ``save_to_disk`` directory (:mod:`.table_rows`: metadata only at open). No row
+is parsed and no image path is resolved until that row is read.
+
+Reading a row checks it (:class:`RowChecker`), with the columns of :class:`Columns`:
+
+- the prompt (column ``prompt``): chat messages, or a string, which becomes one user message
+  (the images are then placed before its text, as TRL does for conversational VLM prompts);
+  keys that a columnar file fills with nulls (``{"type": "image", "text": None}``) are dropped;
+- the images (column ``images``, else ``image``, else ``image_paths``): an image path, a
+  Hugging Face ``Image`` value (``{"bytes": ..., "path": ...}``: the bytes win when present; a
+  value with a path only is a path), encoded image bytes, or a non-empty list of them
+  (``image_paths`` is always a list of paths). A path is relative to the directory that holds
+  the dataset (a file's directory, a ``save_to_disk`` directory's parent) or absolute, contains
+  no ``..``, and lies inside one of the trainer's data roots once symlinks are followed;
+- the solution (column ``solution``), renamed ``solution`` when the task names another column;
+- every other column passes through unchanged (reward functions receive it).
+
+Every problem raises a :class:`DatasetError` naming the row (``line 7 of train.jsonl``,
+``row 7 of train.parquet``, 1-based) and the column (``column 'images'``; a message about the
+``prompt`` or ``image_paths`` column names it by what it says), and, where an image is at
+fault, the image as the row wrote it (its path, else its position in the row), never a server
+path of its own. A column the task names explicitly must exist: a file with a schema is checked
+when it is opened, a JSONL row when it is read.
 
 Checking at access time means a bad row is reported when training first reads it. Rank 0 of a
 job also runs :meth:`RowChecker.check_all` over every row in a background thread when it starts,
@@ -24,7 +42,8 @@ import json
 import os
 import pathlib
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -59,7 +78,10 @@ class DatasetError(ProviderError):
 
 
 class RowSource(Protocol):
-    """Where rows come from: a count, and each row's raw value and location by index."""
+    """Where rows come from: a count, each row's raw value and location by index, and the
+    column names when the source has a schema (``None``: each row has its own keys)."""
+
+    columns: tuple[str, ...] | None
 
     def __len__(self) -> int: ...
 
@@ -75,13 +97,20 @@ class RowSource(Protocol):
         """Row ``index`` as a fresh Python value (callers may mutate it).
 
         Raises:
-            DatasetError: The row is not valid JSON.
+            DatasetError: The row is not valid JSON, or its part of the file cannot be read.
         """
+        ...
+
+    def scan(self) -> Iterator[Any]:
+        """Every row in order, as :meth:`load` returns them (one pass, for checking them all;
+        it leaves whatever :meth:`load` caches alone)."""
         ...
 
 
 class ListRows:
     """In-memory rows (deep-copied once here, never mutated; each load is a new deep copy)."""
+
+    columns: tuple[str, ...] | None = None
 
     def __init__(self, rows: Iterable[Mapping[str, Any]]) -> None:
         self._rows = [copy.deepcopy(dict(row)) for row in rows]
@@ -98,6 +127,9 @@ class ListRows:
     def load(self, index: int) -> Any:
         return copy.deepcopy(self._rows[index])
 
+    def scan(self) -> Iterator[Any]:
+        return (self.load(index) for index in range(len(self)))
+
 
 class JsonlRows:
     """Rows of a JSONL file: one JSON object per non-blank line, parsed on access.
@@ -108,6 +140,8 @@ class JsonlRows:
     Raises:
         DatasetError: The file cannot be read or has no non-blank line.
     """
+
+    columns: tuple[str, ...] | None = None
 
     def __init__(self, path: pathlib.Path) -> None:
         self.name = path.name
@@ -159,6 +193,65 @@ class JsonlRows:
                 line=self.line(index),
             ) from exc
 
+    def scan(self) -> Iterator[Any]:
+        return (self.load(index) for index in range(len(self)))
+
+
+#: The images column when the task names none: the first of these a row (or schema) has.
+IMAGE_COLUMNS: tuple[str, ...] = ("images", "image", "image_paths")
+#: The historic JSONL column: always a list of paths, named in messages by the paths it holds.
+IMAGE_PATHS = "image_paths"
+_PROMPT_RULE = (
+    "prompt must be a list of chat messages, each an object with a string "
+    '"role" and a "content" (a string, or a list of parts), or a string.'
+)
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which columns hold a row's prompt, images and solution (``GrpoTask.columns``).
+
+    Attributes:
+        prompt: The prompt column; ``""`` = ``prompt``.
+        images: The images column; ``""`` = the first of :data:`IMAGE_COLUMNS` present.
+        solution: The solution column; ``""`` = ``solution``.
+
+    A column named here must exist; the defaults may be absent (a row without a solution is
+    scored ``None`` by ``exact_match``; one without images is an error either way).
+    """
+
+    prompt: str = ""
+    images: str = ""
+    solution: str = ""
+
+    @property
+    def named(self) -> tuple[tuple[str, str], ...]:
+        """(role, column) of every column named explicitly."""
+        roles = (("prompt", self.prompt), ("images", self.images), ("solution", self.solution))
+        return tuple((role, name) for role, name in roles if name)
+
+
+#: Every column under its default name.
+DEFAULT_COLUMNS = Columns()
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    """One image of a row, not yet decoded: a resolved path or encoded bytes.
+
+    Attributes:
+        column: The column it came from.
+        label: How messages name it: the path as the row wrote it (quoted), else its 1-based
+            position in the row.
+        path: The resolved file (``None`` when ``data`` is set).
+        data: The encoded image (``None`` when ``path`` is set).
+    """
+
+    column: str
+    label: str
+    path: str | None = None
+    data: bytes | None = None
+
 
 def _is_chat(prompt: object) -> bool:
     """Whether a row's prompt is chat messages (``[{"role": ..., "content": ...}, ...]``)."""
@@ -174,53 +267,94 @@ def _is_chat(prompt: object) -> bool:
     )
 
 
+def _without_nulls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages without the null keys a columnar file fills in (a part ``{"type":
+    "image", "text": None}`` read back from Arrow is ``{"type": "image"}``)."""
+    cleaned = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None}
+        content = message["content"]
+        if isinstance(content, list):
+            message["content"] = [
+                {k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
+                for part in content
+            ]
+        cleaned.append(message)
+    return cleaned
+
+
 class RowChecker:
     """Parses rows from a source and checks them (see the module docstring).
 
     Args:
         source: The rows.
-        base_dir: Directory relative image paths are relative to (the dataset file's directory).
+        base_dir: Directory relative image paths are relative to (the one that holds the
+            dataset).
         data_roots: Image paths must resolve inside one of them (symlinks followed).
+        columns: Which columns hold the prompt, images and solution.
+
+    Raises:
+        DatasetError: The source has a schema, and it lacks a column that ``columns`` names,
+            or any images column when ``columns`` names none, or a prompt column.
     """
 
     def __init__(
-        self, source: RowSource, base_dir: pathlib.Path, data_roots: Sequence[pathlib.Path]
+        self,
+        source: RowSource,
+        base_dir: pathlib.Path,
+        data_roots: Sequence[pathlib.Path],
+        columns: Columns = DEFAULT_COLUMNS,
     ) -> None:
         self.source = source
+        self.columns = columns
         self.base = base_dir.resolve()
         self.roots = tuple(root.resolve() for root in data_roots)
         self._base, self._roots = str(self.base), tuple(str(root) for root in self.roots)
         self._parents: dict[str, tuple[str, bool]] = {}
         self._pid = os.getpid()
+        self._images_column = columns.images or None
+        if source.columns is not None:
+            self._check_schema(source.columns)
+
+    def _check_schema(self, present: Sequence[str]) -> None:
+        name = getattr(self.source, "name", "dataset")
+        have = ", ".join(repr(c) for c in present) or "none"
+        for role, column in self.columns.named:
+            if column not in present:
+                raise DatasetError(
+                    f"The dataset {name} has no column {column!r} (columns.{role}); its "
+                    f"columns: {have}."
+                )
+        if self._images_column is None:
+            self._images_column = next((c for c in IMAGE_COLUMNS if c in present), None)
+            if self._images_column is None:
+                raise DatasetError(
+                    f"The dataset {name} has no images column ('images', 'image' or "
+                    f"'image_paths'); name yours with columns.images. Its columns: {have}."
+                )
+        if not self.columns.prompt and "prompt" not in present:
+            raise DatasetError(
+                f"The dataset {name} has no column 'prompt'; name yours with columns.prompt. "
+                f"Its columns: {have}."
+            )
 
     def __len__(self) -> int:
         return len(self.source)
 
-    def row(self, index: int) -> tuple[dict[str, Any], tuple[str, ...]]:
-        """Row ``index`` (a fresh dict) and its resolved image paths.
+    def row(self, index: int) -> tuple[dict[str, Any], tuple[ImageRef, ...]]:
+        """Row ``index`` (a fresh dict: the prompt normalised and named ``prompt``, the solution
+        named ``solution``, the images column removed) and its images.
 
         Raises:
-            DatasetError: The row is not a JSON object or its ``image_paths`` are unusable.
+            DatasetError: The row is not an object, or a column is missing or unusable.
         """
-        value = self.source.load(index)
-        if not isinstance(value, dict):
-            raise self._error(index, " is not a JSON object.")
-        if "prompt" in value and not _is_chat(value["prompt"]):
-            raise self._error(
-                index,
-                ": prompt must be a list of chat messages, each an object with a string "
-                '"role" and a "content" (a string, or a list of parts).',
-            )
-        paths = value.get("image_paths")
-        if not isinstance(paths, list) or not paths:
-            raise self._error(
-                index, " has no image_paths (a non-empty list of image files is needed)."
-            )
-        return value, tuple(self._resolve(index, raw) for raw in paths)
+        return self._check(index, self.source.load(index))
 
-    def image_error(self, index: int, raw: str, problem: str, detail: str = "") -> DatasetError:
-        """A DatasetError for image ``raw`` (as the row wrote it) of row ``index``."""
-        return self._error(index, f": image {raw!r} {problem}", detail)
+    def image_error(
+        self, index: int, image: ImageRef, problem: str, detail: str = ""
+    ) -> DatasetError:
+        """A DatasetError for ``image`` of row ``index``."""
+        return self._column_error(index, image.column, f"image {image.label} {problem}", detail)
 
     def check_all(self, stop: threading.Event | None = None) -> int:
         """Checks every row in order (no image is opened); returns how many were checked.
@@ -231,11 +365,87 @@ class RowChecker:
         Raises:
             DatasetError: The first bad row.
         """
-        for index in range(len(self.source)):
+        for index, value in enumerate(self.source.scan()):
             if stop is not None and stop.is_set():
                 return index
-            self.row(index)
+            self._check(index, value)
         return len(self.source)
+
+    # -- one row -----------------------------------------------------------------------------
+
+    def _check(self, index: int, value: Any) -> tuple[dict[str, Any], tuple[ImageRef, ...]]:
+        if not isinstance(value, dict):
+            raise self._error(index, " is not a JSON object.")
+        columns = self.columns
+        prompt_column = columns.prompt or "prompt"
+        if prompt_column in value:
+            prompt = value.pop(prompt_column) if columns.prompt else value[prompt_column]
+            if isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
+            elif _is_chat(prompt):
+                prompt = _without_nulls(prompt)
+            else:
+                raise self._column_error(index, prompt_column, _PROMPT_RULE)
+            value["prompt"] = prompt
+        elif columns.prompt:
+            raise self._missing(index, prompt_column, "prompt")
+        column = self._images_column or next((c for c in IMAGE_COLUMNS if c in value), None)
+        if column is None:
+            raise self._error(
+                index,
+                " has no images: a column 'images', 'image' or 'image_paths' holding an image "
+                "path, a Hugging Face Image value ({bytes, path}), or a non-empty list of them.",
+            )
+        if column not in value:
+            raise self._missing(index, column, "images")
+        images = self._images(index, column, value.pop(column))
+        if columns.solution:
+            if columns.solution not in value:
+                raise self._missing(index, columns.solution, "solution")
+            value["solution"] = value.pop(columns.solution)
+        return value, images
+
+    def _images(self, index: int, column: str, raw: Any) -> tuple[ImageRef, ...]:
+        if column == IMAGE_PATHS and not isinstance(raw, list):
+            raise self._error(
+                index, " has no image_paths (a non-empty list of image files is needed)."
+            )
+        items = raw if isinstance(raw, list) else [raw]
+        if not items:
+            rule = (
+                " has no image_paths (a non-empty list of image files is needed)."
+                if column == IMAGE_PATHS
+                else ""
+            )
+            if rule:
+                raise self._error(index, rule)
+            raise self._column_error(index, column, "no images (an empty list).")
+        return tuple(
+            self._image(index, column, position, item) for position, item in enumerate(items, 1)
+        )
+
+    def _image(self, index: int, column: str, position: int, item: Any) -> ImageRef:
+        if isinstance(item, dict):
+            data, path = item.get("bytes"), item.get("path")
+            if isinstance(data, bytes | bytearray) and data:
+                label = repr(path) if isinstance(path, str) and path else str(position)
+                return ImageRef(column, label, data=bytes(data))
+            if data is None and isinstance(path, str) and path and "\x00" not in path:
+                return ImageRef(column, repr(path), path=self._resolve(index, column, path))
+        elif isinstance(item, bytes | bytearray) and item and column != IMAGE_PATHS:
+            return ImageRef(column, str(position), data=bytes(item))
+        elif isinstance(item, str) and item and "\x00" not in item:
+            return ImageRef(column, repr(item), path=self._resolve(index, column, item))
+        if column == IMAGE_PATHS:
+            raise self._error(index, " has an image path that is not a file name.")
+        raise self._column_error(
+            index,
+            column,
+            f"image {position} is neither a path nor an image ({{bytes, path}} with bytes or "
+            "a path).",
+        )
+
+    # -- messages ----------------------------------------------------------------------------
 
     def _error(self, index: int, tail: str, detail: str = "") -> DatasetError:
         return DatasetError(
@@ -245,20 +455,31 @@ class RowChecker:
             line=self.source.line(index),
         )
 
-    def _resolve(self, index: int, raw: object) -> str:
+    def _column_error(
+        self, index: int, column: str | None, problem: str, detail: str = ""
+    ) -> DatasetError:
+        # The prompt's and image_paths' messages name them by what they say.
+        if column in (None, "prompt", IMAGE_PATHS):
+            return self._error(index, f": {problem}", detail)
+        return self._error(index, f", column {column!r}: {problem}", detail)
+
+    def _missing(self, index: int, column: str, role: str) -> DatasetError:
+        return self._error(index, f" has no column {column!r} (columns.{role}).")
+
+    # -- paths -------------------------------------------------------------------------------
+
+    def _resolve(self, index: int, column: str, raw: str) -> str:
         # String operations, not pathlib: the background check runs this for every row.
-        if not isinstance(raw, str) or not raw or "\x00" in raw:
-            raise self._error(index, " has an image path that is not a file name.")
         if (
             raw.startswith("\\")
             or pathlib.PureWindowsPath(raw).is_absolute()
             or ".." in raw.replace("\\", "/").split("/")
         ):
-            raise self.image_error(
+            raise self._column_error(
                 index,
-                raw,
-                "must be relative to the dataset file, or absolute inside a data root, and "
-                "contain no '..'.",
+                column,
+                f"image {raw!r} must be relative to the dataset file, or absolute inside a data "
+                "root, and contain no '..'.",
             )
         head, name = os.path.split(raw)
         parent, parent_inside = self._parent(head)
@@ -269,10 +490,10 @@ class RowChecker:
         else:
             inside = parent_inside
         if not inside:
-            raise self.image_error(
+            raise self._column_error(
                 index,
-                raw,
-                "leads outside the data root.",
+                column,
+                f"image {raw!r} leads outside the data root.",
                 f"{raw} -> {target} (roots {', '.join(self._roots)})",
             )
         return target

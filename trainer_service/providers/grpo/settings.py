@@ -5,11 +5,18 @@ dataset and the number of processes); :func:`training_args` turns a job and its 
 TRL's ``GRPOConfig``, with the DataLoader workers started by :func:`worker_start_method`.
 
 Defaults (``DEFAULT_*``): the settings that make the offline tiny VLM learn a colour question in
-under 200 steps on a CPU (``bench/grpo_learning.py``); see the README for why each is what it is.
+under 200 steps on a CPU (``bench/grpo_learning.py``; LoRA: ``bench/grpo_lora.py``); see the
+README for why each is what it is.
+
+Gradient checkpointing is the task's switch (``GrpoTask.gradient_checkpointing``), off by
+default on every device: it trades about a fifth more step time for activation memory, which
+only pays when a batch does not fit otherwise, and a default that depended on the device would
+make the same task train at different speeds for no reason a user can see.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 from dataclasses import dataclass
 
@@ -17,8 +24,8 @@ from trl import GRPOConfig
 
 from trainer_service.core.provider import ProviderError, TrainJob
 from trainer_service.providers.grpo.hyperparameters import (
-    DEFAULT_LEARNING_RATE,
     DEFAULT_TEMPERATURE,
+    default_learning_rate,
     initial_beta,
 )
 from trainwire.v1 import episode_pb2
@@ -32,6 +39,60 @@ DEFAULT_MAX_COMPLETION_LENGTH = 16
 DEFAULT_NUM_WORKERS = 2
 # Largest memo: rows of one generation batch; capped so big batches of big images stay bounded.
 _MAX_MEMO_ROWS = 64
+#: LoRA rank when ``LoraConfig.rank`` is 0, and the largest allowed.
+DEFAULT_LORA_RANK = 16
+MAX_LORA_RANK = 256
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A ``LoraConfig`` with its defaults applied (see ``LoraConfig`` in episode.proto).
+
+    Attributes:
+        rank: The adapters' rank, 1..256 (0 in the task: 16).
+        alpha: The scaling alpha, > 0 (0 in the task: 2 x rank).
+        dropout: Dropout on the adapters' input, in [0, 1).
+        target_modules: Module names as peft matches them (a name or a dotted suffix); empty:
+            every linear layer of the language model, found in the loaded model
+            (:func:`.lora.language_model_linears`).
+    """
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+
+    @classmethod
+    def from_task(cls, task: episode_pb2.GrpoTask) -> LoraSettings | None:
+        """The task's LoRA settings; ``None`` for full fine-tuning (``lora`` unset).
+
+        Raises:
+            ProviderError: A value out of range (``INVALID_ARGUMENT`` naming the field; the
+                request checks refuse these first).
+        """
+        if not task.HasField("lora"):
+            return None
+        lora = task.lora
+        rank = lora.rank or DEFAULT_LORA_RANK
+        problems = []
+        if not 1 <= rank <= MAX_LORA_RANK:
+            problems.append(f"task.grpo.lora.rank {lora.rank}: need 1..{MAX_LORA_RANK}")
+        if lora.alpha != 0 and not (math.isfinite(lora.alpha) and lora.alpha > 0):
+            problems.append(f"task.grpo.lora.alpha {lora.alpha}: need a finite value > 0")
+        if not (math.isfinite(lora.dropout) and 0 <= lora.dropout < 1):
+            problems.append(f"task.grpo.lora.dropout {lora.dropout}: need [0, 1)")
+        if problems:
+            raise ProviderError(
+                "The LoRA settings are out of range: " + "; ".join(problems) + ".",
+                code="INVALID_ARGUMENT",
+                reason="BAD_SETTINGS",
+            )
+        return cls(
+            rank=rank,
+            alpha=lora.alpha or 2.0 * rank,
+            dropout=lora.dropout,
+            target_modules=tuple(lora.target_modules),
+        )
 
 
 @dataclass(frozen=True)
@@ -48,6 +109,10 @@ class Settings:
     gradient_accumulation_steps: int
     num_workers: int
     prefetch_factor: int | None
+    lora: LoraSettings | None = None
+    gradient_checkpointing: bool = False
+    #: One weight per reward function (empty: all 1), as TRL's ``reward_weights``.
+    reward_weights: tuple[float, ...] = ()
 
     @classmethod
     def from_task(
@@ -96,12 +161,15 @@ class Settings:
             num_generations=generations,
             batch_size=batch_size,
             max_completion_length=task.max_completion_length or DEFAULT_MAX_COMPLETION_LENGTH,
-            learning_rate=task.learning_rate or DEFAULT_LEARNING_RATE,
+            learning_rate=task.learning_rate or default_learning_rate(task),
             beta=initial_beta(task),
             temperature=task.temperature or DEFAULT_TEMPERATURE,
             gradient_accumulation_steps=accumulation,
             num_workers=workers,
             prefetch_factor=prefetch,
+            lora=LoraSettings.from_task(task),
+            gradient_checkpointing=task.gradient_checkpointing,
+            reward_weights=tuple(task.reward_weights),
         )
 
     @property
@@ -137,7 +205,8 @@ def worker_start_method() -> str | None:
 def training_args(
     job: TrainJob, settings: Settings, output_dir: str, use_cpu: bool, bf16: bool
 ) -> GRPOConfig:
-    """TRL's config for the job (one optimizer step per episode, logged every step)."""
+    """TRL's config for the job (one optimizer step per episode, logged every step; gradient
+    checkpointing as the task says, see the module docstring)."""
     return GRPOConfig(
         output_dir=output_dir,
         max_steps=job.config.max_episodes,
@@ -155,13 +224,16 @@ def training_args(
         dataloader_multiprocessing_context=(
             worker_start_method() if settings.num_workers > 0 else None
         ),
+        reward_weights=list(settings.reward_weights) or None,
         seed=job.config.seed,
         data_seed=job.config.seed,
         use_cpu=use_cpu,
         bf16=bf16,
-        # transformers 5 renamed gradient checkpointing; TRL's default (True) would use the alias.
-        gradient_checkpointing=False,
-        activation_checkpointing=not use_cpu,
+        # transformers 5 renamed gradient checkpointing; both names are given so that TRL's
+        # default for the old one (True) cannot win, and TRL (which reads the old name to enable
+        # a LoRA model's input gradients) sees the same value.
+        gradient_checkpointing=settings.gradient_checkpointing,
+        activation_checkpointing=settings.gradient_checkpointing,
         logging_steps=1,
         report_to="none",
         save_strategy="no",

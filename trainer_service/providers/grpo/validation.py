@@ -7,7 +7,8 @@ lie inside one of them (datasets on shared filesystems are roots of their own). 
 can be decided from the request and the file tree's shape: ``..`` components, absolute paths
 outside every root and symlinks that resolve outside every root, files inside the model
 directory that are symlinks to outside every root (a model directory inside a root could
-otherwise load weights from anywhere), and unknown or repeated reward function names. A path
+otherwise load weights from anywhere), and reward function names that are repeated or that this
+trainer does not offer (built-in ones, and ``MODULE:FUNCTION`` of its ``--reward-module``s). A path
 that simply does not exist is not a request error: the job fails with a ``ProviderError`` and a
 plain message when it tries to load it (the file may be synced in later).
 """
@@ -18,6 +19,7 @@ import os
 import pathlib
 from collections.abc import Sequence
 
+from trainer_service.providers.grpo.reward_modules import RewardModuleError, load_reward_modules
 from trainer_service.providers.grpo.rewards import REWARD_NAMES
 from trainwire.contract import FieldViolation
 from trainwire.v1 import episode_pb2
@@ -97,14 +99,28 @@ def _check_model_files(
                 return
 
 
+def reward_functions(reward_modules: Sequence[str] = ()) -> tuple[str, ...]:
+    """Every reward name a task may use on a trainer with these ``--reward-module`` specs: the
+    built-in ones, then each module's ``MODULE:FUNCTION`` (a module that does not import adds
+    none; the trainer refuses to start with one)."""
+    try:
+        custom = load_reward_modules(reward_modules)
+    except RewardModuleError:
+        custom = {}
+    return (*REWARD_NAMES, *custom)
+
+
 def validate(
-    task: episode_pb2.TrainTask, data_roots: Sequence[pathlib.Path]
+    task: episode_pb2.TrainTask,
+    data_roots: Sequence[pathlib.Path],
+    reward_modules: Sequence[str] = (),
 ) -> list[FieldViolation]:
     """Checks a GRPO task's paths and reward names; returns every violation (empty: valid).
 
     Args:
         task: The request's task (``task.grpo`` set).
         data_roots: The trainer's data roots (``--data-root``), the first one first.
+        reward_modules: The trainer's ``--reward-module`` specs.
     """
     out: list[FieldViolation] = []
     if task.WhichOneof("kind") != "grpo":
@@ -115,12 +131,14 @@ def validate(
     _check_model_files(grpo.model_path, f"{_PREFIX}.model_path", data_roots, out)
     _check_path(grpo.dataset_path, f"{_PREFIX}.dataset_path", data_roots, out)
     seen: set[str] = set()
+    offered = reward_functions(reward_modules) if grpo.reward_functions else REWARD_NAMES
     for index, name in enumerate(grpo.reward_functions):
         field = f"{_PREFIX}.reward_functions[{index}]"
-        if name not in REWARD_NAMES:
+        if name not in offered:
             out.append(
                 FieldViolation(
-                    field, f"unknown reward function {name!r}; built-in: {', '.join(REWARD_NAMES)}"
+                    field,
+                    f"unknown reward function {name!r}; this trainer offers: {', '.join(offered)}",
                 )
             )
         elif name in seen:

@@ -262,6 +262,7 @@ def _train(
         data_root=pathlib.Path(spec["data_roots"][0]),
         more_data_roots=tuple(pathlib.Path(root) for root in spec["data_roots"][1:]),
         image_cache_dir=pathlib.Path(cache) if cache else None,
+        reward_modules=tuple(spec.get("reward_modules") or ()),
         stop_event=channel.stopped,
         set_phase=channel.send_phase,
         resume=restored,
@@ -280,6 +281,7 @@ def _train(
         channel.on_hyperparameters = lambda values: trainer.set_hyperparameters(**values)
         if maker is not None:
             maker.hyperparameters = trainer.sampling_hyperparameters
+            maker.meter = trainer.step_meter
         if rank == 0 and trainer.lazy_dataset is not None:
             lazy = trainer.lazy_dataset
 
