@@ -48,6 +48,7 @@ from trainer_service.core.provider import CheckpointUnusable, ProviderError, Res
 from trainer_service.providers.grpo import checkpoint_files, merge
 from trainer_service.providers.grpo.hyperparameters import (
     DEFAULT_LEARNING_RATE,
+    DEFAULT_LORA_BETA,
     DEFAULT_LORA_LEARNING_RATE,
     check_hyperparameters,
     hyperparameters,
@@ -103,6 +104,16 @@ def test_a_lora_job_can_take_a_kl_term_at_any_step() -> None:
     assert [v.field for v in check_hyperparameters(full, change)] == ["beta"]
     assert has_reference_model(lora) and not has_reference_model(full)
     assert hyperparameters(lora).learning_rate == 1e-2
+
+
+def test_a_lora_job_weighs_a_kl_term_unless_the_task_sets_beta() -> None:
+    # Without one, adapters collapse onto one answer (bench/grpo_learning.py); full fine-tuning
+    # keeps TRL's beta 0 and no reference model.
+    assert Settings.from_task(_grpo(lora=LoraConfig()), rows=8).beta == DEFAULT_LORA_BETA == 0.04
+    assert hyperparameters(episode_pb2.TrainTask(grpo=_grpo(lora=LoraConfig()))).beta == 0.04
+    assert Settings.from_task(_grpo(lora=LoraConfig(), beta=0.0), rows=8).beta == 0.0
+    assert Settings.from_task(_grpo(lora=LoraConfig(), beta=0.2), rows=8).beta == 0.2
+    assert Settings.from_task(_grpo(), rows=8).beta == 0.0
 
 
 def test_the_request_checks_name_each_bad_lora_field() -> None:

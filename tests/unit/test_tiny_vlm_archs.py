@@ -102,6 +102,23 @@ def test_the_command_line_builds_the_architecture_or_preset_it_names(
     assert capsys.readouterr().out.split() == [str(tmp_path / n) for n in "abc"]
 
 
+def test_a_lecun_head_redraws_only_the_llava_head(tmp_path: pathlib.Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    plain = load_file(make_tiny_vlm.build(tmp_path / "plain") / "model.safetensors")
+    loud = make_tiny_vlm.build(tmp_path / "loud", head_std=make_tiny_vlm.LORA_HEAD_STD)
+    tensors = load_file(loud / "model.safetensors")
+    assert tensors.keys() == plain.keys()
+    (head,) = [k for k in plain if k.endswith("lm_head.weight")]
+    assert [k for k in plain if not torch.equal(plain[k], tensors[k])] == [head]
+    assert 0.1 < float(tensors[head].std()) < 0.15 and float(plain[head].std()) < 0.03
+    with pytest.raises(ValueError, match="only for llava"):
+        make_tiny_vlm.build(tmp_path / "q", arch="qwen2_vl", head_std=0.1)
+    with pytest.raises(SystemExit):
+        make_tiny_vlm.main([str(tmp_path / "s"), "--arch", "smolvlm", "--head-std", "0.1"])
+
+
 @pytest.mark.parametrize("arch", ARCHS, ids=_ids)
 def test_each_tokenizer_keeps_its_special_tokens_whole_and_answers_one_token(arch: Arch) -> None:
     tokenizer = {"llava": llava, "qwen2_vl": qwen2_vl, "smolvlm": smolvlm}[

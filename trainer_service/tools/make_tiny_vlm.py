@@ -62,6 +62,8 @@ ARCHS: dict[str, _Builder] = {
     "smolvlm": smolvlm.build,
 }
 DEFAULT_ARCH = "llava"
+#: The LLaVA head std under which LoRA learns the colour task (LeCun-normal, 0.125).
+LORA_HEAD_STD = llava.LECUN_HEAD_STD
 #: Real-size models by ``--preset`` name.
 PRESETS: dict[str, _Builder] = {qwen2_vl.PRESET: qwen2_vl.build_preset}
 
@@ -71,7 +73,12 @@ VOCABULARY = llava.VOCABULARY
 build_tokenizer = llava.build_tokenizer
 
 
-def build(directory: pathlib.Path, seed: int = 0, arch: str = DEFAULT_ARCH) -> pathlib.Path:
+def build(
+    directory: pathlib.Path,
+    seed: int = 0,
+    arch: str = DEFAULT_ARCH,
+    head_std: float | None = None,
+) -> pathlib.Path:
     """Builds the tiny VLM of architecture ``arch`` into ``directory`` (created if missing) and
     returns it.
 
@@ -80,14 +87,20 @@ def build(directory: pathlib.Path, seed: int = 0, arch: str = DEFAULT_ARCH) -> p
         seed: Seed for the random weights; the same seed gives the same weights on the same
             platform.
         arch: One of :data:`ARCHS`.
+        head_std: LLaVA only: draw the LM head with this std instead of the library's 0.02
+            (:data:`LORA_HEAD_STD` lets LoRA adapters learn; see ``tiny_vlm.llava.build``).
 
     Raises:
-        ValueError: Unknown ``arch``.
+        ValueError: Unknown ``arch``, or ``head_std`` for another architecture or not above 0.
     """
     builder = ARCHS.get(arch)
     if builder is None:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
-    return builder(directory, seed)
+    if head_std is None:
+        return builder(directory, seed)
+    if arch != "llava" or not head_std > 0:
+        raise ValueError(f"head_std {head_std}: only for llava, and above 0")
+    return llava.build(directory, seed, head_std=head_std)
 
 
 def build_preset(directory: pathlib.Path, preset: str, seed: int = 0) -> pathlib.Path:
@@ -119,12 +132,23 @@ def main(argv: list[str] | None = None) -> int:
         help="build a random-weight model with a real model's shapes instead (GPU-sized)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights")
+    parser.add_argument(
+        "--head-std",
+        type=float,
+        default=None,
+        metavar="STD",
+        help=f"llava only: draw the LM head with this std instead of the library's 0.02 (which "
+        f"caps every logit near +-1.3, so LoRA adapters cannot learn); {LORA_HEAD_STD:g} "
+        "(LeCun) lets LoRA learn the colour task (default: 0.02)",
+    )
     args = parser.parse_args(argv)
+    if args.head_std is not None and (args.preset or args.arch != "llava" or args.head_std <= 0):
+        parser.error("--head-std: only with --arch llava, and above 0")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.preset is not None:
         build_preset(args.directory, args.preset, seed=args.seed)
     else:
-        build(args.directory, seed=args.seed, arch=args.arch)
+        build(args.directory, seed=args.seed, arch=args.arch, head_std=args.head_std)
     print(args.directory)
     return 0
 

@@ -433,8 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument(
         "--gradient-checkpointing",
         action="store_true",
-        help="recompute activations in the backward pass: less memory, more compute "
-        "(default: off)",
+        help="recompute activations in the backward pass: less memory, more compute (default: off)",
     )
     _run_options(grpo, 20)
     grpo.set_defaults(handler=cmd_create_grpo)

@@ -22,6 +22,8 @@ VOCABULARY = words.vocabulary(SPECIAL_TOKENS)
 CHAT_TEMPLATE = words.chatml_template(IMAGE_TOKEN)
 IMAGE_SIZE = 32
 PATCH_SIZE = 8
+#: LeCun-normal std for the LM head (hidden size 64): ``--head-std`` for LoRA (see :func:`build`).
+LECUN_HEAD_STD = 64**-0.5
 
 
 def build_tokenizer() -> Any:
@@ -34,8 +36,16 @@ def build_tokenizer() -> Any:
     )
 
 
-def build(directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
-    """Writes the tiny LLaVA into ``directory`` (created if missing) and returns it."""
+def build(directory: pathlib.Path, seed: int = 0, head_std: float | None = None) -> pathlib.Path:
+    """Writes the tiny LLaVA into ``directory`` (created if missing) and returns it.
+
+    ``head_std`` re-draws the LM head with that std (e.g. :data:`LECUN_HEAD_STD`) instead of the
+    library's 0.02, whose rows of norm 0.16 cap every logit near +-1.3 whatever the language
+    model computes: full fine-tuning trains the head and learns, but LoRA adapters on the
+    language model cannot make an answer likely (a pretrained model's head has no such cap).
+    With a LeCun head LoRA learns; full fine-tuning's start is then more peaked and collapses
+    onto two answers on some seeds, so the default keeps the library's head.
+    """
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -90,6 +100,8 @@ def build(directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
         image_token=IMAGE_TOKEN,
         num_additional_image_tokens=1,
     )
+    import torch
+
     with words.seeded_on_one_thread(seed):
         model = LlavaForConditionalGeneration(config)
         projector = model.model.multi_modal_projector
@@ -98,6 +110,8 @@ def build(directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
             model.model.language_model.layers,
             model.model.language_model.embed_tokens,
         )
+        if head_std is not None:  # drawn last: every other weight is as without it
+            torch.nn.init.normal_(model.lm_head.weight, std=head_std)
     words.stop_at_answer_words(model, tokenizer)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
