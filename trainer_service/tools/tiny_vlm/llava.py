@@ -49,7 +49,6 @@ def build(directory: pathlib.Path, seed: int = 0, head_std: float | None = None)
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -66,19 +65,7 @@ def build(directory: pathlib.Path, seed: int = 0, head_std: float | None = None)
         num_attention_heads=2,
         projection_dim=32,
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    text = words.tiny_llama_config(tokenizer)
     config = LlavaConfig(
         vision_config=vision,
         text_config=text,

@@ -75,7 +75,6 @@ def build(directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
         Idefics3ForConditionalGeneration,
         Idefics3ImageProcessor,
         Idefics3Processor,
-        LlamaConfig,
     )
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -88,19 +87,7 @@ def build(directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
         "image_size": IMAGE_SIZE,
         "patch_size": PATCH_SIZE,
     }
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    text = words.tiny_llama_config(tokenizer)
     config = Idefics3Config(
         vision_config=vision,
         text_config=text,

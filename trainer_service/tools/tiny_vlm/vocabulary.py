@@ -164,6 +164,26 @@ def lecun(layer: Any) -> None:
         torch.nn.init.zeros_(layer.bias)
 
 
+def tiny_llama_config(tokenizer: Any) -> Any:
+    """The tiny Llama text model LLaVA and Idefics3 share: hidden 64, 2 layers, 4 heads, the
+    tokenizer's vocabulary and padding, its end of turn the end of sequence, no BOS."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+
+
 def scale_for_learning(projector: Sequence[Any], text_layers: Sequence[Any], embed: Any) -> None:
     """The initial scales that let the image reach the answer position from the start:
     LeCun-normal ``projector`` linears and attention value/output projections of each of
