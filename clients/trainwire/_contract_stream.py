@@ -61,7 +61,13 @@ def _samples_surely_valid(samples: Sequence[episode_pb2.GrpoSample]) -> bool:
     total = 0.0
     for sample in samples:
         image = sample.image
-        if len(image) > MAX_SAMPLE_IMAGE_BYTES or sample.image_type != image_type_of(image):
+        image_type = sample.image_type
+        # An image of no known kind has type "" and must be refused, like a type without one.
+        if (
+            len(image) > MAX_SAMPLE_IMAGE_BYTES
+            or image_type != image_type_of(image)
+            or bool(image) != bool(image_type)
+        ):
             return False
         if (
             len(sample.prompt) > _SURELY_SHORT_TEXT
