@@ -13,8 +13,9 @@ Before the producer pulls episode ``n`` from the provider's generator it needs *
 
 Invariants: ``produced`` only grows; held episodes are ``produced - len(held) + 1 .. produced``.
 
-:class:`EpisodeWindow` is plain bookkeeping: the job (``trainer_service.core.job``) guards it with
-its condition, waits for credit and wakes its streams.
+:class:`EpisodeWindow` is plain bookkeeping: the job's shared state
+(``trainer_service.core.job_state``) guards it with its condition, waits for credit and wakes
+the job's streams.
 """
 
 from __future__ import annotations
