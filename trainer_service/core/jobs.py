@@ -4,15 +4,20 @@ jobs by run id to grant them credit, cancel them and re-attach streams to them.
 Whether a request may start a job (its fields, its provider, the slots it needs, all of them or
 none) is ``trainer_service.core.admission``; the runner's settings and the capabilities it
 reports are ``trainer_service.core.runner_settings`` (re-exported here). Jobs
-(``trainer_service.core.job``) run their providers in threads they own. The runner keeps a
-table of jobs by run id: a job enters it when it starts and leaves it once it is cancelled, or
-once it stayed detached (no stream attached) for ``detach_grace_s`` seconds: one whose end was
-not delivered is then cancelled; one whose end was delivered (it computes nothing more, its
-slots are free) is kept that long too, so a gateway that restarted before storing what it
-received can re-attach and have the held episodes and the end again. Only a job with a grant
-(one a gateway started) is kept; a job without one (direct use: grpcurl, a script) leaves as
-soon as its stream ends (cancelled if unfinished), as nobody will re-attach to it. The slots are
-released by the job's own thread once its provider has stopped, whatever the outcome.
+(``trainer_service.core.job``) run their providers in threads they own.
+
+The runner keeps one table of job records (the job, its slots, whether it is live, whether its
+thread runs, its detach timer). A job is *live* (found by run id) from its start until it is
+cancelled, or until it stayed detached (no stream attached) for ``detach_grace_s`` seconds: one
+whose end was not delivered is then cancelled; one whose end was delivered (it computes nothing
+more, its slots are free) is kept that long too, so a gateway that restarted before storing what
+it received can re-attach and have the held episodes and the end again. Only a job with a grant
+(one a gateway started) is kept; a job without one (direct use: grpcurl, a script) stops being
+live as soon as its stream ends (cancelled if unfinished), as nobody will re-attach to it. The
+slots are released by the job's own thread once its provider has stopped, whatever the outcome.
+
+Invariants of the table: at most one live job per run id; only a live job has a detach timer; a
+record leaves the table once its job is neither live nor running.
 """
 
 from __future__ import annotations
@@ -93,6 +98,25 @@ class FinalCheckpoint:
     error: str
 
 
+@dataclass(eq=False)
+class _JobRecord:
+    """One job the runner keeps, from its start until it is neither live nor running.
+
+    Attributes:
+        job: The job.
+        slots: The slots it holds (released once its producer thread exited).
+        live: Whether it is attachable by run id (grants, cancels, re-attaches find it).
+        running: Whether its producer thread has not exited.
+        expiry: Its detach grace timer, while it is live, detached and kept for a re-attach.
+    """
+
+    job: RunningJob
+    slots: tuple[int, ...]
+    live: bool = True
+    running: bool = True
+    expiry: threading.Timer | None = None
+
+
 def _initial_hyperparameters(
     provider: Any, request: trainer_service_pb2.TrainRequest
 ) -> Hyperparameters:
@@ -134,10 +158,7 @@ class JobRunner:
         self.slots = slots
         self.settings = settings or RunnerSettings()
         self._server_version = server_version
-        self._live: dict[str, RunningJob] = {}  # attachable jobs by run id
-        self._running: set[RunningJob] = set()  # jobs whose producer thread has not exited
-        self._slots_of: dict[RunningJob, tuple[int, ...]] = {}  # the slots each job holds
-        self._expiry: dict[str, threading.Timer] = {}  # detached jobs' grace timers
+        self._jobs: dict[RunningJob, _JobRecord] = {}  # every live or running job (see above)
         self._cond = threading.Condition()
         self._shutting_down = False
 
@@ -175,9 +196,9 @@ class JobRunner:
         )
         kind = admitted.kind
         with self._cond:
-            existing = self._live.get(run_id)
+            existing = self._live_record(run_id)
             if existing is not None:
-                if not (existing.stopped and not existing.attached):
+                if not (existing.job.stopped and not existing.job.attached):
                     raise JobExists(run_id)
                 self._retire(existing)  # a finished job kept for a replay: a new one replaces it
             slots = self.slots.try_acquire(admitted.slots_needed)
@@ -188,9 +209,7 @@ class JobRunner:
             except BaseException:
                 self.slots.release(slots)
                 raise
-            self._live[run_id] = job
-            self._running.add(job)
-            self._slots_of[job] = slots
+            self._jobs[job] = _JobRecord(job, slots)
             stream = job.attach(0, request.grant_through_episode)
         _LOGGER.info(
             "run %s: %s job started on %s (%d/%d slots busy)",
@@ -227,9 +246,10 @@ class JobRunner:
         if violations:
             raise InvalidRequest(run_id, violations)
         with self._cond:
-            job = self._live.get(run_id)
-            if job is None:
+            record = self._live_record(run_id)
+            if record is None:
                 raise JobNotFound(run_id)
+            job = record.job
             # The gateway sends the run's task, with the hyperparameters it changed since.
             if not same_but_hyperparameters(job.task, request.task) or (
                 job.config != request.config
@@ -239,7 +259,7 @@ class JobRunner:
                     [contract.FieldViolation("task", "differs from the live job's task/config")],
                 )
             stream = job.attach(after, request.grant_through_episode)
-            timer = self._expiry.pop(run_id, None)
+            timer, record.expiry = record.expiry, None
         if timer is not None:
             timer.cancel()
         _LOGGER.info(
@@ -324,14 +344,27 @@ class JobRunner:
 
     # -- live jobs ---------------------------------------------------------------------------
 
-    def _find(self, run_id: str) -> RunningJob:
+    def _live_record(self, run_id: str) -> _JobRecord | None:
+        """The record of the live job of ``run_id`` (call with ``_cond`` held)."""
+        for record in self._jobs.values():
+            if record.live and record.job.run_id == run_id:
+                return record
+        return None
+
+    def _find(self, run_id: str) -> _JobRecord:
+        """The record of the live job of ``run_id`` (call with ``_cond`` held).
+
+        Raises:
+            InvalidRequest: A bad run id.
+            JobNotFound: No job of this run is live.
+        """
         violations = contract.check_run_id(run_id)
         if violations:
             raise InvalidRequest(run_id, violations)
-        job = self._live.get(run_id)
-        if job is None:
+        record = self._live_record(run_id)
+        if record is None:
             raise JobNotFound(run_id)
-        return job
+        return record
 
     def grant(self, run_id: str, through_episode: int) -> int:
         """Moves a job's grant forward; returns its last produced episode.
@@ -346,7 +379,7 @@ class JobRunner:
                 [contract.FieldViolation("through_episode", f"{through_episode}; need >= 0")],
             )
         with self._cond:
-            job = self._find(run_id)
+            job = self._find(run_id).job
         return job.move_grant(through_episode)
 
     def set_hyperparameters(
@@ -362,7 +395,7 @@ class JobRunner:
             JobFinished: The job produced its last episode, or stopped.
         """
         with self._cond:
-            job = self._find(run_id)
+            job = self._find(run_id).job
         violations = contract.check_hyperparameters(job.kind, **dataclasses.asdict(change))
         check = getattr(job.provider, "check_hyperparameters", None)
         if not violations and callable(check):
@@ -383,8 +416,9 @@ class JobRunner:
             JobNotFound: No job of this run is live.
         """
         with self._cond:
-            job = self._find(run_id)
-            self._retire(job)
+            record = self._find(run_id)
+            self._retire(record)
+        job = record.job
         job.cancel("cancelled")
         _LOGGER.info(
             "run %s: job cancelled at episode %d", run_id, job.produced, extra={"run_id": run_id}
@@ -401,8 +435,9 @@ class JobRunner:
             JobNotFound: No job of this run is live.
         """
         with self._cond:
-            job = self._find(run_id)
-            self._retire(job)
+            record = self._find(run_id)
+            self._retire(record)
+        job = record.job
         _LOGGER.info(
             "run %s: job cancelled at episode %d, after a final checkpoint",
             run_id,
@@ -435,19 +470,19 @@ class JobRunner:
         if undelivered is None:
             return  # detached before, or replaced by a re-attach
         with self._cond:
-            if self._live.get(job.run_id) is not job:
+            record = self._jobs.get(job)
+            if record is None or not record.live:
                 return
             grace = self.settings.detach_grace_s
             # A job without a grant is direct use (grpcurl, a script): nobody will re-attach.
             if grace <= 0 or self._shutting_down or not job.grant:
-                self._retire(job)
+                self._retire(record)
             else:
                 timer = threading.Timer(grace, self._expire, args=(job,))
                 timer.daemon = True
-                old = self._expiry.pop(job.run_id, None)
-                if old is not None:
-                    old.cancel()
-                self._expiry[job.run_id] = timer
+                if record.expiry is not None:
+                    record.expiry.cancel()
+                record.expiry = timer
                 timer.start()
                 if undelivered:
                     _LOGGER.info(
@@ -463,9 +498,10 @@ class JobRunner:
 
     def _expire(self, job: RunningJob) -> None:
         with self._cond:
-            if self._live.get(job.run_id) is not job or job.attached:
+            record = self._jobs.get(job)
+            if record is None or not record.live or job.attached:
                 return
-            self._retire(job)
+            self._retire(record)
         if not job.stopped:
             _LOGGER.info(
                 "run %s: nobody re-attached within %g s; job cancelled",
@@ -475,21 +511,29 @@ class JobRunner:
             )
         job.cancel("cancelled")
 
-    def _retire(self, job: RunningJob) -> None:
-        """Removes a job from the table (call with ``_cond`` held)."""
-        if self._live.get(job.run_id) is job:
-            del self._live[job.run_id]
-        timer = self._expiry.pop(job.run_id, None)
-        if timer is not None:
-            timer.cancel()
+    def _retire(self, record: _JobRecord) -> None:
+        """Makes a live job no longer live: it cannot be found by run id any more (call with
+        ``_cond`` held)."""
+        record.live = False
+        if record.expiry is not None:
+            record.expiry.cancel()
+            record.expiry = None
+        self._forget_if_done(record)
+
+    def _forget_if_done(self, record: _JobRecord) -> None:
+        """Drops a record that is neither live nor running (call with ``_cond`` held)."""
+        if not (record.live or record.running):
+            del self._jobs[record.job]
 
     def _exited(self, job: RunningJob) -> None:
         """Called by a job thread once its provider has stopped."""
         with self._cond:
-            slots = self._slots_of.pop(job)
+            record = self._jobs[job]
+        slots = record.slots
         self.slots.release(slots)
         with self._cond:
-            self._running.discard(job)
+            record.running = False
+            self._forget_if_done(record)
             self._cond.notify_all()
         _LOGGER.debug("run %s: job thread exited, slots %s released", job.run_id, slots)
 
@@ -501,32 +545,37 @@ class JobRunner:
     def job(self, run_id: str) -> RunningJob | None:
         """The live job of ``run_id``, if any."""
         with self._cond:
-            return self._live.get(run_id)
+            record = self._live_record(run_id)
+            return record.job if record is not None else None
 
     @property
     def active_jobs(self) -> int:
         """Number of jobs whose threads have not exited yet."""
         with self._cond:
-            return len(self._running)
+            return sum(record.running for record in self._jobs.values())
 
     @property
     def live_jobs(self) -> int:
         """Number of jobs that can be granted, cancelled or re-attached."""
         with self._cond:
-            return len(self._live)
+            return sum(record.live for record in self._jobs.values())
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Blocks until no job thread is left; returns False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._running, timeout)
+            return self._cond.wait_for(
+                lambda: not any(record.running for record in self._jobs.values()), timeout
+            )
 
     def shutdown(self) -> None:
         """Refuses new jobs and stops every job at its next episode."""
         with self._cond:
             self._shutting_down = True
-            jobs = list(self._running | set(self._live.values()))
-            for job in list(self._live.values()):
-                self._retire(job)
+            records = list(self._jobs.values())  # every live or running job
+            for record in records:
+                if record.live:
+                    self._retire(record)
+        jobs = [record.job for record in records]
         for job in jobs:
             job.cancel("shutdown")
         if jobs:
