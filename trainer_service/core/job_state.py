@@ -49,6 +49,8 @@ class JobState:
         error: What the provider (or the checker) raised.
         stop_reason: ``cancelled`` or ``shutdown`` once stopped from outside ("" before).
         waiting: The producer is blocked at its credit.
+        provider_phase: What the provider last said it does (``loading`` first, ``finishing``
+            once it stopped).
         resume_from: Checkpoints to start from, newest first.
         resumed: Where a job with ``resume_from`` started; None until decided.
         start_episode: The episode the job continues after (0: from scratch).
