@@ -18,7 +18,8 @@ from gateway.core.curve import CurveBuilder
 from gateway.core.details import DetailRetention
 from gateway.core.episode_json import json_parts
 from gateway.core.feed import Inbox
-from gateway.core.history import EpisodeLog, encode_frame, varint
+from gateway.core.framing import encode_frame, varint
+from gateway.core.live_log import EpisodeLog
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
 from gateway.core.runs import RunState, TrainingRun
