@@ -1,4 +1,4 @@
-"""Episode framing: episodes as protobuf frames, sent to any number of watchers unchanged.
+"""Episode framing: an episode's encodings, and the protobuf framing that sends them unchanged.
 
 A *frame* is the protobuf encoding of field 1 (length-delimited) holding a serialized
 ``Episode``. That one byte string is at once a complete ``WatchRunResponse`` with ``episode``
@@ -16,6 +16,9 @@ Invariants:
   without its detail is a prefix of its bytes (``detail_offset``), and its scalar frame is the
   frame of that prefix. An episode without a detail has one frame for both views (the same
   object).
+* ``EncodedEpisode`` is the one encoding of a published episode: its bytes, frames and JSON are
+  each written once (``encode_episode``), and every consumer (the store, the live log) takes
+  them from it rather than parsing or encoding the episode again.
 * A batch holds at most ``MAX_BATCH_EPISODES`` episodes and, unless a single frame is larger,
   at most ``MAX_BATCH_BYTES`` bytes (``batch_end``).
 """
@@ -26,6 +29,9 @@ import bisect
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from gateway.core.episode_json import join_json, json_parts
+from trainwire.v1 import episode_pb2
 
 MAX_BATCH_EPISODES = 256
 #: The largest batch message. A watcher holds at most one message in flight, and gRPC a copy of
@@ -168,6 +174,63 @@ def scalar_frame(frame: bytes) -> bytes:
     payload = frame_payload(frame)
     at = detail_offset(payload)
     return frame if at == len(payload) else encode_frame(payload[:at])
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedEpisode:
+    """One published episode, encoded once for every consumer (see the module docstring).
+
+    ``data`` is the deterministic serialization; ``detail_at`` where its detail begins (-1:
+    it has none); ``frame`` and ``scalar_frame`` its frames with and without the detail (the
+    same object when it has none); ``json`` and ``scalar_json`` its JSON with and without the
+    detail; ``detail_json`` the detail as a member of the JSON object (``json_parts``), None
+    when it has none.
+    """
+
+    episode: int
+    reward: float
+    best_reward: float
+    data: bytes
+    detail_at: int
+    frame: bytes
+    scalar_frame: bytes
+    json: bytes
+    scalar_json: bytes
+    detail_json: bytes | None
+
+    @property
+    def has_detail(self) -> bool:
+        """Whether the episode carries a detail."""
+        return self.detail_at >= 0
+
+
+def encode_episode(episode: episode_pb2.Episode) -> EncodedEpisode:
+    """The one encoding of ``episode`` (see ``EncodedEpisode``)."""
+    # Deterministic: map entries (metrics) in key order, so the stored bytes are canonical
+    # and a watcher can compare what it got with any replay byte for byte.
+    data = episode.SerializeToString(deterministic=True)
+    frame = encode_frame(data)
+    kind = episode.WhichOneof("detail")
+    if kind is None:
+        detail_at, scalars = -1, frame
+    else:
+        # The detail field serializes last: its tag (one byte), its length, its message.
+        size = getattr(episode, kind).ByteSize()
+        detail_at = len(data) - 1 - len(varint(size)) - size
+        scalars = encode_frame(data[:detail_at])
+    numbers_json, detail_json = json_parts(episode)
+    return EncodedEpisode(
+        episode.episode,
+        episode.reward,
+        episode.best_reward,
+        data,
+        detail_at,
+        frame,
+        scalars,
+        join_json(numbers_json, detail_json),
+        numbers_json,
+        detail_json,
+    )
 
 
 @dataclass(frozen=True, slots=True)

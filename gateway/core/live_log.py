@@ -10,8 +10,10 @@ Invariants:
 * Only committed episodes are appended, in order, without gaps: the log holds episodes
   ``base + 1 .. last_episode``, at least ``keep`` of them once it has them and at most
   ``2 x keep``; the ones before ``base`` (after ``origin``) are in the store.
-* An episode's JSON is written once, the first time a JSON watcher asks for it (a run nobody
-  watches over HTTP costs nothing).
+* Episodes published by the run's publisher arrive encoded (``EncodedEpisode``): the log takes
+  their frames and JSON as they are and encodes nothing. Episodes it is given as frames only (a
+  restart's restore, a replica following the run) have their JSON written once, the first
+  time a JSON watcher asks for it.
 * The lists a watcher was handed are never changed afterwards: trimming the tail makes new
   lists.
 * A waiting watcher parks one future; a wake-up resolves every parked future and empties the
@@ -26,7 +28,15 @@ import time
 from collections.abc import Callable, Sequence
 
 from gateway.core.episode_json import join_json, json_parts
-from gateway.core.framing import JSON, SCALARS, VIEWS, EpisodeFrames, frame_payload, scalar_frame
+from gateway.core.framing import (
+    JSON,
+    SCALARS,
+    VIEWS,
+    EncodedEpisode,
+    EpisodeFrames,
+    frame_payload,
+    scalar_frame,
+)
 from trainwire.v1 import episode_pb2
 
 #: Episodes an active run keeps in memory (its live tail); between one and two times this many
@@ -35,17 +45,9 @@ LIVE_EPISODES = 2048
 #: Seconds of live wake window per attached watcher (see ``EpisodeLog``): a run's watchers
 #: cost at most ``1 / WAKE_WINDOW_PER_WATCHER`` messages/s.
 WAKE_WINDOW_PER_WATCHER = 0.00015
-
-
-def json_views(frames: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
-    """The JSON of frames' episodes: with their detail, and without."""
-    full: list[bytes] = []
-    numbers: list[bytes] = []
-    for frame in frames:
-        plain, detail = json_parts(episode_pb2.Episode.FromString(frame_payload(frame)))
-        full.append(join_json(plain, detail))
-        numbers.append(plain)
-    return full, numbers
+#: A JSON view's entry for an episode whose JSON is not written yet (no episode's JSON is
+#: empty).
+_UNWRITTEN = b""
 
 
 class EpisodeLog:
@@ -55,7 +57,9 @@ class EpisodeLog:
     It holds episodes ``base + 1 .. last_episode`` (at most ``2 x keep``; the older ones, after
     ``origin``, are in the store), in each view (``view``; ``frames`` with their detail and
     ``scalar_frames`` without are the same objects where an episode has no detail). Only
-    committed episodes are appended. Waiting watchers each park one future in ``_waiters``
+    committed episodes are appended: encoded by the publisher (``publish_encoded``), their
+    frames and JSON as they are; as frames only (``publish``, ``restore``), their JSON written
+    when a JSON watcher first asks for it. Waiting watchers each park one future in ``_waiters``
     (through their ``Waiter``); a wake-up resolves them all and empties the set, and a watcher
     that goes away removes its own future, so nothing outlives a watcher.
 
@@ -85,7 +89,6 @@ class EpisodeLog:
 
     __slots__ = (
         "_clock",
-        "_json_start",
         "_keep",
         "_last_wake",
         "_min_wake_interval",
@@ -111,10 +114,9 @@ class EpisodeLog:
         self.run_id = run_id
         self.origin = origin
         self.base = origin
-        # Per view; the JSON views hold episodes from frame index _json_start on (a contiguous
-        # stretch, written when first asked for: ``episodes``).
+        # Per view, one entry per episode held; a JSON view's entry is _UNWRITTEN until the
+        # episode's JSON is written (``episodes``).
         self._views: list[list[bytes]] = [[] for _ in range(VIEWS)]
-        self._json_start = 0
         self.closed = False
         self._keep = keep
         self._waiters: set[asyncio.Future[None]] = set()
@@ -161,22 +163,22 @@ class EpisodeLog:
         """Episodes ``after + 1 .. end`` (all held: ``base <= after <= end <= last_episode``) in
         a view (``view_of``); a JSON view writes the JSON of those it does not hold yet."""
         lo, hi = after - self.base, end - self.base
-        if not view & JSON:
-            return self._views[view][lo:hi]
-        start = self._json_start
         held = self._views[view]
-        if lo < start or lo > start + len(held):
-            # Not next to the stretch written so far: a new stretch begins at lo (what a
-            # watcher asks for next follows on from it).
-            start = self._json_start = lo
-            self._views[JSON] = []
-            self._views[JSON | SCALARS] = []
-            held = self._views[view]
-        if start + len(held) < hi:
-            full, numbers = json_views(self._views[0][start + len(held) : hi])
-            self._views[JSON].extend(full)
-            self._views[JSON | SCALARS].extend(numbers)
-        return held[lo - start : hi - start]
+        if view & JSON and _UNWRITTEN in held[lo:hi]:
+            self._write_json(lo, hi)
+        return held[lo:hi]
+
+    def _write_json(self, lo: int, hi: int) -> None:
+        """Writes the JSON views' entries ``lo:hi`` that are not written yet (episodes given
+        as frames only)."""
+        views = self._views
+        frames, full, numbers = views[0], views[JSON], views[JSON | SCALARS]
+        for i in range(lo, hi):
+            if full[i] == _UNWRITTEN:
+                episode = episode_pb2.Episode.FromString(frame_payload(frames[i]))
+                plain, detail = json_parts(episode)
+                full[i] = join_json(plain, detail)
+                numbers[i] = plain
 
     def frames_event(self, after: int, end: int, view: int) -> EpisodeFrames:
         """Episodes ``after + 1 .. end`` (all held: ``base <= after < end <= last_episode``) in
@@ -195,16 +197,30 @@ class EpisodeLog:
         (after a gateway restart, or for a replica that follows the run)."""
         assert not self.frames, "restore() fills an empty log"
         self.base = last_episode - len(frames)
-        self._append(frames, [scalar_frame(f) for f in frames])
+        self._append(frames, [scalar_frame(f) for f in frames], None)
 
     def publish(
         self, frames: Sequence[bytes], scalar_frames: Sequence[bytes] | None = None
     ) -> None:
-        """Appends committed frames (and their scalar views, computed when not given) and
-        wakes the waiting watchers (see the class docstring)."""
+        """Appends committed frames (and their scalar views, computed when not given; their
+        JSON is written when first asked for) and wakes the waiting watchers (see the class
+        docstring)."""
         if scalar_frames is None:
             scalar_frames = [scalar_frame(f) for f in frames]
-        self._append(frames, scalar_frames)
+        self._append(frames, scalar_frames, None)
+        self._published()
+
+    def publish_encoded(self, episodes: Sequence[EncodedEpisode]) -> None:
+        """Appends committed episodes as the publisher encoded them, every view as it is, and
+        wakes the waiting watchers (see the class docstring)."""
+        self._append(
+            [e.frame for e in episodes],
+            [e.scalar_frame for e in episodes],
+            ([e.json for e in episodes], [e.scalar_json for e in episodes]),
+        )
+        self._published()
+
+    def _published(self) -> None:
         if self._timer is not None:
             return  # a wake-up is already scheduled; it will carry these frames too
         window = min(self._min_wake_interval, self.watchers * WAKE_WINDOW_PER_WATCHER)
@@ -214,21 +230,28 @@ class EpisodeLog:
         else:
             self._timer = asyncio.get_running_loop().call_later(delay, self.wake)
 
-    def _append(self, frames: Sequence[bytes], scalar_frames: Sequence[bytes]) -> None:
+    def _append(
+        self,
+        frames: Sequence[bytes],
+        scalar_frames: Sequence[bytes],
+        json: tuple[Sequence[bytes], Sequence[bytes]] | None,
+    ) -> None:
+        """Appends episodes in every view (``json``: their JSON with and without the detail;
+        None: not written yet) and trims the tail to ``keep`` once it holds twice that."""
         held = self._views
         held[0].extend(frames)
         held[SCALARS].extend(scalar_frames)
+        if json is None:
+            unwritten = [_UNWRITTEN] * len(frames)
+            held[JSON].extend(unwritten)
+            held[JSON | SCALARS].extend(unwritten)
+        else:
+            held[JSON].extend(json[0])
+            held[JSON | SCALARS].extend(json[1])
         excess = len(held[0]) - self._keep
         if excess > self._keep:
             # New lists: a watcher slicing the old ones keeps what it holds.
-            self._views = [v[excess:] for v in held[:JSON]]
-            start = self._json_start - excess
-            if start >= 0:
-                self._views += held[JSON:]
-            else:
-                self._views += [v[-start:] for v in held[JSON:]]
-                start = 0
-            self._json_start = start
+            self._views = [v[excess:] for v in held]
             self.base += excess
 
     def close(self) -> None:
