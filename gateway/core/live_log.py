@@ -163,10 +163,11 @@ class EpisodeLog:
         """Episodes ``after + 1 .. end`` (all held: ``base <= after <= end <= last_episode``) in
         a view (``view_of``); a JSON view writes the JSON of those it does not hold yet."""
         lo, hi = after - self.base, end - self.base
-        held = self._views[view]
-        if view & JSON and _UNWRITTEN in held[lo:hi]:
+        part = self._views[view][lo:hi]
+        if view & JSON and _UNWRITTEN in part:
             self._write_json(lo, hi)
-        return held[lo:hi]
+            part = self._views[view][lo:hi]
+        return part
 
     def _write_json(self, lo: int, hi: int) -> None:
         """Writes the JSON views' entries ``lo:hi`` that are not written yet (episodes given
