@@ -33,7 +33,7 @@ from trainwire.v1 import gateway_service_pb2_grpc  # noqa: E402
 #: The gateway with the first release's batching: fixed 1 MiB batches, whatever the reader.
 LEGACY = (
     "-c",
-    "import sys, gateway.core.history as h, gateway.core.replay as r\n"
+    "import sys, gateway.core.framing as h, gateway.core.replay as r\n"
     "h.MAX_BATCH_BYTES = r.MAX_BATCH_BYTES = r.FIRST_BATCH_BYTES = 1 << 20\n"
     "r.SLOW_WRITE_S = float('inf')\n"
     "from gateway.__main__ import main\n"

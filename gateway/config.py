@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.core.history import WAKE_WINDOW_PER_WATCHER
+from gateway.core.live_log import WAKE_WINDOW_PER_WATCHER
 from gateway.core.settings import DEFAULTS, CoreSettings
 from trainwire.contract import check_episode_rate
 from trainwire_ops.logs import LOG_FORMATS

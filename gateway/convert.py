@@ -9,7 +9,7 @@ from google.protobuf import timestamp_pb2
 
 from gateway.core.curve import Bucket
 from gateway.core.errors import InvalidRequest
-from gateway.core.history import encode_batch
+from gateway.core.framing import encode_batch
 from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.registry import (
     CaughtUp,

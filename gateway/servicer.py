@@ -186,7 +186,7 @@ class GatewayServicer:
 
 
 def _serialize_watch_response(message: bytes | pb.WatchRunResponse) -> bytes:
-    # Episodes arrive pre-encoded (gateway.core.history): send those bytes untouched.
+    # Episodes arrive pre-encoded (gateway.core.framing): send those bytes untouched.
     if isinstance(message, bytes):
         return message
     return message.SerializeToString()

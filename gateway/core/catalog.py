@@ -20,10 +20,10 @@ from gateway.core.errors import (
     TooManyPending,
 )
 from gateway.core.forks import ForkPoint, fork_point
-from gateway.core.history import PageCache
 from gateway.core.observer import Observer
 from gateway.core.ownership import Ownership
 from gateway.core.pacing import clamp_speed
+from gateway.core.page_cache import PageCache
 from gateway.core.placement import rewards_needed, slots_needed
 from gateway.core.recovery import UnsavedEnds
 from gateway.core.runs import RunState, TrainingRun

@@ -65,8 +65,8 @@ from gateway.core.errors import (
 )
 from gateway.core.feed import Inbox, TrainerFeed
 from gateway.core.forks import ForkNotRestored, fork_resume_point
-from gateway.core.history import EpisodeLog
 from gateway.core.hyperparameters import HyperparameterChange, has_reference_model
+from gateway.core.live_log import EpisodeLog
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
 from gateway.core.placement import Placement, rewards_needed, slots_needed

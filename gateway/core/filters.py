@@ -22,8 +22,9 @@ a label's value (``labels.KEY:*`` and ``labels:KEY`` ask whether the run has it)
 Kubernetes selectors, ``labels.KEY != "v"`` also matches runs without the label. Positions in
 errors count characters from 1.
 
-Everything here is parsed and typed: a bad filter is refused before any database sees it, and
-``gateway.core.store.search_sql`` turns the tree into parameterised SQL.
+The texts are read into tokens by ``gateway.core.filter_tokens``. Everything here is parsed and
+typed: a bad filter is refused before any database sees it, and ``gateway.core.store.search_sql``
+turns the tree into parameterised SQL.
 """
 
 from __future__ import annotations
@@ -36,11 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.core.errors import InvalidRequest
+from gateway.core.filter_tokens import Tok, Token, syntax_error, tokenize
 from gateway.core.runs import RunState
-from trainwire.contract import FieldViolation
 
-#: The longest filter or order_by accepted.
-MAX_LENGTH = 4096
 #: How deep parentheses and NOTs may nest.
 MAX_DEPTH = 32
 
@@ -96,9 +95,6 @@ KINDS = ("imitation", "grpo")
 _STATES = {s.name: s for s in RunState if s is not RunState.UNSPECIFIED}
 _STATE_NAMES = ", ".join(f"STATE_{name}" for name in _STATES)
 
-_COMPARATORS = ("<=", ">=", "!=", "=", "<", ">", ":")
-#: Characters that end a word (besides whitespace).
-_STOP = frozenset("()=!<>:,\"'")
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]*")
 _RFC3339 = re.compile(
@@ -106,115 +102,6 @@ _RFC3339 = re.compile(
     r"(?:[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?([Zz]|[+-]\d{2}:\d{2}))?"
 )
 _NS_LIMIT = 1 << 63
-
-
-# -- tokens -------------------------------------------------------------------------------------
-
-
-class Tok(enum.Enum):
-    """Token kinds."""
-
-    WORD = "word"  #: a name, number, keyword or unquoted value
-    STRING = "string"  #: a quoted string
-    OP = "comparator"
-    LPAREN = "("
-    RPAREN = ")"
-    COMMA = ","
-    END = "end"
-
-
-@dataclass(frozen=True, slots=True)
-class Token:
-    """One token: its kind, its text as written, its value (a string's unescaped text) and
-    where it starts (counted from 1); a string also says whether it starts and ends with an
-    unescaped ``*``."""
-
-    kind: Tok
-    text: str
-    value: str
-    position: int
-    star_start: bool = False
-    star_end: bool = False
-
-    def shown(self) -> str:
-        """The token as an error message names it."""
-        if self.kind is Tok.END:
-            return "end of input"
-        return self.text if self.kind is Tok.STRING else f'"{self.text}"'
-
-
-def _syntax(field: str, message: str) -> InvalidRequest:
-    return InvalidRequest(f"{field}: {message}", [FieldViolation(field, message)])
-
-
-def tokenize(text: str, field: str = "filter") -> list[Token]:
-    """The tokens of ``text``, ending with an END token.
-
-    Raises:
-        InvalidRequest: an unterminated string, a stray ``!``, or a text too long.
-    """
-    if len(text) > MAX_LENGTH:
-        raise _syntax(field, f"{len(text)} characters; at most {MAX_LENGTH}")
-    out: list[Token] = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c.isspace():
-            i += 1
-        elif c in "(),":
-            kind = {"(": Tok.LPAREN, ")": Tok.RPAREN, ",": Tok.COMMA}[c]
-            out.append(Token(kind, c, c, i + 1))
-            i += 1
-        elif c in "=!<>:":
-            op = next((o for o in _COMPARATORS if text.startswith(o, i)), "")
-            if not op:
-                raise _syntax(field, f'unexpected "{c}" at position {i + 1}')
-            out.append(Token(Tok.OP, op, op, i + 1))
-            i += len(op)
-        elif c in "\"'":
-            out.append(_string(text, i, field))
-            i += len(out[-1].text)
-        else:
-            j = i
-            while j < n and not text[j].isspace() and text[j] not in _STOP:
-                j += 1
-            word = text[i:j]
-            out.append(Token(Tok.WORD, word, word, i + 1))
-            i = j
-    out.append(Token(Tok.END, "", "", n + 1))
-    return out
-
-
-def _string(text: str, start: int, field: str) -> Token:
-    quote = text[start]
-    chars: list[str] = []
-    star_start = star_end = False
-    i = start + 1
-    while i < len(text):
-        c = text[i]
-        if c == quote:
-            return Token(
-                Tok.STRING,
-                text[start : i + 1],
-                "".join(chars),
-                start + 1,
-                star_start,
-                star_end,
-            )
-        if c == "\\" and i + 1 < len(text):
-            nxt = text[i + 1]
-            chars.append({"n": "\n", "t": "\t", "r": "\r"}.get(nxt, nxt))
-            star_end = False
-            i += 2
-            continue
-        if c == "*":
-            star_start = star_start or not chars
-            star_end = True
-        else:
-            star_end = False
-        chars.append(c)
-        i += 1
-    raise _syntax(field, f"unterminated string starting at position {start + 1}")
 
 
 # -- the expression tree ------------------------------------------------------------------------
@@ -349,7 +236,9 @@ class _Parser:
 
     def unexpected(self, token: Token, wanted: str = "") -> InvalidRequest:
         tail = f", expected {wanted}" if wanted else ""
-        return _syntax("filter", f"unexpected {token.shown()} at position {token.position}{tail}")
+        return syntax_error(
+            "filter", f"unexpected {token.shown()} at position {token.position}{tail}"
+        )
 
     def filter(self) -> Expr | None:
         if self.token.kind is Tok.END:
@@ -400,7 +289,7 @@ class _Parser:
     def nested(self, parse: Callable[[], Expr]) -> Expr:
         self.depth += 1
         if self.depth > MAX_DEPTH:
-            raise _syntax(
+            raise syntax_error(
                 "filter",
                 f"nested more than {MAX_DEPTH} deep at position {self.token.position}",
             )
@@ -427,7 +316,7 @@ class _Parser:
         field, key = _resolve(name)
         op = self.token
         if op.kind is not Tok.OP:
-            raise _syntax(
+            raise syntax_error(
                 "filter",
                 f"expected a comparator (= != < <= > >= :) after {name.shown()} at position "
                 f"{op.position}, found {op.shown()}",
@@ -457,7 +346,7 @@ def _resolve(name: Token, field_name: str = "filter", labels: bool = True) -> tu
     if labels and (text == "labels" or text.startswith("labels.")):
         key = text[len("labels.") :] if text != "labels" else ""
         if key and not _LABEL_KEY.fullmatch(key):
-            raise _syntax(
+            raise syntax_error(
                 field_name,
                 f"{name.shown()} at position {name.position} is not a label key (A-Z a-z 0-9 "
                 "and . _ / -, starting with a letter or digit)",
@@ -466,7 +355,7 @@ def _resolve(name: Token, field_name: str = "filter", labels: bool = True) -> tu
     field = FIELDS.get(text)
     if field is None:
         known = KNOWN_FIELDS if labels else ", ".join(sorted(FIELDS))
-        raise _syntax(
+        raise syntax_error(
             field_name,
             f"unknown field {name.shown()} at position {name.position}; known fields: {known}",
         )
@@ -474,7 +363,7 @@ def _resolve(name: Token, field_name: str = "filter", labels: bool = True) -> tu
 
 
 def _bad_value(name: Token, value: Token, need: str) -> InvalidRequest:
-    return _syntax(
+    return syntax_error(
         "filter",
         f"{name.text} needs {need}, not {value.shown()} at position {value.position}",
     )
@@ -486,7 +375,7 @@ def _restriction(field: Field, key: str, name: Token, comparator: Token, value: 
     star = value.kind is Tok.WORD and value.text == "*"
     if field is LABELS and not key:
         if op != ":":
-            raise _syntax(
+            raise syntax_error(
                 "filter",
                 f'"labels" at position {name.position} needs a key: labels.KEY {op} ..., '
                 "or labels:KEY for runs that have it",
@@ -498,7 +387,7 @@ def _restriction(field: Field, key: str, name: Token, comparator: Token, value: 
         return Has(LABELS, value.value)
     if op == ":" and star:
         if field.type not in (FieldType.LABEL, FieldType.TEXT, FieldType.TIME):
-            raise _syntax(
+            raise syntax_error(
                 "filter",
                 f'"{name.text}:*" at position {name.position}: ":*" works on labels, times and '
                 "text fields",
@@ -508,7 +397,7 @@ def _restriction(field: Field, key: str, name: Token, comparator: Token, value: 
         op = "="
     kind = field.type
     if kind in (FieldType.STATE, FieldType.KIND) and op not in ("=", "!="):
-        raise _syntax(
+        raise syntax_error(
             "filter",
             f"{name.text} takes = and != only, not {comparator.shown()} at position "
             f"{comparator.position}",
@@ -611,13 +500,15 @@ def parse_order_by(text: str) -> tuple[OrderKey, ...]:
     while True:
         name = tokens[at]
         if name.kind is not Tok.WORD:
-            raise _syntax(
+            raise syntax_error(
                 "order_by",
                 f"unexpected {name.shown()} at position {name.position}, expected a field",
             )
         field, _ = _resolve(name, "order_by", labels=False)
         if any(k.field is field for k in keys):
-            raise _syntax("order_by", f"{name.shown()} at position {name.position} is named twice")
+            raise syntax_error(
+                "order_by", f"{name.shown()} at position {name.position} is named twice"
+            )
         at += 1
         descending = False
         word = tokens[at]
@@ -629,7 +520,7 @@ def parse_order_by(text: str) -> tuple[OrderKey, ...]:
         if token.kind is Tok.END:
             return tuple(keys)
         if token.kind is not Tok.COMMA:
-            raise _syntax(
+            raise syntax_error(
                 "order_by",
                 f"unexpected {token.shown()} at position {token.position}, expected "
                 '"asc", "desc", "," or the end',

@@ -21,7 +21,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from gateway.core.history import EpisodeLog, encode_frame
+from gateway.core.framing import encode_frame
+from gateway.core.live_log import EpisodeLog
 from gateway.core.runs import TrainingRun
 from gateway.core.store import Store
 

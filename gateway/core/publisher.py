@@ -5,6 +5,9 @@ paused), visible to watchers only once committed, in order.
 enters the run's ``EpisodeLog`` only after its commit, so nothing a watcher saw can be lost by a
 crash. The publisher knows nothing of the trainer: after each commit it calls ``on_commit``
 (where the driver grants credit).
+
+Each episode is encoded once (``gateway.core.framing.encode_episode``): the store's record and
+the live log take their bytes, frames and JSON from that one ``EncodedEpisode``.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from collections.abc import Callable
 
 from gateway.core.curve import CurveBuilder
 from gateway.core.details import DetailRetention
-from gateway.core.episode_json import json_parts
 from gateway.core.feed import Inbox
-from gateway.core.history import EpisodeLog, encode_frame, varint
+from gateway.core.framing import EncodedEpisode, encode_episode
+from gateway.core.live_log import EpisodeLog
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
 from gateway.core.runs import RunState, TrainingRun
@@ -63,9 +66,8 @@ class Publisher:
         self._control = asyncio.Event()
         # Set by every commit of this run's episodes.
         self._committed = asyncio.Event()
-        # Handed to the store, awaiting commit: (episode, reward, best_reward, frame, scalar
-        # frame).
-        self._pending: deque[tuple[int, float, float, bytes, bytes]] = deque()
+        # Handed to the store, awaiting commit.
+        self._pending: deque[EncodedEpisode] = deque()
         #: The run's curve blocks (``restore_builder`` after a restart or a takeover).
         self.curve = CurveBuilder(run.episode)
         #: Which details the store keeps (told of every commit); None: all of them.
@@ -122,39 +124,26 @@ class Publisher:
 
     def _publish(self, episode: episode_pb2.Episode) -> None:
         """Hands an episode to the store; it becomes visible when committed."""
-        # Deterministic: map entries (metrics) in key order, so the stored bytes are canonical
-        # and a watcher can compare what it got with any replay byte for byte.
-        data = episode.SerializeToString(deterministic=True)
-        n = episode.episode
-        frame = encode_frame(data)
-        kind = episode.WhichOneof("detail")
-        if kind is None:
-            detail_at, scalars = -1, frame
-        else:
-            # The detail field serializes last: its tag (one byte), its length, its message.
-            size = getattr(episode, kind).ByteSize()
-            detail_at = len(data) - 1 - len(varint(size)) - size
-            scalars = encode_frame(data[:detail_at])
-        self._pending.append((n, episode.reward, episode.best_reward, frame, scalars))
+        encoded = encode_episode(episode)
+        n = encoded.episode
+        self._pending.append(encoded)
         self._pacer.published()
         blocks = self.curve.add(n, episode.reward, episode.best_reward, episode.metrics)
         keep = self.details is None or self.details.keeps(n, episode.done)
-        # Its JSON, written once here for every page and event stream that will replay it from
-        # the store: the numbers (~8 us, ~150 bytes) and the detail when it is kept for good (a
-        # 60x11 motion: ~0.25 ms, ~8 KiB). A recent detail is mostly dropped: the few settled
-        # later (a stretch's best) have theirs written when read.
-        numbers_json, detail_json = json_parts(episode, detail=keep)
+        # The store keeps the JSON of the numbers, and of the detail only when it keeps the
+        # detail for good: a recent detail is mostly dropped, and the few settled later (a
+        # stretch's best) have theirs written when read.
         record = EpisodeRecord(
             self._run.id,
             n,
-            episode.reward,
-            episode.best_reward,
-            data,
-            detail_at,
+            encoded.reward,
+            encoded.best_reward,
+            encoded.data,
+            encoded.detail_at,
             blocks,
             keep,
-            numbers_json,
-            detail_json,
+            encoded.scalar_json,
+            encoded.detail_json if keep else None,
         )
         self._store.append_episode(record, self._committed_one)
 
@@ -165,18 +154,19 @@ class Publisher:
                 _LOGGER.error(
                     "run %s: storing episode %d failed: %s",
                     self._run.id,
-                    self._pending[0][0] if self._pending else 0,
+                    self._pending[0].episode if self._pending else 0,
                     error,
                     extra={"run_id": self._run.id},
                 )
             self._error = error
             self._control.set()
             return
-        n, reward, best, frame, scalars = self._pending.popleft()
-        self._run.record_episode(n, reward, best)
-        self._log.publish((frame,), (scalars,))
+        encoded = self._pending.popleft()
+        n, reward = encoded.episode, encoded.reward
+        self._run.record_episode(n, reward, encoded.best_reward)
+        self._log.publish_encoded((encoded,))
         if self.details is not None:
-            self.details.committed(n, reward, scalars is not frame)
+            self.details.committed(n, reward, encoded.has_detail)
         self._observer.episodes_published(self._run.id, 1)
         self._on_commit_hook()
 

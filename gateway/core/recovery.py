@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from gateway.core.curve import restore_builder
 from gateway.core.driver import RunDriver
-from gateway.core.history import encode_frame
+from gateway.core.framing import encode_frame
 from gateway.core.observer import Observer
 from gateway.core.runs import INTERRUPTED_MESSAGE, RunState, TrainingRun
 from gateway.core.scheduler import Scheduler

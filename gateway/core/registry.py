@@ -35,10 +35,10 @@ from gateway.core.curve import Bucket
 from gateway.core.curves import RunCurves
 from gateway.core.driver import DriverContext, RunDriver
 from gateway.core.errors import IllegalTransition, InvalidRequest, TrainerUnavailable
-from gateway.core.history import PageCache
 from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.observer import Observer
 from gateway.core.ownership import LeasedOwnership, Ownership, SoloOwnership
+from gateway.core.page_cache import PageCache
 from gateway.core.recovery import Recovery, UnsavedEnds
 from gateway.core.replay import CaughtUp, EpisodeFrames, Finished, Keepalive, Replay, WatchEvent
 from gateway.core.replicas import SharedReplicas

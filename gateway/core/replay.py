@@ -22,15 +22,9 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gateway.core.errors import RunNotFound, ShuttingDown
-from gateway.core.history import (
-    MAX_BATCH_BYTES,
-    PAGE_EPISODES,
-    EpisodeFrames,
-    EpisodeLog,
-    PageCache,
-    batch_end,
-    page_start,
-)
+from gateway.core.framing import MAX_BATCH_BYTES, EpisodeFrames, batch_end
+from gateway.core.live_log import EpisodeLog
+from gateway.core.page_cache import PAGE_EPISODES, PageCache, page_start
 from gateway.core.runs import RunState, TrainingRun
 
 
@@ -196,7 +190,7 @@ class Replay:
             state: The run's state now (for keepalives).
             final: The run as it ended (called once the log is closed).
             after_episode: Resume after this episode.
-            view: What each episode is sent as (``gateway.core.history.view_of``).
+            view: What each episode is sent as (``gateway.core.framing.view_of``).
         """
         run_id = log.run_id
         clock = self._clock

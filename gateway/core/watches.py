@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from gateway.core.catalog import require_run_id
 from gateway.core.errors import InvalidRequest, ShuttingDown
 from gateway.core.follower import Follower
-from gateway.core.history import view_of
+from gateway.core.framing import view_of
 from gateway.core.observer import Observer
 from gateway.core.ownership import Ownership
 from gateway.core.replay import EpisodeFrames, Replay, WatchEvent

@@ -16,7 +16,7 @@ saw, exactly once. ``?view=scalars`` streams the episodes without their detail (
 completions: numbers only, for curves and tables); ``?view=full``, the default, with it.
 
 Each episode's JSON is written once, when the gateway publishes the episode, and kept with it
-(the core's ``JSON`` views, ``gateway.core.history``; stored beside the episode), so a stream
+(the core's ``JSON`` views, ``gateway.core.framing``; stored beside the episode), so a stream
 only frames it: a replay from the store costs about what a ``WatchRun`` replay from the store
 costs, and a replayed batch (up to 256 episodes) goes out in one write.
 

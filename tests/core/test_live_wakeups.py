@@ -8,15 +8,9 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
-from gateway.core.history import (
-    MAX_BATCH_BYTES,
-    WAKE_WINDOW_PER_WATCHER,
-    EpisodeFrames,
-    EpisodeLog,
-    PageCache,
-    encode_frame,
-    frame_payload,
-)
+from gateway.core.framing import MAX_BATCH_BYTES, EpisodeFrames, encode_frame, frame_payload
+from gateway.core.live_log import WAKE_WINDOW_PER_WATCHER, EpisodeLog
+from gateway.core.page_cache import PageCache
 from gateway.core.replay import CaughtUp, Finished, Replay, WatchEvent
 from gateway.core.runs import RunState, TrainingRun
 from tests.fakes.virtual_time import VIRTUAL_TIME

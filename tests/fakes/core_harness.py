@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.core.history import frame_payload
+from gateway.core.framing import frame_payload
 from gateway.core.registry import (
     EpisodeFrames,
     Finished,

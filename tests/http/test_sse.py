@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.core import history
+from gateway.core import framing, live_log
 from gateway.core.store import base
 from gateway.http import sse
 from tests.fakes.fake_trainer import FakeTrainer, Script
@@ -241,7 +241,7 @@ async def test_a_replay_frames_the_json_written_at_publication_and_encodes_nothi
         encoded += 1
         return parts(episode)
 
-    for module in (base, history):
+    for module in (base, framing, live_log):
         monkeypatch.setattr(module, "json_parts", counting)
     url = events_url(http, run_id)
     first = await read_stream(http.session, url)

@@ -16,7 +16,7 @@ from google.protobuf import json_format
 
 from gateway.core.curve import CurveBuilder
 from gateway.core.episode_json import episode_json, json_parts
-from gateway.core.history import detail_offset
+from gateway.core.framing import detail_offset
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.search import RunPage, RunQuery
 from gateway.core.store import (
@@ -487,7 +487,7 @@ def carried_block(recs: list[EpisodeRecord], level: int, index: int) -> object:
 
 
 async def test_a_read_cancelled_at_any_point_leaves_the_store_serving_reads(store: Store) -> None:
-    """The page cache cancels reads whose watchers went away (``gateway.core.history``): a
+    """The page cache cancels reads whose watchers went away (``gateway.core.page_cache``): a
     read cancelled before, during or after its query leaves every connection usable."""
     run = make_run("a", episodes=3000)
     run.seq = await store.insert_run(run)

@@ -10,24 +10,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.core import history
+from gateway.core import live_log
 from gateway.core.episode_json import episode_json
-from gateway.core.history import (
-    HEAD_EPISODES,
+from gateway.core.framing import (
     JSON,
     MAX_BATCH_BYTES,
     SCALARS,
     EpisodeFrames,
-    EpisodeLog,
-    PageCache,
     detail_offset,
     encode_batch,
     encode_frame,
     frame_payload,
-    page_start,
     scalar_frame,
     split_batches,
 )
+from gateway.core.live_log import EpisodeLog
+from gateway.core.page_cache import HEAD_EPISODES, PageCache, page_start
 from gateway.core.replay import SMALLEST_BATCH_BYTES, BatchSizer, Replay
 from tests.fakes.fake_trainer import valid_episodes
 from tests.store.test_store_contract import make_run
@@ -344,14 +342,14 @@ def test_the_json_views_are_written_once_each_when_first_asked_for(
         e.ClearField("detail")
         plain.append(episode_json(e).encode())
     written = 0
-    parts = history.json_parts
+    parts = live_log.json_parts
 
     def counting(episode: episode_pb2.Episode) -> tuple[bytes, bytes | None]:
         nonlocal written
         written += 1
         return parts(episode)
 
-    monkeypatch.setattr(history, "json_parts", counting)
+    monkeypatch.setattr(live_log, "json_parts", counting)
     log = EpisodeLog("r", keep=200)
     log.publish(frames[:300])
     assert written == 0  # nobody asked: nothing written

@@ -51,7 +51,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from gateway.core.curve import CurveBlock, CurveBuilder
-from gateway.core.history import detail_offset
+from gateway.core.framing import detail_offset
 from gateway.core.store.base import DatabaseProblem, SchemaOutdated
 from trainwire.v1 import episode_pb2
 
