@@ -364,7 +364,9 @@ class MemoryJob:
             episode.metrics.update(self.hyperparameters)
         self.produced.append(episode)
         every = self.config.checkpoint_every
-        if every and (n % every == 0 or episode.done):
+        # Like the real trainer's providers (``JobCheckpoints.due``): after every that many
+        # episodes and, whatever ``checkpoint_every``, after the last.
+        if (every and n % every == 0) or episode.done:
             self.checkpoint(n)
         if episode.done:
             self.stop()
@@ -444,7 +446,9 @@ class MemoryStream:
         self._checkpoints_sent = 0
         if job is not None:
             job.attach(self)
-            if job.resumed is not None and after == 0:
+            # Like the real trainer: ``resumed`` first on any stream that starts at or before
+            # the restored episode (a re-attach there too).
+            if job.resumed is not None and after <= job.first - 1:
                 if not job.is_share:  # a share streams heartbeats only
                     self._pending.append(job.resumed)
                 self._cursor = job.first - 1
@@ -577,9 +581,14 @@ class MemoryCheckpoints:
         self.corrupt: set[tuple[str, int]] = set()
         self.deleted: list[tuple[str, int]] = []
 
+    @staticmethod
+    def digest(run_id: str, episode: int) -> str:
+        """The sha256 of the checkpoint of ``run_id`` after ``episode``."""
+        return hashlib.sha256(f"{run_id}/{episode}".encode()).hexdigest()
+
     def write(self, run_id: str, episode: int, best_reward: float) -> CheckpointSaved:
         self.saved[(run_id, episode)] = best_reward
-        digest = hashlib.sha256(f"{run_id}/{episode}".encode()).hexdigest()
+        digest = self.digest(run_id, episode)
         return CheckpointSaved(episode, 1_700_000_000_000_000_000 + episode, 1000 + episode, digest)
 
     def restore(self, points: Sequence[ResumePoint]) -> Resumed:
@@ -589,7 +598,10 @@ class MemoryCheckpoints:
             key = (point.run_id, point.checkpoint.episode)
             if key not in self.saved:
                 skipped.append((point.checkpoint.episode, "missing"))
-            elif key in self.corrupt:
+            elif key in self.corrupt or (
+                # Like the real trainer: the digest the gateway recorded must match.
+                point.checkpoint.sha256 and point.checkpoint.sha256 != self.digest(*key)
+            ):
                 skipped.append((point.checkpoint.episode, "digest mismatch"))
             else:
                 return Resumed(point.checkpoint.episode, self.saved[key], tuple(skipped))
@@ -873,8 +885,11 @@ class MemoryConnector:
             job = trainer.jobs.get(run_id)
             if job is None:
                 raise TrainerJobGone(f"trainer {address}: NOT_FOUND: no job of run {run_id}")
+            # Like the real trainer: the last episode produced when the grant came, before it
+            # let the job produce more.
+            last = job.last_produced
             job.move_grant(through_episode)
-            return job.last_produced
+            return last
         finally:
             self._grants_in_flight[run_id] -= 1
 
@@ -890,6 +905,15 @@ class MemoryConnector:
         job.stop(cancelled=True)
         if not checkpoint or not job.last_produced:
             return Cancelled(job.last_produced)
+        # Like the real trainer: a checkpoint of the last episode already written (a periodic
+        # one) is the final one; none is written again.
+        written = [
+            e
+            for e in job.checkpoint_events
+            if e.episode == job.last_produced and isinstance(e, CheckpointSaved)
+        ]
+        if written:
+            return Cancelled(job.last_produced, written[-1])
         event = job.checkpoint(job.last_produced)
         if isinstance(event, CheckpointFailed):
             return Cancelled(job.last_produced, checkpoint_error=event.message)
