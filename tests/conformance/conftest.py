@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.core.trainers import TrainerConnector
-from tests.fakes.core_connector import CoreConnector, make_runner
+from tests.fakes.core_connector import CoreConnector, CoreGrpoProvider, make_runner
 from tests.fakes.memory_trainer import MemoryConnector, MemoryTrainer
 from tests.fakes.waiting import TIMEOUT
 from trainwire_ops.checkpoints import CheckpointStore
@@ -23,20 +23,24 @@ HEARTBEAT_S = 0.05
 
 @dataclass
 class Trainers:
-    """One implementation: its connector, and ``add(address, slots)`` to stand up a trainer
-    with that many slots (offering ``imitation``) at an address."""
+    """One implementation: its connector, and ``add(address, slots, grpo=False)`` to stand up
+    a trainer with that many slots at an address, offering ``imitation`` (and ``grpo``)."""
 
     name: str
     connector: TrainerConnector
-    add: Callable[[str, int], None]
+    add: Callable[..., None]
 
 
-def _memory() -> tuple[MemoryConnector, Callable[[str, int], None]]:
+def _memory() -> tuple[MemoryConnector, Callable[..., None]]:
     connector = MemoryConnector([])
 
-    def add(address: str, slots: int) -> None:
+    def add(address: str, slots: int, grpo: bool = False) -> None:
         trainer = MemoryTrainer(
-            address, slots_total=slots, heartbeat_s=HEARTBEAT_S, hyperparameter_metrics=True
+            address,
+            providers=("imitation", "grpo") if grpo else ("imitation",),
+            slots_total=slots,
+            heartbeat_s=HEARTBEAT_S,
+            hyperparameter_metrics=True,
         )
         trainer.store = connector.checkpoints
         trainer.rendezvous = connector.rendezvous
@@ -56,9 +60,17 @@ async def trainers(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncItera
         return
     core = CoreConnector()
     store = CheckpointStore(str(tmp_path / "checkpoints"))
+    grpo_provider = CoreGrpoProvider()  # one for all: the ranks of a job meet in it
 
-    def add_runner(address: str, slots: int) -> None:
-        core.add(address, make_runner(slots, store, tmp_path / "scratch", HEARTBEAT_S))
+    def add_runner(address: str, slots: int, grpo: bool = False) -> None:
+        runner = make_runner(
+            slots,
+            store,
+            tmp_path / "scratch",
+            HEARTBEAT_S,
+            grpo_provider=grpo_provider if grpo else None,
+        )
+        core.add(address, runner)
 
     try:
         yield Trainers("core", core, add_runner)

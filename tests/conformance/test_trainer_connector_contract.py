@@ -20,15 +20,19 @@ from gateway.core.trainers import (
     Cancelled,
     CheckpointFailed,
     CheckpointSaved,
+    JobPlacement,
     Rendezvous,
     Resumed,
     ResumePoint,
     StreamEvent,
     TrainerBusy,
+    TrainerCrashed,
+    TrainerFailed,
     TrainerJobExists,
     TrainerJobFinished,
     TrainerJobGone,
     TrainerLost,
+    TrainerProcessDied,
     TrainerRefused,
     TrainerStream,
     next_event,
@@ -48,6 +52,15 @@ def task(learning_rate: float = 0.0) -> episode_pb2.TrainTask:
             rig_name="stickman", clip_name="wave", learning_rate=learning_rate
         )
     )
+
+
+def grpo_task(num_processes: int = 1, lora: bool = False) -> episode_pb2.TrainTask:
+    grpo = episode_pb2.GrpoTask(
+        model_path="models/m", dataset_path="data/d.jsonl", num_processes=num_processes
+    )
+    if lora:
+        grpo.lora.rank = 8
+    return episode_pb2.TrainTask(grpo=grpo)
 
 
 def config(max_episodes: int, checkpoint_every: int = 0) -> episode_pb2.TrainConfig:
@@ -454,3 +467,150 @@ async def test_calls_for_a_run_without_a_job(trainers: Trainers) -> None:
     )
     with pytest.raises(TrainerLost):
         await connector.grant(B, "no-such-run", 3, TIMEOUT)  # no trainer there
+
+
+# -- finished jobs and replaced streams --------------------------------------------------------
+
+
+async def test_a_finished_job_replays_its_episodes_and_its_end_to_a_re_attach(
+    trainers: Trainers,
+) -> None:
+    trainers.add(A, 1)
+    connector = trainers.connector
+    first = connector.train(A, "run-1", task(), config(5, 2), grant_through_episode=5)
+    assert kinds(await read_to_end(first)) == ["e1", "e2", "c2", "e3", "e4", "c4", "e5", "c5"]
+    # A gateway that restarted before it stored the last episodes.
+    again = connector.train(
+        A, "run-1", task(), config(5, 2), grant_through_episode=5, attach_after_episode=3
+    )
+    assert kinds(await read_to_end(again)) == ["c2", "e4", "c4", "e5", "c5"]
+    # A new job of the run replaces the finished one.
+    new = connector.train(A, "run-1", task(), config(2), grant_through_episode=2)
+    assert kinds(await read_to_end(new)) == ["e1", "e2", "c2"]
+
+
+async def test_a_re_attach_replaces_the_stream_attached_before(trainers: Trainers) -> None:
+    trainers.add(A, 1)
+    connector = trainers.connector
+    first = connector.train(A, "run-1", task(), config(10), grant_through_episode=2)
+    await read_until(first, "e2")
+    second = connector.train(
+        A, "run-1", task(), config(10), grant_through_episode=4, attach_after_episode=2
+    )
+    assert kinds(await read_until(second, "e4")) == ["e3", "e4"]
+    events, error = await read_failure(first)
+    assert kinds(events) == []
+    assert isinstance(error, TrainerCrashed)  # ABORTED: not lost, not the user's
+
+
+# -- what a trainer cannot run ------------------------------------------------------------------
+
+
+async def test_a_task_whose_provider_the_trainer_lacks_fails(trainers: Trainers) -> None:
+    trainers.add(A, 1)  # imitation only
+    stream = trainers.connector.train(A, "run-1", grpo_task(), config(3), grant_through_episode=3)
+    with pytest.raises(TrainerFailed) as failed:
+        await read(stream)
+    assert failed.value.user_message
+    assert await slots_free(trainers, A) == 1
+
+
+async def test_a_job_takes_a_slot_per_process_and_waits_for_them_all(trainers: Trainers) -> None:
+    trainers.add(A, 2, grpo=True)
+    connector = trainers.connector
+    one = connector.train(A, "run-a", task(), config(10), grant_through_episode=1)
+    await read_until(one, "e1")
+    with pytest.raises(TrainerBusy):  # two processes, one slot free
+        await read(connector.train(A, "run-b", grpo_task(2), config(3), grant_through_episode=3))
+    await connector.cancel_job(A, "run-a", TIMEOUT)
+    await wait_slots_free(trainers, A, 2)
+    both = connector.train(A, "run-b", grpo_task(2), config(3), grant_through_episode=1)
+    await read_until(both, "e1")
+    assert await slots_free(trainers, A) == 0
+
+
+async def test_a_job_that_needs_more_slots_than_the_trainer_has_fails(trainers: Trainers) -> None:
+    trainers.add(A, 2, grpo=True)
+    stream = trainers.connector.train(A, "run-1", grpo_task(3), config(3), grant_through_episode=3)
+    # Not busy: no slot will ever free up enough for it.
+    with pytest.raises(TrainerFailed) as failed:
+        await read(stream)
+    assert "slots" in failed.value.user_message
+
+
+# -- live hyperparameters of GRPO jobs ---------------------------------------------------------
+
+
+async def test_grpo_jobs_start_with_their_kinds_defaults(trainers: Trainers) -> None:
+    trainers.add(A, 2, grpo=True)
+    connector = trainers.connector
+    full = connector.train(A, "full", grpo_task(), config(1), grant_through_episode=1)
+    lora = connector.train(A, "lora", grpo_task(lora=True), config(1), grant_through_episode=1)
+    [first] = episodes(await read_to_end(full))
+    [second] = episodes(await read_to_end(lora))
+    values = ("learning_rate", "temperature", "beta")
+    assert [first.metrics[name] for name in values] == pytest.approx([3e-3, 1.0, 0.0])
+    assert [second.metrics[name] for name in values] == pytest.approx([1e-2, 1.0, 0.04])
+
+
+async def test_beta_may_rise_only_for_a_job_with_a_reference_model(trainers: Trainers) -> None:
+    trainers.add(A, 2, grpo=True)
+    connector = trainers.connector
+    full = connector.train(A, "full", grpo_task(), config(4), grant_through_episode=1)
+    lora = connector.train(A, "lora", grpo_task(lora=True), config(4), grant_through_episode=1)
+    await read_until(full, "e1")
+    await read_until(lora, "e1")
+    raise_beta = HyperparameterChange(beta=0.1)
+    with pytest.raises(TrainerRefused) as refused:  # full fine-tuning started at beta 0
+        await connector.set_hyperparameters(A, "full", raise_beta, TIMEOUT)
+    assert [v.field for v in refused.value.violations] == ["beta"]
+    await connector.set_hyperparameters(A, "lora", raise_beta, TIMEOUT)  # its base model
+    await connector.grant(A, "lora", 2, TIMEOUT)
+    [episode] = episodes(await read_until(lora, "e2"))
+    assert episode.metrics["beta"] == pytest.approx(0.1)
+
+
+# -- jobs that span trainers -------------------------------------------------------------------
+
+
+async def _spanning_job(trainers: Trainers, grant: int = 3) -> tuple[TrainerStream, TrainerStream]:
+    """Rank 0's share of a 2-process job of 3 episodes on A (announcing its rendezvous first,
+    and training nothing before the other share joined) and the other share on B."""
+    trainers.add(A, 1, grpo=True)
+    trainers.add(B, 1, grpo=True)
+    connector = trainers.connector
+    rank_0 = connector.train(
+        A, "run-1", grpo_task(2), config(3), grant, placement=JobPlacement(2, 0, 1)
+    )
+    rendezvous = await read(rank_0)
+    assert isinstance(rendezvous, Rendezvous) and rendezvous.address
+    await heartbeats(rank_0, 2)  # waits for the other rank
+    share = connector.train(
+        B,
+        "run-1",
+        grpo_task(2),
+        config(3),
+        grant,
+        placement=JobPlacement(2, 1, 1, rendezvous.address),
+    )
+    return rank_0, share
+
+
+async def test_a_job_across_trainers_trains_once_every_rank_joined(trainers: Trainers) -> None:
+    rank_0, share = await _spanning_job(trainers)
+    assert kinds(await read_to_end(rank_0)) == ["e1", "e2", "e3", "c3"]
+    assert kinds(await read_to_end(share)) == []  # heartbeats only, then OK
+    await wait_slots_free(trainers, A, 1)
+    await wait_slots_free(trainers, B, 1)
+
+
+async def test_the_other_shares_fail_when_rank_0_stops_short(trainers: Trainers) -> None:
+    rank_0, share = await _spanning_job(trainers, grant=1)
+    await read_until(rank_0, "e1")
+    await heartbeats(rank_0, 1)  # at its grant
+    assert await slots_free(trainers, B) == 0  # the share holds its slot
+    await trainers.connector.cancel_job(A, "run-1", TIMEOUT)
+    events, error = await read_failure(share)
+    assert kinds(events) == []
+    assert isinstance(error, TrainerProcessDied)
+    await wait_slots_free(trainers, B, 1)

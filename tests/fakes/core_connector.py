@@ -12,13 +12,13 @@ writes what it yields into the call's buffer, as a gRPC server writes into its t
 whether or not the client reads yet; ``cancel`` cancels that task (the handler's ``finally``
 detaches the job, as on a real cancellation).
 
-``CoreProvider`` is the provider the runners run (as ``imitation``): no torch, one episode per
+``CoreProvider`` is the provider the runners run (as ``imitation``; ``CoreGrpoProvider`` as
+``grpo``): no torch, one episode per
 pull with the deterministic rewards of ``tests.fakes.episodes.reward_of``, the live
 hyperparameters it trains with as metrics, and checkpoints (a state file of its episode) as the
 real providers write them: when due, and a final one when asked to stop with one.
 
-What this leaves out: merged downloads (``MergeCheckpoint``) and jobs that span trainers (a
-provider that binds a rendezvous needs processes).
+What this leaves out: merged downloads (``MergeCheckpoint``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import pathlib
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from typing import Any
 
@@ -37,9 +38,15 @@ from gateway.trainer_client import GrpcTrainerConnector
 from tests.fakes.episodes import reward_of
 from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.jobs import JobRunner, RunnerSettings
-from trainer_service.core.provider import CheckpointUnusable, EpisodeCounter, TrainJob
+from trainer_service.core.provider import (
+    CheckpointUnusable,
+    EpisodeCounter,
+    ProviderError,
+    TrainJob,
+)
 from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
+from trainer_service.providers import grpo
 from trainer_service.servicer import TrainerServicer
 from trainwire.contract import FieldViolation
 from trainwire.v1 import episode_pb2
@@ -65,7 +72,8 @@ class CoreProvider:
     def hyperparameters(self, task: episode_pb2.TrainTask) -> Hyperparameters:
         return Hyperparameters(learning_rate=task.imitation.learning_rate or DEFAULT_LEARNING_RATE)
 
-    def run(self, job: TrainJob) -> Generator[episode_pb2.Episode, None, None]:
+    def run(self, job: TrainJob) -> Generator[episode_pb2.Episode, None, bool]:
+        """Yields the job's episodes; returns whether it trained its last one."""
         counter = EpisodeCounter(job.config.max_episodes, job.resume)
         saved = 0
         if job.resume is not None:
@@ -85,7 +93,7 @@ class CoreProvider:
         try:
             while not counter.finished:
                 if job.stop_event.is_set():
-                    return
+                    return False
                 change = job.hyperparameters.take()  # right before the step, as providers do
                 if change is not None:
                     values.update(change.as_dict())
@@ -94,9 +102,119 @@ class CoreProvider:
                 if job.checkpoints.due(n):
                     save()
                 yield episode
+            return True
         finally:
             if job.checkpoints.final_wanted() and counter.episode > saved:
                 save()
+
+
+class _Meeting:
+    """Where the ranks of one job that spans trainers meet (what torch.distributed's store is to
+    the real GRPO provider): how many processes joined, and how rank 0's share ended."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.joined = 0
+        self.ended: bool | None = None  # None: rank 0 runs; True: done; False: stopped short
+        self.cond = threading.Condition()
+
+    def join(self, processes: int) -> None:
+        with self.cond:
+            self.joined += processes
+            self.cond.notify_all()
+
+    def end(self, done: bool) -> None:
+        with self.cond:
+            self.ended = done
+            self.cond.notify_all()
+
+    def wait(self, condition: Callable[[], bool], stop: threading.Event) -> bool:
+        """Waits until ``condition()`` (True) or ``stop`` is set (False)."""
+        with self.cond:
+            while not condition():
+                if stop.is_set():
+                    return False
+                self.cond.wait(0.01)
+            return True
+
+
+class CoreGrpoProvider(CoreProvider):
+    """``CoreProvider`` as ``grpo``: the real GRPO provider's torch-less rules (the
+    hyperparameters a job starts with and the changes it can take, the slots it needs, the
+    reward functions it offers), its own episodes. It validates no files.
+
+    A job that spans trainers meets its other shares as the real provider's ranks do: rank 0's
+    share binds a rendezvous (announced to its stream) and trains once every process joined;
+    another trainer's share joins it, yields nothing, and ends with rank 0's: OK once it
+    finished, ``PROCESS_DIED`` when it stopped short. The trainers of one connector share one
+    provider, so its ``meetings`` are where they meet.
+    """
+
+    def __init__(self) -> None:
+        self.meetings: dict[str, _Meeting] = {}
+        self._lock = threading.Lock()
+
+    def hyperparameters(self, task: episode_pb2.TrainTask) -> Hyperparameters:
+        return grpo.hyperparameters(task)
+
+    def check_hyperparameters(
+        self, task: episode_pb2.TrainTask, change: Hyperparameters
+    ) -> list[FieldViolation]:
+        return grpo.check_hyperparameters(task, change)
+
+    def slots_needed(self, task: episode_pb2.TrainTask) -> int:
+        return grpo.slots_needed(task)
+
+    def reward_functions(self, reward_modules: Sequence[str] = ()) -> tuple[str, ...]:
+        return grpo.reward_functions(reward_modules)
+
+    def run(self, job: TrainJob) -> Generator[episode_pb2.Episode, None, bool]:
+        placement = job.placement
+        if placement is None:
+            return (yield from super().run(job))
+        if placement.hosts_rendezvous:
+            return (yield from self._run_rank_0(job, placement.world_size, placement.processes))
+        return self._run_share(job, placement.rendezvous, placement.processes)
+
+    def _run_rank_0(
+        self, job: TrainJob, world_size: int, processes: int
+    ) -> Generator[episode_pb2.Episode, None, bool]:
+        meeting = _Meeting(world_size)
+        with self._lock:
+            address = f"{job.rendezvous_host}:{29500 + len(self.meetings)}"
+            self.meetings[address] = meeting
+        meeting.join(processes)
+        job.announce_rendezvous(address)
+        done = False
+        try:
+            if not meeting.wait(lambda: meeting.joined >= world_size, job.stop_event):
+                return False
+            done = yield from super().run(job)
+            return done
+        finally:
+            meeting.end(done)
+
+    def _run_share(self, job: TrainJob, rendezvous: str, processes: int) -> bool:
+        with self._lock:
+            meeting = self.meetings.get(rendezvous)
+        if meeting is None or meeting.ended is not None:
+            raise ProviderError(
+                "A process of the training job stopped.",
+                detail=f"no rendezvous at {rendezvous}",
+                code="UNAVAILABLE",
+                reason="PROCESS_DIED",
+            )
+        meeting.join(processes)
+        if not meeting.wait(lambda: meeting.ended is not None, job.stop_event):
+            return False
+        if not meeting.ended:
+            raise ProviderError(
+                "A process of the training job stopped.",
+                detail=f"rank 0 at {rendezvous} stopped short",
+                code="ABORTED",
+                reason="PROCESS_DIED",
+            )
+        return True
 
 
 def make_runner(
@@ -105,10 +223,16 @@ def make_runner(
     scratch: pathlib.Path,
     heartbeat_s: float = 0.05,
     detach_grace_s: float = 30.0,
+    grpo_provider: CoreGrpoProvider | None = None,
 ) -> JobRunner:
-    """A job runner of ``CoreProvider`` in ``slots`` slots over a shared checkpoint store."""
+    """A job runner of ``CoreProvider`` (as ``imitation``, and ``grpo_provider`` as ``grpo``
+    when given) in ``slots`` slots over a shared checkpoint store."""
     return JobRunner(
-        ProviderRegistry({"imitation": CoreProvider()}),
+        ProviderRegistry(
+            {"imitation": CoreProvider(), "grpo": grpo_provider}
+            if grpo_provider is not None
+            else {"imitation": CoreProvider()}
+        ),
         SlotPool(slots),
         RunnerSettings(heartbeat_s=heartbeat_s, detach_grace_s=detach_grace_s, scratch_dir=scratch),
         checkpoint_store=store,
