@@ -18,7 +18,7 @@ from gateway.core.registry import CaughtUp, RunSpec
 from gateway.core.runs import RunState, TrainingRun
 from tests.fakes.core_harness import TASKS, Core, running_core
 from tests.fakes.episodes import reward_of
-from tests.fakes.memory_trainer import MemoryTrainer
+from tests.fakes.memory_trainer import JobScript, MemoryTrainer
 from tests.fakes.virtual_time import VIRTUAL_TIME
 from tests.fakes.waiting import until
 from trainwire.v1 import episode_pb2
@@ -302,6 +302,9 @@ async def test_invalid_forks_are_refused_naming_the_reason() -> None:
         assert [v.field for v in short.violations] == ["config.max_episodes"]
         assert "config.max_episodes 20 is not after the fork episode 20" in str(short)
 
+        # A run whose every checkpoint failed (a full disk): a trainer checkpoints after a
+        # run's last episode whatever its checkpoint_every, so only a failure leaves none.
+        core.trainer.script(JobScript(checkpoints_fail=True))
         fresh = await core.create(max_episodes=40)
         await core.wait_state(fresh.id, RunState.DONE)
         none = await refused(parent_id=fresh.id, episode=0, max_episodes=60)

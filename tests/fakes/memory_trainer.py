@@ -23,12 +23,16 @@ episode. A ``train`` with ``resume_from`` starts from the first candidate in the
 not marked ``corrupt`` and says so first (``Resumed``), numbering on from it; a candidate may be
 another run's (a fork starts from its parent's checkpoint).
 
-Live hyperparameters: a job starts with its task's (the providers' defaults applied) and
-``set_hyperparameters`` changes them for the episodes it produces after the call (it refuses as
-the real trainer does: a job that produced its last episode, beta above 0 for a grpo job started
+Live hyperparameters: a job starts with its task's (the providers' defaults applied: grpo's are
+the real provider's own rules) and ``set_hyperparameters`` changes them for the episodes it
+produces after the call (it refuses as the real trainer does: a job that produced its last
+episode, beta above 0 for a grpo job without a reference model, i.e. full fine-tuning started
 with beta 0). With ``MemoryTrainer.hyperparameter_metrics`` every episode carries the values it
 was produced with as metrics (``learning_rate``; grpo also ``temperature``, ``beta``), as the
 real providers' do.
+
+``tests/conformance`` runs the same scenarios against this fake and the real trainer core
+(``tests.fakes.core_connector``): where they differ, the real one is right.
 
 Jobs across trainers: a job takes ``grpo.num_processes`` slots (1 for other kinds), or its
 placement's ``processes``. Rank 0's share of a job that spans trainers (``placement`` with
@@ -81,6 +85,8 @@ from gateway.core.trainers import (
     TrainerRefused,
 )
 from tests.fakes.episodes import broken, make_episode, reward_of
+from trainer_service.providers.grpo.hyperparameters import has_reference_model as grpo_reference
+from trainer_service.providers.grpo.hyperparameters import hyperparameters as grpo_initial
 from trainwire.contract import (
     REWARD_FUNCTIONS,
     check_hyperparameters,
@@ -146,25 +152,25 @@ class HyperparametersCall:
 
 Call = TrainCall | GrantCall | CancelCall | HyperparametersCall
 
-#: What a job of each kind starts with when its task leaves a value at 0 (the providers').
-DEFAULT_HYPERPARAMETERS = {
-    "imitation": {"learning_rate": 0.03},
-    "grpo": {"learning_rate": 3e-3, "temperature": 1.0, "beta": 0.0},
-}
+#: The learning rate of an imitation job whose task leaves it at 0 (the imitation provider's
+#: ``DEFAULT_LEARNING_RATE``: that module imports torch, so the value is copied here; the
+#: conformance suite, ``tests/conformance``, holds it to the real trainer's).
+IMITATION_LEARNING_RATE = 0.03
 
 
 def initial_hyperparameters(task: episode_pb2.TrainTask) -> dict[str, float]:
-    """The live hyperparameters a job of ``task`` starts with, defaults applied."""
-    kind = task_kind(task)
-    values = dict(DEFAULT_HYPERPARAMETERS[kind])
-    if kind == "imitation":
-        values["learning_rate"] = task.imitation.learning_rate or values["learning_rate"]
-    else:
-        grpo = task.grpo
-        values["learning_rate"] = grpo.learning_rate or values["learning_rate"]
-        values["temperature"] = grpo.temperature or values["temperature"]
-        values["beta"] = grpo.beta if grpo.HasField("beta") else 0.0
-    return values
+    """The live hyperparameters a job of ``task`` starts with, defaults applied: for grpo the
+    real provider's own rules (``trainer_service.providers.grpo.hyperparameters``: LoRA's
+    learning rate and beta differ)."""
+    if task_kind(task) == "imitation":
+        return {"learning_rate": task.imitation.learning_rate or IMITATION_LEARNING_RATE}
+    return grpo_initial(task).as_dict()
+
+
+def has_reference_model(task: episode_pb2.TrainTask) -> bool:
+    """Whether a job of ``task`` may weigh a KL term (beta above 0): every imitation job (it has
+    no beta), a grpo job as the real provider says (started with beta above 0, or LoRA)."""
+    return task_kind(task) != "grpo" or grpo_reference(task.grpo)
 
 
 # -- what a job does ----------------------------------------------------------------------------
@@ -276,8 +282,8 @@ class MemoryJob:
         self.checkpoint_events: list[CheckpointSaved | CheckpointFailed] = []
         #: The live hyperparameters of the next episode it produces.
         self.hyperparameters = initial_hyperparameters(task)
-        #: Whether it started with a reference model (grpo: beta above 0).
-        self.reference_model = self.hyperparameters.get("beta", 1.0) > 0
+        #: Whether it started with a reference model (grpo: beta above 0, or LoRA).
+        self.reference_model = has_reference_model(task)
         #: Each change it took: the last episode produced before it, and the values set.
         self.hyperparameter_changes: list[tuple[int, dict[str, float]]] = []
         self._changed = asyncio.Event()
@@ -364,7 +370,9 @@ class MemoryJob:
             episode.metrics.update(self.hyperparameters)
         self.produced.append(episode)
         every = self.config.checkpoint_every
-        if every and (n % every == 0 or episode.done):
+        # Like the real trainer's providers (``JobCheckpoints.due``): after every that many
+        # episodes and, whatever ``checkpoint_every``, after the last.
+        if (every and n % every == 0) or episode.done:
             self.checkpoint(n)
         if episode.done:
             self.stop()
@@ -444,7 +452,9 @@ class MemoryStream:
         self._checkpoints_sent = 0
         if job is not None:
             job.attach(self)
-            if job.resumed is not None and after == 0:
+            # Like the real trainer: ``resumed`` first on any stream that starts at or before
+            # the restored episode (a re-attach there too).
+            if job.resumed is not None and after <= job.first - 1:
                 if not job.is_share:  # a share streams heartbeats only
                     self._pending.append(job.resumed)
                 self._cursor = job.first - 1
@@ -577,9 +587,14 @@ class MemoryCheckpoints:
         self.corrupt: set[tuple[str, int]] = set()
         self.deleted: list[tuple[str, int]] = []
 
+    @staticmethod
+    def digest(run_id: str, episode: int) -> str:
+        """The sha256 of the checkpoint of ``run_id`` after ``episode``."""
+        return hashlib.sha256(f"{run_id}/{episode}".encode()).hexdigest()
+
     def write(self, run_id: str, episode: int, best_reward: float) -> CheckpointSaved:
         self.saved[(run_id, episode)] = best_reward
-        digest = hashlib.sha256(f"{run_id}/{episode}".encode()).hexdigest()
+        digest = self.digest(run_id, episode)
         return CheckpointSaved(episode, 1_700_000_000_000_000_000 + episode, 1000 + episode, digest)
 
     def restore(self, points: Sequence[ResumePoint]) -> Resumed:
@@ -589,7 +604,10 @@ class MemoryCheckpoints:
             key = (point.run_id, point.checkpoint.episode)
             if key not in self.saved:
                 skipped.append((point.checkpoint.episode, "missing"))
-            elif key in self.corrupt:
+            elif key in self.corrupt or (
+                # Like the real trainer: the digest the gateway recorded must match.
+                point.checkpoint.sha256 and point.checkpoint.sha256 != self.digest(*key)
+            ):
                 skipped.append((point.checkpoint.episode, "digest mismatch"))
             else:
                 return Resumed(point.checkpoint.episode, self.saved[key], tuple(skipped))
@@ -720,7 +738,16 @@ class MemoryTrainer:
         if task_kind(task) == "grpo" and unknown:
             error = TrainerFailed(f"{self.address}: INVALID_ARGUMENT", f"Unknown {unknown[0]}.")
             return MemoryStream(self, None, 0, error)
-        if self.answer_busy > 0 or self.slots_free < job_slots(task, placement):
+        needed = job_slots(task, placement)
+        if needed > self.slots_total:
+            # Like the real trainer: never busy, as no slot will free up enough for it.
+            error = TrainerFailed(
+                f"{self.address}: INVALID_ARGUMENT",
+                f"The trainer refused this task: needs {needed} slots; this trainer can give "
+                f"one job at most {self.slots_total}",
+            )
+            return MemoryStream(self, None, 0, error)
+        if self.answer_busy > 0 or self.slots_free < needed:
             self.answer_busy = max(0, self.answer_busy - 1)
             return MemoryStream(self, None, 0, TrainerBusy(f"{self.address}: SLOTS_BUSY"))
         leader = None
@@ -873,8 +900,11 @@ class MemoryConnector:
             job = trainer.jobs.get(run_id)
             if job is None:
                 raise TrainerJobGone(f"trainer {address}: NOT_FOUND: no job of run {run_id}")
+            # Like the real trainer: the last episode produced when the grant came, before it
+            # let the job produce more.
+            last = job.last_produced
             job.move_grant(through_episode)
-            return job.last_produced
+            return last
         finally:
             self._grants_in_flight[run_id] -= 1
 
@@ -890,6 +920,15 @@ class MemoryConnector:
         job.stop(cancelled=True)
         if not checkpoint or not job.last_produced:
             return Cancelled(job.last_produced)
+        # Like the real trainer: a checkpoint of the last episode already written (a periodic
+        # one) is the final one; none is written again.
+        written = [
+            e
+            for e in job.checkpoint_events
+            if e.episode == job.last_produced and isinstance(e, CheckpointSaved)
+        ]
+        if written:
+            return Cancelled(job.last_produced, written[-1])
         event = job.checkpoint(job.last_produced)
         if isinstance(event, CheckpointFailed):
             return Cancelled(job.last_produced, checkpoint_error=event.message)
