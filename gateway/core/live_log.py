@@ -11,9 +11,11 @@ Invariants:
   ``base + 1 .. last_episode``, at least ``keep`` of them once it has them and at most
   ``2 x keep``; the ones before ``base`` (after ``origin``) are in the store.
 * Episodes published by the run's publisher arrive encoded (``EncodedEpisode``): the log takes
-  their frames and JSON as they are and encodes nothing. Episodes it is given as frames only (a
-  restart's restore, a replica following the run) have their JSON written once, the first
-  time a JSON watcher asks for it.
+  their frames and JSON as they are. The JSON of a detail the publisher did not write (the
+  store drops that detail) is written from the frame the first time a JSON watcher asks for the
+  episode with its detail (a run nobody watches over HTTP costs nothing). Episodes it is given
+  as frames only (a restart's restore, a replica following the run) have their JSON written
+  once, the first time a JSON watcher asks for it.
 * The lists a watcher was handed are never changed afterwards: trimming the tail makes new
   lists.
 * A waiting watcher parks one future; a wake-up resolves every parked future and empties the
@@ -34,6 +36,7 @@ from gateway.core.framing import (
     VIEWS,
     EncodedEpisode,
     EpisodeFrames,
+    detail_json_of,
     frame_payload,
     scalar_frame,
 )
@@ -58,7 +61,8 @@ class EpisodeLog:
     ``origin``, are in the store), in each view (``view``; ``frames`` with their detail and
     ``scalar_frames`` without are the same objects where an episode has no detail). Only
     committed episodes are appended: encoded by the publisher (``publish_encoded``), their
-    frames and JSON as they are; as frames only (``publish``, ``restore``), their JSON written
+    frames and JSON as they are (a detail's JSON the publisher did not write written when a JSON
+    watcher first asks for it); as frames only (``publish``, ``restore``), their JSON written
     when a JSON watcher first asks for it. Waiting watchers each park one future in ``_waiters``
     (through their ``Waiter``); a wake-up resolves them all and empties the set, and a watcher
     that goes away removes its own future, so nothing outlives a watcher.
@@ -115,7 +119,8 @@ class EpisodeLog:
         self.origin = origin
         self.base = origin
         # Per view, one entry per episode held; a JSON view's entry is _UNWRITTEN until the
-        # episode's JSON is written (``episodes``).
+        # episode's JSON is written (``episodes``). An encoded episode's JSON without its
+        # detail is always written; with it, only where the publisher wrote its detail's.
         self._views: list[list[bytes]] = [[] for _ in range(VIEWS)]
         self.closed = False
         self._keep = keep
@@ -170,16 +175,21 @@ class EpisodeLog:
         return part
 
     def _write_json(self, lo: int, hi: int) -> None:
-        """Writes the JSON views' entries ``lo:hi`` that are not written yet (episodes given
-        as frames only)."""
+        """Writes the JSON views' entries ``lo:hi`` that are not written yet: an encoded
+        episode's detail (its numbers' JSON is held), or the whole JSON of an episode given as
+        a frame only."""
         views = self._views
         frames, full, numbers = views[0], views[JSON], views[JSON | SCALARS]
         for i in range(lo, hi):
             if full[i] == _UNWRITTEN:
-                episode = episode_pb2.Episode.FromString(frame_payload(frames[i]))
-                plain, detail = json_parts(episode)
+                plain = numbers[i]
+                if plain == _UNWRITTEN:
+                    episode = episode_pb2.Episode.FromString(frame_payload(frames[i]))
+                    plain, detail = json_parts(episode)
+                    numbers[i] = plain
+                else:
+                    detail = detail_json_of(frames[i])
                 full[i] = join_json(plain, detail)
-                numbers[i] = plain
 
     def frames_event(self, after: int, end: int, view: int) -> EpisodeFrames:
         """Episodes ``after + 1 .. end`` (all held: ``base <= after < end <= last_episode``) in
@@ -212,12 +222,16 @@ class EpisodeLog:
         self._published()
 
     def publish_encoded(self, episodes: Sequence[EncodedEpisode]) -> None:
-        """Appends committed episodes as the publisher encoded them, every view as it is, and
-        wakes the waiting watchers (see the class docstring)."""
+        """Appends committed episodes as the publisher encoded them, every view as it is (the
+        JSON of a detail it did not write is written when first asked for), and wakes the
+        waiting watchers (see the class docstring)."""
         self._append(
             [e.frame for e in episodes],
             [e.scalar_frame for e in episodes],
-            ([e.json for e in episodes], [e.scalar_json for e in episodes]),
+            (
+                [_UNWRITTEN if e.json is None else e.json for e in episodes],
+                [e.scalar_json for e in episodes],
+            ),
         )
         self._published()
 

@@ -124,15 +124,16 @@ class Publisher:
 
     def _publish(self, episode: episode_pb2.Episode) -> None:
         """Hands an episode to the store; it becomes visible when committed."""
-        encoded = encode_episode(episode)
-        n = encoded.episode
-        self._pending.append(encoded)
-        self._pacer.published()
-        blocks = self.curve.add(n, episode.reward, episode.best_reward, episode.metrics)
+        n = episode.episode
         keep = self.details is None or self.details.keeps(n, episode.done)
         # The store keeps the JSON of the numbers, and of the detail only when it keeps the
         # detail for good: a recent detail is mostly dropped, and the few settled later (a
-        # stretch's best) have theirs written when read.
+        # stretch's best) have theirs written when read. So the detail's JSON is written here
+        # only then; the live log writes the others' if an HTTP watcher asks for them.
+        encoded = encode_episode(episode, keep_detail=keep)
+        self._pending.append(encoded)
+        self._pacer.published()
+        blocks = self.curve.add(n, episode.reward, episode.best_reward, episode.metrics)
         record = EpisodeRecord(
             self._run.id,
             n,

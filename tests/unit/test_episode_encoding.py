@@ -1,5 +1,7 @@
 """One encoding per episode: ``encode_episode``, the live log that serves it as it is, and the
-publisher that hands the same encoding to the store and to the live log."""
+publisher that hands the same encoding to the store and to the live log. A detail the store
+drops has no JSON written at publication: the live log writes it, from the frame, only for an
+HTTP watcher that asks, the same bytes."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import cast
 
 import pytest
 
-from gateway.core import live_log
+from gateway.core import framing, live_log
 from gateway.core.details import DetailRetention
 from gateway.core.episode_json import join_json, json_parts
 from gateway.core.feed import Inbox
@@ -38,14 +40,49 @@ from trainwire.v1 import episode_pb2
 
 def _episodes() -> list[episode_pb2.Episode]:
     """Imitation episodes with and without a motion, and GRPO episodes with samples; one
-    metric each, so that their JSON does not depend on a map's iteration order."""
+    metric each and one reward per sample, so that their JSON does not depend on a map's
+    iteration order (which a message read back from bytes need not keep)."""
     grpo = episode_pb2.TrainTask(grpo=episode_pb2.GrpoTask(model_path="m", dataset_path="d"))
     episodes = [*valid_episodes(12, detail_every=3)]
     episodes += scripted_episodes(grpo, episode_pb2.TrainConfig(max_episodes=3))
     for episode in episodes:
         episode.metrics.clear()
         episode.metrics["loss"] = 0.5
+        for sample in episode.grpo.samples:
+            sample.rewards.clear()
+            sample.rewards["format"] = 1.0
     return episodes
+
+
+def _grpo_with_rewards() -> episode_pb2.Episode:
+    """A GRPO episode whose sample has two rewards, filled out of key order: the JSON of its
+    detail follows the map's order in memory, which its bytes do not keep."""
+    episode = episode_pb2.Episode(episode=7, reward=0.5)
+    sample = episode.grpo.samples.add(prompt="p", completion="c", reward=1.0)
+    for key in ("z", "format", "b", "accuracy", "m"):
+        sample.rewards[key] = 0.25
+    return episode
+
+
+def _order_lost(episode: episode_pb2.Episode) -> bool:
+    """Whether the JSON of the episode's detail, read back from its bytes, may put a map's
+    entries in another order (a GRPO sample with two rewards or more)."""
+    return any(len(s.rewards) > 1 for s in episode.grpo.samples)
+
+
+def _spy_detail_json(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The details' JSON that ``encode_episode`` writes from now on."""
+    written: list[bytes] = []
+    parts = framing.json_parts
+
+    def spy(episode: episode_pb2.Episode, detail: bool = True) -> tuple[bytes, bytes | None]:
+        numbers, detail_json = parts(episode, detail)
+        if detail_json is not None:
+            written.append(detail_json)
+        return numbers, detail_json
+
+    monkeypatch.setattr(framing, "json_parts", spy)
+    return written
 
 
 def _refuse_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,6 +116,68 @@ def test_an_encoded_episode_holds_what_its_frames_give() -> None:
         assert log.episodes(JSON | SCALARS, 0, 1) == [encoded.scalar_json]
 
 
+def test_a_detail_the_store_drops_is_not_json_encoded_at_publication(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    episodes = _episodes()
+    assert not any(_order_lost(e) for e in episodes)
+    kept = [encode_episode(e) for e in episodes]
+    written = _spy_detail_json(monkeypatch)
+    dropped = [encode_episode(e, keep_detail=False) for e in episodes]
+    assert not written
+    assert {e.WhichOneof("detail") for e in episodes} == {None, "imitation", "grpo"}
+    for encoded, full in zip(dropped, kept, strict=True):
+        # Everything but the detail's JSON is as when the store keeps the detail.
+        assert (encoded.data, encoded.frame, encoded.scalar_frame, encoded.scalar_json) == (
+            full.data,
+            full.frame,
+            full.scalar_frame,
+            full.scalar_json,
+        )
+        if encoded.has_detail:
+            assert encoded.json is None and encoded.detail_json is None
+        else:
+            assert encoded.json is encoded.scalar_json == full.json
+
+
+def test_an_http_watcher_gets_the_json_of_a_detail_not_written_at_publication(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    episodes = list(valid_episodes(300, detail_every=1))  # a motion every episode
+    expected = [encode_episode(e) for e in episodes]
+    encoded = [encode_episode(e, keep_detail=e.episode % 50 == 0) for e in episodes]
+    _refuse_encoding(monkeypatch)  # nothing parsed and written whole: only details from frames
+    log = EpisodeLog("r", keep=100)
+    log.publish_encoded(encoded[:150])
+    log.publish_encoded(encoded[150:])  # trims the tail to its last 100
+    # Written for a watcher with the detail, once; the others need none.
+    written = _spy_detail_json(monkeypatch)
+    assert log.episodes(0, 200, 300) == [e.frame for e in expected[200:]]
+    assert log.episodes(SCALARS, 200, 300) == [e.scalar_frame for e in expected[200:]]
+    numbers = log.episodes(JSON | SCALARS, 200, 300)
+    assert all(n is e.scalar_json for n, e in zip(numbers, encoded[200:], strict=True))
+    assert not written
+    event = log.frames_event(249, 250, JSON)  # one episode kept by the store: written then
+    assert event.frames[0] is encoded[249].json == expected[249].json
+    assert not written
+    full = log.episodes(JSON, 200, 300)
+    assert full == [e.json for e in expected[200:]]  # the same bytes
+    assert len(written) == 98  # the two the store keeps were written at publication
+    assert all(a is b for a, b in zip(log.episodes(JSON, 200, 300), full, strict=True))
+    assert len(written) == 98  # written once, kept as before
+
+
+def test_a_detail_whose_bytes_lose_its_order_is_written_at_publication() -> None:
+    episode = _grpo_with_rewards()
+    assert _order_lost(episode)
+    numbers, detail = json_parts(episode)
+    encoded = encode_episode(episode, keep_detail=False)
+    assert (encoded.json, encoded.detail_json) == (join_json(numbers, detail), detail)
+    log = EpisodeLog("r")
+    log.publish_encoded([encoded])
+    assert log.episodes(JSON, 0, 1) == [encoded.json]
+
+
 def test_the_log_serves_encoded_episodes_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
     encoded = [encode_episode(e) for e in valid_episodes(300, detail_every=3)]
     _refuse_encoding(monkeypatch)
@@ -86,7 +185,7 @@ def test_the_log_serves_encoded_episodes_as_they_are(monkeypatch: pytest.MonkeyP
     log.publish_encoded(encoded[:150])
     log.publish_encoded(encoded[150:])  # trims the tail to its last 100
     assert (log.base, log.last_episode) == (200, 300)
-    fields: list[Callable[[EncodedEpisode], bytes]] = [
+    fields: list[Callable[[EncodedEpisode], bytes | None]] = [
         lambda e: e.frame,
         lambda e: e.scalar_frame,
         lambda e: e.json,
@@ -145,9 +244,16 @@ async def test_the_publisher_hands_one_encoding_to_the_store_and_the_live_log(
             await inbox.put(episode, 100)
 
     _refuse_encoding(monkeypatch)
+    details_written = _spy_detail_json(monkeypatch)
     reader = asyncio.create_task(produce())
     await publisher.run(inbox, reader)
     await publisher.flush()
+    assert len(details_written) == sum(
+        1 for e in episodes if e.episode % 2 == 0 and e.WhichOneof("detail")
+    )
+    # The JSON view before a JSON watcher reads it (b"": not written yet).
+    written = list(log._views[JSON])
+    assert all(w in (b"", e.json) for w, e in zip(written, expected, strict=True))
 
     n = len(episodes)
     assert log.last_episode == run.episode == n
@@ -161,6 +267,9 @@ async def test_the_publisher_hands_one_encoding_to_the_store_and_the_live_log(
         assert record.scalars == frame_payload(scalars[i])
         assert numbers[i] is record.numbers_json and numbers[i] == encoded.scalar_json
         assert full[i] == encoded.json  # the detail's JSON even where the store drops it
+        if encoded.has_detail:
+            # Written at publication only where the store keeps it: the others from the frame.
+            assert (record.detail_json is None) is (written[i] == b"")
         assert record.detail_at == encoded.detail_at
         assert record.keep_detail is (record.episode % 2 == 0)
         assert record.detail_json == (encoded.detail_json if record.keep_detail else None)
