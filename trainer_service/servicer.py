@@ -15,8 +15,8 @@ from google.protobuf.message import Message
 from trainer_service.core.checkpointing import checkpoint_message
 from trainer_service.core.errors import InvalidRequest
 from trainer_service.core.hyperparameters import Hyperparameters
-from trainer_service.core.job_stream import StreamEvent
-from trainer_service.core.jobs import Gpu, Heartbeat, JobRunner
+from trainer_service.core.job_stream import JobStream, StreamEvent
+from trainer_service.core.jobs import Gpu, Heartbeat, JobRunner, RunningJob
 from trainer_service.core.merging import CheckpointMerges, MergedModel
 from trainer_service.status import apply_status, to_status
 from trainwire.contract import FieldViolation
@@ -98,9 +98,15 @@ class TrainerServicer:
         """Runs (or re-attaches to) a training job and streams its episodes, checkpoint events
         and heartbeats."""
         run_id = request.run_id
+        # Off the loop: validation reads files and a provider's first use imports torch.
+        opening = asyncio.ensure_future(asyncio.to_thread(self._runner.open, request))
         try:
-            # Off the loop: validation reads files and a provider's first use imports torch.
-            stream = await asyncio.to_thread(self._runner.open, request)
+            stream = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The call is gone but open goes on in its thread: the job it opens is detached as
+            # a cancelled stream's is (kept for the detach grace when it has a grant).
+            opening.add_done_callback(self._detach_opened)
+            raise
         except Exception as exc:
             apply_status(context, to_status(exc, run_id))
             return
@@ -113,6 +119,11 @@ class TrainerServicer:
             # However the RPC ended (done, failed, cancelled, disconnected): a stream that broke
             # leaves its job detached, kept for a re-attach.
             self._runner.detach(stream)
+
+    def _detach_opened(self, opening: asyncio.Future[JobStream[RunningJob]]) -> None:
+        """Detaches the stream that ``open`` made for a ``Train`` call cancelled meanwhile."""
+        if not opening.cancelled() and opening.exception() is None:
+            self._runner.detach(opening.result())
 
     async def Grant(
         self, request: trainer_service_pb2.GrantRequest, context: grpc.aio.ServicerContext

@@ -614,3 +614,22 @@ async def test_the_other_shares_fail_when_rank_0_stops_short(trainers: Trainers)
     assert kinds(events) == []
     assert isinstance(error, TrainerProcessDied)
     await wait_slots_free(trainers, B, 1)
+
+
+async def test_a_final_checkpoint_before_any_episode_says_the_job_had_not_trained(
+    trainers: Trainers,
+) -> None:
+    # Rank 0 of a job across trainers is live, and trains nothing, until the other rank joins.
+    trainers.add(A, 1, grpo=True)
+    connector = trainers.connector
+    rank_0 = connector.train(
+        A, "run-1", grpo_task(2), config(3, 1), 3, placement=JobPlacement(2, 0, 1)
+    )
+    assert isinstance(await read(rank_0), Rendezvous)
+    await heartbeats(rank_0, 1)
+    cancelled = await connector.cancel_job(A, "run-1", TIMEOUT, checkpoint=True)
+    assert cancelled == Cancelled(checkpoint_error="the job had not trained an episode")
+    events, error = await read_failure(rank_0)
+    assert kinds(events) == []
+    assert isinstance(error, TrainerLost)
+    await wait_slots_free(trainers, A, 1)

@@ -19,9 +19,10 @@ Checkpoints: a job with ``config.checkpoint_every`` writes one after every that 
 and after its done episode into the connector's shared store (``MemoryConnector.checkpoints``,
 reachable by every trainer like a shared filesystem), and its stream reports each after the
 episode it was taken after. ``cancel_job(checkpoint=True)`` writes one at the job's last
-episode. A ``train`` with ``resume_from`` starts from the first candidate in the store that is
-not marked ``corrupt`` and says so first (``Resumed``), numbering on from it; a candidate may be
-another run's (a fork starts from its parent's checkpoint).
+episode (none before its first: "the job had not trained an episode", as the real core says).
+A ``train`` with ``resume_from`` starts from the first candidate in the store that is not marked
+``corrupt`` and says so first (``Resumed``), numbering on from it; a candidate may be another
+run's (a fork starts from its parent's checkpoint).
 
 Live hyperparameters: a job starts with its task's (the providers' defaults applied: grpo's are
 the real provider's own rules) and ``set_hyperparameters`` changes them for the episodes it
@@ -918,8 +919,11 @@ class MemoryConnector:
         if job is None:
             return Cancelled(checkpoint_error="the job was gone" if checkpoint else "")
         job.stop(cancelled=True)
-        if not checkpoint or not job.last_produced:
+        if not checkpoint:
             return Cancelled(job.last_produced)
+        if not job.last_produced:
+            # Like the real trainer: a job stopped before its first episode has no checkpoint.
+            return Cancelled(checkpoint_error="the job had not trained an episode")
         # Like the real trainer: a checkpoint of the last episode already written (a periodic
         # one) is the final one; none is written again.
         written = [

@@ -4,8 +4,10 @@ surface is aio so that idle streams hold no thread.)"""
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -13,10 +15,11 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from tests.fakes.trainer_harness import running_trainer
-from tests.fakes.waiting import TIMEOUT
+from tests.fakes.waiting import TIMEOUT, until
 from tests.grpo_fixtures import tiny_grpo_task
 from trainer_service.core.provider import ProviderError
 from trainer_service.providers import grpo
+from trainer_service.servicer import TrainerServicer
 from trainer_service.testing import FakeProvider, imitation_request
 from trainwire import contract
 from trainwire.v1 import episode_pb2, trainer_service_pb2
@@ -281,6 +284,94 @@ def test_a_broken_stream_keeps_its_job_for_a_reattach_and_cancel_job_ends_it() -
     assert code is grpc.StatusCode.CANCELLED
     (info,) = unpack(rich_status(metadata), error_details_pb2.ErrorInfo)
     assert info.reason == "JOB_CANCELLED"
+    assert fake.finished.wait(TIMEOUT) and harness.runner.wait_idle(TIMEOUT)
+    assert harness.runner.slots.free == 1
+
+
+class _GatedOpen(FakeProvider):
+    """A fake provider whose first ``validate`` (part of the runner's ``open``) waits for
+    ``release``: a call can be cancelled while its job is still being opened."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.validating = threading.Event()
+        self.release = threading.Event()
+
+    def validate(
+        self,
+        task: episode_pb2.TrainTask,
+        data_roots: Sequence[pathlib.Path],
+        reward_modules: Sequence[str] = (),
+    ) -> list[contract.FieldViolation]:
+        self.validating.set()
+        assert self.release.wait(TIMEOUT), "the test never released open"
+        return super().validate(task, data_roots, reward_modules)
+
+
+class _NoContext:
+    """A servicer context nobody should use: a cancelled call sets no status."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the cancelled call used its context ({name})")
+
+
+async def _train_cancelled_during_open(
+    harness: Harness, fake: _GatedOpen, request: trainer_service_pb2.TrainRequest
+) -> None:
+    """Runs a ``Train`` handler (on the harness's runner) and cancels it the way ``grpc.aio``
+    does when the client goes away, while ``runner.open`` is blocked in its worker thread; then
+    lets ``open`` finish and waits until the job it opened is no longer attached."""
+
+    async def drain() -> None:
+        async for _ in TrainerServicer(harness.runner).Train(request, _NoContext()):  # type: ignore[arg-type]
+            raise AssertionError("a cancelled call sent a response")
+
+    call = asyncio.ensure_future(drain())
+    assert await asyncio.to_thread(fake.validating.wait, TIMEOUT)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    fake.release.set()  # open goes on: it starts the job of a call that is gone
+    assert await asyncio.to_thread(fake.started.wait, TIMEOUT)
+
+    def detached() -> bool:
+        job = harness.runner.job(request.run_id)
+        return job is None or not job.attached
+
+    await until(detached, "the job of the cancelled call to be detached")
+
+
+def test_a_job_opened_for_a_call_cancelled_meanwhile_is_dropped_without_a_grace() -> None:
+    fake = _GatedOpen(hold_after=1)
+    harness = Harness(fake)  # no detach grace: a detached job ends at once
+    request = imitation_request(max_episodes=100)
+    request.grant_through_episode = 2
+    asyncio.run(_train_cancelled_during_open(harness, fake, request))
+    assert fake.finished.wait(TIMEOUT) and harness.runner.wait_idle(TIMEOUT)
+    assert harness.runner.live_jobs == 0 and harness.runner.slots.free == 1
+    rpc = harness.train(request)  # the run trains again, not ALREADY_EXISTS
+    assert rpc.take_response().episode.episode == 1
+    rpc.cancel()
+    assert harness.runner.wait_idle(TIMEOUT)
+
+
+def test_a_job_opened_for_a_call_cancelled_meanwhile_is_kept_for_a_reattach() -> None:
+    fake = _GatedOpen(hold_after=1)
+    harness = Harness(fake, detach_grace_s=30.0)
+    request = imitation_request(max_episodes=100)
+    request.grant_through_episode = 2
+    asyncio.run(_train_cancelled_during_open(harness, fake, request))
+    assert harness.runner.live_jobs == 1 and not fake.finished.is_set()
+    again = imitation_request(max_episodes=100)
+    again.attach_after_episode = 0
+    rpc = harness.train(again)
+    assert rpc.take_response().episode.episode == 1
+    response, _, code, _ = unary(
+        harness, CANCEL, trainer_service_pb2.CancelJobRequest(run_id="run-1")
+    )
+    assert code is grpc.StatusCode.OK and response.last_episode == 1
+    _, (_, code, _) = take_all(rpc)
+    assert code is grpc.StatusCode.CANCELLED
     assert fake.finished.wait(TIMEOUT) and harness.runner.wait_idle(TIMEOUT)
     assert harness.runner.slots.free == 1
 
