@@ -55,7 +55,7 @@ from gateway.core.store.sqlite import (
 )
 from gateway.core.store.sqlite_schema import search_values, trainers_json
 
-_LOGGER = logging.getLogger("gateway.core.store")
+_LOGGER = logging.getLogger(__name__)
 
 #: Vacuum ``recent_details`` once this many of its rows were deleted since the last vacuum
 #: (``PostgresStore.settle_details``).
