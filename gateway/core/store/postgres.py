@@ -239,7 +239,7 @@ class PostgresStore(PostgresDatabase):
 
         async def go(conn: psycopg.AsyncConnection) -> list[Any]:
             # Never prepared: a prepared search soon gets a generic plan, which cannot see
-            # where its keyset starts or how selective its values are (3x slower here).
+            # where its keyset starts or how selective its values are.
             cur = await conn.execute(sql, params, prepare=False)  # type: ignore[arg-type]
             return await cur.fetchall()
 
