@@ -24,10 +24,10 @@ trainer, at most ``MAX_UNCOMMITTED`` (256) episodes awaiting their group commit 
 stops reading, and gRPC flow control throttles the trainer), and its curve's open blocks (one
 per level, ``gateway.core.curve``).
 
-A watcher holds only a cursor (an int), a parked future while idle, and at most one in-flight
-gRPC message (one batch: <= 256 episodes or 1 MiB), never a queue: ~11 KB of gateway RSS per
-idle watch stream, gRPC's own buffers included (``bench/gateway_fanout.py``). A watcher that
-disconnects releases all of it at once. Finished runs are not pinned: their history (and an
-active run's, before its live tail) is read from the store in pages of 256 episodes through one
-byte-bounded LRU cache shared by all runs (``--history-cache-mb``, default 64 MiB).
+A watcher holds only a cursor (an int), a parked future while idle, and at most one in-flight gRPC
+message (one batch: <= 256 episodes or 1 MiB), never a queue (the memory of an idle watch stream,
+gRPC's own buffers included, is measured by ``bench/gateway_fanout.py``). A watcher that disconnects
+releases all of it at once. Finished runs are not pinned: their history (and an active run's, before
+its live tail) is read from the store in pages of 256 episodes through one byte-bounded LRU cache
+shared by all runs (``--history-cache-mb``, default 64 MiB).
 """

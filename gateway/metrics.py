@@ -38,7 +38,7 @@ three watchers sends each episode three times). Trainer gauges are the last
 slot (every ``--schedule-poll`` s), so between runs they show the last answer, not the present.
 
 Costs: the hooks on the episode and watch paths (received, heartbeats, published, sent,
-watchers) run on the event loop only, so they add to plain ints (~50 ns, no lock) that a
+watchers) run on the event loop only, so they add to plain ints (no lock) that a
 collector reads at scrape time; the rest increment pre-resolved prometheus_client children. The
 per-episode hooks run once per episode (received, published) or once per watch *message*
 (sent: a batch counts with one call), never once per episode per watcher.

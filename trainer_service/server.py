@@ -1,11 +1,10 @@
 """Builds the trainer's gRPC server: TrainerService, health and reflection on one port.
 
-The RPC surface is ``grpc.aio`` on an event loop of its own thread, so an idle stream (a
-reflection or health watch, a Train stream waiting for its grant) holds no thread: a hundred of
-them do not slow ``GetCapabilities`` or ``Train`` (a fixed sync pool of slots + 8 threads hung
-after nine). Training runs in threads the job runner owns. Health reports NOT_SERVING until the
-providers have been imported (torch and friends take a while), then SERVING, and NOT_SERVING
-again once shutdown starts.
+The RPC surface is ``grpc.aio`` on an event loop of its own thread, so an idle stream (a reflection
+or health watch, a Train stream waiting for its grant) holds no thread: any number of them do not
+slow ``GetCapabilities`` or ``Train``. Training runs in threads the job runner owns. Health reports
+NOT_SERVING until the providers have been imported (torch and friends take a while), then SERVING,
+and NOT_SERVING again once shutdown starts.
 
 ``TrainerServer`` is the synchronous face of it all (start, stop, wait), for ``__main__``, tests
 and benchmarks. Every RPC goes through the metrics interceptor; with ``config.metrics_port``

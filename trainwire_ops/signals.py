@@ -3,11 +3,10 @@
 A Python signal handler runs in the main thread between two bytecodes, wherever that thread is,
 inside a lock it holds included. A handler that sets a ``threading.Event`` takes the lock of the
 event's condition, which the main thread holds for a moment each time it waits on the event: a
-signal landing in that moment deadlocks the process for good (a trainer sent SIGTERM right
-after its ready line hung about once in a hundred). ``SignalInbox``'s handler only appends the
-signal's number to a deque, which takes no lock, and the main thread polls the deque: a signal
-delivered to another thread (gRPC's, torch's) runs its handler only when the main thread next
-runs bytecode, so one blocking wait could miss it, and a poll every ``POLL_S`` cannot.
+signal landing in that moment deadlocks the process for good. ``SignalInbox``'s handler only appends
+the signal's number to a deque, which takes no lock, and the main thread polls the deque: a signal
+delivered to another thread (gRPC's, torch's) runs its handler only when the main thread next runs
+bytecode, so one blocking wait could miss it, and a poll every ``POLL_S`` cannot.
 """
 
 from __future__ import annotations

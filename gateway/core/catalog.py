@@ -43,7 +43,7 @@ from trainwire.contract import (
 )
 from trainwire.v1 import episode_pb2
 
-_LOGGER = logging.getLogger("gateway.core.registry")
+_LOGGER = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000

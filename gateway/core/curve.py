@@ -35,11 +35,6 @@ DEFAULT_BUCKETS = 500
 MAX_BUCKETS = 10_000
 
 
-def block_size(level: int) -> int:
-    """Episodes in a block of ``level``."""
-    return BASE**level
-
-
 def block_span(level: int, index: int) -> tuple[int, int]:
     """The first and last episode of block ``index`` of ``level``."""
     size = BASE**level

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from gateway.core.runs import TrainingRun
 from gateway.core.store import NotOwner, Store, StoreWriteFailed
 
-_LOGGER = logging.getLogger("gateway.core.driver")
+_LOGGER = logging.getLogger(__name__)
 
 #: Checkpoint every this many episodes when a run's config says 0 (the providers' defaults, as
 #: ``TrainConfig.checkpoint_every`` documents them).

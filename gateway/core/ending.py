@@ -33,7 +33,7 @@ from gateway.core.trainers import (
 )
 from trainwire.contract import ContractViolation
 
-_LOGGER = logging.getLogger("gateway.core.driver")
+_LOGGER = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,14 @@
 """``Episode`` messages in the protobuf JSON mapping, fast.
 
-``google.protobuf.json_format`` is pure Python: about 180 us for a plain episode and 13 ms for one
-carrying a motion (660 floats, each shortened digit by digit), so a 5000-episode replay would cost
-seconds of the event loop. ``episode_json`` writes the same mapping for this one message
-directly: field names in lowerCamelCase, int64 as a string, defaults omitted, non-finite doubles as
-``"NaN"``/``"Infinity"``, timestamps in RFC 3339. The one difference: ``float`` values (motion
-angles) are written with 9 significant digits, which reads back to the same float32, where
-json_format searches the shortest such string. ``json_format.Parse`` of the output gives back
-the same message (``tests/http/test_episode_json.py`` proves it on generated episodes). A GRPO
-sample's thumbnail (``bytes``) is standard base64, as the mapping writes bytes: the page shows
-it as a ``data:`` URL of its ``imageType``.
+``google.protobuf.json_format`` is pure Python and shortens each float digit by digit: too slow for
+a replay on the event loop (figures: README, "Measurements behind the design"). ``episode_json``
+writes the same mapping for this one message directly: field names in lowerCamelCase, int64 as a
+string, defaults omitted, non-finite doubles as ``"NaN"``/``"Infinity"``, timestamps in RFC 3339.
+The one difference: ``float`` values (motion angles) are written with 9 significant digits, which
+reads back to the same float32, where json_format searches the shortest such string.
+``json_format.Parse`` of the output gives back the same message (``tests/http/test_episode_json.py``
+proves it on generated episodes). A GRPO sample's thumbnail (``bytes``) is standard base64, as the
+mapping writes bytes: the page shows it as a ``data:`` URL of its ``imageType``.
 
 If ``Episode`` gains a field this module does not know, it falls back to json_format for every
 episode (correct, slow) and says so once in the log.

@@ -49,7 +49,7 @@ from gateway.core.trainers import (
 from trainwire.contract import StreamChecker
 from trainwire.v1 import episode_pb2
 
-_LOGGER = logging.getLogger("gateway.core.driver")
+_LOGGER = logging.getLogger(__name__)
 
 #: Seconds between two attempts to re-attach a broken stream.
 REATTACH_BACKOFF_S = 0.25

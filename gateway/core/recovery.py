@@ -27,7 +27,7 @@ from gateway.core.store import Store, StoreWriteFailed
 from gateway.core.table import RunTable
 from trainwire.v1 import episode_pb2
 
-_LOGGER = logging.getLogger("gateway.core.registry")
+_LOGGER = logging.getLogger(__name__)
 
 
 class Recovery:

@@ -52,7 +52,7 @@ from gateway.core.trainers import (
 )
 from trainwire.v1 import episode_pb2
 
-_LOGGER = logging.getLogger("gateway.core.driver")
+_LOGGER = logging.getLogger(__name__)
 
 #: Failures that mean a trainer (or its connection) is gone rather than the job failing there.
 _LOST = (TrainerLost, TrainerJobGone)

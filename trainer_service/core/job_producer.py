@@ -33,7 +33,7 @@ from trainer_service.core.provider import ProviderError, TrainJob
 from trainwire import contract
 from trainwire.v1 import episode_pb2
 
-_LOGGER = logging.getLogger("trainer_service.core.job")  # all of a job's logs: one logger
+_LOGGER = logging.getLogger(__name__)
 
 _OUTCOME_VERBS = {
     JobOutcome.OK: "finished",

@@ -44,7 +44,7 @@ from trainer_service.core.provider import (
 from trainwire.v1 import episode_pb2, trainer_service_pb2
 from trainwire_ops.checkpoints import CheckpointError, CheckpointInfo
 
-_LOGGER = logging.getLogger("trainer_service.core.job")  # all of a job's logs: one logger
+_LOGGER = logging.getLogger(__name__)
 
 #: A candidate being opened, as :meth:`ResumeChoice.decide` takes it.
 _Opening = tuple[

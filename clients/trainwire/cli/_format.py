@@ -11,7 +11,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC
 from typing import Any, Literal
 
 import grpc
@@ -287,8 +287,3 @@ def duration_text(seconds: float) -> str:
     minutes, secs = divmod(seconds, 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02}:{secs:02}" if hours else f"{minutes}:{secs:02}"
-
-
-def now_text() -> str:
-    """The local time, for status lines."""
-    return datetime.now().astimezone().strftime("%H:%M:%S")

@@ -32,7 +32,7 @@ from trainwire.client import GatewayClient, TrainwireError
 
 __all__ = ["build_parser", "main"]
 
-_LOGGER = logging.getLogger("trainwire.cli")
+_LOGGER = logging.getLogger(__name__)
 
 
 def _read_pem(path: str | None, flag: str) -> bytes | None:

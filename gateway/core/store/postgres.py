@@ -55,7 +55,7 @@ from gateway.core.store.sqlite import (
 )
 from gateway.core.store.sqlite_schema import search_values, trainers_json
 
-_LOGGER = logging.getLogger("gateway.core.store")
+_LOGGER = logging.getLogger(__name__)
 
 #: Vacuum ``recent_details`` once this many of its rows were deleted since the last vacuum
 #: (``PostgresStore.settle_details``).
@@ -239,7 +239,7 @@ class PostgresStore(PostgresDatabase):
 
         async def go(conn: psycopg.AsyncConnection) -> list[Any]:
             # Never prepared: a prepared search soon gets a generic plan, which cannot see
-            # where its keyset starts or how selective its values are (3x slower here).
+            # where its keyset starts or how selective its values are.
             cur = await conn.execute(sql, params, prepare=False)  # type: ignore[arg-type]
             return await cur.fetchall()
 

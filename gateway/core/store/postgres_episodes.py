@@ -26,8 +26,7 @@ from gateway.core.store.base import EpisodeRecord, NotOwner, StoreWriteFailed
 from gateway.core.store.postgres_db import CHANNEL, PostgresDatabase
 from gateway.core.store.postgres_schema import INSERT_CURVE, curve_columns
 
-# The store's logger: these lines were logged as ``gateway.core.store.postgres``.
-_LOGGER = logging.getLogger("gateway.core.store.postgres")
+_LOGGER = logging.getLogger(__name__)
 
 #: Inserts details kept for good (True) or recent ones (False), given as arrays.
 _INSERT_DETAILS = {

@@ -10,9 +10,9 @@ fails because the database cannot be written is delivered as ``StoreWriteFailed`
 The WAL starts again from its beginning once it holds ``WAL_LIMIT_BYTES`` (32 MiB). A
 checkpoint copies the WAL into the database, but the WAL only starts again when a transaction
 begins with all of it copied, and a writer that never pauses never leaves a checkpoint on
-another connection that moment: with such checkpoints alone the WAL grew for as long as ingest
-lasted (469 MiB beside an 18 MiB database after 200,000 episodes), and with it the disk used
-and the time a restart after a crash spends reading it back. So:
+another connection that moment: with such checkpoints alone the WAL would grow for as long as
+ingest lasts, and with it the disk used and the time a restart after a crash spends reading it
+back. So:
 
 - Checkpoints (the only step that fsyncs) run on a checkpointer thread with a connection of its
   own (``PASSIVE``: never blocking the writer), once a second, and one after the other while
@@ -24,9 +24,8 @@ and the time a restart after a crash spends reading it back. So:
   only checkpoint work on the commit path (past one and a half times the limit it also waits
   for the checkpointer's pass in flight).
 - A transaction cannot be checkpointed while it is written, so a group commit holds at most a
-  quarter of the limit in episode bytes (``_batch_bytes``; one episode more at worst): without
-  this, 2048 episodes at the contract's largest motion detail made one 64 MiB transaction, and
-  the WAL passed its limit by that much.
+  quarter of the limit in episode bytes (``_batch_bytes``; one episode more at worst), so no
+  single transaction can carry the WAL far past its limit.
 - ``journal_size_limit=0`` cuts the file back whenever the WAL starts again, so the file's size
   is what the WAL holds: the store thread measures it with one ``stat`` per commit. A clean
   close copies the WAL into the database and deletes it.

@@ -38,11 +38,9 @@ __all__ = [
     "validate",
 ]
 
-#: Optimizer steps between checkpoints when the config leaves ``checkpoint_every`` at 0. The
-#: tiny VLM at the provider's defaults on a 2-core CPU: a step takes 0.37 s, a checkpoint
-#: (2.2 MB: model, processor, Adam state, RNG) 0.02-0.03 s to write and 0.02-0.06 s more per
-#: step that has one, end to end. Every 50 steps that is 0.1-0.3 % of training time, leaving
-#: room under the 5 % budget for a store 15x slower than a local disk.
+#: Optimizer steps between checkpoints when the config leaves ``checkpoint_every`` at 0: often
+#: enough to lose little on a restart, rare enough that writing checkpoints (model, processor,
+#: Adam state, RNG) stays well inside a 5 % share of training time, even on a slow store.
 DEFAULT_CHECKPOINT_EVERY = 50
 
 

@@ -435,7 +435,7 @@ def _precision(device: str) -> tuple[bool, bool, torch.dtype]:
         bf16 = torch.cuda.is_bf16_supported()
         # Mixed precision keeps fp32 master weights; autocast does the bf16 compute.
         return False, bf16, torch.float32
-    torch.set_num_threads(1)  # a small box stalls badly with more (measured on 2 cores)
+    torch.set_num_threads(1)  # a small box stalls badly with more
     return True, False, torch.float32
 
 

@@ -26,7 +26,7 @@ DEFAULT_LORA_LEARNING_RATE = 1e-2
 #: base model with the adapters disabled), and without a KL term a low-rank policy collapses onto
 #: one answer for every image and stops learning: on the tiny LLaVA, LoRA at beta 0 settled at
 #: chance (0.23-0.26 last-10 at learning rates 3e-4..1e-2), at 0.04 it reached 0.95-0.96
-#: (``bench/grpo_lora.py``). TRL's own default was 0.04 until it moved to 0.
+#: (``bench/grpo_lora.py``). TRL's own default is 0.
 DEFAULT_LORA_BETA = 0.04
 #: Sampling temperature when the task leaves it at 0.
 DEFAULT_TEMPERATURE = 1.0

@@ -129,7 +129,7 @@ class ImageCache:
         fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=entry.parent)
         try:
             with os.fdopen(fd, "wb") as handle:
-                # Level 1: still lossless, several times faster to write than the default 6.
+                # Level 1: still lossless, and much cheaper to write than the default 6.
                 image.save(handle, format="PNG", compress_level=1)
             os.replace(tmp_name, entry)
         except Exception:

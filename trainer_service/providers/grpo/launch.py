@@ -66,7 +66,7 @@ BEAT_S = 1.0
 #: The module each rank runs (as ``python -m`` would).
 WORKER_MODULE = "trainer_service.providers.grpo.worker"
 #: What the rank launcher imports once, so that a rank starts with the training stack loaded
-#: (about 6 s of CPU per rank otherwise). Nothing here may touch CUDA: the ranks fork from it.
+#: instead of importing it itself. Nothing here may touch CUDA: the ranks fork from it.
 LAUNCHER_PRELOAD = (
     "torch",
     "transformers",
@@ -107,8 +107,8 @@ def rank_devices(job: TrainJob, processes: int) -> tuple[list[str], str, dict[st
     devices = devices or [job.device] * processes
     env: dict[str, str] = {}
     if not devices[0].startswith("cuda"):
-        # A CPU job never touches a GPU, and one torch thread per process (measured on a
-        # small box: more threads stall it); OMP_NUM_THREADS also silences accelerate.
+        # A CPU job never touches a GPU, and runs one torch thread per process (more stall a
+        # small box); OMP_NUM_THREADS also silences accelerate.
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         return ["cpu"] * processes, "gloo", env
     # Each rank sees the job's GPUs only, as cuda:0..n-1 in rank order.

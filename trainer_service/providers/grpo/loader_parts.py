@@ -3,9 +3,9 @@ how a worker seeds itself.
 
 A worker unpickles these by module. TRL's and transformers' own versions (``trl.trainer.utils
 .identity`` and ``transformers.trainer_utils.seed_worker``) would make every worker import TRL,
-transformers, ``torch.distributed`` and dynamo: about 1.9 s of CPU and their memory per worker,
-every time a job starts its workers. Defined here, they cost nothing: this module imports only
-what the workers' fork server already holds (``settings.WORKER_PRELOAD``).
+transformers, ``torch.distributed`` and dynamo, paying their import time and memory in every worker,
+every time a job starts its workers. Defined here, they cost nothing: this module imports only what
+the workers' fork server already holds (``settings.WORKER_PRELOAD``).
 """
 
 from __future__ import annotations
