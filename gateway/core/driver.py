@@ -71,9 +71,10 @@ from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
 from gateway.core.placement import Placement, rewards_needed, slots_needed
 from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
+from gateway.core.restarts import Action, RestartPolicy
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.settings import CoreSettings
-from gateway.core.shares import JobShares, ShareFailed, SharesNotReattached
+from gateway.core.shares import JobShares, SharesNotReattached
 from gateway.core.store import STORE_MESSAGE, NotOwner, Store, StoreWriteFailed
 from gateway.core.trainers import (
     CheckpointFailed,
@@ -212,6 +213,7 @@ class RunDriver:
         self._park_timer: asyncio.TimerHandle | None = None
         self._parking = False
         self._gave_up = False  # the failure came after the last restart
+        self._restarts = RestartPolicy(ctx.settings.max_restarts)
 
     @property
     def seq(self) -> int:
@@ -934,52 +936,58 @@ class RunDriver:
         finally:
             self._parking = False
 
-    async def _restart(self, failure: BaseException, trainer: str) -> bool:
-        """Restarts a run whose trainer or job died from its newest usable checkpoint, if it
-        has one and restarts left; returns whether it did."""
+    async def _after_failure(self, failure: BaseException, trainer: str) -> bool:
+        """Carries out the restart policy's decision on a job that failed: a run requeued
+        (a share refused as busy) or restarted from its newest usable checkpoint returns True;
+        a run to end returns False (``_gave_up`` set when its restarts were spent)."""
         run = self.run
-        ending = end_of(failure)
-        if not ending.restartable or run.state not in (RunState.RUNNING, RunState.PAUSED):
-            return False
-        try:
-            points = await self._resume_points()
-        except Exception:
-            _LOGGER.exception("run %s: cannot read its checkpoints", run.id)
-            return False
-        if not points:
-            return False
-        limit = self._ctx.settings.max_restarts
-        if run.restarts >= limit:
-            self._gave_up = True
-            return False
-        run.restarts += 1
-        self._ctx.observer.trainer_failure(run.id, ending.label)
-        if isinstance(failure, SharesNotReattached):
-            culprit = "the gateway restarted (its job spanned trainers)"
-        elif isinstance(failure, ShareFailed):
-            culprit = f"{failure.who} failed"
-        else:
-            culprit = f"trainer {trainer} failed"
-        self.checkpoint_note = f"restart {run.restarts} of {limit} after {culprit}"
-        _LOGGER.warning(
-            "run %s: %s (%s); restart %d of %d from the checkpoint at episode %d",
-            run.id,
-            culprit,
-            failure,
-            run.restarts,
-            limit,
-            points[0].checkpoint.episode,
-            extra={"run_id": run.id, "event": "restarting"},
+        policy = self._restarts
+        active = run.state in (RunState.RUNNING, RunState.PAUSED)
+        points: list[ResumePoint] = []
+        if policy.wants_checkpoints(failure, active):
+            try:
+                points = await self._resume_points()
+            except Exception:
+                _LOGGER.exception("run %s: cannot read its checkpoints", run.id)
+        decision = policy.decide(
+            failure, trainer, active=active, restarts=run.restarts, has_checkpoint=bool(points)
         )
+        if decision.action is Action.END:
+            self._gave_up = decision.gave_up
+            return False
+        if decision.action is Action.REQUEUE:
+            _LOGGER.info(
+                "run %s: %s; the job is cancelled and the run back in the queue",
+                run.id,
+                decision.culprit,
+                extra={"run_id": run.id},
+            )
+            self._ctx.observer.trainer_failure(run.id, "busy")
+        else:
+            run.restarts = decision.number
+            self._ctx.observer.trainer_failure(run.id, decision.ending.label)
+            limit = policy.max_restarts
+            self.checkpoint_note = f"restart {run.restarts} of {limit} after {decision.culprit}"
+            _LOGGER.warning(
+                "run %s: %s (%s); restart %d of %d from the checkpoint at episode %d",
+                run.id,
+                decision.culprit,
+                failure,
+                run.restarts,
+                limit,
+                points[0].checkpoint.episode,
+                extra={"run_id": run.id, "event": "restarting"},
+            )
         self.task = None
         self._ctx.scheduler.run_ended(trainer)
-        if ending.cancel_job:
+        if decision.action is Action.REQUEUE or decision.ending.cancel_job:
             self._ctx.spawn(self._cancel_job(trainer), f"gateway-cancel-{run.id}")
         self._cancel_shares()
         self._place_again("waiting for a free slot")
-        with contextlib.suppress(StoreUnavailable):
-            # (Logged by the store; the count is written with the next change.)
-            await self.persist()
+        if decision.action is Action.RESTART:
+            with contextlib.suppress(StoreUnavailable):
+                # (Logged by the store; the count is written with the next change.)
+                await self.persist()
         return True
 
     async def _drive(self, attach_after: int | None) -> None:
@@ -1024,9 +1032,7 @@ class RunDriver:
         if self._parking:
             self.task = None  # the job ended for the park (``_park`` goes on from here)
             return
-        if failure is not None and await self._share_busy(failure, trainer):
-            return
-        if failure is not None and await self._restart(failure, trainer):
+        if failure is not None and await self._after_failure(failure, trainer):
             return
         self.finalizing = True
         self.task = None
@@ -1055,30 +1061,6 @@ class RunDriver:
             # once the end is ours: a replica that lost the run meanwhile (its stream ended
             # because the new owner re-attached) leaves the job to that owner.
             self._ctx.spawn(self._cancel_job(), f"gateway-cancel-{run.id}")
-
-    async def _share_busy(self, failure: BaseException, trainer: str) -> bool:
-        """A trainer refused its share of the job as busy (another gateway took the slot
-        meanwhile): the job never trained (rank 0 waits for every rank), so it is cancelled and
-        the run goes back in the queue at its place, with no restart counted. Returns whether
-        that was the failure."""
-        run = self.run
-        if not (isinstance(failure, ShareFailed) and isinstance(failure.cause, TrainerBusy)):
-            return False
-        if run.state not in (RunState.RUNNING, RunState.PAUSED):
-            return False
-        _LOGGER.info(
-            "run %s: %s is busy; the job is cancelled and the run back in the queue",
-            run.id,
-            failure.who,
-            extra={"run_id": run.id},
-        )
-        self._ctx.observer.trainer_failure(run.id, "busy")
-        self.task = None
-        self._ctx.scheduler.run_ended(trainer)
-        self._ctx.spawn(self._cancel_job(trainer), f"gateway-cancel-{run.id}")
-        self._cancel_shares()
-        self._place_again("waiting for a free slot")
-        return True
 
     def _cancel_shares(self) -> None:
         """Cancels the other trainers' shares of the job that ended (in the background)."""
