@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.core.checkpoints import CheckpointFiles, keep_of, record_of, resume_points
+from gateway.core.checkpoints import CheckpointFiles
 from gateway.core.credit import CreditWindow, lead_for
 from gateway.core.curve import CurveBuilder
 from gateway.core.details import DetailRetention
@@ -64,8 +64,9 @@ from gateway.core.errors import (
     TrainerUnavailable,
 )
 from gateway.core.feed import Inbox, TrainerFeed
-from gateway.core.forks import ForkNotRestored, fork_resume_point
+from gateway.core.forks import ForkNotRestored
 from gateway.core.hyperparameters import HyperparameterChange, has_reference_model
+from gateway.core.ledger import CheckpointLedger
 from gateway.core.live_log import EpisodeLog
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
@@ -208,8 +209,8 @@ class RunDriver:
         self._ended = asyncio.Event()  # finalized (or handed to another replica)
         #: An active run waiting to be placed again (parked and resumed, or restarted).
         self.placing_again = False
-        #: For people: the last thing checkpoints did (a resume, a skipped or failed one).
-        self.checkpoint_note = ""
+        #: The run's checkpoint records, retention and the note people read about them.
+        self.ledger = CheckpointLedger(run, ctx.store, ctx.checkpoint_files, ctx.spawn)
         self._park_timer: asyncio.TimerHandle | None = None
         self._parking = False
         self._gave_up = False  # the failure came after the last restart
@@ -267,7 +268,7 @@ class RunDriver:
     def _detail(self) -> str:
         run = self.run
         granted = self.credit.granted
-        note = f"; {self.checkpoint_note}" if self.checkpoint_note else ""
+        note = f"; {self.ledger.note}" if self.ledger.note else ""
         if run.state is RunState.PENDING:
             return self.pending_detail
         if run.parked and run.state is RunState.PAUSED:
@@ -725,64 +726,18 @@ class RunDriver:
             "re-attached after a gateway restart"
         )
 
-    async def _resume_points(self) -> list[ResumePoint]:
-        """The checkpoints the run may continue from, newest first (a fork's last: the
-        parent's it was forked from)."""
-        records = await self._ctx.store.list_checkpoints(self.run.id)
-        points = resume_points(records, self.run.trainer_episode)
-        fork = await fork_resume_point(self._ctx.store, self.run)
-        return points if fork is None else [*points, fork]
-
     # -- checkpoints (the feed's hooks) --------------------------------------------------------
 
     async def checkpoint_saved(self, saved: CheckpointSaved) -> None:
-        """Records a checkpoint the trainer wrote and deletes what retention drops.
+        """Records a checkpoint the trainer wrote (``CheckpointLedger.saved``).
 
         Raises:
             NotOwner: another replica owns the run now.
         """
-        run = self.run
-        record = record_of(run.id, saved)
-        try:
-            dropped = await self._ctx.store.add_checkpoint(record, keep_of(run.config))
-        except StoreWriteFailed as exc:
-            _LOGGER.error(
-                "run %s: could not record its checkpoint at episode %d: %s",
-                run.id,
-                saved.episode,
-                exc,
-                extra={"run_id": run.id},
-            )
-            return
-        run.checkpoint_episode = max(run.checkpoint_episode, saved.episode)
-        if self.checkpoint_note.startswith("the checkpoint at episode"):
-            self.checkpoint_note = ""  # a failed write, superseded by this one
-        _LOGGER.info(
-            "run %s: checkpoint at episode %d (%d bytes)",
-            run.id,
-            saved.episode,
-            saved.size_bytes,
-            extra={"run_id": run.id, "event": "checkpoint", "episode": saved.episode},
-        )
-        if dropped:
-            self._ctx.spawn(self._delete_files(dropped), f"gateway-retention-{run.id}")
+        await self.ledger.saved(saved)
 
-    async def _delete_files(self, episodes: list[int]) -> None:
-        files = self._ctx.checkpoint_files
-        if files is None:
-            return
-        for episode in episodes:
-            try:
-                await asyncio.to_thread(files.delete, self.run.id, episode)
-            except Exception as exc:
-                _LOGGER.warning(
-                    "run %s: could not delete its checkpoint at episode %d from %s: %s",
-                    self.run.id,
-                    episode,
-                    files.location,
-                    exc,
-                    extra={"run_id": self.run.id},
-                )
+    async def _resume_points(self) -> list[ResumePoint]:
+        return await self.ledger.resume_points()
 
     def resumed(self, resumed: Resumed) -> None:
         """Notes where a job placed again started from, and what it skipped.
@@ -806,12 +761,12 @@ class RunDriver:
             if resumed.episode
             else "started again from scratch (no checkpoint restored)"
         )
-        self.checkpoint_note = f"{start}; {skipped}" if skipped else start
+        self.ledger.note = f"{start}; {skipped}" if skipped else start
         log = _LOGGER.warning if resumed.skipped else _LOGGER.info
         log(
             "run %s: %s",
             run.id,
-            self.checkpoint_note,
+            self.ledger.note,
             extra={"run_id": run.id, "event": "resumed", "episode": resumed.episode},
         )
 
@@ -837,15 +792,7 @@ class RunDriver:
 
     def checkpoint_failed(self, failed: CheckpointFailed) -> None:
         """A checkpoint could not be written: said in the run's detail; training goes on."""
-        self.checkpoint_note = (
-            f"the checkpoint at episode {failed.episode} could not be written: {failed.message}"
-        )
-        _LOGGER.error(
-            "run %s: %s",
-            self.run.id,
-            self.checkpoint_note,
-            extra={"run_id": self.run.id, "event": "checkpoint_failed"},
-        )
+        self.ledger.failed(failed)
 
     # -- park and restart ----------------------------------------------------------------------
 
@@ -903,7 +850,7 @@ class RunDriver:
                 if outcome.checkpoint is not None:
                     await self.checkpoint_saved(outcome.checkpoint)
                 elif outcome.checkpoint_error:
-                    self.checkpoint_note = (
+                    self.ledger.note = (
                         f"the parking checkpoint could not be written: {outcome.checkpoint_error}"
                     )
             # The stream delivers what the job trained, its checkpoint, and ends.
@@ -967,7 +914,7 @@ class RunDriver:
             run.restarts = decision.number
             self._ctx.observer.trainer_failure(run.id, decision.ending.label)
             limit = policy.max_restarts
-            self.checkpoint_note = f"restart {run.restarts} of {limit} after {decision.culprit}"
+            self.ledger.note = f"restart {run.restarts} of {limit} after {decision.culprit}"
             _LOGGER.warning(
                 "run %s: %s (%s); restart %d of %d from the checkpoint at episode %d",
                 run.id,
