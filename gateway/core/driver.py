@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.core.checkpoints import CheckpointFiles, keep_of, record_of, resume_points
+from gateway.core.checkpoints import CheckpointFiles
 from gateway.core.credit import CreditWindow, lead_for
 from gateway.core.curve import CurveBuilder
 from gateway.core.details import DetailRetention
@@ -64,16 +64,18 @@ from gateway.core.errors import (
     TrainerUnavailable,
 )
 from gateway.core.feed import Inbox, TrainerFeed
-from gateway.core.forks import ForkNotRestored, fork_resume_point
+from gateway.core.forks import ForkNotRestored
 from gateway.core.hyperparameters import HyperparameterChange, has_reference_model
+from gateway.core.ledger import CheckpointLedger
 from gateway.core.live_log import EpisodeLog
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
 from gateway.core.placement import Placement, rewards_needed, slots_needed
 from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
+from gateway.core.restarts import Action, RestartPolicy
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.settings import CoreSettings
-from gateway.core.shares import JobShares, ShareFailed, SharesNotReattached
+from gateway.core.shares import JobShares, SharesNotReattached
 from gateway.core.store import STORE_MESSAGE, NotOwner, Store, StoreWriteFailed
 from gateway.core.trainers import (
     CheckpointFailed,
@@ -207,11 +209,12 @@ class RunDriver:
         self._ended = asyncio.Event()  # finalized (or handed to another replica)
         #: An active run waiting to be placed again (parked and resumed, or restarted).
         self.placing_again = False
-        #: For people: the last thing checkpoints did (a resume, a skipped or failed one).
-        self.checkpoint_note = ""
+        #: The run's checkpoint records, retention and the note people read about them.
+        self.ledger = CheckpointLedger(run, ctx.store, ctx.checkpoint_files, ctx.spawn)
         self._park_timer: asyncio.TimerHandle | None = None
         self._parking = False
         self._gave_up = False  # the failure came after the last restart
+        self._restarts = RestartPolicy(ctx.settings.max_restarts)
 
     @property
     def seq(self) -> int:
@@ -265,7 +268,7 @@ class RunDriver:
     def _detail(self) -> str:
         run = self.run
         granted = self.credit.granted
-        note = f"; {self.checkpoint_note}" if self.checkpoint_note else ""
+        note = f"; {self.ledger.note}" if self.ledger.note else ""
         if run.state is RunState.PENDING:
             return self.pending_detail
         if run.parked and run.state is RunState.PAUSED:
@@ -723,64 +726,18 @@ class RunDriver:
             "re-attached after a gateway restart"
         )
 
-    async def _resume_points(self) -> list[ResumePoint]:
-        """The checkpoints the run may continue from, newest first (a fork's last: the
-        parent's it was forked from)."""
-        records = await self._ctx.store.list_checkpoints(self.run.id)
-        points = resume_points(records, self.run.trainer_episode)
-        fork = await fork_resume_point(self._ctx.store, self.run)
-        return points if fork is None else [*points, fork]
-
     # -- checkpoints (the feed's hooks) --------------------------------------------------------
 
     async def checkpoint_saved(self, saved: CheckpointSaved) -> None:
-        """Records a checkpoint the trainer wrote and deletes what retention drops.
+        """Records a checkpoint the trainer wrote (``CheckpointLedger.saved``).
 
         Raises:
             NotOwner: another replica owns the run now.
         """
-        run = self.run
-        record = record_of(run.id, saved)
-        try:
-            dropped = await self._ctx.store.add_checkpoint(record, keep_of(run.config))
-        except StoreWriteFailed as exc:
-            _LOGGER.error(
-                "run %s: could not record its checkpoint at episode %d: %s",
-                run.id,
-                saved.episode,
-                exc,
-                extra={"run_id": run.id},
-            )
-            return
-        run.checkpoint_episode = max(run.checkpoint_episode, saved.episode)
-        if self.checkpoint_note.startswith("the checkpoint at episode"):
-            self.checkpoint_note = ""  # a failed write, superseded by this one
-        _LOGGER.info(
-            "run %s: checkpoint at episode %d (%d bytes)",
-            run.id,
-            saved.episode,
-            saved.size_bytes,
-            extra={"run_id": run.id, "event": "checkpoint", "episode": saved.episode},
-        )
-        if dropped:
-            self._ctx.spawn(self._delete_files(dropped), f"gateway-retention-{run.id}")
+        await self.ledger.saved(saved)
 
-    async def _delete_files(self, episodes: list[int]) -> None:
-        files = self._ctx.checkpoint_files
-        if files is None:
-            return
-        for episode in episodes:
-            try:
-                await asyncio.to_thread(files.delete, self.run.id, episode)
-            except Exception as exc:
-                _LOGGER.warning(
-                    "run %s: could not delete its checkpoint at episode %d from %s: %s",
-                    self.run.id,
-                    episode,
-                    files.location,
-                    exc,
-                    extra={"run_id": self.run.id},
-                )
+    async def _resume_points(self) -> list[ResumePoint]:
+        return await self.ledger.resume_points()
 
     def resumed(self, resumed: Resumed) -> None:
         """Notes where a job placed again started from, and what it skipped.
@@ -804,12 +761,12 @@ class RunDriver:
             if resumed.episode
             else "started again from scratch (no checkpoint restored)"
         )
-        self.checkpoint_note = f"{start}; {skipped}" if skipped else start
+        self.ledger.note = f"{start}; {skipped}" if skipped else start
         log = _LOGGER.warning if resumed.skipped else _LOGGER.info
         log(
             "run %s: %s",
             run.id,
-            self.checkpoint_note,
+            self.ledger.note,
             extra={"run_id": run.id, "event": "resumed", "episode": resumed.episode},
         )
 
@@ -835,15 +792,7 @@ class RunDriver:
 
     def checkpoint_failed(self, failed: CheckpointFailed) -> None:
         """A checkpoint could not be written: said in the run's detail; training goes on."""
-        self.checkpoint_note = (
-            f"the checkpoint at episode {failed.episode} could not be written: {failed.message}"
-        )
-        _LOGGER.error(
-            "run %s: %s",
-            self.run.id,
-            self.checkpoint_note,
-            extra={"run_id": self.run.id, "event": "checkpoint_failed"},
-        )
+        self.ledger.failed(failed)
 
     # -- park and restart ----------------------------------------------------------------------
 
@@ -901,7 +850,7 @@ class RunDriver:
                 if outcome.checkpoint is not None:
                     await self.checkpoint_saved(outcome.checkpoint)
                 elif outcome.checkpoint_error:
-                    self.checkpoint_note = (
+                    self.ledger.note = (
                         f"the parking checkpoint could not be written: {outcome.checkpoint_error}"
                     )
             # The stream delivers what the job trained, its checkpoint, and ends.
@@ -934,52 +883,58 @@ class RunDriver:
         finally:
             self._parking = False
 
-    async def _restart(self, failure: BaseException, trainer: str) -> bool:
-        """Restarts a run whose trainer or job died from its newest usable checkpoint, if it
-        has one and restarts left; returns whether it did."""
+    async def _after_failure(self, failure: BaseException, trainer: str) -> bool:
+        """Carries out the restart policy's decision on a job that failed: a run requeued
+        (a share refused as busy) or restarted from its newest usable checkpoint returns True;
+        a run to end returns False (``_gave_up`` set when its restarts were spent)."""
         run = self.run
-        ending = end_of(failure)
-        if not ending.restartable or run.state not in (RunState.RUNNING, RunState.PAUSED):
-            return False
-        try:
-            points = await self._resume_points()
-        except Exception:
-            _LOGGER.exception("run %s: cannot read its checkpoints", run.id)
-            return False
-        if not points:
-            return False
-        limit = self._ctx.settings.max_restarts
-        if run.restarts >= limit:
-            self._gave_up = True
-            return False
-        run.restarts += 1
-        self._ctx.observer.trainer_failure(run.id, ending.label)
-        if isinstance(failure, SharesNotReattached):
-            culprit = "the gateway restarted (its job spanned trainers)"
-        elif isinstance(failure, ShareFailed):
-            culprit = f"{failure.who} failed"
-        else:
-            culprit = f"trainer {trainer} failed"
-        self.checkpoint_note = f"restart {run.restarts} of {limit} after {culprit}"
-        _LOGGER.warning(
-            "run %s: %s (%s); restart %d of %d from the checkpoint at episode %d",
-            run.id,
-            culprit,
-            failure,
-            run.restarts,
-            limit,
-            points[0].checkpoint.episode,
-            extra={"run_id": run.id, "event": "restarting"},
+        policy = self._restarts
+        active = run.state in (RunState.RUNNING, RunState.PAUSED)
+        points: list[ResumePoint] = []
+        if policy.wants_checkpoints(failure, active):
+            try:
+                points = await self._resume_points()
+            except Exception:
+                _LOGGER.exception("run %s: cannot read its checkpoints", run.id)
+        decision = policy.decide(
+            failure, trainer, active=active, restarts=run.restarts, has_checkpoint=bool(points)
         )
+        if decision.action is Action.END:
+            self._gave_up = decision.gave_up
+            return False
+        if decision.action is Action.REQUEUE:
+            _LOGGER.info(
+                "run %s: %s; the job is cancelled and the run back in the queue",
+                run.id,
+                decision.culprit,
+                extra={"run_id": run.id},
+            )
+            self._ctx.observer.trainer_failure(run.id, "busy")
+        else:
+            run.restarts = decision.number
+            self._ctx.observer.trainer_failure(run.id, decision.ending.label)
+            limit = policy.max_restarts
+            self.ledger.note = f"restart {run.restarts} of {limit} after {decision.culprit}"
+            _LOGGER.warning(
+                "run %s: %s (%s); restart %d of %d from the checkpoint at episode %d",
+                run.id,
+                decision.culprit,
+                failure,
+                run.restarts,
+                limit,
+                points[0].checkpoint.episode,
+                extra={"run_id": run.id, "event": "restarting"},
+            )
         self.task = None
         self._ctx.scheduler.run_ended(trainer)
-        if ending.cancel_job:
+        if decision.action is Action.REQUEUE or decision.ending.cancel_job:
             self._ctx.spawn(self._cancel_job(trainer), f"gateway-cancel-{run.id}")
         self._cancel_shares()
         self._place_again("waiting for a free slot")
-        with contextlib.suppress(StoreUnavailable):
-            # (Logged by the store; the count is written with the next change.)
-            await self.persist()
+        if decision.action is Action.RESTART:
+            with contextlib.suppress(StoreUnavailable):
+                # (Logged by the store; the count is written with the next change.)
+                await self.persist()
         return True
 
     async def _drive(self, attach_after: int | None) -> None:
@@ -1024,9 +979,7 @@ class RunDriver:
         if self._parking:
             self.task = None  # the job ended for the park (``_park`` goes on from here)
             return
-        if failure is not None and await self._share_busy(failure, trainer):
-            return
-        if failure is not None and await self._restart(failure, trainer):
+        if failure is not None and await self._after_failure(failure, trainer):
             return
         self.finalizing = True
         self.task = None
@@ -1055,30 +1008,6 @@ class RunDriver:
             # once the end is ours: a replica that lost the run meanwhile (its stream ended
             # because the new owner re-attached) leaves the job to that owner.
             self._ctx.spawn(self._cancel_job(), f"gateway-cancel-{run.id}")
-
-    async def _share_busy(self, failure: BaseException, trainer: str) -> bool:
-        """A trainer refused its share of the job as busy (another gateway took the slot
-        meanwhile): the job never trained (rank 0 waits for every rank), so it is cancelled and
-        the run goes back in the queue at its place, with no restart counted. Returns whether
-        that was the failure."""
-        run = self.run
-        if not (isinstance(failure, ShareFailed) and isinstance(failure.cause, TrainerBusy)):
-            return False
-        if run.state not in (RunState.RUNNING, RunState.PAUSED):
-            return False
-        _LOGGER.info(
-            "run %s: %s is busy; the job is cancelled and the run back in the queue",
-            run.id,
-            failure.who,
-            extra={"run_id": run.id},
-        )
-        self._ctx.observer.trainer_failure(run.id, "busy")
-        self.task = None
-        self._ctx.scheduler.run_ended(trainer)
-        self._ctx.spawn(self._cancel_job(trainer), f"gateway-cancel-{run.id}")
-        self._cancel_shares()
-        self._place_again("waiting for a free slot")
-        return True
 
     def _cancel_shares(self) -> None:
         """Cancels the other trainers' shares of the job that ended (in the background)."""
