@@ -28,7 +28,7 @@ from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import EpisodeRecord, NotOwner, Store
 from trainwire.v1 import episode_pb2
 
-_LOGGER = logging.getLogger("gateway.core.driver")
+_LOGGER = logging.getLogger(__name__)
 
 #: Episodes a run may have handed to the store but not yet seen committed; the publisher waits
 #: beyond this.
