@@ -10,7 +10,6 @@ from google.protobuf import timestamp_pb2
 from gateway.core.curve import Bucket
 from gateway.core.errors import InvalidRequest
 from gateway.core.framing import encode_batch
-from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.registry import (
     CaughtUp,
     EpisodeFrames,
@@ -23,6 +22,7 @@ from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import CheckpointRecord
 from gateway.core.trainers import Capabilities, CheckpointSaved, Gpu
 from trainwire.contract import FieldViolation, check_create_run, describe_violations
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2, gateway_service_pb2, trainer_service_pb2
 
 #: The largest CreateRunRequest accepted (the gRPC server lets larger ones through, up to its
@@ -251,9 +251,9 @@ def watch_event_to_wire(event: WatchEvent) -> bytes | gateway_service_pb2.WatchR
 
 def hyperparameters_from_proto(
     request: gateway_service_pb2.SetRunHyperparametersRequest,
-) -> HyperparameterChange:
+) -> Hyperparameters:
     """The change a ``SetRunHyperparametersRequest`` asks for (unset fields stay ``None``)."""
-    return HyperparameterChange(
+    return Hyperparameters(
         learning_rate=request.learning_rate if request.HasField("learning_rate") else None,
         temperature=request.temperature if request.HasField("temperature") else None,
         beta=request.beta if request.HasField("beta") else None,

@@ -13,7 +13,6 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from gateway.convert import capabilities_from_proto, checkpoint_to_proto
-from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.trainers import (
     Cancelled,
     Capabilities,
@@ -39,6 +38,7 @@ from gateway.core.trainers import (
     TrainerRefused,
 )
 from trainwire.contract import FieldViolation
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.reasons import ERROR_DOMAIN, ErrorReason
 from trainwire.tls import is_name_mismatch, target_host
 from trainwire.v1 import episode_pb2, trainer_service_pb2, trainer_service_pb2_grpc
@@ -447,7 +447,7 @@ class GrpcTrainerConnector:
         )
 
     async def set_hyperparameters(
-        self, address: str, run_id: str, change: HyperparameterChange, timeout: float
+        self, address: str, run_id: str, change: Hyperparameters, timeout: float
     ) -> None:
         """Changes a job's hyperparameters from its next optimizer step."""
         channel, stub = self._open(address)

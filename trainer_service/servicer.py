@@ -14,12 +14,12 @@ from google.protobuf.message import Message
 
 from trainer_service.core.checkpointing import checkpoint_message
 from trainer_service.core.errors import InvalidRequest
-from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.job_stream import JobStream, StreamEvent
 from trainer_service.core.jobs import Gpu, Heartbeat, JobRunner, RunningJob
 from trainer_service.core.merging import CheckpointMerges, MergedModel
 from trainer_service.status import apply_status, to_status
 from trainwire.contract import FieldViolation
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 _LOGGER = logging.getLogger(__name__)

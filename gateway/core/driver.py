@@ -65,7 +65,7 @@ from gateway.core.errors import (
 )
 from gateway.core.feed import Inbox, TrainerFeed
 from gateway.core.forks import ForkNotRestored
-from gateway.core.hyperparameters import HyperparameterChange, has_reference_model
+from gateway.core.hyperparameters import applied_to, check_change, has_reference_model
 from gateway.core.ledger import CheckpointLedger
 from gateway.core.live_log import EpisodeLog
 from gateway.core.observer import Observer
@@ -90,6 +90,7 @@ from gateway.core.trainers import (
     TrainerRefused,
 )
 from trainwire.contract import ContractViolation, task_kind
+from trainwire.hyperparameters import Hyperparameters
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -382,7 +383,7 @@ class RunDriver:
             extra={"run_id": self.run.id, "event": "speed"},
         )
 
-    async def set_hyperparameters(self, change: HyperparameterChange) -> None:
+    async def set_hyperparameters(self, change: Hyperparameters) -> None:
         """Changes the run's hyperparameters from its job's next optimizer step and writes them
         into its task; a run without a job (parked, or waiting to be placed again) takes them
         in its task only, and the job placed next trains with them.
@@ -394,7 +395,7 @@ class RunDriver:
             TrainerUnavailable: its trainer could not be reached (or its job is starting).
         """
         run = self.run
-        change.check(run.id, run.task, reference_model=True)
+        check_change(change, run.id, run.task, reference_model=True)
         if run.state not in (RunState.RUNNING, RunState.PAUSED) or self.finalizing:
             raise IllegalTransition(
                 f"cannot change the hyperparameters of run {run.id!r}: it is {run.state.name}",
@@ -408,7 +409,7 @@ class RunDriver:
             )
         if self.task is None or run.parked or self._parking:
             # No job to tell: the next one starts from the task.
-            change.check(run.id, run.task, has_reference_model(run.task))
+            check_change(change, run.id, run.task, has_reference_model(run.task))
         elif self.placing_again:
             raise TrainerUnavailable(
                 f"run {run.id!r} is being placed on a trainer again; try again in a moment",
@@ -416,7 +417,7 @@ class RunDriver:
             )
         else:
             await self._tell_job(change)
-        run.task = change.applied_to(run.task)
+        run.task = applied_to(change, run.task)
         await self.persist()
         _LOGGER.info(
             "run %s: hyperparameters %s (episode %d published, %d trained)",
@@ -427,7 +428,7 @@ class RunDriver:
             extra={"run_id": run.id, "event": "hyperparameters"},
         )
 
-    async def _tell_job(self, change: HyperparameterChange) -> None:
+    async def _tell_job(self, change: Hyperparameters) -> None:
         run = self.run
         try:
             await self._ctx.connector.set_hyperparameters(

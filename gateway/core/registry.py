@@ -35,7 +35,7 @@ from gateway.core.curve import Bucket
 from gateway.core.curves import RunCurves
 from gateway.core.driver import DriverContext, RunDriver
 from gateway.core.errors import IllegalTransition, InvalidRequest, TrainerUnavailable
-from gateway.core.hyperparameters import HyperparameterChange
+from gateway.core.hyperparameters import check_change
 from gateway.core.observer import Observer
 from gateway.core.ownership import LeasedOwnership, Ownership, SoloOwnership
 from gateway.core.page_cache import PageCache
@@ -50,6 +50,7 @@ from gateway.core.table import RunTable
 from gateway.core.trainers import CheckpointMerger, TrainerConnector
 from gateway.core.watches import Watches
 from trainwire.contract import FieldViolation
+from trainwire.hyperparameters import Hyperparameters
 
 __all__ = [
     "CaughtUp",
@@ -331,7 +332,7 @@ class RunRegistry:
         """
         return await self._control(run_id, Action.STOP)
 
-    async def set_hyperparameters(self, run_id: str, change: HyperparameterChange) -> TrainingRun:
+    async def set_hyperparameters(self, run_id: str, change: Hyperparameters) -> TrainingRun:
         """Changes a RUNNING or PAUSED run's hyperparameters from its next optimizer step; see
         ``RunDriver.set_hyperparameters``. Only the replica that drives a run changes it.
 
@@ -347,7 +348,7 @@ class RunRegistry:
             await driver.set_hyperparameters(change)
             return driver.snapshot()
         run = driver.run if driver is not None else await self.catalog.get(run_id)
-        change.check(run_id, run.task)
+        check_change(change, run_id, run.task)
         if run.state not in (RunState.RUNNING, RunState.PAUSED):
             raise IllegalTransition(
                 f"cannot change the hyperparameters of run {run_id!r}: it is {run.state.name}",

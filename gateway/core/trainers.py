@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
-from gateway.core.hyperparameters import HyperparameterChange
 from trainwire.contract import FieldViolation
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
 
@@ -284,7 +284,7 @@ class TrainerConnector(Protocol):
         ...
 
     async def set_hyperparameters(
-        self, address: str, run_id: str, change: HyperparameterChange, timeout: float
+        self, address: str, run_id: str, change: Hyperparameters, timeout: float
     ) -> None:
         """Changes a job's hyperparameters from its next optimizer step. Raises
         ``TrainerRefused``, ``TrainerJobFinished``, ``TrainerJobGone`` (no such job) or another

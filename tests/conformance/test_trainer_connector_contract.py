@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.trainers import (
     Cancelled,
     CheckpointFailed,
@@ -40,6 +39,7 @@ from gateway.core.trainers import (
 from tests.conformance.conftest import Trainers
 from tests.fakes.episodes import reward_of
 from tests.fakes.waiting import TIMEOUT, until
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
 A = "trainer-a:50051"
@@ -406,18 +406,16 @@ async def test_a_hyperparameter_change_applies_from_the_next_step(trainers: Trai
     before = episodes(await read_until(stream, "e2"))
     assert [e.metrics["learning_rate"] for e in before] == pytest.approx([0.05, 0.05])
     await heartbeats(stream, 1)
-    await connector.set_hyperparameters(
-        A, "run-1", HyperparameterChange(learning_rate=0.01), TIMEOUT
-    )
+    await connector.set_hyperparameters(A, "run-1", Hyperparameters(learning_rate=0.01), TIMEOUT)
     await connector.grant(A, "run-1", 4, TIMEOUT)
     after = episodes(await read_until(stream, "e4"))
     assert [e.metrics["learning_rate"] for e in after] == pytest.approx([0.01, 0.01])
 
     # Out of range, or one imitation does not have: refused, naming the field.
-    refused = await _refused(trainers, HyperparameterChange(learning_rate=-1.0))
+    refused = await _refused(trainers, Hyperparameters(learning_rate=-1.0))
     assert [v.field for v in refused.violations] == ["learning_rate"]
     assert refused.user_message
-    refused = await _refused(trainers, HyperparameterChange(temperature=0.5))
+    refused = await _refused(trainers, Hyperparameters(temperature=0.5))
     assert [v.field for v in refused.violations] == ["temperature"]
 
     await connector.grant(A, "run-1", 6, TIMEOUT)
@@ -425,7 +423,7 @@ async def test_a_hyperparameter_change_applies_from_the_next_step(trainers: Trai
     assert [e.metrics["learning_rate"] for e in episodes(rest)] == pytest.approx([0.01, 0.01])
     with pytest.raises(TrainerJobFinished):
         await connector.set_hyperparameters(
-            A, "run-1", HyperparameterChange(learning_rate=0.02), TIMEOUT
+            A, "run-1", Hyperparameters(learning_rate=0.02), TIMEOUT
         )
 
 
@@ -436,7 +434,7 @@ async def test_a_job_starts_with_the_default_learning_rate(trainers: Trainers) -
     assert episode.metrics["learning_rate"] == pytest.approx(0.03)
 
 
-async def _refused(trainers: Trainers, change: HyperparameterChange) -> TrainerRefused:
+async def _refused(trainers: Trainers, change: Hyperparameters) -> TrainerRefused:
     with pytest.raises(TrainerRefused) as refused:
         await trainers.connector.set_hyperparameters(A, "run-1", change, TIMEOUT)
     return refused.value
@@ -452,7 +450,7 @@ async def test_calls_for_a_run_without_a_job(trainers: Trainers) -> None:
         await connector.grant(A, "no-such-run", 3, TIMEOUT)
     with pytest.raises(TrainerJobGone):
         await connector.set_hyperparameters(
-            A, "no-such-run", HyperparameterChange(learning_rate=0.01), TIMEOUT
+            A, "no-such-run", Hyperparameters(learning_rate=0.01), TIMEOUT
         )
     with pytest.raises(TrainerJobGone):
         await read(
@@ -560,7 +558,7 @@ async def test_beta_may_rise_only_for_a_job_with_a_reference_model(trainers: Tra
     lora = connector.train(A, "lora", grpo_task(lora=True), config(4), grant_through_episode=1)
     await read_until(full, "e1")
     await read_until(lora, "e1")
-    raise_beta = HyperparameterChange(beta=0.1)
+    raise_beta = Hyperparameters(beta=0.1)
     with pytest.raises(TrainerRefused) as refused:  # full fine-tuning started at beta 0
         await connector.set_hyperparameters(A, "full", raise_beta, TIMEOUT)
     assert [v.field for v in refused.value.violations] == ["beta"]

@@ -18,12 +18,12 @@ from gateway.core.errors import (
     RunNotFound,
     TrainerUnavailable,
 )
-from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.runs import RunState, TrainingRun
 from tests.fakes.core_harness import Core, running_core
 from tests.fakes.memory_trainer import HyperparametersCall, MemoryTrainer
 from tests.fakes.virtual_time import VIRTUAL_TIME
 from tests.fakes.waiting import until
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
 pytestmark = VIRTUAL_TIME
@@ -64,13 +64,13 @@ async def test_a_learning_rate_change_shows_from_the_first_episode_trained_after
         await core.wait_episode(run.id, 10)
 
         changed = await core.registry.set_hyperparameters(
-            run.id, HyperparameterChange(learning_rate=0.005)
+            run.id, Hyperparameters(learning_rate=0.005)
         )
 
         assert changed.task.imitation.learning_rate == 0.005
         assert changed.task.imitation.clip_name == "wave"  # the rest of the task as it was
         [call] = core.connector.hyperparameter_calls(run.id)
-        assert call == HyperparametersCall("t1", run.id, HyperparameterChange(0.005), call.at)
+        assert call == HyperparametersCall("t1", run.id, Hyperparameters(0.005), call.at)
         # The job took it after the lead it had trained beyond the published episode.
         [(trained_before, values)] = core.connector.job(run.id).hyperparameter_changes
         assert values == {"learning_rate": 0.005}
@@ -92,13 +92,13 @@ async def test_grpo_temperature_and_beta_change_on_a_paused_run() -> None:
         paused = await core.registry.pause(run.id)
 
         changed = await core.registry.set_hyperparameters(
-            run.id, HyperparameterChange(temperature=0.7, beta=0.0)
+            run.id, Hyperparameters(temperature=0.7, beta=0.0)
         )
         assert changed.state is RunState.PAUSED
         assert (changed.task.grpo.temperature, changed.task.grpo.beta) == (0.7, 0.0)
         assert changed.task.grpo.HasField("beta")
         # Beta back above 0: the job was started with a reference model.
-        await core.registry.set_hyperparameters(run.id, HyperparameterChange(beta=0.1))
+        await core.registry.set_hyperparameters(run.id, Hyperparameters(beta=0.1))
         # Paused: the job holds at its grant, so both changes come after the same episode.
         [(held, _), (held_too, _)] = core.connector.job(run.id).hyperparameter_changes
         assert held == held_too > paused.episode
@@ -131,7 +131,7 @@ async def test_a_parked_run_takes_the_change_in_its_task_and_resumes_with_it(
 
         await until(parked, "parked", 60.0)
         changed = await core.registry.set_hyperparameters(
-            run.id, HyperparameterChange(learning_rate=0.2)
+            run.id, Hyperparameters(learning_rate=0.2)
         )
         assert changed.parked and changed.task.imitation.learning_rate == 0.2
         assert core.connector.hyperparameter_calls(run.id) == []  # no job to tell
@@ -157,16 +157,16 @@ async def test_a_parked_run_takes_the_change_in_its_task_and_resumes_with_it(
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        (HyperparameterChange(), "(request)"),
-        (HyperparameterChange(learning_rate=math.nan), "learning_rate"),
-        (HyperparameterChange(learning_rate=0.0), "learning_rate"),
-        (HyperparameterChange(learning_rate=1.5), "learning_rate"),
-        (HyperparameterChange(temperature=0.5), "temperature"),  # imitation has none
-        (HyperparameterChange(beta=0.1), "beta"),
+        (Hyperparameters(), "(request)"),
+        (Hyperparameters(learning_rate=math.nan), "learning_rate"),
+        (Hyperparameters(learning_rate=0.0), "learning_rate"),
+        (Hyperparameters(learning_rate=1.5), "learning_rate"),
+        (Hyperparameters(temperature=0.5), "temperature"),  # imitation has none
+        (Hyperparameters(beta=0.1), "beta"),
     ],
 )
 async def test_bad_values_are_refused_naming_the_field_and_the_run(
-    change: HyperparameterChange, field: str
+    change: Hyperparameters, field: str
 ) -> None:
     async with running_core(reporting_trainer()) as core:
         run = await core.create(max_episodes=30, episodes_per_second=10.0)
@@ -184,24 +184,22 @@ async def test_grpo_ranges_and_beta_without_a_reference_model() -> None:
         run = await create_grpo(core, beta=None)
         await core.wait_episode(run.id, 2)
         for change, field in (
-            (HyperparameterChange(temperature=0.0), "temperature"),
-            (HyperparameterChange(temperature=10.5), "temperature"),
-            (HyperparameterChange(beta=-0.1), "beta"),
-            (HyperparameterChange(beta=math.inf), "beta"),
+            (Hyperparameters(temperature=0.0), "temperature"),
+            (Hyperparameters(temperature=10.5), "temperature"),
+            (Hyperparameters(beta=-0.1), "beta"),
+            (Hyperparameters(beta=math.inf), "beta"),
         ):
             with pytest.raises(InvalidRequest) as refused:
                 await core.registry.set_hyperparameters(run.id, change)
             assert [v.field for v in refused.value.violations] == [field]
         # Started with beta 0: its job has no reference model, and the trainer says so.
         with pytest.raises(InvalidRequest) as refused:
-            await core.registry.set_hyperparameters(run.id, HyperparameterChange(beta=0.05))
+            await core.registry.set_hyperparameters(run.id, Hyperparameters(beta=0.05))
         assert [v.field for v in refused.value.violations] == ["beta"]
         assert "reference model" in str(refused.value) and run.id in str(refused.value)
         assert not (await core.run(run.id)).task.grpo.HasField("beta")
         # Temperature 10 is in range.
-        changed = await core.registry.set_hyperparameters(
-            run.id, HyperparameterChange(temperature=10.0)
-        )
+        changed = await core.registry.set_hyperparameters(run.id, Hyperparameters(temperature=10.0))
         assert changed.task.grpo.temperature == 10.0
 
 
@@ -212,10 +210,10 @@ async def test_pending_finished_trained_out_and_unknown_runs_are_refused() -> No
         waiting = await core.create(max_episodes=10)
         await core.wait_state(first.id, RunState.RUNNING)
         with pytest.raises(IllegalTransition, match="PENDING"):
-            await core.registry.set_hyperparameters(waiting.id, HyperparameterChange(0.01))
+            await core.registry.set_hyperparameters(waiting.id, Hyperparameters(0.01))
         stopped = await core.registry.stop(waiting.id)
         with pytest.raises(IllegalTransition, match="STOPPED"):
-            await core.registry.set_hyperparameters(stopped.id, HyperparameterChange(0.01))
+            await core.registry.set_hyperparameters(stopped.id, Hyperparameters(0.01))
 
         # Every episode trained (the lead of 2 s at 2 episodes/s is 4; 10 is granted soon).
         async def trained_out() -> bool:
@@ -225,13 +223,13 @@ async def test_pending_finished_trained_out_and_unknown_runs_are_refused() -> No
         running = await core.run(first.id)
         assert running.state is RunState.RUNNING and running.episode < 10
         with pytest.raises(IllegalTransition, match="last episode"):
-            await core.registry.set_hyperparameters(first.id, HyperparameterChange(0.01))
+            await core.registry.set_hyperparameters(first.id, Hyperparameters(0.01))
 
         await core.wait_state(first.id, RunState.DONE, timeout=60.0)
         with pytest.raises(IllegalTransition, match="DONE"):
-            await core.registry.set_hyperparameters(first.id, HyperparameterChange(0.01))
+            await core.registry.set_hyperparameters(first.id, Hyperparameters(0.01))
         with pytest.raises(RunNotFound):
-            await core.registry.set_hyperparameters("no-such-run", HyperparameterChange(0.01))
+            await core.registry.set_hyperparameters("no-such-run", Hyperparameters(0.01))
         assert core.connector.hyperparameter_calls(first.id) == []
 
 
@@ -242,6 +240,6 @@ async def test_an_unreachable_trainer_answers_unavailable_and_changes_nothing() 
         await core.wait_episode(run.id, 3)
         trainer.kill()
         with pytest.raises(TrainerUnavailable) as unavailable:
-            await core.registry.set_hyperparameters(run.id, HyperparameterChange(0.01))
+            await core.registry.set_hyperparameters(run.id, Hyperparameters(0.01))
         assert run.id in str(unavailable.value) and "try again" in str(unavailable.value)
         assert (await core.run(run.id)).task.imitation.learning_rate == 0.0

@@ -12,13 +12,13 @@ from collections.abc import Iterable
 import pytest
 
 from gateway.core.errors import InvalidRequest
-from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.runs import RunState
 from gateway.core.trainers import JobPlacement
 from tests.fakes.core_harness import running_core
 from tests.fakes.memory_trainer import GrantCall, HyperparametersCall, MemoryTrainer, TrainCall
 from tests.fakes.virtual_time import VIRTUAL_TIME
 from tests.fakes.waiting import until
+from trainwire.hyperparameters import Hyperparameters
 
 pytestmark = VIRTUAL_TIME
 
@@ -71,7 +71,7 @@ async def test_a_job_no_trainer_fits_alone_spans_two_rank_0_on_the_most_free() -
             detail,
         ), detail
         # The share announces nothing but heartbeats; rank 0's trainer alone gets controls.
-        await core.registry.set_hyperparameters(run.id, HyperparameterChange(learning_rate=1e-3))
+        await core.registry.set_hyperparameters(run.id, Hyperparameters(learning_rate=1e-3))
         done = await core.wait_state(run.id, RunState.DONE)
         await watch.ended()
 

@@ -36,7 +36,6 @@ from google.protobuf.message import Message
 
 from gateway.trainer_client import GrpcTrainerConnector
 from tests.fakes.episodes import reward_of
-from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.jobs import JobRunner, RunnerSettings
 from trainer_service.core.provider import (
     CheckpointUnusable,
@@ -49,6 +48,7 @@ from trainer_service.core.slots import SlotPool
 from trainer_service.providers import grpo
 from trainer_service.servicer import TrainerServicer
 from trainwire.contract import FieldViolation
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 from trainwire_ops.checkpoints import CheckpointStore
 

@@ -63,7 +63,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from gateway.core.hyperparameters import HyperparameterChange
 from gateway.core.trainers import (
     Cancelled,
     Capabilities,
@@ -90,10 +89,10 @@ from trainer_service.providers.grpo.hyperparameters import has_reference_model a
 from trainer_service.providers.grpo.hyperparameters import hyperparameters as grpo_initial
 from trainwire.contract import (
     REWARD_FUNCTIONS,
-    check_hyperparameters,
     describe_violations,
     task_kind,
 )
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
 #: Seconds between two heartbeats of a stream whose job waits (the real trainer's default).
@@ -147,7 +146,7 @@ class HyperparametersCall:
 
     address: str
     run_id: str
-    change: HyperparameterChange
+    change: Hyperparameters
     at: float
 
 
@@ -159,13 +158,15 @@ Call = TrainCall | GrantCall | CancelCall | HyperparametersCall
 IMITATION_LEARNING_RATE = 0.03
 
 
-def initial_hyperparameters(task: episode_pb2.TrainTask) -> dict[str, float]:
+def initial_hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:
     """The live hyperparameters a job of ``task`` starts with, defaults applied: for grpo the
     real provider's own rules (``trainer_service.providers.grpo.hyperparameters``: LoRA's
     learning rate and beta differ)."""
     if task_kind(task) == "imitation":
-        return {"learning_rate": task.imitation.learning_rate or IMITATION_LEARNING_RATE}
-    return grpo_initial(task).as_dict()
+        return Hyperparameters(
+            learning_rate=task.imitation.learning_rate or IMITATION_LEARNING_RATE
+        )
+    return grpo_initial(task)
 
 
 def has_reference_model(task: episode_pb2.TrainTask) -> bool:
@@ -368,7 +369,7 @@ class MemoryJob:
         frames, joints = self.script.detail_shape
         episode = make_episode(n, self._best, last, detail, frames, joints)
         if self.trainer.hyperparameter_metrics:
-            episode.metrics.update(self.hyperparameters)
+            episode.metrics.update(self.hyperparameters.as_dict())
         self.produced.append(episode)
         every = self.config.checkpoint_every
         # Like the real trainer's providers (``JobCheckpoints.due``): after every that many
@@ -943,7 +944,7 @@ class MemoryConnector:
         return [c for c in self.calls if isinstance(c, HyperparametersCall) and c.run_id == run_id]
 
     async def set_hyperparameters(
-        self, address: str, run_id: str, change: HyperparameterChange, timeout: float
+        self, address: str, run_id: str, change: Hyperparameters, timeout: float
     ) -> None:
         self._record(HyperparametersCall(address, run_id, change, self._now()))
         trainer = await self._round_trip(address)
@@ -953,13 +954,11 @@ class MemoryConnector:
             raise TrainerJobGone(f"trainer {address}: NOT_FOUND: no job of run {run_id}")
         if job.stopped or job.done:
             raise TrainerJobFinished(f"trainer {address}: FAILED_PRECONDITION: job finished")
-        violations = check_hyperparameters(
-            job.kind, **change.as_dict(), reference_model=job.reference_model
-        )
+        violations = change.violations(job.kind, reference_model=job.reference_model)
         if violations:
             message = describe_violations(violations)
             raise TrainerRefused(f"trainer {address}: INVALID_ARGUMENT", message, violations)
-        job.hyperparameters.update(change.as_dict())
+        job.hyperparameters = job.hyperparameters.merged(change)
         job.hyperparameter_changes.append((job.last_produced, change.as_dict()))
 
     async def close(self) -> None:

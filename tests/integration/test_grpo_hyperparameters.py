@@ -10,9 +10,9 @@ import pathlib
 import pytest
 
 from tests.grpo_fixtures import grpo_data_root, make_job, tiny_grpo_task
-from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.providers.grpo import process
 from trainwire.contract import StreamChecker
+from trainwire.hyperparameters import Hyperparameters
 
 pytestmark = pytest.mark.slow
 

@@ -42,7 +42,6 @@ from gateway.core.trainers import (
 )
 from tests.grpo_fixtures import MODEL_DIR, grpo_data_root, make_job, tiny_grpo_task
 from trainer_service.core import errors as trainer_errors
-from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.merging import CheckpointMerges
 from trainer_service.core.provider import CheckpointUnusable, ProviderError, RestoredCheckpoint
 from trainer_service.providers.grpo import checkpoint_files, merge
@@ -55,6 +54,7 @@ from trainer_service.providers.grpo.hyperparameters import (
 )
 from trainer_service.providers.grpo.settings import LoraSettings, Settings
 from trainwire.contract import check_task, fork_differences
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 from trainwire_ops.checkpoints import CheckpointStore, canonical_tar, canonical_tar_digest
 

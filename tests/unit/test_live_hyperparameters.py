@@ -17,15 +17,12 @@ from tests.fakes.grpo_rank import scripted_ranks
 from tests.grpo_fixtures import make_job, tiny_grpo_task
 from tests.unit.test_imitation_provider import make_job as imitation_job
 from tests.unit.test_imitation_provider import wave_task
-from trainer_service.core.hyperparameters import (
-    Hyperparameters,
-    LiveHyperparameters,
-    same_but_hyperparameters,
-)
+from trainer_service.core.hyperparameters import LiveHyperparameters, same_but_hyperparameters
 from trainer_service.core.provider import RestoredCheckpoint
 from trainer_service.providers import grpo, imitation
 from trainer_service.providers.grpo import process
 from trainwire.contract import StreamChecker
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
 pytestmark = pytest.mark.slow

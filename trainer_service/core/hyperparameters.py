@@ -8,55 +8,20 @@ step always trains with one set of values, and each episode reports the values i
 A provider describes its hyperparameters with two optional module functions:
 ``hyperparameters(task) -> Hyperparameters`` (what a job of the task starts with, defaults
 applied) and ``check_hyperparameters(task, change) -> list[FieldViolation]`` (changes its jobs
-cannot take, beyond the contract's ranges).
+cannot take, beyond the contract's ranges). The values are
+:class:`trainwire.hyperparameters.Hyperparameters`, the one value type the gateway shares.
 
 This module imports neither grpc nor torch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from dataclasses import dataclass
 
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
-__all__ = ["Hyperparameters", "LiveHyperparameters", "same_but_hyperparameters"]
-
-
-@dataclass(frozen=True)
-class Hyperparameters:
-    """Values of the live hyperparameters; ``None`` means unset (left as it is, or one the
-    task kind does not have)."""
-
-    learning_rate: float | None = None
-    temperature: float | None = None
-    beta: float | None = None
-
-    def merged(self, newer: Hyperparameters) -> Hyperparameters:
-        """These values with those ``newer`` sets."""
-        return Hyperparameters(
-            **{
-                field.name: (
-                    getattr(newer, field.name)
-                    if getattr(newer, field.name) is not None
-                    else getattr(self, field.name)
-                )
-                for field in dataclasses.fields(self)
-            }
-        )
-
-    def as_dict(self) -> dict[str, float]:
-        """The values that are set, by name (the names of the episode metrics)."""
-        return {
-            field.name: float(value)
-            for field in dataclasses.fields(self)
-            if (value := getattr(self, field.name)) is not None
-        }
-
-    def describe(self) -> str:
-        """``learning_rate=0.01, beta=0`` (for logs)."""
-        return ", ".join(f"{name}={value:g}" for name, value in self.as_dict().items())
+__all__ = ["LiveHyperparameters", "same_but_hyperparameters"]
 
 
 class LiveHyperparameters:

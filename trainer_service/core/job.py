@@ -40,7 +40,6 @@ from typing import Any
 
 from trainer_service.core.checkpointing import JobCheckpoints
 from trainer_service.core.errors import JobFinished
-from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.job_producer import Opener, Producer
 from trainer_service.core.job_reader import JobReader
 from trainer_service.core.job_resume import ResumeChoice
@@ -51,6 +50,7 @@ from trainer_service.core.job_window import EpisodeWindow
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
 from trainer_service.core.provider import TrainJob
 from trainwire import contract
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import trainer_service_pb2
 from trainwire_ops.checkpoints import CheckpointInfo
 

@@ -22,7 +22,6 @@ record leaves the table once its job is neither live nor running.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import logging
 import pathlib
@@ -42,11 +41,7 @@ from trainer_service.core.errors import (
     NoFreeSlot,
     ShuttingDown,
 )
-from trainer_service.core.hyperparameters import (
-    Hyperparameters,
-    LiveHyperparameters,
-    same_but_hyperparameters,
-)
+from trainer_service.core.hyperparameters import LiveHyperparameters, same_but_hyperparameters
 from trainer_service.core.job import RunningJob
 from trainer_service.core.job_stream import Heartbeat, JobStream
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
@@ -55,6 +50,7 @@ from trainer_service.core.provider import NoCheckpoints, TrainJob
 from trainer_service.core.runner_settings import Capabilities, Gpu, RunnerSettings
 from trainer_service.core.slots import SlotPool
 from trainwire import contract
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import trainer_service_pb2
 from trainwire_ops.checkpoints import CheckpointInfo, CheckpointStore
 
@@ -396,7 +392,7 @@ class JobRunner:
         """
         with self._cond:
             job = self._find(run_id).job
-        violations = contract.check_hyperparameters(job.kind, **dataclasses.asdict(change))
+        violations = change.violations(job.kind)
         check = getattr(job.provider, "check_hyperparameters", None)
         if not violations and callable(check):
             violations = list(check(job.task, change))

@@ -55,7 +55,6 @@ import safetensors.torch
 import torch
 from google.protobuf import json_format
 
-from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.provider import (
     CheckpointUnusable,
     EpisodeCounter,
@@ -65,6 +64,7 @@ from trainer_service.core.provider import (
 from trainer_service.providers.imitation_adam import PackedAdam
 from trainwire import motion
 from trainwire.contract import FieldViolation
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
 _LOGGER = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ without the training stack.
 
 from __future__ import annotations
 
-from trainer_service.core.hyperparameters import Hyperparameters
 from trainwire import contract
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
 #: Learning rate when the task leaves it at 0 (see :mod:`.settings`).
@@ -66,10 +66,4 @@ def check_hyperparameters(
 ) -> list[contract.FieldViolation]:
     """What a job of ``task`` cannot take of ``change`` beyond the contract's ranges: beta
     above 0 without a reference model (:func:`has_reference_model`)."""
-    return contract.check_hyperparameters(
-        "grpo",
-        change.learning_rate,
-        change.temperature,
-        change.beta,
-        reference_model=has_reference_model(task.grpo),
-    )
+    return change.violations("grpo", reference_model=has_reference_model(task.grpo))

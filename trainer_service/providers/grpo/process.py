@@ -78,12 +78,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from trainer_service.core.hyperparameters import Hyperparameters
 from trainer_service.core.placement import Placement
 from trainer_service.core.provider import CheckpointUnusable, ProviderError, TrainJob
 from trainer_service.providers.grpo import checkpoint_files, launch, wire
 from trainer_service.providers.grpo.ranks import Rank, diagnose, exit_of
 from trainer_service.providers.grpo.validation import resolve_in_roots
+from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 from trainwire_ops.addresses import host_port
 
