@@ -657,7 +657,7 @@ class RunDriver:
             await self._drop_spanning_job()
         resume_from: list[ResumePoint] = []
         if attach_after is None and self.run.trainer_episode:
-            resume_from = await self._resume_points()
+            resume_from = await self.ledger.resume_points()
             if not resume_from and self.run.fork_run_id:
                 raise ForkNotRestored(
                     self.run, "that checkpoint is gone (deleted with its run or by its retention)"
@@ -736,9 +736,6 @@ class RunDriver:
             NotOwner: another replica owns the run now.
         """
         await self.ledger.saved(saved)
-
-    async def _resume_points(self) -> list[ResumePoint]:
-        return await self.ledger.resume_points()
 
     def resumed(self, resumed: Resumed) -> None:
         """Notes where a job placed again started from, and what it skipped.
@@ -894,7 +891,7 @@ class RunDriver:
         points: list[ResumePoint] = []
         if policy.wants_checkpoints(failure, active):
             try:
-                points = await self._resume_points()
+                points = await self.ledger.resume_points()
             except Exception:
                 _LOGGER.exception("run %s: cannot read its checkpoints", run.id)
         decision = policy.decide(
