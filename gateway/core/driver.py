@@ -1,46 +1,32 @@
-"""The per-run driver: one active run's lifecycle over its trainer feed, publisher and credit.
+"""The per-run driver: the thin shell around one active run's lifecycle.
 
-A ``RunDriver`` owns an active run. Once the scheduler places the run on a trainer (or the
-gateway re-attaches it after a restart) it runs the run's ``TrainerFeed`` (the trainer stream,
-checked and queued, re-attached when it breaks; ``gateway.core.feed``) into its ``Publisher``
-(the queue to the store at the run's pace, visible once committed; ``gateway.core.publisher``)
-and grants the trainer credit as episodes commit (``CreditWindow``, ``gateway.core.credit``).
-It applies the controls, persists the run and ends it (``gateway.core.ending``).
+A ``RunDriver`` owns an active run. Its lifecycle is the pure state machine of
+``gateway.core.lifecycle``: every control, answer, timer and stream end becomes an event, and the
+driver carries out the commands ``step`` returns, in order. Around it:
+
+- a ``JobAttempt`` (``gateway.core.attempt``) per placement: its trainers, reservations, stream
+  task and shares, let go in one way or another when the placement ends;
+- the ``TrainerFeed`` (``gateway.core.feed``) streams the job into the ``Publisher``
+  (``gateway.core.publisher``: the queue to the store at the run's pace, visible once committed);
+- ``Grants`` (``gateway.core.granting``) give the trainer credit as episodes commit;
+- the ``RestartPolicy`` (``gateway.core.restarts``) decides what a failed job leads to, and the
+  ``CheckpointLedger`` (``gateway.core.ledger``) records checkpoints and finds resume points.
 
 Invariants:
 
 - ``episode`` (published) is the last episode the store has committed; nothing a watcher saw
-  can be lost by a crash.
-- ``trainer_episode`` is the last episode received; ``episode <= trainer_episode <= granted``.
-- A stream that breaks is re-attached after ``trainer_episode`` for up to
-  ``heartbeat_timeout_s``; only then does the run fail. The break is acted on once the
-  episodes received before it are published (at most one lead later), at once while the run
-  is paused; they stay queued across the re-attach (a failure that ends a running run ends it
-  after them; a paused one ends without them).
-- Stop cancels the stream and the trainer's job (``CancelJob``); gateway shutdown cancels the
-  stream only, so the trainer keeps the job for the next gateway to re-attach.
-- Every checkpoint the trainer reports is recorded (``Store.add_checkpoint``, which applies
-  the run's retention). A run paused for ``park_after_s`` is *parked*: its job writes a final
-  checkpoint and ends, and its slot is free; resume places it again, and the new job starts
-  from the newest checkpoint the run has every episode of. A run whose trainer or job died is
-  *restarted* the same way, at most ``max_restarts`` times, once it has such a checkpoint. A
-  new job trains again the episodes after its checkpoint that the run received; the feed drops
-  them, so watchers see every episode once. Episodes received and not yet published stay in
-  the driver's inbox across all of this.
-- A job the scheduler placed on several trainers (``gateway.core.placement``) streams from rank
-  0's trainer, which alone gets grants, controls and hyperparameter changes; the other
-  trainers' shares start on its rendezvous and are watched by ``JobShares``
-  (``gateway.core.shares``). A failed share fails the job (cancelling rank 0's stream) and the
-  run is restarted as above, possibly on other trainers, or ends ERROR naming the trainer and
-  its ranks; a share refused as busy puts the run back in the queue without counting a
-  restart. Whenever the job ends (done, failure, stop, park, restart) every share that did not
-  end is cancelled (rank 0's first where its final checkpoint is wanted) and every trainer's
-  slots are reported free. ``Run.trainers`` lists them, rank 0's first.
-- With gateway replicas a driver drives its run only while its replica owns it: a *candidate*
-  (a PENDING run no replica owns, ``owned`` False) has its ``Ownership`` claim the run before
-  it dispatches it, and any write the store refuses with ``NotOwner`` makes the driver
-  *abandon* the run: it stops driving without cancelling the trainer's job and without writing
-  anything more.
+  can be lost by a crash; ``episode <= trainer_episode <= granted``.
+- A broken stream is re-attached by the feed for up to ``heartbeat_timeout_s``; only then does
+  the job fail. Episodes received and not yet published stay in the driver's inbox across
+  parks, restarts and re-attaches; a new job trains again the episodes after its checkpoint and
+  the feed drops those the run received, so watchers see every episode once.
+- Stop cancels the stream, stores the end, then cancels the job after its final checkpoint (the
+  trained model). Gateway shutdown and a run taken over by another replica leave the trainers
+  their jobs. Whenever a job ends every share that did not end is cancelled and every trainer's
+  slots are reported free.
+- With gateway replicas a driver drives its run only while its replica owns it: a candidate
+  (``owned`` False) claims the run before its job starts, and a write the store refuses with
+  ``NotOwner`` makes the driver abandon the run without touching the job.
 """
 
 from __future__ import annotations
@@ -52,8 +38,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.core import lifecycle as lc
+from gateway.core.attempt import JobAttempt, SlotHooks
 from gateway.core.checkpoints import CheckpointFiles
-from gateway.core.credit import CreditWindow, lead_for
 from gateway.core.curve import CurveBuilder
 from gateway.core.details import DetailRetention
 from gateway.core.ending import Ending, end_of, log_end
@@ -65,14 +52,16 @@ from gateway.core.errors import (
 )
 from gateway.core.feed import Inbox, TrainerFeed
 from gateway.core.forks import ForkNotRestored
+from gateway.core.granting import Grants
 from gateway.core.hyperparameters import applied_to, check_change, has_reference_model
 from gateway.core.ledger import CheckpointLedger
+from gateway.core.lifecycle import Command as C
 from gateway.core.live_log import EpisodeLog
 from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
 from gateway.core.placement import Placement, rewards_needed, slots_needed
 from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
-from gateway.core.restarts import Action, RestartPolicy
+from gateway.core.restarts import Action, Decision, RestartPolicy
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.settings import CoreSettings
 from gateway.core.shares import JobShares, SharesNotReattached
@@ -93,9 +82,6 @@ from trainwire.contract import ContractViolation, task_kind
 from trainwire.hyperparameters import Hyperparameters
 
 _LOGGER = logging.getLogger(__name__)
-
-#: Seconds before a grant the trainer did not take is tried again without a commit.
-GRANT_RETRY_S = 1.0
 
 
 class SchedulerHooks(Protocol):
@@ -169,17 +155,14 @@ class RunDriver:
         self.run = run
         self._ctx = ctx
         self.kind = task_kind(run.task)
+        settings = ctx.settings
         self.log = EpisodeLog(
-            run.id,
-            ctx.settings.live_coalesce_s,
-            ctx.clock,
-            ctx.settings.live_episodes,
-            run.fork_episode,
+            run.id, settings.live_coalesce_s, ctx.clock, settings.live_episodes, run.fork_episode
         )
         self.pacer = Pacer(run.episodes_per_second, run.speed, ctx.clock)
-        self.credit = CreditWindow(run.config.max_episodes)
+        self.grants = Grants(run, self.pacer, settings, ctx.connector, ctx.spawn, self._granting)
         self.publisher = Publisher(
-            run, self.log, self.pacer, ctx.store, ctx.observer, self._maybe_grant
+            run, self.log, self.pacer, ctx.store, ctx.observer, self.grants.maybe
         )
         self.publisher.details = DetailRetention(
             run,
@@ -187,35 +170,27 @@ class RunDriver:
             ctx.store,
             ctx.spawn,
             ctx.forget_pages,
-            ctx.settings.live_episodes,
-            ctx.settings.details_per_run,
+            settings.live_episodes,
+            settings.details_per_run,
         )
         self.inbox = Inbox()
-        self.feed: TrainerFeed | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.finalizing = False
+        #: Where its job stands (``gateway.core.lifecycle``), and the events that led there.
+        self.state: lc.State = lc.Pending()
+        self.history: list[lc.Event] = []
+        #: The current (or last) placement of its job.
+        self.attempt: JobAttempt | None = None
         self.pending_detail = "waiting for the scheduler"
         self.owned = owned
         self._trainer = run.trainer  # rank 0's
-        #: Where its job runs (None before it was placed, and for a job re-attached after a
-        #: gateway restart: that one runs on ``run.trainer`` alone).
-        self._placement: Placement | None = None
-        #: Slots the scheduler counts as starting, by trainer, until each answers.
-        self._reserved: dict[str, int] = {}
-        #: The other trainers' shares of the current job (None: it runs on one trainer).
-        self._shares: JobShares | None = None
-        #: The checkpoints the current job was given, and the one it restored.
-        self._resume_from: list[ResumePoint] = []
-        self._restored: ResumePoint | None = None
-        self._ended = asyncio.Event()  # finalized (or handed to another replica)
-        #: An active run waiting to be placed again (parked and resumed, or restarted).
-        self.placing_again = False
+        self._ended = asyncio.Event()  # let go: finalized, detached or abandoned
         #: The run's checkpoint records, retention and the note people read about them.
         self.ledger = CheckpointLedger(run, ctx.store, ctx.checkpoint_files, ctx.spawn)
         self._park_timer: asyncio.TimerHandle | None = None
-        self._parking = False
-        self._gave_up = False  # the failure came after the last restart
-        self._restarts = RestartPolicy(ctx.settings.max_restarts)
+        self._restarts = RestartPolicy(settings.max_restarts)
+        #: The failure that ended the last job, its decision and the resume points it had.
+        self._failure: BaseException | None = None
+        self._decision: Decision | None = None
+        self._points: list[ResumePoint] = []
 
     @property
     def seq(self) -> int:
@@ -224,9 +199,18 @@ class RunDriver:
 
     @property
     def placeable(self) -> bool:
-        """Whether the scheduler may still place the run."""
-        waiting = self.run.state is RunState.PENDING or self.placing_again
-        return waiting and not self.finalizing and self.task is None
+        """Whether the scheduler may place the run now."""
+        return lc.queued(self.state)
+
+    @property
+    def finalizing(self) -> bool:
+        """Whether its end is decided (or the driver let it go)."""
+        return lc.over(self.state)
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The current job's stream task (None: no job is being read)."""
+        return None if self.attempt is None else self.attempt.task
 
     @property
     def slots(self) -> int:
@@ -244,20 +228,21 @@ class RunDriver:
         return self._trainer
 
     def _where(self) -> str:
-        """Where its job runs, for people."""
-        if self._placement is not None:
-            return self._placement.describe()
-        return self._trainer
+        return self.attempt.describe() if self.attempt is not None else self._trainer
 
     def _addresses(self) -> tuple[str, ...]:
         """Every trainer of its job (or of its last one), rank 0's first."""
-        if self._placement is not None:
-            return self._placement.addresses
+        if self.attempt is not None and self.attempt.placement is not None:
+            return self.attempt.addresses()
         return self.run.trainers or ((self._trainer,) if self._trainer else ())
+
+    def _granting(self) -> str:
+        """Rank 0's trainer while its job may take grants, else ""."""
+        return "" if self.finalizing or self.task is None else self._trainer
 
     async def ended(self) -> None:
         """Returns once the driver let its run go: its end stored (or refused by a full
-        disk), or the run handed to another replica."""
+        disk), the gateway shut down, or the run handed to another replica."""
         await self._ended.wait()
 
     def snapshot(self) -> TrainingRun:
@@ -267,22 +252,22 @@ class RunDriver:
         return run
 
     def _detail(self) -> str:
-        run = self.run
-        granted = self.credit.granted
+        run, state = self.run, self.state
         note = f"; {self.ledger.note}" if self.ledger.note else ""
         if run.state is RunState.PENDING:
             return self.pending_detail
-        if run.parked and run.state is RunState.PAUSED:
+        if lc.parked(state) and run.state is RunState.PAUSED:
             return (
                 f"parked at episode {run.episode}: its training state is in the checkpoint "
                 f"at episode {run.checkpoint_episode} and its trainer slot is free; resume "
                 f"places it again{note}"
             )
-        if self.placing_again:
+        if isinstance(state, lc.Restarting) or (isinstance(state, lc.Placing) and state.again):
             return (
                 f"{self.pending_detail}, to continue from its latest checkpoint "
                 f"(episode {run.checkpoint_episode or run.fork_episode}){note}"
             )
+        granted = self.grants.window.granted
         if run.state is RunState.RUNNING:
             return (
                 f"training on {self._where()}: episode {run.trainer_episode} of "
@@ -295,42 +280,161 @@ class RunDriver:
             )
         return ""
 
+    # -- the state machine's shell -------------------------------------------------------------
+
+    def _transition(self, event: lc.Event) -> lc.Commands:
+        before = self.state
+        self.state, commands = lc.step(before, event)
+        if commands or self.state != before:
+            self.history.append(event)
+        return commands
+
+    async def _apply(self, event: lc.Event) -> None:
+        """Steps the machine and carries out its commands; stops carrying them out once a
+        command let the run go to another replica or the gateway's shutdown."""
+        for command in self._transition(event):
+            await self._carry_out(command)
+            let_go = isinstance(self.state, lc.Ended) and self.state.exit is not lc.Exit.FINISHED
+            if let_go and command not in (C.KEEP_JOB, C.RELEASE, C.DEQUEUE, C.DISARM_PARK):
+                return
+
+    def _apply_now(self, event: lc.Event) -> None:
+        """Steps the machine from a caller that cannot wait (its commands are all immediate)."""
+        for command in self._transition(event):
+            done = self._carry_out_now(command)
+            assert done, f"{command} is not immediate"
+
+    async def _carry_out(self, command: C) -> None:
+        if self._carry_out_now(command):
+            return
+        attempt = self.attempt
+        if command is C.PERSIST:
+            await self.persist()
+        elif command is C.CANCEL_STREAM:
+            if attempt is not None:
+                attempt.quiet()
+                await attempt.cancel_stream()
+        elif command is C.KEEP_JOB:
+            if attempt is not None:
+                await attempt.keep()
+        elif command is C.FINISH:
+            await self._finish()
+        elif command is C.LEAVE:
+            await self._leave()
+        else:  # pragma: no cover - every command is carried out above or in _carry_out_now
+            raise AssertionError(command)
+
+    def _carry_out_now(self, command: C) -> bool:
+        """Carries out an immediate command; False for one that must be awaited."""
+        ctx, run, attempt = self._ctx, self.run, self.attempt
+        if command is C.START_JOB or command is C.ATTACH_JOB:
+            assert attempt is not None
+            attach_after = run.episode if command is C.ATTACH_JOB else None
+            attempt.task = asyncio.create_task(
+                self._drive(attempt, attach_after), name=f"gateway-run-{run.id}"
+            )
+        elif command is C.REQUEUE:
+            if isinstance(self.state, lc.Restarting):
+                self.pending_detail = lc.WAITING_AGAIN
+            ctx.scheduler.requeue(self)
+        elif command is C.DEQUEUE:
+            ctx.scheduler.dequeue(self)
+        elif command is C.ARM_PARK:
+            self._arm_park()
+        elif command is C.DISARM_PARK:
+            self._disarm_park()
+        elif command is C.PARK:
+            ctx.spawn(self._park(), f"gateway-park-{run.id}")
+        elif command is C.MARK_STARTED:
+            run.start(self._trainer, ctx.now(), self._addresses())
+            self._log_placed("started on")
+        elif command is C.MARK_PLACED:
+            run.parked = False
+            run.trainer, run.trainers = self._trainer, self._addresses()
+            self._log_placed("continues on")
+        elif command is C.MARK_PARKED:
+            run.parked = True
+            _LOGGER.info(
+                "run %s parked at episode %d (trained through %d, checkpoint at %d); trainer "
+                "slots on %s freed",
+                run.id,
+                run.episode,
+                run.trainer_episode,
+                run.checkpoint_episode,
+                ", ".join(self._addresses()),
+                extra={"run_id": run.id, "event": "parked"},
+            )
+        elif command is C.COUNT_RESTART:
+            self._count_restart()
+        elif command is C.SLOT_FREED:
+            ctx.scheduler.run_ended(self._trainer)
+        elif command is C.CANCEL_JOB:
+            if attempt is not None and attempt.trainer and self.owned:
+                ctx.spawn(attempt.cancel_job(), f"gateway-cancel-{run.id}")
+        elif command is C.CANCEL_JOB_CHECKPOINT:
+            if attempt is not None:
+                ctx.spawn(self._cancel_for_stop(attempt), f"gateway-cancel-{run.id}")
+        elif command is C.CANCEL_SHARES:
+            if attempt is not None and attempt.shares is not None:
+                ctx.spawn(attempt.cancel_shares(), f"gateway-cancel-shares-{run.id}")
+        elif command is C.GRANT:
+            self.grants.maybe()
+        elif command is C.RELEASE:
+            ctx.ownership.lost(self)
+            self._ended.set()
+        else:
+            return False
+        return True
+
+    def _log_placed(self, how: str) -> None:
+        trainers = "trainers" if len(self._addresses()) > 1 else "trainer"
+        event = "started" if how == "started on" else "placed_again"
+        _LOGGER.info(
+            "run %s %s %s %s",
+            self.run.id,
+            how,
+            trainers,
+            self._where(),
+            extra={"run_id": self.run.id, "event": event},
+        )
+
     # -- starting ----------------------------------------------------------------------------
+
+    def _new_attempt(self, trainer: str, placement: Placement | None) -> JobAttempt:
+        ctx = self._ctx
+        slots = SlotHooks(ctx.scheduler.started, ctx.scheduler.run_ended)
+        return JobAttempt(self.run.id, trainer, placement, ctx.connector, ctx.settings, slots)
 
     def dispatch(self, placement: Placement) -> None:
         """Starts the run on the trainers of ``placement`` (called by the scheduler, which
         counts each share's slots as starting there until :meth:`SchedulerHooks.started`)."""
-        self._placement = placement
         self._trainer = placement.rank0.address
-        self._reserved = {s.address: s.processes for s in placement.shares}
+        self.attempt = self._new_attempt(self._trainer, placement)
         self.pending_detail = f"starting on {placement.describe()}"
-        self.task = asyncio.create_task(self._drive(None), name=f"gateway-run-{self.run.id}")
+        self._apply_now(lc.Dispatch(placement.describe()))
 
     def reattach(self, frames: list[bytes], curve: CurveBuilder) -> None:
         """Continues a RUNNING or PAUSED run after a gateway restart: the live tail of its
         committed history (``frames``) goes back into the log, its curve's open blocks into the
-        publisher, and the stream re-attaches to the trainer's job. (What a previous gateway
-        received and did not publish is gone with it: the run has received through its
-        published episode.)
-
-        A job that spans trainers (``run.trainers``) is not re-attached: rank 0's stream could
-        be, but the other trainers' shares stream no episodes to re-attach after, so nothing
-        tells whether they are still in the job. Every share is cancelled instead (rank 0's
-        too) and the run goes through the restart path: from its newest checkpoint at or before
-        its published episode (counted as a restart), or, with none, it ends ERROR as a run
-        whose job is gone."""
-        self.log.restore(self.run.episode, frames)
+        publisher, and the stream re-attaches to the trainer's job (a parked run has none:
+        resume places it again). What a previous gateway received and did not publish is gone
+        with it. A job that spans trainers is not re-attached: the other trainers' shares
+        stream no episodes to re-attach after, so every share is cancelled and the run is
+        restarted from its newest checkpoint (or ends ERROR without one)."""
+        run = self.run
+        self.log.restore(run.episode, frames)
         self.publisher.curve = curve
-        self.run.trainer_episode = self.run.episode
-        if self.run.parked:
-            # No job to re-attach to: resume places it again.
-            if self.run.state is RunState.RUNNING:
-                self._place_again("waiting for a free slot")
-            return
-        self.task = asyncio.create_task(
-            self._drive(self.run.episode), name=f"gateway-run-{self.run.id}"
-        )
-        self._arm_park()
+        run.trainer_episode = run.episode
+        if not run.parked:
+            self.attempt = self._new_attempt(run.trainer, None)
+        paused = run.state is RunState.PAUSED
+        self._apply_now(lc.Reattach(run.trainer, paused, run.parked))
+
+    async def finalize(self) -> None:
+        """Stores the end of a run that recovery found finished (or could not continue) and
+        lets it go."""
+        done = self.run.state is RunState.DONE
+        await self._apply(lc.Recovered(lc.Outcome.DONE if done else lc.Outcome.FAILED))
 
     # -- controls ----------------------------------------------------------------------------
 
@@ -342,39 +446,28 @@ class RunDriver:
         """Pauses publication; the trainer gets no new grant. No-op when paused."""
         if self.run.pause():
             self._controlled()
-            self._arm_park()
-            await self.persist()
-            _LOGGER.info(
-                "run %s paused at episode %d (trainer at %d)",
-                self.run.id,
-                self.run.episode,
-                self.run.trainer_episode,
-                extra={"run_id": self.run.id, "event": "paused"},
-            )
+            await self._apply(lc.Pause())
+            self._log_control("paused at episode %d (trainer at %d)", "paused")
 
     async def resume(self) -> None:
-        """Resumes publication and grants. No-op when running."""
+        """Resumes publication and grants (a parked run is placed again). No-op when running."""
         if self.run.resume():
-            self._disarm_park()
             self.pacer.restart()
             self._controlled()
-            if self.run.parked and not self._parking and self.task is None:
-                self._place_again("waiting for a free slot")
-            self._maybe_grant()
-            await self.persist()
-            _LOGGER.info(
-                "run %s resumed at episode %d",
-                self.run.id,
-                self.run.episode,
-                extra={"run_id": self.run.id, "event": "resumed"},
-            )
+            await self._apply(lc.Resume())
+            self._log_control("resumed at episode %d", "resumed")
+
+    def _log_control(self, what: str, event: str) -> None:
+        run = self.run
+        args = (run.episode, run.trainer_episode)[: what.count("%d")]
+        _LOGGER.info("run %s " + what, run.id, *args, extra={"run_id": run.id, "event": event})
 
     async def set_speed(self, speed: float) -> None:
         """Changes the speed of publication and of the lead, at once."""
         self.run.set_speed(speed)
         self.pacer.set_speed(self.run.speed)
         self.publisher.controlled()
-        self._maybe_grant()
+        self.grants.maybe()
         await self.persist()
         _LOGGER.info(
             "run %s speed %g",
@@ -394,9 +487,9 @@ class RunDriver:
                 episode.
             TrainerUnavailable: its trainer could not be reached (or its job is starting).
         """
-        run = self.run
+        run, state = self.run, self.state
         check_change(change, run.id, run.task, reference_model=True)
-        if run.state not in (RunState.RUNNING, RunState.PAUSED) or self.finalizing:
+        if run.state not in (RunState.RUNNING, RunState.PAUSED) or lc.over(state):
             raise IllegalTransition(
                 f"cannot change the hyperparameters of run {run.id!r}: it is {run.state.name}",
                 run.id,
@@ -407,10 +500,10 @@ class RunDriver:
                 f"its last episode ({run.trainer_episode})",
                 run.id,
             )
-        if self.task is None or run.parked or self._parking:
+        if not isinstance(state, (lc.Running, lc.Placing)) or lc.parked(state):
             # No job to tell: the next one starts from the task.
             check_change(change, run.id, run.task, has_reference_model(run.task))
-        elif self.placing_again:
+        elif isinstance(state, lc.Placing):
             raise TrainerUnavailable(
                 f"run {run.id!r} is being placed on a trainer again; try again in a moment",
                 run.id,
@@ -429,22 +522,16 @@ class RunDriver:
         )
 
     async def _tell_job(self, change: Hyperparameters) -> None:
-        run = self.run
+        run, what = self.run, f"cannot change the hyperparameters of run {self.run.id!r}"
         try:
             await self._ctx.connector.set_hyperparameters(
                 self._trainer, run.id, change, self._ctx.settings.trainer_call_timeout_s
             )
         except TrainerRefused as exc:
-            raise InvalidRequest(
-                f"cannot change the hyperparameters of run {run.id!r}: {exc.user_message}",
-                exc.violations,
-                run.id,
-            ) from None
+            raise InvalidRequest(f"{what}: {exc.user_message}", exc.violations, run.id) from None
         except TrainerJobFinished:
             raise IllegalTransition(
-                f"cannot change the hyperparameters of run {run.id!r}: its trainer has trained "
-                "its last episode",
-                run.id,
+                f"{what}: its trainer has trained its last episode", run.id
             ) from None
         except TrainerError as exc:
             raise TrainerUnavailable(
@@ -460,42 +547,44 @@ class RunDriver:
 
     async def stop(self) -> None:
         """Stops the run: cancels its stream, ends it STOPPED and, once that end is stored as
-        this replica's, cancels its trainer job.
+        this replica's, cancels its trainer job after its final checkpoint.
 
         Raises:
+            IllegalTransition: the run is finishing already (done or failed).
             NotOwner: another replica took the run over before the end was stored; the stop is
                 that replica's to apply, and the job is left to it.
         """
-        self.run.stop(self._ctx.now())
-        self.finalizing = True
-        self._disarm_park()
-        self._ctx.scheduler.dequeue(self)
-        dispatched = self.task is not None
-        shares, self._shares = self._shares, None
-        if shares is not None:
-            shares.quiet()
-        await self._cancel_task()
-        await self.finalize()
-        if not self.owned:
-            if shares is not None:
-                await shares.stop_watching()
-            raise NotOwner(self.run.id)
-        if dispatched and self._trainer:
-            # The job's final checkpoint is the trained model; the other trainers' shares
-            # are cancelled once rank 0's trainer wrote it.
-            self._ctx.spawn(
-                self._cancel_job(checkpoint=True, then=shares), f"gateway-cancel-{self.run.id}"
+        if isinstance(self.state, lc.Finishing):
+            raise IllegalTransition(
+                f"cannot stop run {self.run.id!r}: it is ending ({self.state.outcome.value})",
+                self.run.id,
             )
-        elif shares is not None:
-            self._ctx.spawn(shares.cancel(), f"gateway-cancel-shares-{self.run.id}")
+        self.run.stop(self._ctx.now())
+        await self._apply(lc.Stop())
+        if not self.owned:
+            raise NotOwner(self.run.id)
+
+    async def _cancel_for_stop(self, attempt: JobAttempt) -> None:
+        """After a stop: the job's final checkpoint is the trained model, recorded once rank
+        0's trainer wrote it; the other trainers' shares are cancelled after it. A replica
+        that lost the run meanwhile leaves the job to the new owner."""
+        if not self.owned:
+            await attempt.keep()
+            return
+        try:
+            outcome = await attempt.cancel_job(checkpoint=True)
+            if outcome is not None and outcome.checkpoint is not None:
+                with contextlib.suppress(NotOwner):  # the new owner records what it sees
+                    await self.checkpoint_saved(outcome.checkpoint)
+        finally:
+            await attempt.cancel_shares()
 
     async def detach(self) -> None:
         """Gateway shutdown: cancels the stream but not the trainer's job (the next gateway
         re-attaches), flushes the commits and stores the run as it is."""
-        self.finalizing = True
-        self._disarm_park()
-        await self._cancel_task()
-        await self._stop_watching_shares()
+        await self._apply(lc.Detach())
+
+    async def _leave(self) -> None:
         try:
             await self.publisher.flush()
         except Exception:
@@ -504,37 +593,19 @@ class RunDriver:
                 self.run.id,
                 extra={"run_id": self.run.id},
             )
-        await self.persist()
-        self.log.close()
-        self._ended.set()
+        try:
+            await self.persist()
+        finally:
+            self.log.close()
+            self._ended.set()
 
     async def abandon(self) -> None:
         """Another replica owns the run now: stops driving it, leaving the trainer's job and
         the store alone (the new owner re-attaches and writes), and leaves the active runs."""
-        if not self.owned and self.finalizing:
-            return  # abandoned already
-        self.finalizing = True
-        self._disarm_park()
+        if isinstance(self.state, lc.Ended):
+            return
         self.owned = False
-        self._ctx.scheduler.dequeue(self)
-        await self._cancel_task()
-        await self._stop_watching_shares()
-        self._ctx.ownership.lost(self)
-        self._ended.set()
-
-    async def _stop_watching_shares(self) -> None:
-        """Stops reading the other trainers' shares; their jobs go on (for the next gateway,
-        or the replica that took the run over)."""
-        shares, self._shares = self._shares, None
-        if shares is not None:
-            await shares.stop_watching()
-
-    async def _cancel_task(self) -> None:
-        task, self.task = self.task, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        self._release_reservation()
+        await self._apply(lc.Abandon())
 
     async def persist(self) -> None:
         """Stores the run's state, speed, times and trainer.
@@ -552,182 +623,18 @@ class RunDriver:
                 self._ctx.unsaved(snapshot)
             raise StoreUnavailable(f"run {self.run.id!r}: {STORE_MESSAGE}", self.run.id) from None
 
-    def _release_reservation(self) -> None:
-        """Ends the reservation of every share's slots that is left."""
-        for address in list(self._reserved):
-            self._release(address)
-
-    def _release(self, address: str) -> None:
-        slots = self._reserved.pop(address, 0)
-        if slots:
-            self._ctx.scheduler.started(address, slots)
-
-    # -- the shares' hooks -----------------------------------------------------------------------
-
-    def share_answered(self, address: str) -> None:
-        """The share on ``address`` answered or ended: its reservation ends."""
-        self._release(address)
-
-    def share_ended(self, address: str) -> None:
-        """The share on ``address`` ended or was cancelled: a slot may be free there."""
-        self._ctx.scheduler.run_ended(address)
-
-    # -- credit ------------------------------------------------------------------------------
-
-    def lead(self) -> int:
-        """The credit the trainer may hold beyond the published episode."""
-        rate = self.run.episodes_per_second * self.run.speed if self.pacer.paced else None
-        return lead_for(rate, self._ctx.settings.lead_s)
-
-    def _opening_grant(self) -> int:
-        paused = self.run.state is RunState.PAUSED
-        return self.credit.opening(self.run.episode, self.lead(), paused)
-
-    def _maybe_grant(self) -> None:
-        """Sends a grant when the credit window says one is due (at most one in flight)."""
-        if self.finalizing or self.task is None or self.run.state is not RunState.RUNNING:
-            return
-        target = self.credit.due(self.run.episode, self.lead())
-        if target is not None:
-            self._ctx.spawn(self._send_grant(target), f"gateway-grant-{self.run.id}")
-
-    async def _send_grant(self, target: int) -> None:
-        delivered = False
-        try:
-            await self._ctx.connector.grant(
-                self._trainer, self.run.id, target, self._ctx.settings.trainer_call_timeout_s
-            )
-            delivered = True
-        except TrainerError as exc:
-            # The stream tells whether the trainer is gone; the next commit grants again.
-            _LOGGER.debug(
-                "run %s: grant through %d failed: %s",
-                self.run.id,
-                target,
-                exc,
-                extra={"run_id": self.run.id},
-            )
-        finally:
-            self.credit.sent(target, delivered)
-        if delivered:
-            self._maybe_grant()  # commits that came meanwhile may make another one due
-        else:
-            # Not at once (a trainer that refuses at once would get grants back to back): at
-            # the next commit, or after a pause for a trainer that waits at its grant.
-            loop = asyncio.get_running_loop()
-            loop.call_later(GRANT_RETRY_S, self._maybe_grant)
-
-    # -- driving -----------------------------------------------------------------------------
+    # -- the feed's hooks --------------------------------------------------------------------
 
     async def answered(self) -> None:
-        """Rank 0's trainer answered: its reservation ends, a PENDING run starts, and a run
-        placed again trains on its new trainers."""
-        self._release(self._trainer)
-        if self._shares is not None:
-            self._shares.rank0_answered()
-        run = self.run
-        trainers = "trainers" if len(self._addresses()) > 1 else "trainer"
-        if self.placing_again:
-            self.placing_again = False
-            run.parked = False
-            run.trainer, run.trainers = self._trainer, self._addresses()
-            await self.persist()
-            _LOGGER.info(
-                "run %s continues on %s %s",
-                run.id,
-                trainers,
-                self._where(),
-                extra={"run_id": run.id, "event": "placed_again"},
-            )
-            return
-        if run.state is RunState.PENDING:
-            run.start(self._trainer, self._ctx.now(), self._addresses())
-            await self.persist()
-            _LOGGER.info(
-                "run %s started on %s %s",
-                run.id,
-                trainers,
-                self._where(),
-                extra={"run_id": run.id, "event": "started"},
-            )
-
-    async def _stream(self, attach_after: int | None) -> None:
-        ctx = self._ctx
-        if attach_after is not None and len(self.run.trainers) > 1:
-            await self._drop_spanning_job()
-        resume_from: list[ResumePoint] = []
-        if attach_after is None and self.run.trainer_episode:
-            resume_from = await self.ledger.resume_points()
-            if not resume_from and self.run.fork_run_id:
-                raise ForkNotRestored(
-                    self.run, "that checkpoint is gone (deleted with its run or by its retention)"
-                )
-        self._resume_from, self._restored = resume_from, None
-        placement = self._placement
-        shares = None
-        if attach_after is None and placement is not None and placement.spans:
-            shares = JobShares(self.run, placement, ctx.connector, ctx.settings, self)
-        self._shares = shares
-        feed = TrainerFeed(
-            self.run,
-            self._trainer,
-            self.inbox,
-            ctx.connector,
-            ctx.settings,
-            ctx.observer,
-            ctx.clock,
-            self,
-            None if placement is None else placement.job_placement(placement.rank0),
-        )
-        self.feed = feed
-        opening = self._opening_grant
-        if resume_from:
-            # A job shows it restored its checkpoint with the episode after it: grant that one
-            # at least (the feed drops it if the run received it before).
-            floor = min(self.run.config.max_episodes, resume_from[0].checkpoint.episode + 1)
-
-            def opening() -> int:
-                grant = max(self._opening_grant(), floor)
-                self.credit.granted = max(self.credit.granted, grant)
-                return grant
-
-        streaming = feed.stream(
-            attach_after,
-            opening,
-            lambda: 2 * self.lead() + MAX_UNCOMMITTED,
-            lambda reader: self.publisher.run(self.inbox, reader),
-            resume_from,
-        )
-        if shares is None:
-            await streaming
-        else:
-            await shares.run(streaming)
-
-    async def _drop_spanning_job(self) -> None:
-        """A gateway restart found the run's job spanning trainers: every share is cancelled
-        (see ``reattach``).
-
-        Raises:
-            SharesNotReattached: always (the run is restarted from its newest checkpoint).
-        """
-        run = self.run
-        trainers = ", ".join(run.trainers)
-        _LOGGER.warning(
-            "run %s: its job spans trainers %s; the shares of trainers other than rank 0's "
-            "cannot be re-attached, so every share is cancelled",
-            run.id,
-            trainers,
-            extra={"run_id": run.id},
-        )
-        await asyncio.gather(*(self._cancel_job(address) for address in run.trainers))
-        for address in run.trainers:
-            self._ctx.scheduler.run_ended(address)
-        raise SharesNotReattached(
-            f"the job of run {run.id} spanned trainers {trainers}: its shares cannot be "
-            "re-attached after a gateway restart"
-        )
-
-    # -- checkpoints (the feed's hooks) --------------------------------------------------------
+        """Rank 0's trainer answered (every message): its reservation ends; the first answer
+        starts a PENDING run, or a run placed again on its new trainers."""
+        attempt = self.attempt
+        if attempt is not None:
+            attempt.release(self._trainer)
+            if attempt.shares is not None:
+                attempt.shares.rank0_answered()
+        if isinstance(self.state, lc.Placing):
+            await self._apply(lc.Answered())
 
     async def checkpoint_saved(self, saved: CheckpointSaved) -> None:
         """Records a checkpoint the trainer wrote (``CheckpointLedger.saved``).
@@ -751,9 +658,11 @@ class RunDriver:
         if run.fork_run_id and not resumed.episode:
             reasons = "; ".join(f"episode {e}: {why}" for e, why in resumed.skipped)
             raise ForkNotRestored(run, f"no checkpoint restored ({reasons or 'none given'})")
-        self._restored = next(
-            (p for p in self._resume_from if p.checkpoint.episode == resumed.episode), None
-        )
+        if self.attempt is not None:
+            self.attempt.restored = next(
+                (p for p in self.attempt.resume_from if p.checkpoint.episode == resumed.episode),
+                None,
+            )
         start = (
             f"continued from the checkpoint at episode {resumed.episode}"
             if resumed.episode
@@ -771,8 +680,8 @@ class RunDriver:
     def rendezvous(self, rendezvous: Rendezvous) -> None:
         """Rank 0's trainer says where the other ranks join its job: the other trainers' shares
         start there, from the one checkpoint rank 0 restored (none when from scratch)."""
-        shares = self._shares
-        if shares is None:
+        attempt = self.attempt
+        if attempt is None or attempt.shares is None:
             _LOGGER.warning(
                 "run %s: trainer %s announced a rendezvous for a job placed on it alone; ignored",
                 self.run.id,
@@ -780,25 +689,183 @@ class RunDriver:
                 extra={"run_id": self.run.id},
             )
             return
-        restored = [] if self._restored is None else [self._restored]
-        shares.start(rendezvous.address, restored)
+        restored = [] if attempt.restored is None else [attempt.restored]
+        attempt.shares.start(rendezvous.address, restored)
 
     def stream_broke(self, reason: str) -> None:
         """Rank 0's stream broke: a share that fails now fails for want of rank 0."""
-        if self._shares is not None:
-            self._shares.rank0_broke(reason)
+        if self.attempt is not None and self.attempt.shares is not None:
+            self.attempt.shares.rank0_broke(reason)
 
     def checkpoint_failed(self, failed: CheckpointFailed) -> None:
         """A checkpoint could not be written: said in the run's detail; training goes on."""
         self.ledger.failed(failed)
 
-    # -- park and restart ----------------------------------------------------------------------
+    # -- driving -----------------------------------------------------------------------------
 
-    def _place_again(self, why: str) -> None:
-        """Queues an active run whose job ended to be placed on a trainer again."""
-        self.placing_again = True
-        self.pending_detail = why
-        self._ctx.scheduler.requeue(self)
+    async def _stream(self, attempt: JobAttempt, attach_after: int | None) -> None:
+        ctx, run = self._ctx, self.run
+        if attach_after is not None and len(run.trainers) > 1:
+            await self._drop_spanning_job(attempt)
+        resume_from: list[ResumePoint] = []
+        if attach_after is None and run.trainer_episode:
+            resume_from = await self.ledger.resume_points()
+            if not resume_from and run.fork_run_id:
+                raise ForkNotRestored(
+                    run, "that checkpoint is gone (deleted with its run or by its retention)"
+                )
+        attempt.resume_from, attempt.restored = resume_from, None
+        placement = attempt.placement
+        if attach_after is None and placement is not None and placement.spans:
+            attempt.shares = JobShares(run, placement, ctx.connector, ctx.settings, attempt)
+        feed = TrainerFeed(
+            run,
+            attempt.trainer,
+            self.inbox,
+            ctx.connector,
+            ctx.settings,
+            ctx.observer,
+            ctx.clock,
+            self,
+            None if placement is None else placement.job_placement(placement.rank0),
+        )
+        # A job shows it restored its checkpoint with the episode after it: grant that one at
+        # least (the feed drops it if the run received it before).
+        floor = 0
+        if resume_from:
+            floor = min(run.config.max_episodes, resume_from[0].checkpoint.episode + 1)
+        streaming = feed.stream(
+            attach_after,
+            lambda: self.grants.opening(floor),
+            lambda: 2 * self.grants.lead() + MAX_UNCOMMITTED,
+            lambda reader: self.publisher.run(self.inbox, reader),
+            resume_from,
+        )
+        if attempt.shares is None:
+            await streaming
+        else:
+            await attempt.shares.run(streaming)
+
+    async def _drop_spanning_job(self, attempt: JobAttempt) -> None:
+        """A gateway restart found the run's job spanning trainers: every share is cancelled
+        (see ``reattach``).
+
+        Raises:
+            SharesNotReattached: always (the run is restarted from its newest checkpoint).
+        """
+        run = self.run
+        trainers = ", ".join(run.trainers)
+        _LOGGER.warning(
+            "run %s: its job spans trainers %s; the shares of trainers other than rank 0's "
+            "cannot be re-attached, so every share is cancelled",
+            run.id,
+            trainers,
+            extra={"run_id": run.id},
+        )
+        await asyncio.gather(*(attempt.cancel_job(address) for address in run.trainers))
+        for address in run.trainers:
+            self._ctx.scheduler.run_ended(address)
+        raise SharesNotReattached(
+            f"the job of run {run.id} spanned trainers {trainers}: its shares cannot be "
+            "re-attached after a gateway restart"
+        )
+
+    async def _drive(self, attempt: JobAttempt, attach_after: int | None) -> None:
+        """Runs the trainer stream to its end and tells the state machine how it ended."""
+        run, trainer = self.run, attempt.trainer
+        failure: BaseException | None = None
+        try:
+            if not self.owned:
+                if not await self._ctx.ownership.claim(self):
+                    raise NotOwner(run.id)
+                self.owned = True
+            await self._stream(attempt, attach_after)
+        except asyncio.CancelledError:
+            raise  # stop, park or shutdown: whoever cancelled carries on
+        except NotOwner:
+            attempt.task = None
+            attempt.release_all()
+            await self.abandon()
+            return
+        except TrainerBusy as exc:
+            # Refused before its first answer: back in the queue at its place.
+            if isinstance(self.state, lc.Placing):
+                _LOGGER.info(
+                    "run %s: trainer %s is busy; back in the queue",
+                    run.id,
+                    trainer,
+                    extra={"run_id": run.id},
+                )
+                self._ctx.observer.trainer_failure(run.id, "busy")
+                attempt.task = None
+                attempt.release_all()
+                self._apply_now(lc.Busy())
+                return
+            failure = TrainerBusy(f"busy after it started the run: {exc}")
+        except Exception as exc:
+            failure = exc
+        finally:
+            attempt.release_all()
+        decision = None if failure is None else await self._decide(failure, trainer)
+        if attempt is not self.attempt or not isinstance(self.state, (lc.Placing, lc.Running)):
+            attempt.task = None  # stopped, parked or let go meanwhile: that path goes on
+            return
+        attempt.task = None
+        self._failure, self._decision = failure, decision
+        if decision is None or decision.action is not Action.RESTART:
+            with contextlib.suppress(StoreUnavailable):
+                await self._apply(lc.StreamEnded(decision))
+            return
+        with contextlib.suppress(StoreUnavailable):
+            # (Logged by the store; the count is written with the next change.)
+            await self._apply(lc.StreamEnded(decision))
+
+    async def _decide(self, failure: BaseException, trainer: str) -> Decision:
+        """The restart policy's decision on a failed job (reading the run's checkpoints only
+        when it depends on them)."""
+        run, policy = self.run, self._restarts
+        active = run.state in (RunState.RUNNING, RunState.PAUSED)
+        points: list[ResumePoint] = []
+        if policy.wants_checkpoints(failure, active) and isinstance(
+            self.state, (lc.Placing, lc.Running)
+        ):
+            try:
+                points = await self.ledger.resume_points()
+            except Exception:
+                _LOGGER.exception("run %s: cannot read its checkpoints", run.id)
+        self._points = points
+        decision = policy.decide(
+            failure, trainer, active=active, restarts=run.restarts, has_checkpoint=bool(points)
+        )
+        if decision.action is Action.REQUEUE:
+            _LOGGER.info(
+                "run %s: %s; the job is cancelled and the run back in the queue",
+                run.id,
+                decision.culprit,
+                extra={"run_id": run.id},
+            )
+            self._ctx.observer.trainer_failure(run.id, "busy")
+        return decision
+
+    def _count_restart(self) -> None:
+        run, decision = self.run, self._decision
+        assert decision is not None and self._points
+        run.restarts = decision.number
+        self._ctx.observer.trainer_failure(run.id, decision.ending.label)
+        limit = self._restarts.max_restarts
+        self.ledger.note = f"restart {run.restarts} of {limit} after {decision.culprit}"
+        _LOGGER.warning(
+            "run %s: %s (%s); restart %d of %d from the checkpoint at episode %d",
+            run.id,
+            decision.culprit,
+            self._failure,
+            run.restarts,
+            limit,
+            self._points[0].checkpoint.episode,
+            extra={"run_id": run.id, "event": "restarting"},
+        )
+
+    # -- park --------------------------------------------------------------------------------
 
     def _arm_park(self) -> None:
         delay = self._ctx.settings.park_after_s
@@ -806,9 +873,11 @@ class RunDriver:
             return
         self._disarm_park()
         loop = asyncio.get_running_loop()
-        self._park_timer = loop.call_later(
-            delay, lambda: self._ctx.spawn(self._park(), f"gateway-park-{self.run.id}")
-        )
+        self._park_timer = loop.call_later(delay, self._park_due)
+
+    def _park_due(self) -> None:
+        self._park_timer = None
+        self._apply_now(lc.ParkDue())
 
     def _disarm_park(self) -> None:
         if self._park_timer is not None:
@@ -819,200 +888,31 @@ class RunDriver:
         """Parks a run paused for ``park_after_s``: its job writes a final checkpoint at its
         last episode and ends, its stream still attached so that the run receives every
         episode up to that checkpoint; the run keeps what it received and frees its slot."""
-        self._park_timer = None
-        run = self.run
-        if run.state is not RunState.PAUSED or run.parked or self.task is None:
-            return
-        if self.finalizing or self._parking:
-            return
-        self._parking = True  # the stream's end is the park's, not a failure
-        trainer, task, shares = self._trainer, self.task, self._shares
-        if shares is not None:
-            shares.quiet()  # the other ranks lose rank 0 on purpose now
-        settings = self._ctx.settings
+        attempt = self.attempt
+        assert attempt is not None
+        run, task = self.run, attempt.task
+        attempt.quiet()  # the other ranks lose rank 0 on purpose now
         try:
-            try:
-                outcome = await self._ctx.connector.cancel_job(
-                    trainer, run.id, settings.checkpoint_call_timeout_s, checkpoint=True
+            outcome = await attempt.cancel_job(checkpoint=True)
+            if outcome is not None and outcome.checkpoint is not None:
+                await self.checkpoint_saved(outcome.checkpoint)
+            elif outcome is not None and outcome.checkpoint_error:
+                self.ledger.note = (
+                    f"the parking checkpoint could not be written: {outcome.checkpoint_error}"
                 )
-            except TrainerError as exc:
-                _LOGGER.warning(
-                    "run %s: trainer %s did not confirm its final checkpoint (%s); parked on "
-                    "the checkpoints it has",
-                    run.id,
-                    trainer,
-                    exc,
-                    extra={"run_id": run.id},
-                )
-            else:
-                if outcome.checkpoint is not None:
-                    await self.checkpoint_saved(outcome.checkpoint)
-                elif outcome.checkpoint_error:
-                    self.ledger.note = (
-                        f"the parking checkpoint could not be written: {outcome.checkpoint_error}"
-                    )
             # The stream delivers what the job trained, its checkpoint, and ends.
-            done, _ = await asyncio.wait([task], timeout=settings.heartbeat_timeout_s)
-            if not done:
-                await self._cancel_task()
-            if shares is not None:
-                # Rank 0's final checkpoint is written: the other trainers' shares go now.
-                self._shares = None
-                await shares.cancel()
-            if self.finalizing:
-                return
-            run.parked = True
-            self._ctx.scheduler.run_ended(trainer)
-            _LOGGER.info(
-                "run %s parked at episode %d (trained through %d, checkpoint at %d); trainer "
-                "slots on %s freed",
-                run.id,
-                run.episode,
-                run.trainer_episode,
-                run.checkpoint_episode,
-                ", ".join(self._addresses()),
-                extra={"run_id": run.id, "event": "parked"},
-            )
-            if run.state is RunState.RUNNING:  # resumed while it parked
-                self._place_again("waiting for a free slot")
-            await self.persist()
+            if task is not None:
+                done, _ = await asyncio.wait([task], timeout=self._ctx.settings.heartbeat_timeout_s)
+                if not done:
+                    await attempt.cancel_stream()
+            # Rank 0's final checkpoint is written: the other trainers' shares go now.
+            await attempt.cancel_shares()
+            if isinstance(self.state, lc.Parking):
+                await self._apply(lc.ParkDone())
         except (StoreUnavailable, NotOwner) as exc:
             _LOGGER.warning("run %s: parking not saved: %s", run.id, exc, extra={"run_id": run.id})
-        finally:
-            self._parking = False
 
-    async def _after_failure(self, failure: BaseException, trainer: str) -> bool:
-        """Carries out the restart policy's decision on a job that failed: a run requeued
-        (a share refused as busy) or restarted from its newest usable checkpoint returns True;
-        a run to end returns False (``_gave_up`` set when its restarts were spent)."""
-        run = self.run
-        policy = self._restarts
-        active = run.state in (RunState.RUNNING, RunState.PAUSED)
-        points: list[ResumePoint] = []
-        if policy.wants_checkpoints(failure, active):
-            try:
-                points = await self.ledger.resume_points()
-            except Exception:
-                _LOGGER.exception("run %s: cannot read its checkpoints", run.id)
-        decision = policy.decide(
-            failure, trainer, active=active, restarts=run.restarts, has_checkpoint=bool(points)
-        )
-        if decision.action is Action.END:
-            self._gave_up = decision.gave_up
-            return False
-        if decision.action is Action.REQUEUE:
-            _LOGGER.info(
-                "run %s: %s; the job is cancelled and the run back in the queue",
-                run.id,
-                decision.culprit,
-                extra={"run_id": run.id},
-            )
-            self._ctx.observer.trainer_failure(run.id, "busy")
-        else:
-            run.restarts = decision.number
-            self._ctx.observer.trainer_failure(run.id, decision.ending.label)
-            limit = policy.max_restarts
-            self.ledger.note = f"restart {run.restarts} of {limit} after {decision.culprit}"
-            _LOGGER.warning(
-                "run %s: %s (%s); restart %d of %d from the checkpoint at episode %d",
-                run.id,
-                decision.culprit,
-                failure,
-                run.restarts,
-                limit,
-                points[0].checkpoint.episode,
-                extra={"run_id": run.id, "event": "restarting"},
-            )
-        self.task = None
-        self._ctx.scheduler.run_ended(trainer)
-        if decision.action is Action.REQUEUE or decision.ending.cancel_job:
-            self._ctx.spawn(self._cancel_job(trainer), f"gateway-cancel-{run.id}")
-        self._cancel_shares()
-        self._place_again("waiting for a free slot")
-        if decision.action is Action.RESTART:
-            with contextlib.suppress(StoreUnavailable):
-                # (Logged by the store; the count is written with the next change.)
-                await self.persist()
-        return True
-
-    async def _drive(self, attach_after: int | None) -> None:
-        """Runs the trainer stream to its end and records how the run ended."""
-        run = self.run
-        trainer = self._trainer
-        failure: BaseException | None = None
-        try:
-            if not self.owned:
-                if not await self._ctx.ownership.claim(self):
-                    raise NotOwner(run.id)
-                self.owned = True
-            await self._stream(attach_after)
-        except asyncio.CancelledError:
-            raise  # stop or shutdown: whoever cancelled finalizes the run
-        except NotOwner:
-            self.task = None
-            self._release_reservation()
-            await self.abandon()
-            return
-        except TrainerBusy as exc:
-            # Refused before its first answer (a run placed again is still placing_again then).
-            if (run.state is RunState.PENDING or self.placing_again) and not self.finalizing:
-                _LOGGER.info(
-                    "run %s: trainer %s is busy; back in the queue",
-                    run.id,
-                    trainer,
-                    extra={"run_id": run.id},
-                )
-                self._ctx.observer.trainer_failure(run.id, "busy")
-                self.task = None
-                self._release_reservation()
-                self._ctx.scheduler.requeue(self)
-                return
-            failure = TrainerBusy(f"busy after it started the run: {exc}")
-        except Exception as exc:
-            failure = exc
-        finally:
-            self._release_reservation()
-        if self.finalizing:
-            return
-        if self._parking:
-            self.task = None  # the job ended for the park (``_park`` goes on from here)
-            return
-        if failure is not None and await self._after_failure(failure, trainer):
-            return
-        self.finalizing = True
-        self.task = None
-        self._cancel_shares()
-        ending = None if failure is None else self._report(failure, trainer)
-        try:
-            await self.publisher.flush()
-        except NotOwner:
-            await self.abandon()
-            return
-        except Exception as exc:
-            if ending is None:
-                ending = self._report(exc, trainer)
-        if ending is None:
-            run.complete(self._ctx.now())
-        elif self._gave_up:
-            run.fail(
-                f"{ending.message} Gave up after {run.restarts} restarts from checkpoints.",
-                self._ctx.now(),
-            )
-        else:
-            run.fail(ending.message, self._ctx.now())
-        await self.finalize()
-        if ending is not None and ending.cancel_job and self._trainer and self.owned:
-            # The trainer's job would run on for its detach grace, computing for nobody. Only
-            # once the end is ours: a replica that lost the run meanwhile (its stream ended
-            # because the new owner re-attached) leaves the job to that owner.
-            self._ctx.spawn(self._cancel_job(), f"gateway-cancel-{run.id}")
-
-    def _cancel_shares(self) -> None:
-        """Cancels the other trainers' shares of the job that ended (in the background)."""
-        shares, self._shares = self._shares, None
-        if shares is not None:
-            shares.quiet()
-            self._ctx.spawn(shares.cancel(), f"gateway-cancel-shares-{self.run.id}")
+    # -- the end -----------------------------------------------------------------------------
 
     def _report(self, exc: BaseException, trainer: str) -> Ending:
         """Logs and counts the failure that ends the run; returns its ``Ending``."""
@@ -1046,48 +946,36 @@ class RunDriver:
             )
         return ending
 
-    async def _cancel_job(
-        self, trainer: str = "", checkpoint: bool = False, then: JobShares | None = None
-    ) -> None:
-        """Cancels the run's job on ``trainer`` (its current one by default); with
-        ``checkpoint`` the job first writes its final checkpoint, which is recorded. The
-        shares ``then`` are cancelled after it."""
-        try:
-            await self._cancel_rank(trainer, checkpoint)
-        finally:
-            if then is not None:
-                await then.cancel()
+    async def _finish(self) -> None:
+        """Carries out the decided end: a run whose job ended (done or failed) publishes what
+        it received and takes its final state; then that state is stored and the run leaves
+        the active runs."""
+        state, run = self.state, self.run
+        assert isinstance(state, lc.Finishing)
+        if state.outcome is not lc.Outcome.STOPPED and not run.state.finished:
+            failure = self._failure if state.outcome is not lc.Outcome.DONE else None
+            ending = None if failure is None else self._report(failure, self._trainer)
+            try:
+                await self.publisher.flush()
+            except NotOwner:
+                await self.abandon()
+                return
+            except Exception as exc:
+                if ending is None:
+                    ending = self._report(exc, self._trainer)
+            if ending is None:
+                run.complete(self._ctx.now())
+            elif state.outcome is lc.Outcome.GAVE_UP:
+                run.fail(
+                    f"{ending.message} Gave up after {run.restarts} restarts from checkpoints.",
+                    self._ctx.now(),
+                )
+            else:
+                run.fail(ending.message, self._ctx.now())
+        await self._store_end()
 
-    async def _cancel_rank(self, trainer: str, checkpoint: bool) -> None:
-        trainer = trainer or self._trainer
-        settings = self._ctx.settings
-        timeout = (
-            settings.checkpoint_call_timeout_s if checkpoint else settings.trainer_call_timeout_s
-        )
-        try:
-            outcome = await self._ctx.connector.cancel_job(
-                trainer, self.run.id, timeout, checkpoint=checkpoint
-            )
-        except TrainerError as exc:
-            _LOGGER.warning(
-                "run %s: could not cancel its job on %s (it ends after the trainer's detach "
-                "grace): %s",
-                self.run.id,
-                trainer,
-                exc,
-                extra={"run_id": self.run.id},
-            )
-            return
-        if outcome.checkpoint is not None:
-            with contextlib.suppress(NotOwner):  # the run's owner now records what it sees
-                await self.checkpoint_saved(outcome.checkpoint)
-
-    # -- the end -----------------------------------------------------------------------------
-
-    async def finalize(self) -> None:
-        """After the final transition: flush, persist, leave the active runs, end the
-        watches."""
-        self.finalizing = True
+    async def _store_end(self) -> None:
+        """Flushes, stores the final state, leaves the active runs, ends the watches."""
         self._disarm_park()
         run = self.run
         try:
@@ -1122,6 +1010,7 @@ class RunDriver:
             _LOGGER.exception(
                 "run %s: could not store its final state", run.id, extra={"run_id": run.id}
             )
+        self._transition(lc.Stored())
         self._ctx.on_end(self)
         self._ended.set()
         self.log.close()

@@ -1,0 +1,175 @@
+"""One attempt at a run's job: one placement on trainers and everything it holds.
+
+A ``JobAttempt`` is made each time the scheduler places a run (or a gateway restart re-attaches
+its job). It owns what that placement holds, and nothing outlives it:
+
+- the placement (rank 0's trainer first) and the scheduler's reservation of each share's slots
+  until that share answers (``release``);
+- the stream task and its ``TrainerFeed``;
+- the other trainers' shares (``JobShares``) of a job that spans trainers;
+- the checkpoints the job was given to resume from, and the one it restored.
+
+How it is let go says what happens to the job: ``cancel_stream`` stops reading (a stop, a park,
+a failure: the caller decides about the job), ``keep`` stops reading and leaves every trainer its
+job (gateway shutdown, another replica taking the run over), ``cancel_job`` cancels rank 0's job
+(with a final checkpoint when asked), ``cancel_shares`` the other trainers'. Every way out ends
+the reservations that are left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.core.placement import Placement
+from gateway.core.settings import CoreSettings
+from gateway.core.shares import JobShares
+from gateway.core.trainers import Cancelled, ResumePoint, TrainerConnector, TrainerError
+
+_LOGGER = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlotHooks:
+    """What an attempt tells the scheduler about slots."""
+
+    #: A share of ``slots`` on a trainer answered (or gave up): its reservation ends.
+    started: Callable[[str, int], None]
+    #: A job's share on a trainer ended: a slot may be free there.
+    run_ended: Callable[[str], None]
+
+
+class JobAttempt:
+    """One placement of a run's job (see the module docstring).
+
+    Args:
+        run_id: The run.
+        trainer: Rank 0's trainer.
+        placement: Where the job runs (None: a job re-attached after a gateway restart, on
+            ``trainer`` alone).
+        connector: How to reach trainers.
+        settings: Call timeouts.
+        slots: The scheduler's ears.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        trainer: str,
+        placement: Placement | None,
+        connector: TrainerConnector,
+        settings: CoreSettings,
+        slots: SlotHooks,
+    ) -> None:
+        self.run_id = run_id
+        self.trainer = trainer
+        self.placement = placement
+        self._connector = connector
+        self._settings = settings
+        self._slots = slots
+        #: Slots the scheduler counts as starting, by trainer, until each answers.
+        self._reserved: dict[str, int] = (
+            {} if placement is None else {s.address: s.processes for s in placement.shares}
+        )
+        self.task: asyncio.Task[None] | None = None
+        #: The other trainers' shares (None: it runs on one trainer, or they were let go).
+        self.shares: JobShares | None = None
+        #: The checkpoints the job was given, newest first, and the one it restored.
+        self.resume_from: list[ResumePoint] = []
+        self.restored: ResumePoint | None = None
+
+    def describe(self) -> str:
+        """Where its job runs, for people."""
+        return self.placement.describe() if self.placement is not None else self.trainer
+
+    def addresses(self) -> tuple[str, ...]:
+        """Every trainer of its job, rank 0's first."""
+        if self.placement is not None:
+            return self.placement.addresses
+        return (self.trainer,) if self.trainer else ()
+
+    @property
+    def spans(self) -> bool:
+        """Whether the job is placed on several trainers."""
+        return self.placement is not None and self.placement.spans
+
+    # -- reservations (and the shares' hooks) ------------------------------------------------
+
+    def release(self, address: str) -> None:
+        """The share on ``address`` answered or ended: its reservation ends."""
+        slots = self._reserved.pop(address, 0)
+        if slots:
+            self._slots.started(address, slots)
+
+    def release_all(self) -> None:
+        """Ends every reservation that is left."""
+        for address in list(self._reserved):
+            self.release(address)
+
+    def share_answered(self, address: str) -> None:
+        self.release(address)
+
+    def share_ended(self, address: str) -> None:
+        self._slots.run_ended(address)
+
+    # -- letting go --------------------------------------------------------------------------
+
+    def quiet(self) -> None:
+        """The job ends on purpose now: its shares' failures are only logged."""
+        if self.shares is not None:
+            self.shares.quiet()
+
+    def take_shares(self) -> JobShares | None:
+        """The shares, quieted (their failures are only logged now) and no longer the
+        attempt's to cancel."""
+        shares, self.shares = self.shares, None
+        if shares is not None:
+            shares.quiet()
+        return shares
+
+    async def cancel_stream(self) -> None:
+        """Cancels the stream task (unless it is the caller) and ends the reservations."""
+        task, self.task = self.task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.release_all()
+
+    async def keep(self) -> None:
+        """Stops reading the job and its shares; the trainers keep them."""
+        await self.cancel_stream()
+        shares, self.shares = self.shares, None
+        if shares is not None:
+            await shares.stop_watching()
+
+    async def cancel_shares(self) -> None:
+        """Cancels every other trainer's share that may still have a job."""
+        shares = self.take_shares()
+        if shares is not None:
+            await shares.cancel()
+
+    async def cancel_job(self, trainer: str = "", checkpoint: bool = False) -> Cancelled | None:
+        """Cancels the run's job on ``trainer`` (rank 0's by default); with ``checkpoint`` the
+        job first writes its final checkpoint. None when the trainer could not be reached (the
+        job ends after the trainer's detach grace)."""
+        trainer = trainer or self.trainer
+        settings = self._settings
+        timeout = (
+            settings.checkpoint_call_timeout_s if checkpoint else settings.trainer_call_timeout_s
+        )
+        try:
+            return await self._connector.cancel_job(
+                trainer, self.run_id, timeout, checkpoint=checkpoint
+            )
+        except TrainerError as exc:
+            _LOGGER.warning(
+                "run %s: could not cancel its job on %s (it ends after the trainer's detach "
+                "grace): %s",
+                self.run_id,
+                trainer,
+                exc,
+                extra={"run_id": self.run_id},
+            )
+            return None
