@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from gateway.core.placement import Placement
+from gateway.core.feed import TrainerFeed
+from gateway.core.placement import JobPlacement, Placement
+from gateway.core.runs import TrainingRun
 from gateway.core.settings import CoreSettings
-from gateway.core.shares import JobShares
+from gateway.core.shares import JobShares, SharesNotReattached
 from gateway.core.trainers import Cancelled, ResumePoint, TrainerConnector, TrainerError
 
 _LOGGER = logging.getLogger(__name__)
@@ -95,6 +97,57 @@ class JobAttempt:
         """Whether the job is placed on several trainers."""
         return self.placement is not None and self.placement.spans
 
+    def job_placement(self) -> JobPlacement | None:
+        """Rank 0's share of a job that spans trainers (None: one trainer has it all)."""
+        placement = self.placement
+        return None if placement is None else placement.job_placement(placement.rank0)
+
+    async def stream(
+        self,
+        run: TrainingRun,
+        feed: TrainerFeed,
+        attach_after: int | None,
+        resume_from: list[ResumePoint],
+        opening: Callable[[], int],
+        cap: Callable[[], int],
+        consume: Callable[[asyncio.Task[None]], Awaitable[None]],
+    ) -> None:
+        """Runs the job's stream (``TrainerFeed.stream``) to its end; a new job that spans
+        trainers starts its other shares on rank 0's rendezvous and fails with any of them. A
+        job re-attached after a gateway restart that spans trainers is cancelled instead.
+
+        Raises:
+            SharesNotReattached: the re-attached job spanned trainers.
+        """
+        if attach_after is not None and len(run.trainers) > 1:
+            await self._drop_spanning(run.trainers)
+        self.resume_from, self.restored = resume_from, None
+        placement = self.placement
+        if attach_after is None and placement is not None and placement.spans:
+            self.shares = JobShares(run, placement, self._connector, self._settings, self)
+        streaming = feed.stream(attach_after, opening, cap, consume, resume_from)
+        if self.shares is None:
+            await streaming
+        else:
+            await self.shares.run(streaming)
+
+    async def _drop_spanning(self, trainers: tuple[str, ...]) -> None:
+        listed = ", ".join(trainers)
+        _LOGGER.warning(
+            "run %s: its job spans trainers %s; the shares of trainers other than rank 0's "
+            "cannot be re-attached, so every share is cancelled",
+            self.run_id,
+            listed,
+            extra={"run_id": self.run_id},
+        )
+        await asyncio.gather(*(self.cancel_job(address) for address in trainers))
+        for address in trainers:
+            self._slots.run_ended(address)
+        raise SharesNotReattached(
+            f"the job of run {self.run_id} spanned trainers {listed}: its shares cannot be "
+            "re-attached after a gateway restart"
+        )
+
     # -- reservations (and the shares' hooks) ------------------------------------------------
 
     def release(self, address: str) -> None:
@@ -149,6 +202,27 @@ class JobAttempt:
         shares = self.take_shares()
         if shares is not None:
             await shares.cancel()
+
+    async def park(
+        self, heartbeat_s: float, parked: Callable[[Cancelled], Awaitable[None]]
+    ) -> None:
+        """Its job writes a final checkpoint at its last episode and ends (``parked`` is told
+        what it wrote), its stream still read so that the run receives every episode up to
+        that checkpoint (for up to ``heartbeat_s``); then the other trainers' shares go."""
+        task = self.task
+        self.quiet()  # the other ranks lose rank 0 on purpose now
+        outcome = await self.cancel_job(checkpoint=True)
+        if outcome is not None:
+            await parked(outcome)
+        if task is not None:
+            done, _ = await asyncio.wait([task], timeout=heartbeat_s)
+            if not done:
+                await self.cancel_stream()
+        await self.cancel_shares()
+
+    async def cancel(self) -> None:
+        """Cancels rank 0's job at once (its trainer was given up on, or the run ended)."""
+        await self.cancel_job()
 
     async def cancel_job(self, trainer: str = "", checkpoint: bool = False) -> Cancelled | None:
         """Cancels the run's job on ``trainer`` (rank 0's by default); with ``checkpoint`` the

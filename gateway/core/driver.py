@@ -34,111 +34,51 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 from gateway.core import lifecycle as lc
 from gateway.core.attempt import JobAttempt, SlotHooks
-from gateway.core.checkpoints import CheckpointFiles
+from gateway.core.closing import Closing
 from gateway.core.curve import CurveBuilder
 from gateway.core.details import DetailRetention
-from gateway.core.ending import Ending, end_of, log_end
+from gateway.core.driving import DriverContext
 from gateway.core.errors import (
     IllegalTransition,
-    InvalidRequest,
     StoreUnavailable,
     TrainerUnavailable,
 )
+from gateway.core.failures import Failures
 from gateway.core.feed import Inbox, TrainerFeed
 from gateway.core.forks import ForkNotRestored
 from gateway.core.granting import Grants
-from gateway.core.hyperparameters import applied_to, check_change, has_reference_model
+from gateway.core.hyperparameters import (
+    applied_to,
+    check_change,
+    has_reference_model,
+    tell_job,
+)
 from gateway.core.ledger import CheckpointLedger
 from gateway.core.lifecycle import Command as C
 from gateway.core.live_log import EpisodeLog
-from gateway.core.observer import Observer
 from gateway.core.pacing import Pacer
 from gateway.core.placement import Placement, rewards_needed, slots_needed
 from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
 from gateway.core.restarts import Action, Decision, RestartPolicy
+from gateway.core.run_detail import describe
 from gateway.core.runs import RunState, TrainingRun
-from gateway.core.settings import CoreSettings
-from gateway.core.shares import JobShares, SharesNotReattached
-from gateway.core.store import STORE_MESSAGE, NotOwner, Store, StoreWriteFailed
+from gateway.core.store import NotOwner
 from gateway.core.trainers import (
+    Cancelled,
     CheckpointFailed,
     CheckpointSaved,
     Rendezvous,
     Resumed,
     ResumePoint,
     TrainerBusy,
-    TrainerConnector,
-    TrainerError,
-    TrainerJobFinished,
-    TrainerRefused,
 )
-from trainwire.contract import ContractViolation, task_kind
+from trainwire.contract import task_kind
 from trainwire.hyperparameters import Hyperparameters
 
 _LOGGER = logging.getLogger(__name__)
-
-
-class SchedulerHooks(Protocol):
-    """What a driver tells the scheduler."""
-
-    def started(self, trainer: str, slots: int = 1) -> None:
-        """A run's share of ``slots`` dispatched to ``trainer`` got its first answer (or gave
-        up waiting for it)."""
-        ...
-
-    def requeue(self, driver: RunDriver) -> None:
-        """The trainer was busy: the run goes back in the queue at its place."""
-        ...
-
-    def dequeue(self, driver: RunDriver) -> None:
-        """The run leaves the queue (stopped while PENDING)."""
-        ...
-
-    def run_ended(self, trainer: str) -> None:
-        """A run that was placed on ``trainer`` ended: a slot may be free."""
-        ...
-
-
-class DriverOwnership(Protocol):
-    """What a driver asks of its replica's ownership of runs."""
-
-    async def claim(self, driver: RunDriver) -> bool:
-        """Claims a candidate's run before it starts; False when another replica has it."""
-        ...
-
-    def lost(self, driver: RunDriver) -> None:
-        """The driver abandoned its run to another replica (it leaves the active runs)."""
-        ...
-
-
-@dataclass(frozen=True)
-class DriverContext:
-    """What every driver of a registry shares."""
-
-    settings: CoreSettings
-    store: Store
-    connector: TrainerConnector
-    observer: Observer
-    scheduler: SchedulerHooks
-    ownership: DriverOwnership
-    clock: Callable[[], float]
-    now: Callable[[], int]
-    #: Called once a run is finalized (it leaves the active runs).
-    on_end: Callable[[RunDriver], None]
-    #: Keeps a background task (a grant, a CancelJob) referenced until it is done.
-    spawn: Callable[[Awaitable[None], str], None]
-    #: Takes a run whose final state the store could not take, to write it later.
-    unsaved: Callable[[TrainingRun], None]
-    #: The checkpoint store's files (None: checkpoints are recorded, never deleted).
-    checkpoint_files: CheckpointFiles | None = None
-    #: Drops cached history pages of ``(run_id, first, last)`` (their details were dropped).
-    forget_pages: Callable[[str, int, int], None] = lambda run_id, first, last: None
 
 
 class RunDriver:
@@ -173,6 +113,9 @@ class RunDriver:
             settings.live_episodes,
             settings.details_per_run,
         )
+        self.closing = Closing(run, ctx, self.publisher, self.log)
+        #: Stores the run's state (``Closing.persist``).
+        self.persist = self.closing.persist
         self.inbox = Inbox()
         #: Where its job stands (``gateway.core.lifecycle``), and the events that led there.
         self.state: lc.State = lc.Pending()
@@ -186,11 +129,11 @@ class RunDriver:
         #: The run's checkpoint records, retention and the note people read about them.
         self.ledger = CheckpointLedger(run, ctx.store, ctx.checkpoint_files, ctx.spawn)
         self._park_timer: asyncio.TimerHandle | None = None
-        self._restarts = RestartPolicy(settings.max_restarts)
+        self.failures = Failures(
+            run, RestartPolicy(settings.max_restarts), self.ledger, ctx.observer
+        )
         #: The failure that ended the last job, its decision and the resume points it had.
-        self._failure: BaseException | None = None
         self._decision: Decision | None = None
-        self._points: list[ResumePoint] = []
 
     @property
     def seq(self) -> int:
@@ -248,37 +191,15 @@ class RunDriver:
     def snapshot(self) -> TrainingRun:
         """A copy of the run with its ``state_detail`` filled in."""
         run = self.run.snapshot()
-        run.state_detail = self._detail()
+        run.state_detail = describe(
+            run,
+            self.state,
+            self.pending_detail,
+            self._where(),
+            self.grants.window.granted,
+            self.ledger.note,
+        )
         return run
-
-    def _detail(self) -> str:
-        run, state = self.run, self.state
-        note = f"; {self.ledger.note}" if self.ledger.note else ""
-        if run.state is RunState.PENDING:
-            return self.pending_detail
-        if lc.parked(state) and run.state is RunState.PAUSED:
-            return (
-                f"parked at episode {run.episode}: its training state is in the checkpoint "
-                f"at episode {run.checkpoint_episode} and its trainer slot is free; resume "
-                f"places it again{note}"
-            )
-        if isinstance(state, lc.Restarting) or (isinstance(state, lc.Placing) and state.again):
-            return (
-                f"{self.pending_detail}, to continue from its latest checkpoint "
-                f"(episode {run.checkpoint_episode or run.fork_episode}){note}"
-            )
-        granted = self.grants.window.granted
-        if run.state is RunState.RUNNING:
-            return (
-                f"training on {self._where()}: episode {run.trainer_episode} of "
-                f"{run.config.max_episodes} trained, granted through {granted}{note}"
-            )
-        if run.state is RunState.PAUSED:
-            return (
-                f"paused at episode {run.episode}; training holds at episode "
-                f"{run.trainer_episode} (granted through {granted}){note}"
-            )
-        return ""
 
     # -- the state machine's shell -------------------------------------------------------------
 
@@ -365,12 +286,13 @@ class RunDriver:
                 extra={"run_id": run.id, "event": "parked"},
             )
         elif command is C.COUNT_RESTART:
-            self._count_restart()
+            assert self._decision is not None
+            self.failures.count_restart(self._decision)
         elif command is C.SLOT_FREED:
             ctx.scheduler.run_ended(self._trainer)
         elif command is C.CANCEL_JOB:
             if attempt is not None and attempt.trainer and self.owned:
-                ctx.spawn(attempt.cancel_job(), f"gateway-cancel-{run.id}")
+                ctx.spawn(attempt.cancel(), f"gateway-cancel-{run.id}")
         elif command is C.CANCEL_JOB_CHECKPOINT:
             if attempt is not None:
                 ctx.spawn(self._cancel_for_stop(attempt), f"gateway-cancel-{run.id}")
@@ -509,7 +431,13 @@ class RunDriver:
                 run.id,
             )
         else:
-            await self._tell_job(change)
+            await tell_job(
+                self._ctx.connector,
+                self._trainer,
+                run.id,
+                change,
+                self._ctx.settings.trainer_call_timeout_s,
+            )
         run.task = applied_to(change, run.task)
         await self.persist()
         _LOGGER.info(
@@ -520,25 +448,6 @@ class RunDriver:
             run.trainer_episode,
             extra={"run_id": run.id, "event": "hyperparameters"},
         )
-
-    async def _tell_job(self, change: Hyperparameters) -> None:
-        run, what = self.run, f"cannot change the hyperparameters of run {self.run.id!r}"
-        try:
-            await self._ctx.connector.set_hyperparameters(
-                self._trainer, run.id, change, self._ctx.settings.trainer_call_timeout_s
-            )
-        except TrainerRefused as exc:
-            raise InvalidRequest(f"{what}: {exc.user_message}", exc.violations, run.id) from None
-        except TrainerJobFinished:
-            raise IllegalTransition(
-                f"{what}: its trainer has trained its last episode", run.id
-            ) from None
-        except TrainerError as exc:
-            raise TrainerUnavailable(
-                f"run {run.id!r}: its trainer {self._trainer} did not take the new "
-                f"hyperparameters ({exc}); try again",
-                run.id,
-            ) from None
 
     def take_speed(self, speed: float) -> None:
         """Takes the speed another replica stored while this one had the run as a candidate."""
@@ -586,17 +495,8 @@ class RunDriver:
 
     async def _leave(self) -> None:
         try:
-            await self.publisher.flush()
-        except Exception:
-            _LOGGER.exception(
-                "run %s: episodes lost on the way to the store",
-                self.run.id,
-                extra={"run_id": self.run.id},
-            )
-        try:
-            await self.persist()
+            await self.closing.leave()
         finally:
-            self.log.close()
             self._ended.set()
 
     async def abandon(self) -> None:
@@ -606,22 +506,6 @@ class RunDriver:
             return
         self.owned = False
         await self._apply(lc.Abandon())
-
-    async def persist(self) -> None:
-        """Stores the run's state, speed, times and trainer.
-
-        Raises:
-            StoreUnavailable: the store cannot be written (the change holds in memory, and a
-                finished run's final state is written once the store can be again).
-        """
-        self._ctx.observer.run_state_changed(self.run.id, self.run.state.name)
-        snapshot = self.run.snapshot()
-        try:
-            await self._ctx.store.update_run(snapshot)
-        except StoreWriteFailed:
-            if snapshot.state.finished:
-                self._ctx.unsaved(snapshot)
-            raise StoreUnavailable(f"run {self.run.id!r}: {STORE_MESSAGE}", self.run.id) from None
 
     # -- the feed's hooks --------------------------------------------------------------------
 
@@ -645,37 +529,16 @@ class RunDriver:
         await self.ledger.saved(saved)
 
     def resumed(self, resumed: Resumed) -> None:
-        """Notes where a job placed again started from, and what it skipped.
+        """Notes where a job placed again started from (``CheckpointLedger.resumed``).
 
         Raises:
-            ForkNotRestored: a fork's job restored none of its checkpoints (it would train
-                from scratch).
+            ForkNotRestored: a fork's job restored none of its checkpoints.
         """
-        run = self.run
-        skipped = "; ".join(
-            f"skipped the checkpoint at episode {e} ({why})" for e, why in resumed.skipped
-        )
-        if run.fork_run_id and not resumed.episode:
-            reasons = "; ".join(f"episode {e}: {why}" for e, why in resumed.skipped)
-            raise ForkNotRestored(run, f"no checkpoint restored ({reasons or 'none given'})")
+        restored = self.ledger.resumed(resumed)
         if self.attempt is not None:
             self.attempt.restored = next(
-                (p for p in self.attempt.resume_from if p.checkpoint.episode == resumed.episode),
-                None,
+                (p for p in self.attempt.resume_from if p.checkpoint.episode == restored), None
             )
-        start = (
-            f"continued from the checkpoint at episode {resumed.episode}"
-            if resumed.episode
-            else "started again from scratch (no checkpoint restored)"
-        )
-        self.ledger.note = f"{start}; {skipped}" if skipped else start
-        log = _LOGGER.warning if resumed.skipped else _LOGGER.info
-        log(
-            "run %s: %s",
-            run.id,
-            self.ledger.note,
-            extra={"run_id": run.id, "event": "resumed", "episode": resumed.episode},
-        )
 
     def rendezvous(self, rendezvous: Rendezvous) -> None:
         """Rank 0's trainer says where the other ranks join its job: the other trainers' shares
@@ -703,83 +566,46 @@ class RunDriver:
 
     # -- driving -----------------------------------------------------------------------------
 
-    async def _stream(self, attempt: JobAttempt, attach_after: int | None) -> None:
-        ctx, run = self._ctx, self.run
-        if attach_after is not None and len(run.trainers) > 1:
-            await self._drop_spanning_job(attempt)
-        resume_from: list[ResumePoint] = []
-        if attach_after is None and run.trainer_episode:
-            resume_from = await self.ledger.resume_points()
-            if not resume_from and run.fork_run_id:
-                raise ForkNotRestored(
-                    run, "that checkpoint is gone (deleted with its run or by its retention)"
-                )
-        attempt.resume_from, attempt.restored = resume_from, None
-        placement = attempt.placement
-        if attach_after is None and placement is not None and placement.spans:
-            attempt.shares = JobShares(run, placement, ctx.connector, ctx.settings, attempt)
-        feed = TrainerFeed(
-            run,
-            attempt.trainer,
-            self.inbox,
-            ctx.connector,
-            ctx.settings,
-            ctx.observer,
-            ctx.clock,
-            self,
-            None if placement is None else placement.job_placement(placement.rank0),
-        )
-        # A job shows it restored its checkpoint with the episode after it: grant that one at
-        # least (the feed drops it if the run received it before).
-        floor = 0
-        if resume_from:
-            floor = min(run.config.max_episodes, resume_from[0].checkpoint.episode + 1)
-        streaming = feed.stream(
-            attach_after,
-            lambda: self.grants.opening(floor),
-            lambda: 2 * self.grants.lead() + MAX_UNCOMMITTED,
-            lambda reader: self.publisher.run(self.inbox, reader),
-            resume_from,
-        )
-        if attempt.shares is None:
-            await streaming
-        else:
-            await attempt.shares.run(streaming)
-
-    async def _drop_spanning_job(self, attempt: JobAttempt) -> None:
-        """A gateway restart found the run's job spanning trainers: every share is cancelled
-        (see ``reattach``).
-
-        Raises:
-            SharesNotReattached: always (the run is restarted from its newest checkpoint).
-        """
-        run = self.run
-        trainers = ", ".join(run.trainers)
-        _LOGGER.warning(
-            "run %s: its job spans trainers %s; the shares of trainers other than rank 0's "
-            "cannot be re-attached, so every share is cancelled",
-            run.id,
-            trainers,
-            extra={"run_id": run.id},
-        )
-        await asyncio.gather(*(attempt.cancel_job(address) for address in run.trainers))
-        for address in run.trainers:
-            self._ctx.scheduler.run_ended(address)
-        raise SharesNotReattached(
-            f"the job of run {run.id} spanned trainers {trainers}: its shares cannot be "
-            "re-attached after a gateway restart"
-        )
-
     async def _drive(self, attempt: JobAttempt, attach_after: int | None) -> None:
         """Runs the trainer stream to its end and tells the state machine how it ended."""
-        run, trainer = self.run, attempt.trainer
+        ctx, run, trainer = self._ctx, self.run, attempt.trainer
         failure: BaseException | None = None
         try:
             if not self.owned:
                 if not await self._ctx.ownership.claim(self):
                     raise NotOwner(run.id)
                 self.owned = True
-            await self._stream(attempt, attach_after)
+            resume_from: list[ResumePoint] = []
+            if attach_after is None and run.trainer_episode:
+                resume_from = await self.ledger.resume_points()
+                if not resume_from and run.fork_run_id:
+                    raise ForkNotRestored(
+                        run, "that checkpoint is gone (deleted with its run or by its retention)"
+                    )
+            # A job shows it restored its checkpoint with the episode after it: grant that one
+            # at least (the feed drops it if the run received it before).
+            floor = 0 if not resume_from else resume_from[0].checkpoint.episode + 1
+            floor = min(run.config.max_episodes, floor)
+            feed = TrainerFeed(
+                run,
+                trainer,
+                self.inbox,
+                ctx.connector,
+                ctx.settings,
+                ctx.observer,
+                ctx.clock,
+                self,
+                attempt.job_placement(),
+            )
+            await attempt.stream(
+                run,
+                feed,
+                attach_after,
+                resume_from,
+                lambda: self.grants.opening(floor),
+                lambda: 2 * self.grants.lead() + MAX_UNCOMMITTED,
+                lambda reader: self.publisher.run(self.inbox, reader),
+            )
         except asyncio.CancelledError:
             raise  # stop, park or shutdown: whoever cancelled carries on
         except NotOwner:
@@ -806,12 +632,12 @@ class RunDriver:
             failure = exc
         finally:
             attempt.release_all()
-        decision = None if failure is None else await self._decide(failure, trainer)
+        decision = None if failure is None else await self.failures.decide(failure, trainer)
         if attempt is not self.attempt or not isinstance(self.state, (lc.Placing, lc.Running)):
             attempt.task = None  # stopped, parked or let go meanwhile: that path goes on
             return
         attempt.task = None
-        self._failure, self._decision = failure, decision
+        self._decision = decision
         if decision is None or decision.action is not Action.RESTART:
             with contextlib.suppress(StoreUnavailable):
                 await self._apply(lc.StreamEnded(decision))
@@ -819,51 +645,6 @@ class RunDriver:
         with contextlib.suppress(StoreUnavailable):
             # (Logged by the store; the count is written with the next change.)
             await self._apply(lc.StreamEnded(decision))
-
-    async def _decide(self, failure: BaseException, trainer: str) -> Decision:
-        """The restart policy's decision on a failed job (reading the run's checkpoints only
-        when it depends on them)."""
-        run, policy = self.run, self._restarts
-        active = run.state in (RunState.RUNNING, RunState.PAUSED)
-        points: list[ResumePoint] = []
-        if policy.wants_checkpoints(failure, active) and isinstance(
-            self.state, (lc.Placing, lc.Running)
-        ):
-            try:
-                points = await self.ledger.resume_points()
-            except Exception:
-                _LOGGER.exception("run %s: cannot read its checkpoints", run.id)
-        self._points = points
-        decision = policy.decide(
-            failure, trainer, active=active, restarts=run.restarts, has_checkpoint=bool(points)
-        )
-        if decision.action is Action.REQUEUE:
-            _LOGGER.info(
-                "run %s: %s; the job is cancelled and the run back in the queue",
-                run.id,
-                decision.culprit,
-                extra={"run_id": run.id},
-            )
-            self._ctx.observer.trainer_failure(run.id, "busy")
-        return decision
-
-    def _count_restart(self) -> None:
-        run, decision = self.run, self._decision
-        assert decision is not None and self._points
-        run.restarts = decision.number
-        self._ctx.observer.trainer_failure(run.id, decision.ending.label)
-        limit = self._restarts.max_restarts
-        self.ledger.note = f"restart {run.restarts} of {limit} after {decision.culprit}"
-        _LOGGER.warning(
-            "run %s: %s (%s); restart %d of %d from the checkpoint at episode %d",
-            run.id,
-            decision.culprit,
-            self._failure,
-            run.restarts,
-            limit,
-            self._points[0].checkpoint.episode,
-            extra={"run_id": run.id, "event": "restarting"},
-        )
 
     # -- park --------------------------------------------------------------------------------
 
@@ -885,137 +666,44 @@ class RunDriver:
             self._park_timer = None
 
     async def _park(self) -> None:
-        """Parks a run paused for ``park_after_s``: its job writes a final checkpoint at its
-        last episode and ends, its stream still attached so that the run receives every
-        episode up to that checkpoint; the run keeps what it received and frees its slot."""
-        attempt = self.attempt
-        assert attempt is not None
-        run, task = self.run, attempt.task
-        attempt.quiet()  # the other ranks lose rank 0 on purpose now
+        """Parks a run paused for ``park_after_s`` (``JobAttempt.park``); the run keeps what
+        it received and frees its slot."""
+        assert self.attempt is not None
         try:
-            outcome = await attempt.cancel_job(checkpoint=True)
-            if outcome is not None and outcome.checkpoint is not None:
-                await self.checkpoint_saved(outcome.checkpoint)
-            elif outcome is not None and outcome.checkpoint_error:
-                self.ledger.note = (
-                    f"the parking checkpoint could not be written: {outcome.checkpoint_error}"
-                )
-            # The stream delivers what the job trained, its checkpoint, and ends.
-            if task is not None:
-                done, _ = await asyncio.wait([task], timeout=self._ctx.settings.heartbeat_timeout_s)
-                if not done:
-                    await attempt.cancel_stream()
-            # Rank 0's final checkpoint is written: the other trainers' shares go now.
-            await attempt.cancel_shares()
+            await self.attempt.park(self._ctx.settings.heartbeat_timeout_s, self._parked_job)
             if isinstance(self.state, lc.Parking):
                 await self._apply(lc.ParkDone())
         except (StoreUnavailable, NotOwner) as exc:
-            _LOGGER.warning("run %s: parking not saved: %s", run.id, exc, extra={"run_id": run.id})
+            run_id = self.run.id
+            _LOGGER.warning("run %s: parking not saved: %s", run_id, exc, extra={"run_id": run_id})
+
+    async def _parked_job(self, outcome: Cancelled) -> None:
+        if outcome.checkpoint is not None:
+            await self.checkpoint_saved(outcome.checkpoint)
+        elif outcome.checkpoint_error:
+            why = outcome.checkpoint_error
+            self.ledger.note = f"the parking checkpoint could not be written: {why}"
 
     # -- the end -----------------------------------------------------------------------------
-
-    def _report(self, exc: BaseException, trainer: str) -> Ending:
-        """Logs and counts the failure that ends the run; returns its ``Ending``."""
-        run = self.run
-        ending = end_of(exc)
-        if isinstance(exc, ContractViolation):
-            self._ctx.observer.contract_violation(run.id, exc.rule)
-            _LOGGER.error(
-                "CONTRACT VIOLATION run=%s rule=%s trainer=%s episode=%s field=%s: %s",
-                run.id,
-                exc.rule,
-                trainer,
-                exc.episode,
-                exc.field,
-                exc,
-                extra={"run_id": run.id, "rule": exc.rule},
-            )
-        elif ending.line is not None:
-            self._ctx.observer.trainer_failure(run.id, ending.label)
-            _LOGGER.warning(
-                "run %s: " + ending.line, run.id, trainer, exc, extra={"run_id": run.id}
-            )
-        elif not isinstance(exc, (StoreWriteFailed, StoreUnavailable)):
-            # (A store failure was logged where the write failed.)
-            _LOGGER.error(
-                "run %s: unexpected failure driving trainer %s",
-                run.id,
-                trainer,
-                exc_info=exc,
-                extra={"run_id": run.id},
-            )
-        return ending
 
     async def _finish(self) -> None:
         """Carries out the decided end: a run whose job ended (done or failed) publishes what
         it received and takes its final state; then that state is stored and the run leaves
-        the active runs."""
-        state, run = self.state, self.run
+        the active runs (or is abandoned to the replica that owns it now)."""
+        state = self.state
         assert isinstance(state, lc.Finishing)
-        if state.outcome is not lc.Outcome.STOPPED and not run.state.finished:
-            failure = self._failure if state.outcome is not lc.Outcome.DONE else None
-            ending = None if failure is None else self._report(failure, self._trainer)
-            try:
-                await self.publisher.flush()
-            except NotOwner:
+        outcome = state.outcome
+        if outcome is not lc.Outcome.STOPPED and not self.run.state.finished:
+            failure = None if outcome is lc.Outcome.DONE else self.failures.failure
+            gave_up = outcome is lc.Outcome.GAVE_UP
+            if not await self.closing.take_end(failure, self._trainer, gave_up):
                 await self.abandon()
                 return
-            except Exception as exc:
-                if ending is None:
-                    ending = self._report(exc, self._trainer)
-            if ending is None:
-                run.complete(self._ctx.now())
-            elif state.outcome is lc.Outcome.GAVE_UP:
-                run.fail(
-                    f"{ending.message} Gave up after {run.restarts} restarts from checkpoints.",
-                    self._ctx.now(),
-                )
-            else:
-                run.fail(ending.message, self._ctx.now())
-        await self._store_end()
-
-    async def _store_end(self) -> None:
-        """Flushes, stores the final state, leaves the active runs, ends the watches."""
         self._disarm_park()
-        run = self.run
-        try:
-            await self.publisher.flush()
-        except (StoreWriteFailed, NotOwner):
-            pass  # logged where the write failed; a NotOwner comes again from persist below
-        except Exception:
-            _LOGGER.exception(
-                "run %s: episodes lost on the way to the store", run.id, extra={"run_id": run.id}
-            )
-        try:
-            await self.persist()
-        except NotOwner:
-            _LOGGER.warning(
-                "run %s: another gateway replica took it over before its end (%s) was "
-                "saved; that replica finishes it",
-                run.id,
-                run.state.name,
-                extra={"run_id": run.id},
-            )
-            self.log.wake()
+        if not await self.closing.store_end():
             await self.abandon()
             return
-        except StoreUnavailable:
-            _LOGGER.error(
-                "run %s: its final state %s is saved once the store can be written again",
-                run.id,
-                run.state.name,
-                extra={"run_id": run.id},
-            )
-        except Exception:
-            _LOGGER.exception(
-                "run %s: could not store its final state", run.id, extra={"run_id": run.id}
-            )
         self._transition(lc.Stored())
         self._ctx.on_end(self)
         self._ended.set()
-        self.log.close()
-        if self.publisher.details is not None:
-            self._ctx.spawn(self.publisher.details.finish(), f"gateway-details-{run.id}")
-        for address in self._addresses():
-            self._ctx.scheduler.run_ended(address)
-        log_end(run)
+        self.closing.let_go(self._addresses())

@@ -5,7 +5,13 @@ after a park or a restart trains with them). The values are
 
 from __future__ import annotations
 
-from gateway.core.errors import InvalidRequest
+from gateway.core.errors import IllegalTransition, InvalidRequest, TrainerUnavailable
+from gateway.core.trainers import (
+    TrainerConnector,
+    TrainerError,
+    TrainerJobFinished,
+    TrainerRefused,
+)
 from trainwire.contract import describe_violations, task_kind
 from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
@@ -49,3 +55,35 @@ def has_reference_model(task: episode_pb2.TrainTask) -> bool:
     if task.WhichOneof("kind") != "grpo":
         return True
     return (task.grpo.HasField("beta") and task.grpo.beta > 0) or task.grpo.HasField("lora")
+
+
+async def tell_job(
+    connector: TrainerConnector,
+    trainer: str,
+    run_id: str,
+    change: Hyperparameters,
+    timeout: float,
+) -> None:
+    """Sends ``change`` to the run's job on ``trainer`` (it applies from its next optimizer
+    step).
+
+    Raises:
+        InvalidRequest: the job refused a value.
+        IllegalTransition: the job has trained its last episode.
+        TrainerUnavailable: the trainer did not take it.
+    """
+    what = f"cannot change the hyperparameters of run {run_id!r}"
+    try:
+        await connector.set_hyperparameters(trainer, run_id, change, timeout)
+    except TrainerRefused as exc:
+        raise InvalidRequest(f"{what}: {exc.user_message}", exc.violations, run_id) from None
+    except TrainerJobFinished:
+        raise IllegalTransition(
+            f"{what}: its trainer has trained its last episode", run_id
+        ) from None
+    except TrainerError as exc:
+        raise TrainerUnavailable(
+            f"run {run_id!r}: its trainer {trainer} did not take the new hyperparameters "
+            f"({exc}); try again",
+            run_id,
+        ) from None

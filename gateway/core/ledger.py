@@ -21,10 +21,10 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gateway.core.checkpoints import CheckpointFiles, keep_of, record_of, resume_points
-from gateway.core.forks import fork_resume_point
+from gateway.core.forks import ForkNotRestored, fork_resume_point
 from gateway.core.runs import TrainingRun
 from gateway.core.store import Store, StoreWriteFailed
-from gateway.core.trainers import CheckpointFailed, CheckpointSaved, ResumePoint
+from gateway.core.trainers import CheckpointFailed, CheckpointSaved, Resumed, ResumePoint
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -121,3 +121,33 @@ class CheckpointLedger:
                     exc,
                     extra={"run_id": self._run.id},
                 )
+
+    def resumed(self, resumed: Resumed) -> int:
+        """Notes where a job placed again started from, and what it skipped; returns the
+        episode of the checkpoint it restored (0: none).
+
+        Raises:
+            ForkNotRestored: a fork's job restored none of its checkpoints (it would train
+                from scratch).
+        """
+        run = self._run
+        skipped = "; ".join(
+            f"skipped the checkpoint at episode {e} ({why})" for e, why in resumed.skipped
+        )
+        if run.fork_run_id and not resumed.episode:
+            reasons = "; ".join(f"episode {e}: {why}" for e, why in resumed.skipped)
+            raise ForkNotRestored(run, f"no checkpoint restored ({reasons or 'none given'})")
+        start = (
+            f"continued from the checkpoint at episode {resumed.episode}"
+            if resumed.episode
+            else "started again from scratch (no checkpoint restored)"
+        )
+        self.note = f"{start}; {skipped}" if skipped else start
+        log = _LOGGER.warning if resumed.skipped else _LOGGER.info
+        log(
+            "run %s: %s",
+            run.id,
+            self.note,
+            extra={"run_id": run.id, "event": "resumed", "episode": resumed.episode},
+        )
+        return resumed.episode

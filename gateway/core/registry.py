@@ -33,7 +33,8 @@ from gateway.core.checkpoints import CheckpointFiles, CheckpointReads
 from gateway.core.controls import Action, apply, refuse
 from gateway.core.curve import Bucket
 from gateway.core.curves import RunCurves
-from gateway.core.driver import DriverContext, RunDriver
+from gateway.core.driver import RunDriver
+from gateway.core.driving import DriverContext
 from gateway.core.errors import IllegalTransition, InvalidRequest, TrainerUnavailable
 from gateway.core.hyperparameters import check_change
 from gateway.core.observer import Observer
