@@ -24,11 +24,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.core.feed import TrainerFeed
+from gateway.core.ledger import CheckpointLedger
 from gateway.core.placement import JobPlacement, Placement
 from gateway.core.runs import TrainingRun
 from gateway.core.settings import CoreSettings
 from gateway.core.shares import JobShares, SharesNotReattached
-from gateway.core.trainers import Cancelled, ResumePoint, TrainerConnector, TrainerError
+from gateway.core.trainers import (
+    Cancelled,
+    CheckpointFailed,
+    CheckpointSaved,
+    Rendezvous,
+    Resumed,
+    ResumePoint,
+    TrainerConnector,
+    TrainerError,
+)
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -54,6 +64,8 @@ class JobAttempt:
         connector: How to reach trainers.
         settings: Call timeouts.
         slots: The scheduler's ears.
+        ledger: The run's checkpoints (the feed's checkpoint events go there).
+        answered: Awaited on rank 0's first answer (the run starts, or continues).
     """
 
     def __init__(
@@ -64,6 +76,8 @@ class JobAttempt:
         connector: TrainerConnector,
         settings: CoreSettings,
         slots: SlotHooks,
+        ledger: CheckpointLedger,
+        answered: Callable[[], Awaitable[None]],
     ) -> None:
         self.run_id = run_id
         self.trainer = trainer
@@ -71,6 +85,9 @@ class JobAttempt:
         self._connector = connector
         self._settings = settings
         self._slots = slots
+        self._ledger = ledger
+        self._answered = answered
+        self._first_answer = True
         #: Slots the scheduler counts as starting, by trainer, until each answers.
         self._reserved: dict[str, int] = (
             {} if placement is None else {s.address: s.processes for s in placement.shares}
@@ -147,6 +164,59 @@ class JobAttempt:
             f"the job of run {self.run_id} spanned trainers {listed}: its shares cannot be "
             "re-attached after a gateway restart"
         )
+
+    # -- the feed's hooks ----------------------------------------------------------------------
+
+    async def answered(self) -> None:
+        """Rank 0's trainer answered (every message): its reservation ends; the first answer
+        is the driver's."""
+        self.release(self.trainer)
+        if self.shares is not None:
+            self.shares.rank0_answered()
+        if self._first_answer:
+            self._first_answer = False
+            await self._answered()
+
+    async def checkpoint_saved(self, saved: CheckpointSaved) -> None:
+        """Records a checkpoint the trainer wrote (``CheckpointLedger.saved``).
+
+        Raises:
+            NotOwner: another replica owns the run now.
+        """
+        await self._ledger.saved(saved)
+
+    def resumed(self, resumed: Resumed) -> None:
+        """Notes where the job started from (``CheckpointLedger.resumed``) and which of its
+        checkpoints it restored.
+
+        Raises:
+            ForkNotRestored: a fork's job restored none of its checkpoints.
+        """
+        episode = self._ledger.resumed(resumed)
+        self.restored = next((p for p in self.resume_from if p.checkpoint.episode == episode), None)
+
+    def rendezvous(self, rendezvous: Rendezvous) -> None:
+        """Rank 0's trainer says where the other ranks join its job: the other trainers' shares
+        start there, from the one checkpoint rank 0 restored (none when from scratch)."""
+        if self.shares is None:
+            _LOGGER.warning(
+                "run %s: trainer %s announced a rendezvous for a job placed on it alone; ignored",
+                self.run_id,
+                self.trainer,
+                extra={"run_id": self.run_id},
+            )
+            return
+        restored = [] if self.restored is None else [self.restored]
+        self.shares.start(rendezvous.address, restored)
+
+    def stream_broke(self, reason: str) -> None:
+        """Rank 0's stream broke: a share that fails now fails for want of rank 0."""
+        if self.shares is not None:
+            self.shares.rank0_broke(reason)
+
+    def checkpoint_failed(self, failed: CheckpointFailed) -> None:
+        """A checkpoint could not be written: said in the run's detail; training goes on."""
+        self._ledger.failed(failed)
 
     # -- reservations (and the shares' hooks) ------------------------------------------------
 

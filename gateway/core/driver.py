@@ -44,18 +44,12 @@ from gateway.core.driving import DriverContext
 from gateway.core.errors import (
     IllegalTransition,
     StoreUnavailable,
-    TrainerUnavailable,
 )
 from gateway.core.failures import Failures
 from gateway.core.feed import Inbox, TrainerFeed
 from gateway.core.forks import ForkNotRestored
 from gateway.core.granting import Grants
-from gateway.core.hyperparameters import (
-    applied_to,
-    check_change,
-    has_reference_model,
-    tell_job,
-)
+from gateway.core.hyperparameters import applied_to, job_takes, tell_job
 from gateway.core.ledger import CheckpointLedger
 from gateway.core.lifecycle import Command as C
 from gateway.core.live_log import EpisodeLog
@@ -68,10 +62,6 @@ from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import NotOwner
 from gateway.core.trainers import (
     Cancelled,
-    CheckpointFailed,
-    CheckpointSaved,
-    Rendezvous,
-    Resumed,
     ResumePoint,
     TrainerBusy,
 )
@@ -325,7 +315,16 @@ class RunDriver:
     def _new_attempt(self, trainer: str, placement: Placement | None) -> JobAttempt:
         ctx = self._ctx
         slots = SlotHooks(ctx.scheduler.started, ctx.scheduler.run_ended)
-        return JobAttempt(self.run.id, trainer, placement, ctx.connector, ctx.settings, slots)
+        return JobAttempt(
+            self.run.id,
+            trainer,
+            placement,
+            ctx.connector,
+            ctx.settings,
+            slots,
+            self.ledger,
+            self._answered,
+        )
 
     def dispatch(self, placement: Placement) -> None:
         """Starts the run on the trainers of ``placement`` (called by the scheduler, which
@@ -409,35 +408,10 @@ class RunDriver:
                 episode.
             TrainerUnavailable: its trainer could not be reached (or its job is starting).
         """
-        run, state = self.run, self.state
-        check_change(change, run.id, run.task, reference_model=True)
-        if run.state not in (RunState.RUNNING, RunState.PAUSED) or lc.over(state):
-            raise IllegalTransition(
-                f"cannot change the hyperparameters of run {run.id!r}: it is {run.state.name}",
-                run.id,
-            )
-        if run.trainer_episode >= run.config.max_episodes:
-            raise IllegalTransition(
-                f"cannot change the hyperparameters of run {run.id!r}: its trainer has trained "
-                f"its last episode ({run.trainer_episode})",
-                run.id,
-            )
-        if not isinstance(state, (lc.Running, lc.Placing)) or lc.parked(state):
-            # No job to tell: the next one starts from the task.
-            check_change(change, run.id, run.task, has_reference_model(run.task))
-        elif isinstance(state, lc.Placing):
-            raise TrainerUnavailable(
-                f"run {run.id!r} is being placed on a trainer again; try again in a moment",
-                run.id,
-            )
-        else:
-            await tell_job(
-                self._ctx.connector,
-                self._trainer,
-                run.id,
-                change,
-                self._ctx.settings.trainer_call_timeout_s,
-            )
+        run = self.run
+        if job_takes(change, run, self.state):
+            timeout = self._ctx.settings.trainer_call_timeout_s
+            await tell_job(self._ctx.connector, self._trainer, run.id, change, timeout)
         run.task = applied_to(change, run.task)
         await self.persist()
         _LOGGER.info(
@@ -484,7 +458,7 @@ class RunDriver:
             outcome = await attempt.cancel_job(checkpoint=True)
             if outcome is not None and outcome.checkpoint is not None:
                 with contextlib.suppress(NotOwner):  # the new owner records what it sees
-                    await self.checkpoint_saved(outcome.checkpoint)
+                    await self.ledger.saved(outcome.checkpoint)
         finally:
             await attempt.cancel_shares()
 
@@ -507,62 +481,11 @@ class RunDriver:
         self.owned = False
         await self._apply(lc.Abandon())
 
-    # -- the feed's hooks --------------------------------------------------------------------
-
-    async def answered(self) -> None:
-        """Rank 0's trainer answered (every message): its reservation ends; the first answer
-        starts a PENDING run, or a run placed again on its new trainers."""
-        attempt = self.attempt
-        if attempt is not None:
-            attempt.release(self._trainer)
-            if attempt.shares is not None:
-                attempt.shares.rank0_answered()
+    async def _answered(self) -> None:
+        """Rank 0's trainer answered for the first time: the run starts, or continues on its
+        new trainers."""
         if isinstance(self.state, lc.Placing):
             await self._apply(lc.Answered())
-
-    async def checkpoint_saved(self, saved: CheckpointSaved) -> None:
-        """Records a checkpoint the trainer wrote (``CheckpointLedger.saved``).
-
-        Raises:
-            NotOwner: another replica owns the run now.
-        """
-        await self.ledger.saved(saved)
-
-    def resumed(self, resumed: Resumed) -> None:
-        """Notes where a job placed again started from (``CheckpointLedger.resumed``).
-
-        Raises:
-            ForkNotRestored: a fork's job restored none of its checkpoints.
-        """
-        restored = self.ledger.resumed(resumed)
-        if self.attempt is not None:
-            self.attempt.restored = next(
-                (p for p in self.attempt.resume_from if p.checkpoint.episode == restored), None
-            )
-
-    def rendezvous(self, rendezvous: Rendezvous) -> None:
-        """Rank 0's trainer says where the other ranks join its job: the other trainers' shares
-        start there, from the one checkpoint rank 0 restored (none when from scratch)."""
-        attempt = self.attempt
-        if attempt is None or attempt.shares is None:
-            _LOGGER.warning(
-                "run %s: trainer %s announced a rendezvous for a job placed on it alone; ignored",
-                self.run.id,
-                self._trainer,
-                extra={"run_id": self.run.id},
-            )
-            return
-        restored = [] if attempt.restored is None else [attempt.restored]
-        attempt.shares.start(rendezvous.address, restored)
-
-    def stream_broke(self, reason: str) -> None:
-        """Rank 0's stream broke: a share that fails now fails for want of rank 0."""
-        if self.attempt is not None and self.attempt.shares is not None:
-            self.attempt.shares.rank0_broke(reason)
-
-    def checkpoint_failed(self, failed: CheckpointFailed) -> None:
-        """A checkpoint could not be written: said in the run's detail; training goes on."""
-        self.ledger.failed(failed)
 
     # -- driving -----------------------------------------------------------------------------
 
@@ -594,7 +517,7 @@ class RunDriver:
                 ctx.settings,
                 ctx.observer,
                 ctx.clock,
-                self,
+                attempt,
                 attempt.job_placement(),
             )
             await attempt.stream(
@@ -679,7 +602,7 @@ class RunDriver:
 
     async def _parked_job(self, outcome: Cancelled) -> None:
         if outcome.checkpoint is not None:
-            await self.checkpoint_saved(outcome.checkpoint)
+            await self.ledger.saved(outcome.checkpoint)
         elif outcome.checkpoint_error:
             why = outcome.checkpoint_error
             self.ledger.note = f"the parking checkpoint could not be written: {why}"

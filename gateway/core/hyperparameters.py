@@ -5,7 +5,9 @@ after a park or a restart trains with them). The values are
 
 from __future__ import annotations
 
+from gateway.core import lifecycle as lc
 from gateway.core.errors import IllegalTransition, InvalidRequest, TrainerUnavailable
+from gateway.core.runs import RunState, TrainingRun
 from gateway.core.trainers import (
     TrainerConnector,
     TrainerError,
@@ -55,6 +57,33 @@ def has_reference_model(task: episode_pb2.TrainTask) -> bool:
     if task.WhichOneof("kind") != "grpo":
         return True
     return (task.grpo.HasField("beta") and task.grpo.beta > 0) or task.grpo.HasField("lora")
+
+
+def job_takes(change: Hyperparameters, run: TrainingRun, state: lc.State) -> bool:
+    """Checks ``change`` for ``run`` in lifecycle ``state``: True when its job must be told
+    (it applies from the job's next optimizer step), False when the run has no job (parked, or
+    waiting to be placed again) and its task alone takes it (the next job trains with it).
+
+    Raises:
+        InvalidRequest: a value the run's kind does not have or its next job cannot take.
+        IllegalTransition: the run is not RUNNING or PAUSED, or its job trained its last
+            episode.
+        TrainerUnavailable: its job is being placed on a trainer.
+    """
+    check_change(change, run.id, run.task, reference_model=True)
+    what = f"cannot change the hyperparameters of run {run.id!r}"
+    if run.state not in (RunState.RUNNING, RunState.PAUSED) or lc.over(state):
+        raise IllegalTransition(f"{what}: it is {run.state.name}", run.id)
+    if run.trainer_episode >= run.config.max_episodes:
+        last = f"{what}: its trainer has trained its last episode ({run.trainer_episode})"
+        raise IllegalTransition(last, run.id)
+    if not isinstance(state, (lc.Running, lc.Placing)) or lc.parked(state):
+        check_change(change, run.id, run.task, has_reference_model(run.task))
+        return False
+    if isinstance(state, lc.Placing):
+        again = f"run {run.id!r} is being placed on a trainer again; try again in a moment"
+        raise TrainerUnavailable(again, run.id)
+    return True
 
 
 async def tell_job(
