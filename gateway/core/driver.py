@@ -1,32 +1,25 @@
-"""The per-run driver: the thin shell around one active run's lifecycle.
+"""The per-run driver: the thin shell that carries out one active run's lifecycle.
 
-A ``RunDriver`` owns an active run. Its lifecycle is the pure state machine of
-``gateway.core.lifecycle``: every control, answer, timer and stream end becomes an event, and the
-driver carries out the commands ``step`` returns, in order. Around it:
-
-- a ``JobAttempt`` (``gateway.core.attempt``) per placement: its trainers, reservations, stream
-  task and shares, let go in one way or another when the placement ends;
-- the ``TrainerFeed`` (``gateway.core.feed``) streams the job into the ``Publisher``
-  (``gateway.core.publisher``: the queue to the store at the run's pace, visible once committed);
-- ``Grants`` (``gateway.core.granting``) give the trainer credit as episodes commit;
-- the ``RestartPolicy`` (``gateway.core.restarts``) decides what a failed job leads to, and the
-  ``CheckpointLedger`` (``gateway.core.ledger``) records checkpoints and finds resume points.
+The lifecycle is the pure state machine of ``gateway.core.lifecycle``: every control, answer,
+timer and stream end becomes an event, and the driver carries out the commands ``step`` returns,
+in order. Each placement of the run's job is a ``JobAttempt`` (trainers, reservations, stream,
+shares, the feed's hooks); the ``TrainerFeed`` streams the job into the ``Publisher`` (to the
+store at the run's pace); ``Grants`` give the trainer credit as episodes commit; ``Failures``
+turn a failed job into the restart policy's decision; ``Closing`` writes the run and its end.
 
 Invariants:
 
-- ``episode`` (published) is the last episode the store has committed; nothing a watcher saw
-  can be lost by a crash; ``episode <= trainer_episode <= granted``.
-- A broken stream is re-attached by the feed for up to ``heartbeat_timeout_s``; only then does
-  the job fail. Episodes received and not yet published stay in the driver's inbox across
-  parks, restarts and re-attaches; a new job trains again the episodes after its checkpoint and
-  the feed drops those the run received, so watchers see every episode once.
-- Stop cancels the stream, stores the end, then cancels the job after its final checkpoint (the
-  trained model). Gateway shutdown and a run taken over by another replica leave the trainers
-  their jobs. Whenever a job ends every share that did not end is cancelled and every trainer's
-  slots are reported free.
-- With gateway replicas a driver drives its run only while its replica owns it: a candidate
-  (``owned`` False) claims the run before its job starts, and a write the store refuses with
-  ``NotOwner`` makes the driver abandon the run without touching the job.
+- ``episode`` (published) is the last episode the store has committed: nothing a watcher saw
+  is lost by a crash; ``episode <= trainer_episode <= granted``.
+- Episodes received and not yet published stay in the inbox across re-attaches, parks and
+  restarts; a new job trains again the episodes after its checkpoint, and the feed drops those
+  the run received, so watchers see every episode once.
+- Stop stores the end, then cancels the job after its final checkpoint (the trained model).
+  Gateway shutdown and a run taken over by another replica leave the trainers their jobs.
+  Whenever a job ends its other shares are cancelled and its trainers' slots reported free.
+- With replicas a driver drives its run only while its replica owns it: a candidate (``owned``
+  False) claims the run before its job starts; a write refused with ``NotOwner`` makes the
+  driver abandon the run without touching the job.
 """
 
 from __future__ import annotations
@@ -47,7 +40,6 @@ from gateway.core.errors import (
 )
 from gateway.core.failures import Failures
 from gateway.core.feed import Inbox, TrainerFeed
-from gateway.core.forks import ForkNotRestored
 from gateway.core.granting import Grants
 from gateway.core.hyperparameters import applied_to, job_takes, tell_job
 from gateway.core.ledger import CheckpointLedger
@@ -56,13 +48,12 @@ from gateway.core.live_log import EpisodeLog
 from gateway.core.pacing import Pacer
 from gateway.core.placement import Placement, rewards_needed, slots_needed
 from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
-from gateway.core.restarts import Action, Decision, RestartPolicy
-from gateway.core.run_detail import describe
+from gateway.core.restarts import Decision, RestartPolicy
+from gateway.core.run_detail import describe, log_control, log_parked, log_placed
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import NotOwner
 from gateway.core.trainers import (
     Cancelled,
-    ResumePoint,
     TrainerBusy,
 )
 from trainwire.contract import task_kind
@@ -258,23 +249,14 @@ class RunDriver:
             ctx.spawn(self._park(), f"gateway-park-{run.id}")
         elif command is C.MARK_STARTED:
             run.start(self._trainer, ctx.now(), self._addresses())
-            self._log_placed("started on")
+            log_placed(run, "started on", self._where(), len(self._addresses()))
         elif command is C.MARK_PLACED:
             run.parked = False
             run.trainer, run.trainers = self._trainer, self._addresses()
-            self._log_placed("continues on")
+            log_placed(run, "continues on", self._where(), len(self._addresses()))
         elif command is C.MARK_PARKED:
             run.parked = True
-            _LOGGER.info(
-                "run %s parked at episode %d (trained through %d, checkpoint at %d); trainer "
-                "slots on %s freed",
-                run.id,
-                run.episode,
-                run.trainer_episode,
-                run.checkpoint_episode,
-                ", ".join(self._addresses()),
-                extra={"run_id": run.id, "event": "parked"},
-            )
+            log_parked(run, self._addresses())
         elif command is C.COUNT_RESTART:
             assert self._decision is not None
             self.failures.count_restart(self._decision)
@@ -297,18 +279,6 @@ class RunDriver:
         else:
             return False
         return True
-
-    def _log_placed(self, how: str) -> None:
-        trainers = "trainers" if len(self._addresses()) > 1 else "trainer"
-        event = "started" if how == "started on" else "placed_again"
-        _LOGGER.info(
-            "run %s %s %s %s",
-            self.run.id,
-            how,
-            trainers,
-            self._where(),
-            extra={"run_id": self.run.id, "event": event},
-        )
 
     # -- starting ----------------------------------------------------------------------------
 
@@ -368,7 +338,7 @@ class RunDriver:
         if self.run.pause():
             self._controlled()
             await self._apply(lc.Pause())
-            self._log_control("paused at episode %d (trainer at %d)", "paused")
+            log_control(self.run, "paused")
 
     async def resume(self) -> None:
         """Resumes publication and grants (a parked run is placed again). No-op when running."""
@@ -376,12 +346,7 @@ class RunDriver:
             self.pacer.restart()
             self._controlled()
             await self._apply(lc.Resume())
-            self._log_control("resumed at episode %d", "resumed")
-
-    def _log_control(self, what: str, event: str) -> None:
-        run = self.run
-        args = (run.episode, run.trainer_episode)[: what.count("%d")]
-        _LOGGER.info("run %s " + what, run.id, *args, extra={"run_id": run.id, "event": event})
+            log_control(self.run, "resumed")
 
     async def set_speed(self, speed: float) -> None:
         """Changes the speed of publication and of the lead, at once."""
@@ -498,17 +463,14 @@ class RunDriver:
                 if not await self._ctx.ownership.claim(self):
                     raise NotOwner(run.id)
                 self.owned = True
-            resume_from: list[ResumePoint] = []
-            if attach_after is None and run.trainer_episode:
-                resume_from = await self.ledger.resume_points()
-                if not resume_from and run.fork_run_id:
-                    raise ForkNotRestored(
-                        run, "that checkpoint is gone (deleted with its run or by its retention)"
-                    )
+            resume_from = [] if attach_after is not None else await self.ledger.for_new_job()
             # A job shows it restored its checkpoint with the episode after it: grant that one
             # at least (the feed drops it if the run received it before).
-            floor = 0 if not resume_from else resume_from[0].checkpoint.episode + 1
-            floor = min(run.config.max_episodes, floor)
+            floor = (
+                min(run.config.max_episodes, resume_from[0].checkpoint.episode + 1)
+                if resume_from
+                else 0
+            )
             feed = TrainerFeed(
                 run,
                 trainer,
@@ -555,19 +517,17 @@ class RunDriver:
             failure = exc
         finally:
             attempt.release_all()
-        decision = None if failure is None else await self.failures.decide(failure, trainer)
-        if attempt is not self.attempt or not isinstance(self.state, (lc.Placing, lc.Running)):
-            attempt.task = None  # stopped, parked or let go meanwhile: that path goes on
-            return
         attempt.task = None
-        self._decision = decision
-        if decision is None or decision.action is not Action.RESTART:
+        if failure is not None and self._job_ended(attempt):
+            self._decision = await self.failures.decide(failure, trainer)
+        if self._job_ended(attempt):  # (else stopped, parked or let go: that path goes on)
             with contextlib.suppress(StoreUnavailable):
-                await self._apply(lc.StreamEnded(decision))
-            return
-        with contextlib.suppress(StoreUnavailable):
-            # (Logged by the store; the count is written with the next change.)
-            await self._apply(lc.StreamEnded(decision))
+                # (Logged by the store; a restart's count is written with the next change.)
+                await self._apply(lc.StreamEnded(None if failure is None else self._decision))
+
+    def _job_ended(self, attempt: JobAttempt) -> bool:
+        """Whether the end of ``attempt``'s stream is the run's to act on."""
+        return attempt is self.attempt and isinstance(self.state, (lc.Placing, lc.Running))
 
     # -- park --------------------------------------------------------------------------------
 

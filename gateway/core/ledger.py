@@ -122,6 +122,23 @@ class CheckpointLedger:
                     extra={"run_id": self._run.id},
                 )
 
+    async def for_new_job(self) -> list[ResumePoint]:
+        """What a new job of the run starts from: nothing for a run that has received no
+        episode, else its resume points (newest first).
+
+        Raises:
+            ForkNotRestored: a fork whose checkpoints are all gone (it would train from
+                scratch).
+        """
+        run = self._run
+        if not run.trainer_episode:
+            return []
+        points = await self.resume_points()
+        if not points and run.fork_run_id:
+            gone = "that checkpoint is gone (deleted with its run or by its retention)"
+            raise ForkNotRestored(run, gone)
+        return points
+
     def resumed(self, resumed: Resumed) -> int:
         """Notes where a job placed again started from, and what it skipped; returns the
         episode of the checkpoint it restored (0: none).

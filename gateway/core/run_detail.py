@@ -1,10 +1,16 @@
-"""The one line people read about where an active run stands (``Run.state_detail``), from its
-state, its lifecycle and what its trainer has trained and been granted."""
+"""What people read about an active run: the one line of where it stands (``Run.state_detail``),
+from its state, its lifecycle and what its trainer has trained and been granted, and the log
+lines of its lifecycle's steps."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 from gateway.core import lifecycle as lc
 from gateway.core.runs import RunState, TrainingRun
+
+_LOGGER = logging.getLogger(__name__)
 
 
 def describe(
@@ -37,3 +43,35 @@ def describe(
             f"{run.trainer_episode} (granted through {granted}){note}"
         )
     return ""
+
+
+def log_placed(run: TrainingRun, how: str, where: str, trainers: int) -> None:
+    """Logs that the run ``how`` ("started on", "continues on") its trainers ``where``."""
+    event = "started" if how == "started on" else "placed_again"
+    noun = "trainers" if trainers > 1 else "trainer"
+    extra = {"run_id": run.id, "event": event}
+    _LOGGER.info("run %s %s %s %s", run.id, how, noun, where, extra=extra)
+
+
+def log_parked(run: TrainingRun, trainers: Sequence[str]) -> None:
+    """Logs that the run parked, freeing its slots on ``trainers``."""
+    _LOGGER.info(
+        "run %s parked at episode %d (trained through %d, checkpoint at %d); trainer slots on "
+        "%s freed",
+        run.id,
+        run.episode,
+        run.trainer_episode,
+        run.checkpoint_episode,
+        ", ".join(trainers),
+        extra={"run_id": run.id, "event": "parked"},
+    )
+
+
+def log_control(run: TrainingRun, event: str) -> None:
+    """Logs a pause or a resume."""
+    extra = {"run_id": run.id, "event": event}
+    if event == "paused":
+        line = "run %s paused at episode %d (trainer at %d)"
+        _LOGGER.info(line, run.id, run.episode, run.trainer_episode, extra=extra)
+    else:
+        _LOGGER.info("run %s resumed at episode %d", run.id, run.episode, extra=extra)
