@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.core.feed import TrainerFeed
 from gateway.core.ledger import CheckpointLedger
@@ -113,6 +114,14 @@ class JobAttempt:
     def spans(self) -> bool:
         """Whether the job is placed on several trainers."""
         return self.placement is not None and self.placement.spans
+
+    def start(self, driving: Coroutine[Any, Any, None], name: str) -> None:
+        """Starts reading the job: ``driving`` becomes its stream task."""
+        self.task = asyncio.create_task(driving, name=name)
+
+    def stream_ended(self) -> None:
+        """Its stream task is over (it says so itself, on its way out)."""
+        self.task = None
 
     def job_placement(self) -> JobPlacement | None:
         """Rank 0's share of a job that spans trainers (None: one trainer has it all)."""

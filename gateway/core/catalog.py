@@ -395,8 +395,7 @@ class RunCatalog:
             raise RunNotFound(run_id)
         driver = self._table.get(run_id)
         if driver is not None:
-            driver.run.display_name = name
-            driver.run.labels = new_labels
+            driver.take_metadata(name, new_labels)
         _LOGGER.info("run %s updated", run_id, extra={"run_id": run_id, "event": "updated"})
         return await self.get(run_id)
 

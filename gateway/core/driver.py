@@ -82,10 +82,7 @@ class RunDriver:
         )
         self.pacer = Pacer(run.episodes_per_second, run.speed, ctx.clock)
         self.grants = Grants(run, self.pacer, settings, ctx.connector, ctx.spawn, self._granting)
-        self.publisher = Publisher(
-            run, self.log, self.pacer, ctx.store, ctx.observer, self.grants.maybe
-        )
-        self.publisher.details = DetailRetention(
+        details = DetailRetention(
             run,
             self.kind,
             ctx.store,
@@ -93,6 +90,9 @@ class RunDriver:
             ctx.forget_pages,
             settings.live_episodes,
             settings.details_per_run,
+        )
+        self.publisher = Publisher(
+            run, self.log, self.pacer, ctx.store, ctx.observer, self.grants.maybe, details
         )
         self.closing = Closing(run, ctx, self.publisher, self.log)
         #: Stores the run's state (``Closing.persist``).
@@ -232,9 +232,7 @@ class RunDriver:
         if command is C.START_JOB or command is C.ATTACH_JOB:
             assert attempt is not None
             attach_after = run.episode if command is C.ATTACH_JOB else None
-            attempt.task = asyncio.create_task(
-                self._drive(attempt, attach_after), name=f"gateway-run-{run.id}"
-            )
+            attempt.start(self._drive(attempt, attach_after), f"gateway-run-{run.id}")
         elif command is C.REQUEUE:
             if isinstance(self.state, lc.Restarting):
                 self.pending_detail = lc.WAITING_AGAIN
@@ -251,11 +249,10 @@ class RunDriver:
             run.start(self._trainer, ctx.now(), self._addresses())
             log_placed(run, "started on", self._where(), len(self._addresses()))
         elif command is C.MARK_PLACED:
-            run.parked = False
-            run.trainer, run.trainers = self._trainer, self._addresses()
+            run.placed(self._trainer, self._addresses())
             log_placed(run, "continues on", self._where(), len(self._addresses()))
         elif command is C.MARK_PARKED:
-            run.parked = True
+            run.park()
             log_parked(run, self._addresses())
         elif command is C.COUNT_RESTART:
             assert self._decision is not None
@@ -314,18 +311,30 @@ class RunDriver:
         restarted from its newest checkpoint (or ends ERROR without one)."""
         run = self.run
         self.log.restore(run.episode, frames)
-        self.publisher.curve = curve
-        run.trainer_episode = run.episode
+        self.publisher.restore_curve(curve)
+        run.received_through(run.episode)
         if not run.parked:
             self.attempt = self._new_attempt(run.trainer, None)
         paused = run.state is RunState.PAUSED
         self._apply_now(lc.Reattach(run.trainer, paused, run.parked))
 
-    async def finalize(self) -> None:
-        """Stores the end of a run that recovery found finished (or could not continue) and
-        lets it go."""
-        done = self.run.state is RunState.DONE
-        await self._apply(lc.Recovered(lc.Outcome.DONE if done else lc.Outcome.FAILED))
+    async def recovered(self, error: str | None) -> None:
+        """A gateway restart found the run finished (``error`` None: its done episode was
+        committed) or unable to go on (``error`` says why): it ends so, and is let go."""
+        if error is None:
+            self.run.complete(self._ctx.now())
+        else:
+            self.run.fail(error, self._ctx.now())
+        outcome = lc.Outcome.DONE if error is None else lc.Outcome.FAILED
+        await self._apply(lc.Recovered(outcome))
+
+    def waiting(self, why: str) -> None:
+        """The scheduler says what the run waits for."""
+        self.pending_detail = why
+
+    def take_metadata(self, display_name: str, labels: dict[str, str]) -> None:
+        """The run was renamed or relabelled (here, or by another replica)."""
+        self.run.relabel(display_name, labels)
 
     # -- controls ----------------------------------------------------------------------------
 
@@ -377,7 +386,7 @@ class RunDriver:
         if job_takes(change, run, self.state):
             timeout = self._ctx.settings.trainer_call_timeout_s
             await tell_job(self._ctx.connector, self._trainer, run.id, change, timeout)
-        run.task = applied_to(change, run.task)
+        run.retask(applied_to(change, run.task))
         await self.persist()
         _LOGGER.info(
             "run %s: hyperparameters %s (episode %d published, %d trained)",
@@ -390,8 +399,8 @@ class RunDriver:
 
     def take_speed(self, speed: float) -> None:
         """Takes the speed another replica stored while this one had the run as a candidate."""
-        self.run.speed = speed
-        self.pacer.set_speed(speed)
+        self.run.set_speed(speed)
+        self.pacer.set_speed(self.run.speed)
 
     async def stop(self) -> None:
         """Stops the run: cancels its stream, ends it STOPPED and, once that end is stored as
@@ -494,7 +503,7 @@ class RunDriver:
         except asyncio.CancelledError:
             raise  # stop, park or shutdown: whoever cancelled carries on
         except NotOwner:
-            attempt.task = None
+            attempt.stream_ended()
             attempt.release_all()
             await self.abandon()
             return
@@ -508,7 +517,7 @@ class RunDriver:
                     extra={"run_id": run.id},
                 )
                 self._ctx.observer.trainer_failure(run.id, "busy")
-                attempt.task = None
+                attempt.stream_ended()
                 attempt.release_all()
                 self._apply_now(lc.Busy())
                 return
@@ -517,7 +526,7 @@ class RunDriver:
             failure = exc
         finally:
             attempt.release_all()
-        attempt.task = None
+        attempt.stream_ended()
         if failure is not None and self._job_ended(attempt):
             self._decision = await self.failures.decide(failure, trainer)
         if self._job_ended(attempt):  # (else stopped, parked or let go: that path goes on)

@@ -64,7 +64,7 @@ class Failures:
         """Counts a ``RESTART`` decision as the run's restart, says why in its detail."""
         run = self._run
         assert self._points
-        run.restarts = decision.number
+        run.restarted(decision.number)
         self._observer.trainer_failure(run.id, decision.ending.label)
         limit = self.policy.max_restarts
         self._ledger.note = f"restart {run.restarts} of {limit} after {decision.culprit}"

@@ -323,7 +323,7 @@ class TrainerFeed:
             if self._drop_through and self._received_best is not None:
                 # The run's running maximum goes on from what its watchers saw.
                 event.best_reward = max(self._received_best, event.reward)
-            self.run.trainer_episode = event.episode
+            self.run.received_through(event.episode)
             self._received_best = event.best_reward
             await self.inbox.put(event, cap)
             if event.done:

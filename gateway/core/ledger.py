@@ -74,7 +74,7 @@ class CheckpointLedger:
                 extra={"run_id": run.id},
             )
             return
-        run.checkpoint_episode = max(run.checkpoint_episode, saved.episode)
+        run.checkpointed(saved.episode)
         if self.note.startswith(_FAILED_WRITE):
             self.note = ""  # superseded by this one
         _LOGGER.info(

@@ -320,8 +320,7 @@ class LeasedOwnership:
             return
         stored = await self._store.get_run(run_id)
         if stored is not None:
-            driver.run.display_name = stored.display_name
-            driver.run.labels = stored.labels
+            driver.take_metadata(stored.display_name, stored.labels)
 
     async def _apply_once(self, run_id: str) -> None:
         driver = self._table.driving(run_id)

@@ -55,6 +55,7 @@ class Publisher:
         store: Store,
         observer: Observer,
         on_commit: Callable[[], None],
+        details: DetailRetention | None = None,
     ) -> None:
         self._run = run
         self._log = log
@@ -68,11 +69,15 @@ class Publisher:
         self._committed = asyncio.Event()
         # Handed to the store, awaiting commit.
         self._pending: deque[EncodedEpisode] = deque()
-        #: The run's curve blocks (``restore_builder`` after a restart or a takeover).
+        #: The run's curve blocks (``restore_curve`` after a restart or a takeover).
         self.curve = CurveBuilder(run.episode)
         #: Which details the store keeps (told of every commit); None: all of them.
-        self.details: DetailRetention | None = None
+        self.details = details
         self._error: BaseException | None = None
+
+    def restore_curve(self, curve: CurveBuilder) -> None:
+        """Goes on with the curve blocks a gateway restart or a takeover restored."""
+        self.curve = curve
 
     def controlled(self) -> None:
         """A control changed the run's state or speed: re-evaluates a pending wait now."""

@@ -82,15 +82,13 @@ class Recovery:
                 run.episode,
                 extra={"run_id": run.id},
             )
-            run.fail(INTERRUPTED_MESSAGE, self._now())
-            await driver.finalize()
+            await driver.recovered(INTERRUPTED_MESSAGE)
             return
         frames = [encode_frame(d) for d in data]
         if data and episode_pb2.Episode.FromString(data[-1]).done:
             # The done episode was committed before the gateway stopped: the run is complete.
             driver.log.restore(run.episode, frames)
-            run.complete(self._now())
-            await driver.finalize()
+            await driver.recovered(None)
             return
         curve = await restore_builder(
             run.id,

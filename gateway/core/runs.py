@@ -185,11 +185,51 @@ class TrainingRun:
             raise self._illegal("change the speed of")
         self.speed = clamped
 
+    # Published progress: the publisher's.
+
     def record_episode(self, episode: int, reward: float, best_reward: float) -> None:
         """Records a published episode."""
         self.episode = episode
         self.reward = reward
         self.best_reward = best_reward
+
+    # Received progress: the trainer feed's (and a gateway restart's, which starts it over
+    # from the published episode); checkpoint progress: the checkpoint ledger's.
+
+    def received_through(self, episode: int) -> None:
+        """The last episode received from the trainer is ``episode``."""
+        self.trainer_episode = episode
+
+    def checkpointed(self, episode: int) -> None:
+        """A checkpoint at ``episode`` was recorded (the latest stays the latest)."""
+        self.checkpoint_episode = max(self.checkpoint_episode, episode)
+
+    # The lifecycle beyond the state: the driver's (``gateway.core.lifecycle``).
+
+    def placed(self, trainer: str, trainers: tuple[str, ...]) -> None:
+        """Its job (placed again) runs on ``trainers``, rank 0's ``trainer`` first; it is no
+        longer parked."""
+        self.parked = False
+        self.trainer, self.trainers = trainer, trainers
+
+    def park(self) -> None:
+        """Its job ended for the park: its training state is in its checkpoint."""
+        self.parked = True
+
+    def restarted(self, number: int) -> None:
+        """Its job is placed again from a checkpoint, as restart ``number``."""
+        self.restarts = number
+
+    # Identity: the task changes with live hyperparameters, the metadata with UpdateRun; both
+    # are replaced whole, so snapshots keep their own.
+
+    def retask(self, task: episode_pb2.TrainTask) -> None:
+        """Its task is now ``task`` (the values in effect for the job placed next)."""
+        self.task = task
+
+    def relabel(self, display_name: str, labels: dict[str, str]) -> None:
+        """Its name and labels are now these."""
+        self.display_name, self.labels = display_name, labels
 
     def complete(self, now: int) -> None:
         """RUNNING (or PAUSED) -> DONE once the done episode is published."""

@@ -19,7 +19,7 @@ the most free slots first (ties in configured order) so that it spans as few as 
 first is rank 0's (``gateway.core.placement``). Placement is first in, first out per task kind
 and set of such reward functions: a run waits behind earlier runs that need what it needs, and
 a run no trainer offers a provider (or a reward) for waits without blocking the others.
-Every waiting run carries a ``pending_detail`` saying what it waits for, with the slots it
+Every waiting run is told what it waits for (``waiting``), with the slots it
 needs and those free.
 
 ``capacity`` tells ``CreateRun`` how many slots the answering trainers that offer a kind have
@@ -81,7 +81,9 @@ class Placeable(Protocol):
         (``gateway.core.placement.rewards_needed``)."""
         ...
 
-    pending_detail: str
+    def waiting(self, why: str) -> None:
+        """Says what it waits for (its ``pending_detail``)."""
+        ...
 
     def dispatch(self, placement: Placement) -> None:
         """Starts it on the trainers of ``placement`` (their slots are reserved)."""
@@ -361,13 +363,13 @@ class Scheduler:
             need = (kind, frozenset(rewards))
             if need in blocked:
                 ahead[need] = ahead.get(need, 0) + 1
-                run.pending_detail = f"{blocked[need]}; {ahead[need]} run(s) ahead in the queue"
+                run.waiting(f"{blocked[need]}; {ahead[need]} run(s) ahead in the queue")
                 keep.append(item)
                 continue
             placement = self._fit(kind, run.slots, rewards)
             if placement is None:
                 blocked[need] = self._why_waiting(kind, run.slots, rewards)
-                run.pending_detail = blocked[need]
+                run.waiting(blocked[need])
                 keep.append(item)
                 continue
             for share in placement.shares:

@@ -235,8 +235,15 @@ async def test_the_publisher_hands_one_encoding_to_the_store_and_the_live_log(
     store = _Store()
     details = _EvenDetails()
     pacer = Pacer(math.inf, 1.0, lambda: 0.0)
-    publisher = Publisher(run, log, pacer, cast(Store, store), Observer(), lambda: None)
-    publisher.details = cast(DetailRetention, details)
+    publisher = Publisher(
+        run,
+        log,
+        pacer,
+        cast(Store, store),
+        Observer(),
+        lambda: None,
+        cast(DetailRetention, details),
+    )
     inbox = Inbox()
 
     async def produce() -> None:
