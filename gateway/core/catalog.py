@@ -21,11 +21,11 @@ from gateway.core.errors import (
 )
 from gateway.core.forks import ForkPoint, fork_point
 from gateway.core.observer import Observer
-from gateway.core.ownership import Ownership
 from gateway.core.pacing import clamp_speed
 from gateway.core.page_cache import PageCache
 from gateway.core.placement import rewards_needed, slots_needed
 from gateway.core.recovery import UnsavedEnds
+from gateway.core.router import ReplicaRouter
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
 from gateway.core.search import run_query
@@ -101,12 +101,12 @@ class RunCatalog:
         store: Where runs are kept.
         table: The active runs (a new run's driver goes there).
         scheduler: Where a new run queues.
-        ownership: Whether a new run is driven here at once, and how runs driven elsewhere
-            look.
+        router: With replicas, where a new run waits as a candidate and how runs driven
+            elsewhere look (None: every run is driven here).
         unsaved: Final states the store could not take yet.
         pages: Cached history pages (a deleted run's are dropped).
         observer: Metrics hooks.
-        make_driver: A new driver of a run (owned or a candidate).
+        make_driver: A new driver of a run driven here.
         now: Wall time in Unix nanoseconds.
     """
 
@@ -116,18 +116,18 @@ class RunCatalog:
         store: Store,
         table: RunTable,
         scheduler: Scheduler,
-        ownership: Ownership,
+        router: ReplicaRouter | None,
         unsaved: UnsavedEnds,
         pages: PageCache,
         observer: Observer,
-        make_driver: Callable[[TrainingRun, bool], RunDriver],
+        make_driver: Callable[[TrainingRun], RunDriver],
         now: Callable[[], int],
     ) -> None:
         self._settings = settings
         self._store = store
         self._table = table
         self._scheduler = scheduler
-        self._ownership = ownership
+        self._router = router
         self._unsaved = unsaved
         self._pages = pages
         self._observer = observer
@@ -173,12 +173,12 @@ class RunCatalog:
     def current(self, run: TrainingRun) -> TrainingRun:
         """The freshest copy of a run: its driver's, an end the store could not take yet, or
         what the store has (with replicas: a run another replica drives, or none yet)."""
-        driver = self._table.driving(run.id)
+        driver = self._table.get(run.id)
         if driver is not None:
             return driver.snapshot()
         current = (self._unsaved.get(run.id) or run).snapshot()
-        if current.state.active:
-            current = self._ownership.elsewhere(current)
+        if current.state.active and self._router is not None:
+            current = self._router.elsewhere(current)
         return current
 
     async def _fork_point(self, spec: RunSpec) -> ForkPoint:
@@ -299,8 +299,10 @@ class RunCatalog:
         if self._table.closing:
             raise ShuttingDown(f"the gateway is shutting down; run {run.id!r} was not started")
         # With replicas, a new run is a candidate: the replica that places it claims it.
-        driver = self._make_driver(run, self._ownership.owns_new_runs)
-        self._table.add(driver)
+        driver = None
+        if self._router is None:
+            driver = self._make_driver(run)
+            self._table.add(driver)
         self._observer.run_created(run.id)
         self._observer.run_state_changed(run.id, run.state.name)
         _LOGGER.info(
@@ -314,6 +316,10 @@ class RunCatalog:
             else "",
             extra={"run_id": run.id, "event": "created"},
         )
+        if driver is None:
+            assert self._router is not None
+            self._router.candidate(run)
+            return self.current(run)
         self._scheduler.enqueue(driver)
         return driver.snapshot()
 
@@ -325,7 +331,7 @@ class RunCatalog:
             RunNotFound: no such run.
         """
         require_run_id(run_id)
-        driver = self._table.driving(run_id)
+        driver = self._table.get(run_id)
         if driver is not None:
             return driver.snapshot()
         run = await self._store.get_run(run_id)
@@ -408,7 +414,7 @@ class RunCatalog:
         """
         require_run_id(run_id)
         driver = self._table.get(run_id)
-        if driver is not None and driver.owned and driver.finalizing:
+        if driver is not None and driver.finalizing:
             await driver.ended()  # its final state is being stored
             driver = self._table.get(run_id)
         if driver is not None:

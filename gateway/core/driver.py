@@ -17,9 +17,9 @@ Invariants:
 - Stop stores the end, then cancels the job after its final checkpoint (the trained model).
   Gateway shutdown and a run taken over by another replica leave the trainers their jobs.
   Whenever a job ends its other shares are cancelled and its trainers' slots reported free.
-- With replicas a driver drives its run only while its replica owns it: a candidate (``owned``
-  False) claims the run before its job starts; a write refused with ``NotOwner`` makes the
-  driver abandon the run without touching the job.
+- With replicas a driver exists only for a run its replica owns (``gateway.core.router``
+  promotes it); a write refused with ``NotOwner`` makes the driver abandon the run without
+  touching the job (demoted).
 """
 
 from __future__ import annotations
@@ -68,11 +68,9 @@ class RunDriver:
     Args:
         run: The run (PENDING, or RUNNING/PAUSED when re-attached after a restart).
         ctx: What the registry's drivers share.
-        owned: Whether this replica owns the run (always, with one gateway); a candidate's
-            ownership claims it before it starts.
     """
 
-    def __init__(self, run: TrainingRun, ctx: DriverContext, owned: bool = True) -> None:
+    def __init__(self, run: TrainingRun, ctx: DriverContext) -> None:
         self.run = run
         self._ctx = ctx
         self.kind = task_kind(run.task)
@@ -104,7 +102,6 @@ class RunDriver:
         #: The current (or last) placement of its job.
         self.attempt: JobAttempt | None = None
         self.pending_detail = "waiting for the scheduler"
-        self.owned = owned
         self._trainer = run.trainer  # rank 0's
         self._ended = asyncio.Event()  # let go: finalized, detached or abandoned
         #: The run's checkpoint records, retention and the note people read about them.
@@ -130,6 +127,11 @@ class RunDriver:
     def finalizing(self) -> bool:
         """Whether its end is decided (or the driver let it go)."""
         return lc.over(self.state)
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether it let its run go to another replica."""
+        return self.state == lc.Ended(lc.Exit.ABANDONED)
 
     @property
     def task(self) -> asyncio.Task[None] | None:
@@ -260,7 +262,7 @@ class RunDriver:
         elif command is C.SLOT_FREED:
             ctx.scheduler.run_ended(self._trainer)
         elif command is C.CANCEL_JOB:
-            if attempt is not None and attempt.trainer and self.owned:
+            if attempt is not None and attempt.trainer and not self.abandoned:
                 ctx.spawn(attempt.cancel(), f"gateway-cancel-{run.id}")
         elif command is C.CANCEL_JOB_CHECKPOINT:
             if attempt is not None:
@@ -271,7 +273,7 @@ class RunDriver:
         elif command is C.GRANT:
             self.grants.maybe()
         elif command is C.RELEASE:
-            ctx.ownership.lost(self)
+            ctx.demoted(self)
             self._ended.set()
         else:
             return False
@@ -418,14 +420,14 @@ class RunDriver:
             )
         self.run.stop(self._ctx.now())
         await self._apply(lc.Stop())
-        if not self.owned:
+        if self.abandoned:
             raise NotOwner(self.run.id)
 
     async def _cancel_for_stop(self, attempt: JobAttempt) -> None:
         """After a stop: the job's final checkpoint is the trained model, recorded once rank
         0's trainer wrote it; the other trainers' shares are cancelled after it. A replica
         that lost the run meanwhile leaves the job to the new owner."""
-        if not self.owned:
+        if self.abandoned:
             await attempt.keep()
             return
         try:
@@ -450,10 +452,8 @@ class RunDriver:
     async def abandon(self) -> None:
         """Another replica owns the run now: stops driving it, leaving the trainer's job and
         the store alone (the new owner re-attaches and writes), and leaves the active runs."""
-        if isinstance(self.state, lc.Ended):
-            return
-        self.owned = False
-        await self._apply(lc.Abandon())
+        if not isinstance(self.state, lc.Ended):
+            await self._apply(lc.Abandon())
 
     async def _answered(self) -> None:
         """Rank 0's trainer answered for the first time: the run starts, or continues on its
@@ -468,10 +468,6 @@ class RunDriver:
         ctx, run, trainer = self._ctx, self.run, attempt.trainer
         failure: BaseException | None = None
         try:
-            if not self.owned:
-                if not await self._ctx.ownership.claim(self):
-                    raise NotOwner(run.id)
-                self.owned = True
             resume_from = [] if attach_after is not None else await self.ledger.for_new_job()
             # A job shows it restored its checkpoint with the episode after it: grant that one
             # at least (the feed drops it if the run received it before).

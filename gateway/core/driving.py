@@ -1,5 +1,5 @@
-"""What a run's driver is given: the scheduler's and the replica ownership's ears, and the
-services every driver of a registry shares (``DriverContext``)."""
+"""What a run's driver is given: the scheduler's ears, and the services every driver of a
+registry shares (``DriverContext``)."""
 
 from __future__ import annotations
 
@@ -39,18 +39,6 @@ class SchedulerHooks(Protocol):
         ...
 
 
-class DriverOwnership(Protocol):
-    """What a driver asks of its replica's ownership of runs."""
-
-    async def claim(self, driver: RunDriver) -> bool:
-        """Claims a candidate's run before it starts; False when another replica has it."""
-        ...
-
-    def lost(self, driver: RunDriver) -> None:
-        """The driver abandoned its run to another replica (it leaves the active runs)."""
-        ...
-
-
 @dataclass(frozen=True)
 class DriverContext:
     """What every driver of a registry shares."""
@@ -60,7 +48,8 @@ class DriverContext:
     connector: TrainerConnector
     observer: Observer
     scheduler: SchedulerHooks
-    ownership: DriverOwnership
+    #: Takes a driver that let its run go to another replica out of the runs driven here.
+    demoted: Callable[[RunDriver], None]
     clock: Callable[[], float]
     now: Callable[[], int]
     #: Called once a run is finalized (it leaves the active runs).

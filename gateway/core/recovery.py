@@ -38,7 +38,7 @@ class Recovery:
         table: Where their drivers go.
         scheduler: Where PENDING runs queue.
         observer: Metrics hooks.
-        make_driver: A new driver of a run (owned).
+        make_driver: A new driver of a run (driven here).
         now: Wall time in Unix nanoseconds.
     """
 
@@ -48,7 +48,7 @@ class Recovery:
         table: RunTable,
         scheduler: Scheduler,
         observer: Observer,
-        make_driver: Callable[[TrainingRun, bool], RunDriver],
+        make_driver: Callable[[TrainingRun], RunDriver],
         now: Callable[[], int],
     ) -> None:
         self._store = store
@@ -60,7 +60,7 @@ class Recovery:
 
     async def recover(self, run: TrainingRun) -> None:
         """Brings back one run this gateway drives now."""
-        driver = self._make_driver(run, True)
+        driver = self._make_driver(run)
         self._table.add(driver)
         self._observer.run_recovered(run.id, run.state.name)
         if run.state is RunState.PENDING:

@@ -12,9 +12,9 @@ every method runs between two awaits atomically):
   final states a full disk could not take (``gateway.core.recovery``);
 - ``CheckpointReads`` lists a run's checkpoints and streams one (``gateway.core.checkpoints``);
   drivers record them as trainers report them;
-- an ``Ownership`` says which runs this gateway drives: all (``SoloOwnership``) or, with
-  gateway replicas on PostgreSQL, those whose lease it holds (``LeasedOwnership``,
-  ``gateway.core.ownership``).
+- with gateway replicas on PostgreSQL, the ``ReplicaRouter`` (``gateway.core.router``) reaches
+  the runs driven elsewhere and promotes the runs this replica takes; one gateway on its own
+  database drives every run and has none.
 
 The registry itself applies controls, and owns start, shutdown and health. Shutdown leaves
 active runs as they are in the store and their jobs on the trainers, for the next start (with
@@ -35,14 +35,19 @@ from gateway.core.curve import Bucket
 from gateway.core.curves import RunCurves
 from gateway.core.driver import RunDriver
 from gateway.core.driving import DriverContext
-from gateway.core.errors import IllegalTransition, InvalidRequest, TrainerUnavailable
+from gateway.core.errors import (
+    IllegalTransition,
+    InvalidRequest,
+    RunNotFound,
+    TrainerUnavailable,
+)
 from gateway.core.hyperparameters import check_change
 from gateway.core.observer import Observer
-from gateway.core.ownership import LeasedOwnership, Ownership, SoloOwnership
 from gateway.core.page_cache import PageCache
 from gateway.core.recovery import Recovery, UnsavedEnds
 from gateway.core.replay import CaughtUp, EpisodeFrames, Finished, Keepalive, Replay, WatchEvent
 from gateway.core.replicas import SharedReplicas
+from gateway.core.router import ReplicaRouter
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.scheduler import Scheduler, TrainerReport
 from gateway.core.settings import CoreSettings
@@ -109,15 +114,17 @@ class RunRegistry:
             settings, connector, self._observer, lambda _: self._health_changed(), clock
         )
         self.unsaved = UnsavedEnds(store)
-        self.ownership: Ownership = (
-            SoloOwnership(store, self.table, self.scheduler)
+        #: With replicas, what reaches the runs driven elsewhere (None: all are driven here).
+        self.router = (
+            None
             if replicas is None
-            else LeasedOwnership(
+            else ReplicaRouter(
                 replicas,
                 store,
                 self.table,
                 self.scheduler,
                 self._make_driver,
+                self._spawn,
                 settings.live_coalesce_s,
                 clock,
                 wall_clock,
@@ -130,7 +137,7 @@ class RunRegistry:
             connector=connector,
             observer=self._observer,
             scheduler=self.scheduler,
-            ownership=self.ownership,
+            demoted=self._demoted,
             clock=clock,
             now=wall_clock,
             on_end=self._ended,
@@ -146,7 +153,7 @@ class RunRegistry:
             store,
             self.table,
             self.scheduler,
-            self.ownership,
+            self.router,
             self.unsaved,
             self._pages,
             self._observer,
@@ -164,9 +171,7 @@ class RunRegistry:
             merge_trainers=self._merge_trainers,
         )
         replay = Replay(self._pages, settings.keepalive_s, clock, lambda: self.table.closing)
-        self._watches = Watches(
-            self.table, replay, self.ownership, self.catalog.get, self._observer
-        )
+        self._watches = Watches(self.table, replay, self.router, self.catalog.get, self._observer)
 
     def _merge_trainers(self) -> list[str]:
         """The trainers that may merge a LoRA checkpoint: those that offer grpo, and those that
@@ -177,8 +182,16 @@ class RunRegistry:
             if state.caps is None or state.offers("grpo")
         ]
 
-    def _make_driver(self, run: TrainingRun, owned: bool) -> RunDriver:
-        return RunDriver(run, self._ctx, owned)
+    def _make_driver(self, run: TrainingRun) -> RunDriver:
+        return RunDriver(run, self._ctx)
+
+    def _demoted(self, driver: RunDriver) -> None:
+        """A driver let its run go to another replica (or a store that fences writes refused
+        it): it leaves the runs driven here."""
+        self.table.remove(driver)
+        self.scheduler.dequeue(driver)
+        if self.router is not None:
+            self.router.demoted(driver)
 
     def _spawn(self, work: Awaitable[None], name: str) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(work)
@@ -282,23 +295,29 @@ class RunRegistry:
     async def _control(self, run_id: str, action: Action, speed: float = 0.0) -> TrainingRun:
         require_run_id(run_id)
         driver = self.table.get(run_id)
-        if driver is not None and driver.owned and driver.finalizing:
+        if driver is not None and driver.finalizing:
             # Its end is on the way to the store: answered as for the run it is about to be.
             await driver.ended()
-            if driver.owned:
+            if not driver.abandoned:
                 refuse(driver.run, action, speed)
             driver = self.table.get(run_id)
-        if driver is not None and driver.owned and not driver.finalizing:
-            target: RunDriver | None = driver
-        else:
-            target = await self.ownership.control_target(run_id, driver, action, speed)
-        if target is not None:
-            try:
-                await apply(target, action, speed)
-                return target.snapshot()
-            except NotOwner:  # taken over meanwhile: its new owner applies it
-                await target.abandon()
-        return await self.ownership.forward(run_id, action, speed)
+        if driver is None and self.router is not None:
+            driver = await self.router.control_target(run_id)
+        if driver is None:
+            if self.router is not None:
+                return await self.router.forward(run_id, action, speed)
+            run = await self._store.get_run(run_id)  # finished, or never there
+            if run is None:
+                raise RunNotFound(run_id)
+            refuse(run, action, speed)
+        try:
+            await apply(driver, action, speed)
+            return driver.snapshot()
+        except NotOwner:  # taken over meanwhile: its new owner applies it
+            await driver.abandon()
+            if self.router is None:
+                refuse(driver.run, action, speed)
+            return await self.router.forward(run_id, action, speed)
 
     async def pause(self, run_id: str) -> TrainingRun:
         """Pauses a run: publication stops, the trainer gets no new grant (no-op when paused).
@@ -342,10 +361,10 @@ class RunRegistry:
         """
         require_run_id(run_id)
         driver = self.table.get(run_id)
-        if driver is not None and driver.owned and driver.finalizing:
+        if driver is not None and driver.finalizing:
             await driver.ended()  # answered as for the run it is about to be
             driver = self.table.get(run_id)
-        if driver is not None and driver.owned and not driver.finalizing:
+        if driver is not None and not driver.finalizing:
             await driver.set_hyperparameters(change)
             return driver.snapshot()
         run = driver.run if driver is not None else await self.catalog.get(run_id)
@@ -372,7 +391,11 @@ class RunRegistry:
         self.scheduler.start()
         counts = await self._store.count_by_state()
         self._observer.runs_loaded({state.name: n for state, n in counts.items()})
-        await self.ownership.start(self._recovery.recover)
+        if self.router is not None:
+            await self.router.start(self._recovery.recover)
+        else:
+            for run in await self._store.active_runs():
+                await self._recovery.recover(run)
         await self.scheduler.first_round(min(2.0, self._settings.trainer_call_timeout_s))
 
     @property
@@ -385,7 +408,8 @@ class RunRegistry:
         self.table.closing = True
         for driver in self.table.drivers():
             driver.log.wake()
-        self.ownership.wake_watchers()
+        if self.router is not None:
+            self.router.wake_watchers()
 
     async def shutdown(self) -> None:
         """Ends watches (``ShuttingDown``), cancels trainer streams (the trainers keep their
@@ -395,9 +419,10 @@ class RunRegistry:
             return  # never started, or already shut down
         self._started = False
         await self.scheduler.stop()
-        owned = self.table.owned()
-        await asyncio.gather(*(d.detach() for d in owned), return_exceptions=True)
-        await self.ownership.stop()
+        driven = self.table.drivers()
+        await asyncio.gather(*(d.detach() for d in driven), return_exceptions=True)
+        if self.router is not None:
+            await self.router.stop()
         if self._background:
             await asyncio.wait(list(self._background), timeout=self._settings.shutdown_grace_s)
         await self._store.close()

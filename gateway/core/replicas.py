@@ -1,9 +1,8 @@
 """Gateway replicas: how the gateways that share one PostgreSQL database divide the runs.
 
 ``SharedReplicas`` coordinates a replica with the others through the database
-(``gateway.core.store.postgres_leases``); its host is the replica's ``LeasedOwnership``
-(``gateway.core.ownership``). A single gateway on its own database needs none of this
-(``SoloOwnership``).
+(``gateway.core.store.postgres_leases``); its host is the replica's ``ReplicaRouter``
+(``gateway.core.router``). A single gateway on its own database needs none of this.
 
 - **Ownership.** Each active run is driven by exactly one replica, its *owner*, which holds a
   lease on it (``runs.owner``, ``runs.lease_until`` on the database's clock). The owner renews

@@ -1,6 +1,7 @@
-"""The runs a gateway has in hand: one driver per active run it drives (and, with replicas, per
-PENDING run it may claim), whether it still takes new work, and the creates in flight by
-request id (so that a retried request joins the first instead of making a second run)."""
+"""The runs a gateway drives: one driver per active run (with replicas, those whose lease it
+holds: ``gateway.core.router`` promotes and demotes them), whether it still takes new work, and
+the creates in flight by request id (so that a retried request joins the first instead of making
+a second run)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,11 @@ class RunTable:
         return len(self._drivers)
 
     def get(self, run_id: str) -> RunDriver | None:
-        """The run's driver, owned or a candidate."""
+        """The run's driver (None: not driven here)."""
         return self._drivers.get(run_id)
 
-    def driving(self, run_id: str) -> RunDriver | None:
-        """The run's driver when this gateway drives it."""
-        driver = self._drivers.get(run_id)
-        return driver if driver is not None and driver.owned else None
-
     def add(self, driver: RunDriver) -> None:
-        """Takes a driver in (replacing a candidate of the same run)."""
+        """Takes a driver in."""
         self._drivers[driver.run.id] = driver
 
     def remove(self, driver: RunDriver) -> bool:
@@ -46,12 +42,8 @@ class RunTable:
         return False
 
     def drivers(self) -> list[RunDriver]:
-        """Every driver, owned or not."""
+        """Every driver."""
         return list(self._drivers.values())
-
-    def owned(self) -> list[RunDriver]:
-        """The drivers of the runs this gateway owns."""
-        return [d for d in self._drivers.values() if d.owned]
 
     async def single_flight(self, key: str, work: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
         """Runs ``work`` once per key at a time: a second call while the first runs gets the

@@ -11,8 +11,8 @@ from gateway.core.errors import InvalidRequest, ShuttingDown
 from gateway.core.follower import Follower
 from gateway.core.framing import view_of
 from gateway.core.observer import Observer
-from gateway.core.ownership import Ownership
 from gateway.core.replay import EpisodeFrames, Replay, WatchEvent
+from gateway.core.router import ReplicaRouter
 from gateway.core.runs import TrainingRun
 from gateway.core.table import RunTable
 from trainwire.contract import FieldViolation
@@ -24,7 +24,8 @@ class Watches:
     Args:
         table: The active runs (and whether the gateway is closing).
         replay: Walks a log or a finished run's history.
-        ownership: What the watchers of a run driven elsewhere follow.
+        router: With replicas, what the watchers of a run driven elsewhere follow (None:
+            every active run is driven here).
         get_run: A run by id (raises ``RunNotFound``).
         observer: Metrics hooks.
     """
@@ -33,13 +34,13 @@ class Watches:
         self,
         table: RunTable,
         replay: Replay,
-        ownership: Ownership,
+        router: ReplicaRouter | None,
         get_run: Callable[[str], Awaitable[TrainingRun]],
         observer: Observer,
     ) -> None:
         self._table = table
         self._replay = replay
-        self._ownership = ownership
+        self._router = router
         self._get_run = get_run
         self._observer = observer
 
@@ -69,15 +70,15 @@ class Watches:
         observer.watcher_attached(run_id)
         follower: Follower | None = None
         try:
-            driver = self._table.driving(run_id)
+            driver = self._table.get(run_id)
             if driver is not None:
-                snapshot = self._ownership.view(driver)
+                snapshot = driver.snapshot if self._router is None else self._router.view(driver)
                 events = self._replay.active(
                     driver.log, lambda: snapshot().state, snapshot, after_episode, view
                 )
             else:
                 run = await self._get_run(run_id)
-                follower = self._ownership.follow(run)
+                follower = None if self._router is None else self._router.follow(run)
                 if follower is None:
                     events = self._replay.finished(run, after_episode, view)
                 else:  # another replica drives it: follow it in the store
@@ -91,6 +92,6 @@ class Watches:
                     observer.episodes_sent(run_id, len(event.frames))
                 yield event
         finally:
-            if follower is not None:
-                self._ownership.unfollow(follower)
+            if follower is not None and self._router is not None:
+                self._router.unfollow(follower)
             observer.watcher_detached(run_id)

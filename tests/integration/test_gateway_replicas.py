@@ -272,7 +272,7 @@ async def test_a_lease_lost_before_the_first_episode_hands_the_run_and_its_watch
             async def still_held(run_ids: list[str]) -> set[str]:
                 return set(run_ids)
 
-            a.gateway.core.ownership._replicas._leases.renew = still_held  # type: ignore[attr-defined]
+            a.gateway.core.router._replicas._leases.renew = still_held  # type: ignore[attr-defined]
         run = await a.create(max_episodes=50, episodes_per_second=30)
         await wait_state(a.stub, run.id, State.STATE_RUNNING)
         watch = asyncio.create_task(collect(a.stub, run.id, timeout=JOB_TIMEOUT))
@@ -306,7 +306,7 @@ async def test_a_stop_that_meets_a_lost_lease_is_applied_by_the_new_owner(
         async def still_held(run_ids: list[str]) -> set[str]:
             return set(run_ids)
 
-        a.gateway.core.ownership._replicas._leases.renew = still_held  # type: ignore[attr-defined]
+        a.gateway.core.router._replicas._leases.renew = still_held  # type: ignore[attr-defined]
         run = await a.create(max_episodes=300, episodes_per_second=30)
         await wait_state(a.stub, run.id, State.STATE_RUNNING)
         await a.stub.PauseRun(pb.PauseRunRequest(run_id=run.id), timeout=TIMEOUT)

@@ -1,173 +1,92 @@
-"""Which runs this gateway drives: all of them (``SoloOwnership``, one gateway on its own
-database), or those whose lease it holds (``LeasedOwnership``, gateway replicas sharing one
-PostgreSQL database; ``gateway.core.replicas`` coordinates the leases).
+"""The replica router: with gateway replicas sharing one PostgreSQL database, what reaches runs
+this replica does not drive. The core (``RunRegistry``) hosts only the runs it drives;
+``promote`` (a takeover, a claimed PENDING run) is their one way in and ``demote`` (the lease
+lost) their one way out. One gateway on its own database has no router: it drives every run.
 
-The registry asks its ``Ownership`` everything that depends on it: whether a new run is driven
-at once, how a control reaches a run not driven here, what such a run looks like, what its
-watchers follow, what happens to a driver that lost its run, and what to start and stop.
-
-With leases:
-
-- A *candidate* is the ``RunDriver`` of a PENDING run no replica owns (``owned`` False), queued
-  like any other; it claims the run when the scheduler places it (``claim``), and a control
-  claims it first, so a replica only ever changes runs it owns.
-- A run this replica took over is recovered as on start (``adopt``); one whose lease it lost
-  is abandoned (``lose``), its watchers handed to a ``Follower`` of the same log.
+- A *candidate* is a PENDING run no replica owns. It waits in the scheduler's queue here as a
+  ``Candidate``; when the scheduler places it, the router claims its lease and promotes it
+  with that placement, or gives the placement back. A control of a candidate claims it first,
+  so a replica only ever changes runs it owns.
+- A run whose lease expired is taken over (``adopt``: recovered as on start); one whose lease
+  this replica lost is demoted (its driver abandons it) and its watchers go on with a
+  ``Follower`` of the same log.
 - A control of a run another replica drives is checked against the stored run, recorded for
   the owner and answered once applied (``forward``); the owner applies what others recorded
-  in ``apply_controls``.
+  (``apply_controls``). Watchers of such a run follow it in the store (``follow``).
+
+``SharedReplicas`` (``gateway.core.replicas``) coordinates the leases and calls the router as
+its ``ReplicaHost``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
-from gateway.core.controls import Action, apply, refuse, try_on
+from gateway.core.controls import Action, apply, try_on
 from gateway.core.driver import RunDriver
 from gateway.core.errors import GatewayError, IllegalTransition, RunNotFound, StoreUnavailable
 from gateway.core.follower import Follower
+from gateway.core.placement import Placement, rewards_needed, slots_needed
 from gateway.core.replicas import CONTROL_WAIT_S, SharedReplicas
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.scheduler import Scheduler
 from gateway.core.store import NotOwner, Store, StoreWriteFailed
 from gateway.core.table import RunTable
+from trainwire.contract import task_kind
 
 _LOGGER = logging.getLogger(__name__)
 
 
-class Ownership(Protocol):
-    """How the registry's runs are divided between gateways (see the module docstring)."""
-
-    #: Whether a new run's driver drives it at once (else it is a candidate, claimed when
-    #: placed).
-    owns_new_runs: bool
-
-    async def start(self, recover: Callable[[TrainingRun], Awaitable[None]]) -> None:
-        """Brings back the active runs this gateway drives now, each through ``recover``."""
-        ...
-
-    async def stop(self) -> None:
-        """Stops: followers end, and the runs driven here are handed on (leases released)."""
-        ...
-
-    def wake_watchers(self) -> None:
-        """Wakes the watchers of runs driven elsewhere (shutdown)."""
-        ...
-
-    async def claim(self, driver: RunDriver) -> bool:
-        """Claims a placed candidate's run; False when another replica has it."""
-        ...
-
-    def lost(self, driver: RunDriver) -> None:
-        """A driver abandoned its run to another replica."""
-        ...
-
-    async def control_target(
-        self, run_id: str, driver: RunDriver | None, action: Action, speed: float
-    ) -> RunDriver | None:
-        """The driver a control of a run not driven here acts on (a claimed candidate), or
-        None when the control goes to the run's owner.
-
-        Raises:
-            RunNotFound, IllegalTransition, InvalidRequest: the control does not fit.
-        """
-        ...
-
-    async def forward(self, run_id: str, action: Action, speed: float) -> TrainingRun:
-        """Hands a control to the replica that drives the run; returns the run once applied.
-
-        Raises:
-            RunNotFound, IllegalTransition, InvalidRequest: as on the owner.
-        """
-        ...
-
-    def elsewhere(self, run: TrainingRun) -> TrainingRun:
-        """A stored active run not driven here, with its ``state_detail``."""
-        ...
-
-    def view(self, driver: RunDriver) -> Callable[[], TrainingRun]:
-        """The run as the watchers of ``driver``'s log see it (it may lose the run)."""
-        ...
-
-    def follow(self, run: TrainingRun) -> Follower | None:
-        """A follower of an active run driven elsewhere, held until ``unfollow``; None where
-        every active run is driven here."""
-        ...
-
-    def unfollow(self, follower: Follower) -> None:
-        """A watcher let go of its follower."""
-        ...
-
-
-class SoloOwnership:
-    """One gateway drives every run of its database.
+class Candidate:
+    """A PENDING run no replica owns, in this replica's queue (see the module docstring).
 
     Args:
-        store: The store (a recovered gateway reads its active runs).
-        table: The active runs.
-        scheduler: The placement queue.
+        run: The run as stored.
+        placed: Called with it and the placement the scheduler gave it (its slots reserved).
     """
 
-    owns_new_runs = True
+    def __init__(self, run: TrainingRun, placed: Callable[[Candidate, Placement], None]) -> None:
+        self.run = run
+        self.kind = task_kind(run.task)
+        self._placed = placed
+        self.pending_detail = "waiting for the scheduler"
+        #: Placed, its lease being claimed.
+        self.claiming = False
 
-    def __init__(self, store: Store, table: RunTable, scheduler: Scheduler) -> None:
-        self._store = store
-        self._table = table
-        self._scheduler = scheduler
+    @property
+    def seq(self) -> int:
+        """Creation order."""
+        return self.run.seq
 
-    async def start(self, recover: Callable[[TrainingRun], Awaitable[None]]) -> None:
-        """Recovers every active run of the store."""
-        for run in await self._store.active_runs():
-            await recover(run)
+    @property
+    def placeable(self) -> bool:
+        """Until it is placed."""
+        return not self.claiming
 
-    async def stop(self) -> None:
-        """Nothing to hand on."""
+    @property
+    def slots(self) -> int:
+        """Trainer slots its job takes."""
+        return slots_needed(self.run.task)
 
-    def wake_watchers(self) -> None:
-        """No run is driven elsewhere."""
+    @property
+    def rewards(self) -> tuple[str, ...]:
+        """Reward functions its trainers must offer beyond the built-in ones."""
+        return rewards_needed(self.run.task)
 
-    async def claim(self, driver: RunDriver) -> bool:
-        """Every run is this gateway's."""
-        return True
+    def waiting(self, why: str) -> None:
+        """The scheduler says what it waits for."""
+        self.pending_detail = why
 
-    def lost(self, driver: RunDriver) -> None:
-        """A store that fences writes refused one: the run leaves the active runs."""
-        self._table.remove(driver)
-        self._scheduler.dequeue(driver)
-
-    async def control_target(
-        self, run_id: str, driver: RunDriver | None, action: Action, speed: float
-    ) -> RunDriver | None:
-        """A run not driven here is finished (or was never there)."""
-        run = driver.run if driver is not None else await self._store.get_run(run_id)
-        if run is None:
-            raise RunNotFound(run_id)
-        refuse(run, action, speed)
-
-    async def forward(self, run_id: str, action: Action, speed: float) -> TrainingRun:
-        """No other gateway drives it: refused as for a finished run."""
-        return await self.control_target(run_id, None, action, speed)  # type: ignore[return-value]
-
-    def elsewhere(self, run: TrainingRun) -> TrainingRun:
-        """(Never the case here.)"""
-        return run
-
-    def view(self, driver: RunDriver) -> Callable[[], TrainingRun]:
-        """The driver's own run."""
-        return driver.snapshot
-
-    def follow(self, run: TrainingRun) -> Follower | None:
-        """Nothing to follow: an active run not in the table is finishing."""
-        return None
-
-    def unfollow(self, follower: Follower) -> None:
-        """(Never called here.)"""
+    def dispatch(self, placement: Placement) -> None:
+        """Placed: its lease is claimed before its job starts."""
+        self.claiming = True
+        self._placed(self, placement)
 
 
-def _elsewhere_detail(run: TrainingRun, candidate: RunDriver | None) -> str:
+def _elsewhere_detail(run: TrainingRun, candidate: Candidate | None) -> str:
     """``state_detail`` of an active run this replica does not drive."""
     if run.state is RunState.PENDING:
         if candidate is not None:
@@ -178,22 +97,21 @@ def _elsewhere_detail(run: TrainingRun, candidate: RunDriver | None) -> str:
     return f"{run.state.name.lower()}{where}, driven by another gateway replica"
 
 
-class LeasedOwnership:
+class ReplicaRouter:
     """This replica drives the runs whose lease it holds (see the module docstring); it is the
     ``ReplicaHost`` of its ``SharedReplicas``.
 
     Args:
         replicas: The coordinator of leases with the other replicas.
         store: The shared store.
-        table: The active runs (and candidates).
+        table: The runs driven here.
         scheduler: The placement queue.
-        make_driver: A new driver of a run (not owned).
+        make_driver: A new driver of a run this replica claimed.
+        spawn: Keeps a background task referenced until it is done.
         live_coalesce_s: The live wake window of followers' logs.
         clock: Monotonic seconds.
         now: Wall time in Unix nanoseconds.
     """
-
-    owns_new_runs = False
 
     def __init__(
         self,
@@ -201,7 +119,8 @@ class LeasedOwnership:
         store: Store,
         table: RunTable,
         scheduler: Scheduler,
-        make_driver: Callable[[TrainingRun, bool], RunDriver],
+        make_driver: Callable[[TrainingRun], RunDriver],
+        spawn: Callable[[Awaitable[None], str], None],
         live_coalesce_s: float,
         clock: Callable[[], float],
         now: Callable[[], int],
@@ -212,6 +131,7 @@ class LeasedOwnership:
         self._table = table
         self._scheduler = scheduler
         self._make_driver = make_driver
+        self._spawn = spawn
         self._live_coalesce_s = live_coalesce_s
         self._clock = clock
         self._now = now
@@ -224,19 +144,22 @@ class LeasedOwnership:
             weakref.WeakKeyDictionary()
         )
         self._applying: dict[str, bool] = {}  # run id -> controls arrived while applying
-        self._claiming: set[str] = set()  # candidates a control claims now
+        self._candidates: dict[str, Candidate] = {}
+        #: The claim of a PENDING run in flight (placed, or claimed by a control), shared.
+        self._claims: dict[str, asyncio.Task[RunDriver | None]] = {}
 
     # -- start and stop ------------------------------------------------------------------------
 
     async def start(self, recover: Callable[[TrainingRun], Awaitable[None]]) -> None:
-        """Queues the candidates and takes over the runs without a live lease."""
+        """Queues the candidates and takes over the runs without a live lease (each promoted
+        through ``recover``)."""
         self._recover = recover
         await self._replicas.start(self)
 
     async def stop(self) -> None:
         """Ends the followers and releases the leases on the runs driven here (after they were
         stored), so another replica takes them over at once."""
-        await self._replicas.stop([d.run.id for d in self._table.owned()])
+        await self._replicas.stop([d.run.id for d in self._table.drivers()])
         for follower in [*self._followers.values(), *self._adopted]:
             await follower.stop()
 
@@ -248,42 +171,43 @@ class LeasedOwnership:
     # -- ReplicaHost ---------------------------------------------------------------------------
 
     def owned_runs(self) -> list[str]:
-        """The runs this replica drives (and PENDING runs it claimed)."""
-        return [d.run.id for d in self._table.owned() if not d.finalizing]
+        """The runs this replica drives (PENDING runs it claimed included)."""
+        return [d.run.id for d in self._table.drivers() if not d.finalizing]
 
     def sync_candidates(self, runs: list[TrainingRun]) -> None:
         """Queues the PENDING runs no replica owns that are new here, drops the others."""
         unowned = {run.id for run in runs}
-        for driver in self._table.drivers():
-            if not driver.owned and driver.run.id not in unowned:
-                self.withdraw(driver.run.id)
+        for run_id in [c for c in self._candidates if c not in unowned]:
+            self.withdraw(run_id)
         for run in runs:
-            if self._table.get(run.id) is None:
-                self._candidate(run)
+            self.candidate(run)
+
+    def candidate(self, run: TrainingRun) -> None:
+        """Queues a PENDING run no replica owns (one not driven or queued here already)."""
+        if self._table.get(run.id) is None and run.id not in self._candidates:
+            candidate = Candidate(run, self._placed)
+            self._candidates[run.id] = candidate
+            self._scheduler.enqueue(candidate)
 
     def withdraw(self, run_id: str) -> None:
         """Drops a candidate another replica claimed (not one being claimed here)."""
-        driver = self._table.get(run_id)
-        if driver is None or driver.owned or driver.task is not None:
+        candidate = self._candidates.get(run_id)
+        if candidate is None or candidate.claiming or run_id in self._claims:
             return
-        if run_id in self._claiming:
-            return
-        self._table.remove(driver)
-        self._scheduler.dequeue(driver)
+        del self._candidates[run_id]
+        self._scheduler.dequeue(candidate)
 
     async def adopt(self, run: TrainingRun) -> None:
-        """Recovers a run this replica took over, as a restarted gateway would."""
-        existing = self._table.get(run.id)
-        if existing is not None:
-            if existing.owned:
-                return
-            self._table.remove(existing)
+        """Takes over a run: recovered as a restarted gateway would (promoted)."""
+        if self._table.get(run.id) is not None:
+            return
+        self.withdraw(run.id)
         assert self._recover is not None
         await self._recover(run)
 
     async def lose(self, run_id: str) -> None:
-        """Abandons a run whose lease this replica lost."""
-        driver = self._table.driving(run_id)
+        """Another replica holds the run's lease now: its driver abandons it (demoted)."""
+        driver = self._table.get(run_id)
         if driver is not None:
             await driver.abandon()
 
@@ -315,7 +239,7 @@ class LeasedOwnership:
     async def refresh_metadata(self, run_id: str) -> None:
         """Another replica changed the display name or labels of a run driven here: the
         driver's run takes them from the store (``update_run`` never writes them)."""
-        driver = self._table.driving(run_id)
+        driver = self._table.get(run_id)
         if driver is None:
             return
         stored = await self._store.get_run(run_id)
@@ -323,7 +247,7 @@ class LeasedOwnership:
             driver.take_metadata(stored.display_name, stored.labels)
 
     async def _apply_once(self, run_id: str) -> None:
-        driver = self._table.driving(run_id)
+        driver = self._table.get(run_id)
         if driver is None:
             return
         control = await self._leases.control(run_id)
@@ -347,67 +271,72 @@ class LeasedOwnership:
             error = str(exc)
         await self._leases.applied(run_id, control.seq, error)
 
-    # -- candidates and claims -----------------------------------------------------------------
+    # -- candidates: claimed and promoted ------------------------------------------------------
 
-    def _candidate(self, run: TrainingRun) -> RunDriver:
-        driver = self._make_driver(run, False)
-        self._table.add(driver)
-        self._scheduler.enqueue(driver)
-        return driver
+    def _placed(self, candidate: Candidate, placement: Placement) -> None:
+        self._spawn(self._start_placed(candidate, placement), f"gateway-claim-{candidate.run.id}")
 
-    async def claim(self, driver: RunDriver) -> bool:
-        """Claims a placed candidate's run for this replica."""
-        try:
-            claimed = await self._leases.claim_pending(driver.run.id)
-        except (StoreUnavailable, StoreWriteFailed) as exc:
-            _LOGGER.warning("run %s: cannot claim it: %s", driver.run.id, exc)
-            return False  # queued again with the next resync
-        if claimed is None:
-            return False
-        driver.take_speed(claimed.speed)  # what other replicas changed meanwhile
-        driver.owned = True
-        return True
+    async def _start_placed(self, candidate: Candidate, placement: Placement) -> None:
+        """A placed candidate: claimed and promoted, its job dispatched where it was placed;
+        or, claimed elsewhere first, its placement given back."""
+        driver = await self._claim(candidate.run.id)
+        if driver is None or not driver.placeable:
+            for share in placement.shares:  # the reservations end
+                self._scheduler.started(share.address, share.processes)
+            return
+        driver.dispatch(placement)
 
-    async def control_target(
-        self, run_id: str, driver: RunDriver | None, action: Action, speed: float
-    ) -> RunDriver | None:
-        """A PENDING run no replica owns is claimed here for the control; any other run not
-        driven here gets the control through its owner (None)."""
-        if driver is not None and driver.owned:  # finishing here
-            refuse(driver.run, action, speed)
-        if driver is None:
-            run = await self._store.get_run(run_id)
-            if run is None:
-                raise RunNotFound(run_id)
-            if run.state is not RunState.PENDING:
-                return None
-            driver = self._table.get(run_id) or self._candidate(run)
-            if driver.owned:
-                return driver if not driver.finalizing else None
-        self._claiming.add(run_id)
+    def _claim(self, run_id: str) -> asyncio.Task[RunDriver | None]:
+        """The claim of a PENDING run (one at a time per run): its driver once this replica
+        owns it, else None."""
+        claim = self._claims.get(run_id)
+        if claim is None:
+            claim = asyncio.ensure_future(self._promote_claimed(run_id))
+            self._claims[run_id] = claim
+            claim.add_done_callback(lambda _: self._claims.pop(run_id, None))
+        return claim
+
+    async def _promote_claimed(self, run_id: str) -> RunDriver | None:
         try:
             claimed = await self._leases.claim_pending(run_id)
-        finally:
-            self._claiming.discard(run_id)
+        except (StoreUnavailable, StoreWriteFailed) as exc:
+            _LOGGER.warning("run %s: cannot claim it: %s", run_id, exc)
+            claimed = None  # queued again with the next resync
+        candidate = self._candidates.pop(run_id, None)
+        if candidate is not None:
+            self._scheduler.dequeue(candidate)
         if claimed is None:
-            self.withdraw(run_id)
             return None
-        if self._table.get(run_id) is not driver:
-            return None  # it went meanwhile; its state is read again from the store
-        driver.take_speed(claimed.speed)
-        driver.owned = True
+        driver = self._table.get(run_id)
+        if driver is None:  # promoted: as stored when claimed (speed changes included)
+            driver = self._make_driver(claimed)
+            self._table.add(driver)
         return driver
 
-    # -- lost runs and followers ---------------------------------------------------------------
+    async def control_target(self, run_id: str) -> RunDriver | None:
+        """The driver a control of a run not driven here acts on: a PENDING run no replica
+        owns is claimed and promoted (and queued here); None when the control goes to the
+        run's owner.
 
-    def lost(self, driver: RunDriver) -> None:
-        """The driver abandoned its run: its watchers go on with a follower of its log."""
+        Raises:
+            RunNotFound: no such run.
+        """
+        run = await self._store.get_run(run_id)
+        if run is None:
+            raise RunNotFound(run_id)
+        if run.state is not RunState.PENDING:
+            return None
+        driver = await self._claim(run_id)
+        if driver is not None and driver.placeable:
+            self._scheduler.enqueue(driver)
+        return driver
+
+    # -- demoted runs and followers ------------------------------------------------------------
+
+    def demoted(self, driver: RunDriver) -> None:
+        """A driver abandoned its run to another replica: its watchers go on with a follower
+        of its log."""
         run_id = driver.run.id
-        self._table.remove(driver)
-        self._scheduler.dequeue(driver)
-        # (Its task is already cancelled here: whether it was driving shows in its state.)
-        if driver.run.state is RunState.PENDING and not driver.log.watchers:
-            return  # a candidate another replica claimed first
         _LOGGER.info(
             "run %s: another gateway replica drives it now",
             run_id,
@@ -428,7 +357,7 @@ class LeasedOwnership:
         """The driver's run, or, once it lost the run, that of the follower of its log."""
 
         def view() -> TrainingRun:
-            follower = self._successors.get(driver) if not driver.owned else None
+            follower = self._successors.get(driver)
             return follower.snapshot() if follower is not None else driver.snapshot()
 
         return view
@@ -483,7 +412,7 @@ class LeasedOwnership:
         control = await self._replicas.wait_applied(run_id, requested.seq, CONTROL_WAIT_S)
         if control is not None and control.error and control.applied == requested.seq:
             raise IllegalTransition(control.error, run_id)
-        driver = self._table.driving(run_id)
+        driver = self._table.get(run_id)
         if driver is not None:
             return driver.snapshot()  # taken over here meanwhile
         current = await self._store.get_run(run_id)
@@ -495,5 +424,5 @@ class LeasedOwnership:
         """The stored run with the ``state_detail`` of a run driven by another replica."""
         current = run.snapshot()
         if current.state.active:
-            current.state_detail = _elsewhere_detail(current, self._table.get(run.id))
+            current.state_detail = _elsewhere_detail(current, self._candidates.get(run.id))
         return current
