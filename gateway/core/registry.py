@@ -177,7 +177,11 @@ class RunRegistry:
         ]
 
     def _make_driver(self, run: TrainingRun, owned: bool) -> RunDriver:
-        return RunDriver(run, self._ctx, owned)
+        driver = RunDriver(run, self._ctx, owned)
+        if driver.publisher.details is not None:
+            # The checkpoint interval of a run whose config says 0 is its trainer's default.
+            driver.publisher.details.provider_defaults = self.scheduler.provider_defaults
+        return driver
 
     def _spawn(self, work: Awaitable[None], name: str) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(work)
