@@ -11,7 +11,7 @@ only model, dataset, reward and steps sees learning.
 This module imports neither torch nor trl: the trainer answers ``GetCapabilities`` without the
 training stack, and the tests' in-memory trainer (``tests/fakes/memory_trainer.py``) advertises
 these same values. The client package keeps a copy of the few its request checks need without a
-trainer (``trainwire._contract_base``); ``tests/unit/test_provider_defaults.py`` holds it to
+trainer (``trainwire._contract_base``); ``tests/servicer/test_provider_defaults.py`` holds it to
 what a trainer advertises.
 """
 
