@@ -8,7 +8,7 @@ from __future__ import annotations
 from gateway.core.errors import InvalidRequest
 from trainwire.contract import describe_violations, task_kind
 from trainwire.hyperparameters import Hyperparameters
-from trainwire.v1 import episode_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 
 def check_change(
@@ -42,10 +42,20 @@ def applied_to(change: Hyperparameters, task: episode_pb2.TrainTask) -> episode_
     return changed
 
 
-def has_reference_model(task: episode_pb2.TrainTask) -> bool:
-    """Whether a new job of ``task`` has a reference model (a grpo job with beta above 0, or
-    one that trains LoRA adapters: its base model, adapters disabled; other kinds have no beta
-    to check)."""
+def has_reference_model(
+    task: episode_pb2.TrainTask, defaults: trainer_service_pb2.ProviderDefaults | None = None
+) -> bool:
+    """Whether a new job of ``task`` has a reference model (a grpo job that starts with beta
+    above 0, or one that trains LoRA adapters: its base model, adapters disabled; other kinds
+    have no beta to check). A task that leaves beta unset starts with the default beta of its
+    trainer's grpo provider (``defaults``, as the trainer advertised them); without them, with
+    the contract's documented full fine-tuning default, 0 (what a trainer older than
+    ``provider_defaults`` does)."""
     if task.WhichOneof("kind") != "grpo":
         return True
-    return (task.grpo.HasField("beta") and task.grpo.beta > 0) or task.grpo.HasField("lora")
+    grpo = task.grpo
+    if grpo.HasField("lora"):
+        return True
+    if grpo.HasField("beta"):
+        return grpo.beta > 0
+    return defaults is not None and defaults.grpo.beta > 0

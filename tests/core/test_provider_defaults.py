@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 from gateway.core.details import DetailRetention
+from gateway.core.hyperparameters import has_reference_model
 from gateway.core.runs import RunState
 from tests.fakes.core_harness import Core, running_core
 from tests.fakes.memory_trainer import JobScript, MemoryTrainer
 from tests.fakes.virtual_time import VIRTUAL_TIME
-from trainer_service.providers.defaults import IMITATION, imitation_proto
-from trainwire.v1 import trainer_service_pb2
+from trainer_service.providers.defaults import GRPO, IMITATION, grpo_proto, imitation_proto
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 pytestmark = VIRTUAL_TIME
 
@@ -110,3 +111,22 @@ async def test_without_any_advertised_default_only_recorded_checkpoints_count() 
         assert details.active and details.checkpoint_every == 0
         assert not details.keeps(70, done=False) and details.keeps(75, done=False)
         await core.registry.stop(run.id)
+
+
+def test_whether_a_job_has_a_reference_model_follows_its_trainer_s_default_beta() -> None:
+    full = episode_pb2.TrainTask(grpo=episode_pb2.GrpoTask(model_path="m", dataset_path="d"))
+    lora = episode_pb2.TrainTask()
+    lora.CopyFrom(full)
+    lora.grpo.lora.SetInParent()
+    real = grpo_proto()
+    kl = grpo_proto(dataclasses.replace(GRPO, beta=0.1))
+    # Unset beta: the trainer's default (0 for full fine-tuning, as the real provider's), and
+    # without advertised defaults the contract's 0.
+    assert not has_reference_model(full, real) and not has_reference_model(full)
+    assert has_reference_model(full, kl)
+    # A beta the task sets, and LoRA, decide whatever the default.
+    full.grpo.beta = 0.0
+    assert not has_reference_model(full, kl)
+    assert has_reference_model(lora, real) and has_reference_model(lora)
+    imitation = episode_pb2.TrainTask(imitation=episode_pb2.ImitationTask(clip_name="wave"))
+    assert has_reference_model(imitation)
