@@ -275,6 +275,7 @@ def capabilities_from_proto(reply: trainer_service_pb2.GetCapabilitiesResponse) 
             for g in reply.gpus
         ),
         reward_functions=tuple(reply.reward_functions),
+        provider_defaults=dict(reply.provider_defaults),
     )
 
 
@@ -299,4 +300,5 @@ def capabilities_to_proto(caps: Capabilities) -> trainer_service_pb2.GetCapabili
             for g in caps.gpus
         ],
         reward_functions=caps.reward_functions,
+        provider_defaults=caps.provider_defaults,
     )

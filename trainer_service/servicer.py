@@ -194,6 +194,7 @@ class TrainerServicer:
             server_version=caps.server_version,
             gpus=[gpu_to_proto(gpu) for gpu in caps.gpus],
             reward_functions=caps.reward_functions,
+            provider_defaults=caps.provider_defaults,
         )
 
     async def MergeCheckpoint(

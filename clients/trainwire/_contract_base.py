@@ -36,8 +36,25 @@ MAX_ID_LENGTH = 128
 MAX_RUN_ID_LENGTH = 64
 MAX_NAME_LENGTH = 64
 MAX_DISPLAY_NAME_LENGTH = 200
-#: GrpoTask.num_generations when 0 (the trainer's default; see episode.proto).
+# The trainer's defaults that the checks need without a trainer: whether a batch is a multiple of
+# num_generations, how many reward weights a task needs, whether a fork changes more than its
+# hyperparameters, how many slots a job takes. A trainer says its own in
+# GetCapabilitiesResponse.provider_defaults; tests/unit/test_provider_defaults.py holds these to
+# what it says.
+#: GrpoTask.num_generations when 0.
 DEFAULT_GRPO_GENERATIONS = 8
+#: GrpoTask.reward_functions when empty.
+DEFAULT_REWARD_FUNCTIONS: tuple[str, ...] = ("exact_match", "format")
+#: GrpoTask.max_completion_length when 0.
+DEFAULT_GRPO_MAX_COMPLETION_LENGTH = 16
+#: GrpoTask.gradient_accumulation_steps when 0.
+DEFAULT_GRPO_GRADIENT_ACCUMULATION_STEPS = 1
+#: GrpoTask.num_processes when 0: the processes, and trainer slots, a job takes.
+DEFAULT_GRPO_PROCESSES = 1
+#: LoraConfig.rank when 0.
+DEFAULT_LORA_RANK = 16
+#: LoraConfig.alpha when 0: this many times the rank.
+DEFAULT_LORA_ALPHA_PER_RANK = 2.0
 #: Most processes one GRPO job may train on (GrpoTask.num_processes; one slot each).
 MAX_GRPO_PROCESSES = 64
 #: Physical ranges: what passes here trains (outside them rewards overflow or never end).

@@ -17,7 +17,17 @@ from __future__ import annotations
 
 from google.protobuf.message import Message
 
-from trainwire._contract_base import DEFAULT_RIG, FieldViolation, task_kind
+from trainwire._contract_base import (
+    DEFAULT_GRPO_GRADIENT_ACCUMULATION_STEPS,
+    DEFAULT_GRPO_MAX_COMPLETION_LENGTH,
+    DEFAULT_GRPO_PROCESSES,
+    DEFAULT_LORA_ALPHA_PER_RANK,
+    DEFAULT_LORA_RANK,
+    DEFAULT_REWARD_FUNCTIONS,
+    DEFAULT_RIG,
+    FieldViolation,
+    task_kind,
+)
 from trainwire.v1 import episode_pb2
 
 #: The task fields a fork may change, by kind: the hyperparameters (and, for GRPO, how many
@@ -35,15 +45,11 @@ FORK_FIELDS: dict[str, tuple[str, ...]] = {
         "gradient_checkpointing",
     ),
 }
-#: LoRA rank when ``LoraConfig.rank`` is 0 (alpha 0 means 2 x rank).
-_DEFAULT_LORA_RANK = 16
-
-#: GRPO fields whose 0 (or empty) means a default: compared with the default filled in.
+#: GRPO fields whose 0 means a default: compared with the default filled in.
 _GRPO_DEFAULTS = {
-    "reward_functions": ["exact_match", "format"],
-    "max_completion_length": 16,
-    "gradient_accumulation_steps": 1,
-    "num_processes": 1,
+    "max_completion_length": DEFAULT_GRPO_MAX_COMPLETION_LENGTH,
+    "gradient_accumulation_steps": DEFAULT_GRPO_GRADIENT_ACCUMULATION_STEPS,
+    "num_processes": DEFAULT_GRPO_PROCESSES,
 }
 
 
@@ -62,13 +68,13 @@ def _comparable(task: episode_pb2.TrainTask) -> Message | None:
             copy.rig_name = DEFAULT_RIG
     elif isinstance(copy, episode_pb2.GrpoTask):
         if not copy.reward_functions:
-            copy.reward_functions.extend(_GRPO_DEFAULTS["reward_functions"])  # type: ignore[arg-type]
-        for name in ("max_completion_length", "gradient_accumulation_steps", "num_processes"):
+            copy.reward_functions.extend(DEFAULT_REWARD_FUNCTIONS)
+        for name, default in _GRPO_DEFAULTS.items():
             if not getattr(copy, name):
-                setattr(copy, name, _GRPO_DEFAULTS[name])
+                setattr(copy, name, default)
         if copy.HasField("lora"):
-            copy.lora.rank = copy.lora.rank or _DEFAULT_LORA_RANK
-            copy.lora.alpha = copy.lora.alpha or 2.0 * copy.lora.rank
+            copy.lora.rank = copy.lora.rank or DEFAULT_LORA_RANK
+            copy.lora.alpha = copy.lora.alpha or DEFAULT_LORA_ALPHA_PER_RANK * copy.lora.rank
     return copy
 
 

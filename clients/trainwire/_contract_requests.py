@@ -20,6 +20,7 @@ from trainwire._contract_base import (
     BUILTIN_CLIPS,
     BUILTIN_RIG_BONES,
     DEFAULT_GRPO_GENERATIONS,
+    DEFAULT_REWARD_FUNCTIONS,
     DEFAULT_RIG,
     MAX_ABS_ANGLE,
     MAX_BONE_LENGTH,
@@ -253,7 +254,7 @@ def _check_range(
         out.append(FieldViolation(field, f"{value}; need {low}..{high}{default}"))
 
 
-#: LoRA ranks a task may ask for (0: the default, 16).
+#: LoRA ranks a task may ask for (0: the default, ``trainwire._contract_base.DEFAULT_LORA_RANK``).
 MAX_LORA_RANK = 256
 #: At most this many target module names, each at most this long.
 MAX_LORA_TARGETS = 256
@@ -296,8 +297,6 @@ def _check_lora(lora: episode_pb2.LoraConfig, p: str, out: list[FieldViolation])
         seen.add(name)
 
 
-#: The reward functions of a GRPO task that names none.
-DEFAULT_REWARD_FUNCTIONS: tuple[str, ...] = ("exact_match", "format")
 #: A reward of a trainer's --reward-module: MODULE:FUNCTION (a public function).
 _CUSTOM_REWARD = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z]\w*", re.ASCII)
 MAX_REWARD_NAME_LENGTH = 256

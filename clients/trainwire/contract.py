@@ -40,6 +40,8 @@ from trainwire._contract_base import (
     BUILTIN_CLIPS,
     BUILTIN_RIG_BONES,
     DEFAULT_GRPO_GENERATIONS,
+    DEFAULT_GRPO_PROCESSES,
+    DEFAULT_REWARD_FUNCTIONS,
     DEFAULT_RIG,
     MAX_ABS_ANGLE,
     MAX_BONE_LENGTH,
@@ -71,7 +73,6 @@ from trainwire._contract_base import (
 )
 from trainwire._contract_fork import FORK_FIELDS, fork_differences
 from trainwire._contract_requests import (
-    DEFAULT_REWARD_FUNCTIONS,
     LIVE_HYPERPARAMETERS,
     bad_request,
     check_create_run,
@@ -92,6 +93,7 @@ __all__ = [
     "BUILTIN_CLIPS",
     "BUILTIN_RIG_BONES",
     "DEFAULT_GRPO_GENERATIONS",
+    "DEFAULT_GRPO_PROCESSES",
     "DEFAULT_REWARD_FUNCTIONS",
     "DEFAULT_RIG",
     "FORK_FIELDS",

@@ -10,8 +10,9 @@ of:
   episodes keeps every detail its trainer sent, a 1M-episode run one in every 100 episodes
   (about 10,000 details whatever its length);
 - its last episode;
-- every checkpoint's episode (the recorded ones, and every multiple of ``checkpoint_every``,
-  so a downloaded model has the motion it made);
+- every checkpoint's episode (the recorded ones, and every multiple of the run's checkpoint
+  interval, so a downloaded model has the motion it made: its ``checkpoint_every``, or where
+  that is 0 the default its trainer advertises, see ``DetailRetention.checkpoint_every``);
 - the best: the episode with the highest reward among those with detail, in each stretch of
   episodes thinned at once, so the run's best motion stays whatever comes after it.
 
@@ -38,12 +39,13 @@ from collections.abc import Callable
 
 from gateway.core.runs import TrainingRun
 from gateway.core.store import NotOwner, Store, StoreWriteFailed
+from trainwire.v1 import trainer_service_pb2
 
 _LOGGER = logging.getLogger(__name__)
 
-#: Checkpoint every this many episodes when a run's config says 0 (the providers' defaults, as
-#: ``TrainConfig.checkpoint_every`` documents them).
-PROVIDER_CHECKPOINT_EVERY = {"imitation": 500, "grpo": 50}
+#: What a provider trains with by default, as a trainer advertised it: ``(kind, address)`` -> its
+#: ``ProviderDefaults``, or None where none was advertised (``Scheduler.provider_defaults``).
+DefaultsLookup = Callable[[str, str], trainer_service_pb2.ProviderDefaults | None]
 
 
 def detail_stride(max_episodes: int, details_per_run: int) -> int:
@@ -56,13 +58,16 @@ class DetailRetention:
 
     Args:
         run: The run.
-        kind: Its task's kind (for the provider's checkpoint interval).
+        kind: Its task's kind (whose provider's checkpoint interval counts).
         store: Where its episodes are.
         spawn: Runs a background task.
         forget_pages: Drops cached history pages of ``(run_id, first, last)``.
         live_episodes: The live tail's length: details are dropped twice that far behind, a
             chunk of twice that many at a time.
         details_per_run: Sets the stride.
+        provider_defaults: Where the providers' defaults are looked up (for the checkpoint
+            interval of a run whose config says 0); None: nowhere, so such a run keeps only
+            its recorded checkpoints' details.
     """
 
     def __init__(
@@ -74,17 +79,17 @@ class DetailRetention:
         forget_pages: Callable[[str, int, int], None],
         live_episodes: int,
         details_per_run: int,
+        provider_defaults: DefaultsLookup | None = None,
     ) -> None:
         self._run = run
+        self._kind = kind
+        self.provider_defaults = provider_defaults
         self._store = store
         self._spawn = spawn
         self._forget_pages = forget_pages
         # A fork keeps as many details as a run of its own length (from its fork episode).
         self.stride = detail_stride(run.config.max_episodes - run.fork_episode, details_per_run)
         self._window = self._chunk = 2 * live_episodes
-        self._checkpoint_every = run.config.checkpoint_every or PROVIDER_CHECKPOINT_EVERY.get(
-            kind, 0
-        )
         #: Episodes through this one are settled (0 after a restart: the first chunk settles
         #: what a previous gateway left recent, a quick delete of few rows; a fork has nothing
         #: before its fork episode).
@@ -99,15 +104,27 @@ class DetailRetention:
         every detail)."""
         return self.stride > 1
 
+    @property
+    def checkpoint_every(self) -> int:
+        """The run's checkpoint interval: its config's ``checkpoint_every``; where that is 0, the
+        provider's default as the trainer the run is placed on (rank 0's, ``run.trainer``)
+        advertises it, or, before the run is placed and where that trainer advertises none (one
+        older than ``provider_defaults``), as another trainer of this gateway does. 0 while no
+        trainer has advertised one: then only the checkpoints recorded when a stretch is
+        settled keep their details."""
+        every = self._run.config.checkpoint_every
+        if every or self.provider_defaults is None:
+            return every
+        defaults = self.provider_defaults(self._kind, self._run.trainer)
+        return defaults.checkpoint_every if defaults is not None else 0
+
     def keeps(self, episode: int, done: bool) -> bool:
         """Whether an episode's detail is kept for good when it is committed (the others are
         recent until settled)."""
-        return (
-            not self.active
-            or done
-            or episode % self.stride == 0
-            or bool(self._checkpoint_every and episode % self._checkpoint_every == 0)
-        )
+        if not self.active or done or episode % self.stride == 0:
+            return True
+        every = self.checkpoint_every
+        return bool(every and episode % every == 0)
 
     def committed(self, episode: int, reward: float, has_detail: bool) -> None:
         """An episode was committed; settles a chunk once one is far enough behind."""

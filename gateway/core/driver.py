@@ -88,6 +88,7 @@ class RunDriver:
             ctx.forget_pages,
             settings.live_episodes,
             settings.details_per_run,
+            provider_defaults=ctx.provider_defaults,
         )
         self.publisher = Publisher(
             run, self.log, self.pacer, ctx.store, ctx.observer, self.grants.maybe, details
@@ -385,7 +386,8 @@ class RunDriver:
             TrainerUnavailable: its trainer could not be reached (or its job is starting).
         """
         run = self.run
-        if job_takes(change, run, self.state):
+        defaults = self._ctx.provider_defaults("grpo", self._trainer)
+        if job_takes(change, run, self.state, defaults):
             timeout = self._ctx.settings.trainer_call_timeout_s
             await tell_job(self._ctx.connector, self._trainer, run.id, change, timeout)
         run.retask(applied_to(change, run.task))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from gateway.core.checkpoints import CheckpointFiles
+from gateway.core.details import DefaultsLookup
 from gateway.core.observer import Observer
 from gateway.core.runs import TrainingRun
 from gateway.core.settings import CoreSettings
@@ -50,6 +51,9 @@ class DriverContext:
     scheduler: SchedulerHooks
     #: Takes a driver that let its run go to another replica out of the runs driven here.
     demoted: Callable[[RunDriver], None]
+    #: What a provider trains with where a task leaves a field unset, as a trainer advertised
+    #: it (``Scheduler.provider_defaults``: kind, trainer address).
+    provider_defaults: DefaultsLookup
     clock: Callable[[], float]
     now: Callable[[], int]
     #: Called once a run is finalized (it leaves the active runs).

@@ -16,7 +16,7 @@ from gateway.core.trainers import (
 )
 from trainwire.contract import describe_violations, task_kind
 from trainwire.hyperparameters import Hyperparameters
-from trainwire.v1 import episode_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 
 def check_change(
@@ -50,16 +50,31 @@ def applied_to(change: Hyperparameters, task: episode_pb2.TrainTask) -> episode_
     return changed
 
 
-def has_reference_model(task: episode_pb2.TrainTask) -> bool:
-    """Whether a new job of ``task`` has a reference model (a grpo job with beta above 0, or
-    one that trains LoRA adapters: its base model, adapters disabled; other kinds have no beta
-    to check)."""
+def has_reference_model(
+    task: episode_pb2.TrainTask, defaults: trainer_service_pb2.ProviderDefaults | None = None
+) -> bool:
+    """Whether a new job of ``task`` has a reference model (a grpo job that starts with beta
+    above 0, or one that trains LoRA adapters: its base model, adapters disabled; other kinds
+    have no beta to check). A task that leaves beta unset starts with the default beta of its
+    trainer's grpo provider (``defaults``, as the trainer advertised them); without them, with
+    the contract's documented full fine-tuning default, 0 (what a trainer older than
+    ``provider_defaults`` does)."""
     if task.WhichOneof("kind") != "grpo":
         return True
-    return (task.grpo.HasField("beta") and task.grpo.beta > 0) or task.grpo.HasField("lora")
+    grpo = task.grpo
+    if grpo.HasField("lora"):
+        return True
+    if grpo.HasField("beta"):
+        return grpo.beta > 0
+    return defaults is not None and defaults.grpo.beta > 0
 
 
-def job_takes(change: Hyperparameters, run: TrainingRun, state: lc.State) -> bool:
+def job_takes(
+    change: Hyperparameters,
+    run: TrainingRun,
+    state: lc.State,
+    defaults: trainer_service_pb2.ProviderDefaults | None = None,
+) -> bool:
     """Checks ``change`` for ``run`` in lifecycle ``state``: True when its job must be told
     (it applies from the job's next optimizer step), False when the run has no job (parked, or
     waiting to be placed again) and its task alone takes it (the next job trains with it).
@@ -69,6 +84,8 @@ def job_takes(change: Hyperparameters, run: TrainingRun, state: lc.State) -> boo
         IllegalTransition: the run is not RUNNING or PAUSED, or its job trained its last
             episode.
         TrainerUnavailable: its job is being placed on a trainer.
+
+    ``defaults``: those of the run's trainer's provider (for a task that leaves beta unset).
     """
     check_change(change, run.id, run.task, reference_model=True)
     what = f"cannot change the hyperparameters of run {run.id!r}"
@@ -78,7 +95,7 @@ def job_takes(change: Hyperparameters, run: TrainingRun, state: lc.State) -> boo
         last = f"{what}: its trainer has trained its last episode ({run.trainer_episode})"
         raise IllegalTransition(last, run.id)
     if not isinstance(state, (lc.Running, lc.Placing)) or lc.parked(state):
-        check_change(change, run.id, run.task, has_reference_model(run.task))
+        check_change(change, run.id, run.task, has_reference_model(run.task, defaults))
         return False
     if isinstance(state, lc.Placing):
         again = f"run {run.id!r} is being placed on a trainer again; try again in a moment"

@@ -15,24 +15,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.core.trainers import JobPlacement
-from trainwire.contract import REWARD_FUNCTIONS
+from trainwire.contract import DEFAULT_GRPO_PROCESSES, REWARD_FUNCTIONS
 from trainwire.v1 import episode_pb2
 
 
 def rewards_needed(task: episode_pb2.TrainTask) -> tuple[str, ...]:
     """The reward functions a job of ``task`` needs that not every trainer of its kind has:
     a GRPO task's ``MODULE:FUNCTION`` rewards (from a trainer's ``--reward-module``), in order.
-    Every GRPO trainer offers the built-in ones."""
+    Every GRPO trainer offers the built-in ones, and a task that names none trains with its
+    trainer's default ones, which that trainer offers: it needs none."""
     if task.WhichOneof("kind") != "grpo":
         return ()
     return tuple(name for name in task.grpo.reward_functions if name not in REWARD_FUNCTIONS)
 
 
 def slots_needed(task: episode_pb2.TrainTask) -> int:
-    """Trainer slots a job of ``task`` takes: a GRPO job one per process
-    (``grpo.num_processes``, 0 meaning 1), any other job one."""
+    """Trainer slots a job of ``task`` takes: a GRPO job one per process (``grpo.num_processes``,
+    0 meaning the contract's default, 1, which every trainer advertises as
+    ``ProviderDefaults.grpo.num_processes``: a run's slots are counted before a trainer is
+    chosen), any other job one."""
     if task.WhichOneof("kind") == "grpo":
-        return max(1, task.grpo.num_processes)
+        return max(1, task.grpo.num_processes or DEFAULT_GRPO_PROCESSES)
     return 1
 
 

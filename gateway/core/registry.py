@@ -138,6 +138,7 @@ class RunRegistry:
             observer=self._observer,
             scheduler=self.scheduler,
             demoted=self._demoted,
+            provider_defaults=self.scheduler.provider_defaults,
             clock=clock,
             now=wall_clock,
             on_end=self._ended,

@@ -22,6 +22,10 @@ a run no trainer offers a provider (or a reward) for waits without blocking the 
 Every waiting run is told what it waits for (``waiting``), with the slots it
 needs and those free.
 
+``provider_defaults`` says what a provider trains with where a task leaves a field at 0, as a
+trainer advertised it (``GetCapabilitiesResponse.provider_defaults``): the detail retention reads
+a run's checkpoint interval from it.
+
 ``capacity`` tells ``CreateRun`` how many slots the answering trainers that offer a kind have
 in all, so that a job bigger than all of them together is refused instead of waiting forever,
 and ``reward_functions`` which reward functions the trainers that offer it have ever offered,
@@ -37,7 +41,7 @@ import bisect
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,6 +49,7 @@ from gateway.core.observer import Observer
 from gateway.core.placement import Placement
 from gateway.core.settings import CoreSettings
 from gateway.core.trainers import Capabilities, TrainerConnector, TrainerError
+from trainwire.v1 import trainer_service_pb2
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -108,6 +113,8 @@ class TrainerState:
         asked_at: When it was last asked (monotonic seconds).
         known_rewards: The reward functions it offered when it last answered (kept while it
             does not answer); None before its first answer.
+        known_defaults: Its providers' defaults as it last advertised them (kept while it does
+            not answer); empty before its first answer, or when it advertises none.
     """
 
     address: str
@@ -120,6 +127,7 @@ class TrainerState:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     asked_at: float = -math.inf
     known_rewards: frozenset[str] | None = None
+    known_defaults: Mapping[str, trainer_service_pb2.ProviderDefaults] = field(default_factory=dict)
 
     @property
     def free(self) -> int:
@@ -249,6 +257,23 @@ class Scheduler:
         ]
         return frozenset().union(*known) if known else None
 
+    def provider_defaults(
+        self, kind: str, address: str = ""
+    ) -> trainer_service_pb2.ProviderDefaults | None:
+        """What provider ``kind`` trains with where a task leaves a field at 0: as the trainer at
+        ``address`` last advertised it (a run's trainer, whether it answers now or not). Where
+        that trainer advertised none (it is older than ``provider_defaults``, or ``address`` is
+        empty or not configured), as the first configured trainer that advertised them for
+        ``kind`` did: trainers of one deployment run the same providers. None while no trainer
+        has advertised them for ``kind``."""
+        state = self.trainers.get(address)
+        if state is not None and kind in state.known_defaults:
+            return state.known_defaults[kind]
+        for other in self.trainers.values():
+            if kind in other.known_defaults:
+                return other.known_defaults[kind]
+        return None
+
     def capacity(self, kind: str) -> tuple[int, str] | None:
         """The slots of every answering trainer that offers ``kind`` together, and each one's
         (for people: ``A 2, B 1``); None while no trainer that offers it has answered."""
@@ -333,6 +358,7 @@ class Scheduler:
                 _LOGGER.info("trainer %s reachable again", address)
             state.caps = caps
             state.known_rewards = frozenset(caps.reward_functions)
+            state.known_defaults = caps.provider_defaults
             state.error = ""
             state.started -= started  # those are in its answer
             if was_stale and not state.probe_now:

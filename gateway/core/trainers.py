@@ -13,13 +13,13 @@ asks trainers for LoRA checkpoints merged into their base model (merged download
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias, runtime_checkable
 
 from trainwire.contract import FieldViolation
 from trainwire.hyperparameters import Hyperparameters
-from trainwire.v1 import episode_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 
 class TrainerError(Exception):
@@ -131,6 +131,11 @@ class Capabilities:
     gpus: tuple[Gpu, ...] = ()
     #: Every reward function name a GRPO task may use there (placement reads it too).
     reward_functions: tuple[str, ...] = ()
+    #: Each provider's defaults, by provider name (``GetCapabilitiesResponse.provider_defaults``;
+    #: empty from a trainer that does not advertise them).
+    provider_defaults: Mapping[str, trainer_service_pb2.ProviderDefaults] = field(
+        default_factory=dict
+    )
 
 
 @dataclass(frozen=True, slots=True)

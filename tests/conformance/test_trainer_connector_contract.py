@@ -39,6 +39,7 @@ from gateway.core.trainers import (
 from tests.conformance.conftest import Trainers
 from tests.fakes.episodes import reward_of
 from tests.fakes.waiting import TIMEOUT, until
+from trainer_service.providers.defaults import grpo_proto, imitation_proto
 from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
@@ -162,8 +163,13 @@ async def test_capabilities_report_providers_and_slots(trainers: Trainers) -> No
     trainers.add(A, 2)
     caps = await trainers.connector.capabilities(A, TIMEOUT)
     assert (caps.providers, caps.slots_total, caps.slots_free) == (("imitation",), 2, 2)
+    # The real imitation provider's defaults, from their one source.
+    assert dict(caps.provider_defaults) == {"imitation": imitation_proto()}
+    trainers.add(B, 1, grpo=True)
+    both = await trainers.connector.capabilities(B, TIMEOUT)
+    assert dict(both.provider_defaults) == {"imitation": imitation_proto(), "grpo": grpo_proto()}
     with pytest.raises(TrainerLost):
-        await trainers.connector.capabilities(B, TIMEOUT)  # nobody there
+        await trainers.connector.capabilities("trainer-c:50051", TIMEOUT)  # nobody there
 
 
 # -- grants ------------------------------------------------------------------------------------

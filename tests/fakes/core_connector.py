@@ -46,19 +46,22 @@ from trainer_service.core.provider import (
 from trainer_service.core.registry import ProviderRegistry
 from trainer_service.core.slots import SlotPool
 from trainer_service.providers import grpo
+from trainer_service.providers.defaults import IMITATION, imitation_proto
 from trainer_service.servicer import TrainerServicer
 from trainwire.contract import FieldViolation
 from trainwire.hyperparameters import Hyperparameters
-from trainwire.v1 import episode_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 from trainwire_ops.checkpoints import CheckpointStore
-
-#: The learning rate of an imitation job whose task leaves it at 0 (the imitation provider's,
-#: ``trainer_service.providers.imitation.DEFAULT_LEARNING_RATE``; that module imports torch).
-DEFAULT_LEARNING_RATE = 0.03
 
 
 class CoreProvider:
-    """A torch-less imitation provider for the real job runner (see the module docstring)."""
+    """A torch-less imitation provider for the real job runner (see the module docstring), with
+    the real imitation provider's defaults (from their torch-free source)."""
+
+    DEFAULT_CHECKPOINT_EVERY = IMITATION.checkpoint_every
+
+    def defaults(self) -> trainer_service_pb2.ProviderDefaults:
+        return imitation_proto()
 
     def validate(
         self,
@@ -70,7 +73,9 @@ class CoreProvider:
         return []
 
     def hyperparameters(self, task: episode_pb2.TrainTask) -> Hyperparameters:
-        return Hyperparameters(learning_rate=task.imitation.learning_rate or DEFAULT_LEARNING_RATE)
+        return Hyperparameters(
+            learning_rate=task.imitation.learning_rate or IMITATION.learning_rate
+        )
 
     def run(self, job: TrainJob) -> Generator[episode_pb2.Episode, None, bool]:
         """Yields the job's episodes; returns whether it trained its last one."""
@@ -150,9 +155,14 @@ class CoreGrpoProvider(CoreProvider):
     provider, so its ``meetings`` are where they meet.
     """
 
+    DEFAULT_CHECKPOINT_EVERY = grpo.DEFAULT_CHECKPOINT_EVERY
+
     def __init__(self) -> None:
         self.meetings: dict[str, _Meeting] = {}
         self._lock = threading.Lock()
+
+    def defaults(self) -> trainer_service_pb2.ProviderDefaults:
+        return grpo.defaults()
 
     def hyperparameters(self, task: episode_pb2.TrainTask) -> Hyperparameters:
         return grpo.hyperparameters(task)

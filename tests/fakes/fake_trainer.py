@@ -34,6 +34,7 @@ from tests.fakes.episodes import scripted_episodes, valid_episodes
 from tests.fakes.playback import ScriptPlayer, abort_with
 from tests.fakes.scripts import VIOLATIONS, Script
 from tests.fakes.waiting import TIMEOUT
+from trainer_service.providers.defaults import BY_PROVIDER
 from trainwire.reasons import ErrorReason
 from trainwire.v1 import trainer_service_pb2, trainer_service_pb2_grpc
 
@@ -70,6 +71,8 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
         providers: What GetCapabilities reports.
         default: The script for calls with nothing queued.
         gpus: The GPUs GetCapabilities reports (``gpus`` may be changed while it serves).
+        provider_defaults: Whether GetCapabilities advertises its providers' defaults (the real
+            providers', from their torch-free source); False: a trainer older than them.
     """
 
     def __init__(
@@ -78,10 +81,12 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
         providers: tuple[str, ...] = ("imitation", "grpo"),
         default: Script | None = None,
         gpus: tuple[trainer_service_pb2.Gpu, ...] = (),
+        provider_defaults: bool = True,
     ) -> None:
         self.slots = slots
         self.providers = providers
         self.gpus = gpus
+        self.provider_defaults = provider_defaults
         self.hang_capabilities = threading.Event()  # set: GetCapabilities hangs
         self.default = default or Script()
         self.scripts: deque[Script] = deque()
@@ -207,6 +212,11 @@ class FakeTrainer(ScriptPlayer, trainer_service_pb2_grpc.TrainerServiceServicer)
             slots_free=free,
             server_version="fake",
             gpus=list(self.gpus),
+            provider_defaults={
+                kind: make()
+                for kind, make in BY_PROVIDER.items()
+                if kind in self.providers and self.provider_defaults
+            },
         )
 
     def Train(

@@ -15,17 +15,22 @@ or re-attaches a stream to one. Like the real trainer (``trainer_service.core.jo
 - releases its slot once its provider stopped (the done episode produced, a failure, or
   ``cancel_job``).
 
-Checkpoints: a job with ``config.checkpoint_every`` writes one after every that many episodes
-and after its done episode into the connector's shared store (``MemoryConnector.checkpoints``,
-reachable by every trainer like a shared filesystem), and its stream reports each after the
-episode it was taken after. ``cancel_job(checkpoint=True)`` writes one at the job's last
-episode (none before its first: "the job had not trained an episode", as the real core says).
+Checkpoints: a job writes one after every ``config.checkpoint_every`` episodes (0: its trainer's
+advertised default, ``MemoryTrainer.provider_defaults``) and after its done episode into the
+connector's shared store (``MemoryConnector.checkpoints``, reachable by every trainer like a
+shared filesystem), and its stream reports each after the episode it was taken after.
+``cancel_job(checkpoint=True)`` writes one at the job's last episode (none before its first:
+"the job had not trained an episode", as the real core says).
 A ``train`` with ``resume_from`` starts from the first candidate in the store that is not marked
 ``corrupt`` and says so first (``Resumed``), numbering on from it; a candidate may be another
 run's (a fork starts from its parent's checkpoint).
 
-Live hyperparameters: a job starts with its task's (the providers' defaults applied: grpo's are
-the real provider's own rules) and ``set_hyperparameters`` changes them for the episodes it
+Defaults: a trainer advertises each provider's (``Capabilities.provider_defaults``), and by
+default the real providers' own, from their torch-free source
+(``trainer_service.providers.defaults``), never a copy; a test may give one other values.
+
+Live hyperparameters: a job starts with its task's (the providers' defaults applied: the real
+providers' own rules) and ``set_hyperparameters`` changes them for the episodes it
 produces after the call (it refuses as the real trainer does: a job that produced its last
 episode, beta above 0 for a grpo job without a reference model, i.e. full fine-tuning started
 with beta 0). With ``MemoryTrainer.hyperparameter_metrics`` every episode carries the values it
@@ -85,6 +90,7 @@ from gateway.core.trainers import (
     TrainerRefused,
 )
 from tests.fakes.episodes import broken, make_episode, reward_of
+from trainer_service.providers.defaults import BY_PROVIDER, IMITATION
 from trainer_service.providers.grpo.hyperparameters import has_reference_model as grpo_reference
 from trainer_service.providers.grpo.hyperparameters import hyperparameters as grpo_initial
 from trainwire.contract import (
@@ -93,7 +99,7 @@ from trainwire.contract import (
     task_kind,
 )
 from trainwire.hyperparameters import Hyperparameters
-from trainwire.v1 import episode_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 #: Seconds between two heartbeats of a stream whose job waits (the real trainer's default).
 HEARTBEAT_S = 5.0
@@ -152,11 +158,6 @@ class HyperparametersCall:
 
 Call = TrainCall | GrantCall | CancelCall | HyperparametersCall
 
-#: The learning rate of an imitation job whose task leaves it at 0 (the imitation provider's
-#: ``DEFAULT_LEARNING_RATE``: that module imports torch, so the value is copied here; the
-#: conformance suite, ``tests/conformance``, holds it to the real trainer's).
-IMITATION_LEARNING_RATE = 0.03
-
 
 def initial_hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:
     """The live hyperparameters a job of ``task`` starts with, defaults applied: for grpo the
@@ -164,7 +165,7 @@ def initial_hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:
     learning rate and beta differ)."""
     if task_kind(task) == "imitation":
         return Hyperparameters(
-            learning_rate=task.imitation.learning_rate or IMITATION_LEARNING_RATE
+            learning_rate=task.imitation.learning_rate or IMITATION.learning_rate
         )
     return grpo_initial(task)
 
@@ -248,6 +249,11 @@ class MemoryJob:
     ) -> None:
         self.trainer = trainer
         self.run_id = run_id
+        #: Episodes between its checkpoints: its config's, else its trainer's default.
+        defaults = trainer.provider_defaults.get(task_kind(task))
+        self.checkpoint_every = config.checkpoint_every or (
+            defaults.checkpoint_every if defaults is not None else 0
+        )
         #: Its share of a job that spans trainers (None: the whole job).
         self.placement = placement
         #: Slots it holds.
@@ -371,7 +377,7 @@ class MemoryJob:
         if self.trainer.hyperparameter_metrics:
             episode.metrics.update(self.hyperparameters.as_dict())
         self.produced.append(episode)
-        every = self.config.checkpoint_every
+        every = self.checkpoint_every
         # Like the real trainer's providers (``JobCheckpoints.due``): after every that many
         # episodes and, whatever ``checkpoint_every``, after the last.
         if (every and n % every == 0) or episode.done:
@@ -649,6 +655,9 @@ class MemoryTrainer:
         killed: It is gone: streams and calls raise ``TrainerLost``.
         jobs: Its live jobs by run id.
         probes: ``capabilities`` calls it answered.
+        provider_defaults: Each provider's defaults, as it advertises them and its jobs apply
+            them (``checkpoint_every``): the real providers' own by default (see the module
+            docstring); empty, it is a trainer older than ``provider_defaults``.
     """
 
     address: str
@@ -670,6 +679,9 @@ class MemoryTrainer:
     #: trainers).
     rendezvous: dict[str, MemoryJob] = field(default_factory=dict)
     _scripts: deque[JobScript] = field(default_factory=deque)
+    provider_defaults: dict[str, trainer_service_pb2.ProviderDefaults] = field(
+        default_factory=lambda: {kind: make() for kind, make in BY_PROVIDER.items()}
+    )
 
     @property
     def slots_free(self) -> int:
@@ -711,6 +723,11 @@ class MemoryTrainer:
             self.slots_free,
             device="memory",
             reward_functions=self.reward_functions,
+            provider_defaults={
+                kind: defaults
+                for kind, defaults in self.provider_defaults.items()
+                if kind in self.providers
+            },
         )
 
     def open(

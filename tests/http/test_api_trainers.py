@@ -15,6 +15,7 @@ from tests.fakes.fake_trainer import FakeTrainer
 from tests.fakes.gateway_harness import running_gateway
 from tests.fakes.waiting import TIMEOUT, until
 from tests.http.conftest import Http
+from trainer_service.providers.defaults import grpo_proto, imitation_proto
 from trainwire.v1 import trainer_service_pb2
 
 GIB = 1 << 30
@@ -33,12 +34,15 @@ def test_a_trainer_s_answer_converts_both_ways_with_its_gpus() -> None:
             Gpu(0, "NVIDIA H200", 141 * GIB, 20 * GIB, 0.5),
             Gpu(3, "NVIDIA H200", 141 * GIB, 0, 0.0),
         ),
+        provider_defaults={"imitation": imitation_proto(), "grpo": grpo_proto()},
     )
     message = capabilities_to_proto(caps)
+    assert message.provider_defaults["grpo"].grpo.num_generations == 8
     assert [g.index for g in message.gpus] == [0, 3]
     assert message.gpus[0].memory_used_bytes == 20 * GIB
     assert capabilities_from_proto(message) == caps
-    assert capabilities_from_proto(trainer_service_pb2.GetCapabilitiesResponse()).gpus == ()
+    older = capabilities_from_proto(trainer_service_pb2.GetCapabilitiesResponse())
+    assert (older.gpus, dict(older.provider_defaults)) == ((), {})
 
 
 async def test_the_trainers_are_listed_with_their_gpus_and_why_one_does_not_answer(
@@ -49,7 +53,7 @@ async def test_the_trainers_are_listed_with_their_gpus_and_why_one_does_not_answ
         utilization=0.25,
     )  # fmt: skip
     with_gpu = make_fake(slots=2, gpus=(gpu,))
-    cpu = make_fake(slots=1)
+    cpu = make_fake(slots=1, provider_defaults=False)  # a trainer older than provider_defaults
     trainers = (with_gpu.address, cpu.address, "127.0.0.1:9")
     async with (
         running_gateway(trainers, http_port=0) as client,
@@ -64,6 +68,21 @@ async def test_the_trainers_are_listed_with_their_gpus_and_why_one_does_not_answ
             return listed if asked else None
 
         first, second, gone = await until(answered, "every trainer asked")
+    # What each provider's 0 fields mean on that trainer, as it advertised them.
+    defaults = first["capabilities"].pop("providerDefaults")
+    assert defaults["imitation"] == {
+        "checkpointEvery": 500,
+        "imitation": {"groupSize": 16, "learningRate": 0.03},
+    }
+    assert defaults["grpo"]["checkpointEvery"] == 50
+    assert defaults["grpo"]["grpo"]["numGenerations"] == 8
+    assert defaults["grpo"]["grpo"]["lora"] == {
+        "rank": 16,
+        "alphaPerRank": 2.0,
+        "learningRate": 0.01,
+        "beta": 0.04,
+    }
+    assert "providerDefaults" not in second["capabilities"]
     assert first == {
         "address": with_gpu.address,
         "reachable": True,

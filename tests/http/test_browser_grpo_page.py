@@ -266,7 +266,9 @@ def trainers(driver: WebDriver) -> dict[str, Any]:
         "for (const t of document.querySelectorAll('#trainers li.trainer')) {"
         "  out[t.dataset.address] = { reachable: t.dataset.reachable, text: t.innerText,"
         "    gpus: [...t.querySelectorAll('li.gpu')]"
-        "      .map((g) => ({ ...g.dataset, text: [...g.children].map((c) => c.textContent) })) };"
+        "      .map((g) => ({ ...g.dataset, text: [...g.children].map((c) => c.textContent) })),"
+        "    defaults: [...t.querySelectorAll('.provider-defaults li')]"
+        "      .map((d) => ({ ...d.dataset, text: d.textContent })) };"
         "}"
         "return out;"
     )
@@ -296,6 +298,16 @@ def test_the_runs_view_shows_each_trainer_s_gpus_and_follows_them(
     assert gpus[1]["text"] == [f"cuda:1 {H100}", "71.9 / 80.0 GiB", "0%", ""]
     assert "8/8 slots free" in shown[fake.address]["text"]
     assert shown[cpu.address]["gpus"] == [] and "no GPUs" in shown[cpu.address]["text"]
+    # What a task's 0 fields mean on each trainer, as it advertised them.
+    defaults = {d["provider"]: d for d in shown[fake.address]["defaults"]}
+    assert defaults["imitation"] == {
+        "provider": "imitation",
+        "checkpointEvery": "500",
+        "text": "imitation: checkpoint every 500; group size 16; learning rate 0.03",
+    }
+    assert defaults["grpo"]["checkpointEvery"] == "50"
+    assert "8 generations of 16 prompts a step" in defaults["grpo"]["text"]
+    assert "LoRA rank 16, alpha 2 x rank, learning rate 0.01, beta 0.04" in defaults["grpo"]["text"]
     assert shown["127.0.0.1:9"]["reachable"] == "false"
     assert "connection refused" in shown["127.0.0.1:9"]["text"]
     assert attr(page, "trainers-status", "textContent") == "2 of 3 answering"

@@ -47,6 +47,13 @@ def test_get_capabilities(trainer: tuple[str, TrainerMetrics]) -> None:
     # grpcurl prints the proto field names, not their lowerCamelCase JSON names.
     assert (reply["slots_total"], reply["slots_free"]) == (1, 1)
     assert reply["device"] == "cpu"
+    # What an imitation task's 0 fields mean on this trainer.
+    assert reply["provider_defaults"] == {
+        "imitation": {
+            "checkpoint_every": 500,
+            "imitation": {"group_size": 16, "learning_rate": 0.03},
+        }
+    }
 
 
 def test_health_check(trainer: tuple[str, TrainerMetrics]) -> None:

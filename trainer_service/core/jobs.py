@@ -589,7 +589,17 @@ class JobRunner:
             server_version=self._server_version,
             gpus=tuple(self._gpus()),
             reward_functions=self._reward_functions(),
+            provider_defaults=self._provider_defaults(),
         )
+
+    def _provider_defaults(self) -> dict[str, trainer_service_pb2.ProviderDefaults]:
+        """Each available provider's defaults (those that say them), by name."""
+        found: dict[str, trainer_service_pb2.ProviderDefaults] = {}
+        for kind in self._registry.available():
+            defaults = getattr(self._registry.get(kind), "defaults", None)
+            if defaults is not None:
+                found[kind] = defaults()
+        return found
 
     def _reward_functions(self) -> tuple[str, ...]:
         """Every reward name the providers offer here (those that have rewards), in order."""

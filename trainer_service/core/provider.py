@@ -9,7 +9,9 @@ Sequence[str]`` (the reward names its tasks may use on this trainer: ``GetCapabi
 optionally
 ``slots_needed(task) -> int`` (slots, i.e. devices, the job takes: one per process it runs; 1
 without it), and ``DEFAULT_CHECKPOINT_EVERY`` (its checkpoint interval when the config leaves
-``checkpoint_every`` at 0), and optionally ``hyperparameters(task)`` and
+``checkpoint_every`` at 0), optionally ``defaults() -> ProviderDefaults`` (what its jobs train
+with where a task leaves a field at 0, ``checkpoint_every`` included: ``GetCapabilities``
+advertises it), and optionally ``hyperparameters(task)`` and
 ``check_hyperparameters(task, change)`` (its live hyperparameters, see
 ``trainer_service.core.hyperparameters``: it takes ``job.hyperparameters``' changes before each
 optimizer step and reports the values each step used as metrics). The service pulls ``run``'s

@@ -6,9 +6,11 @@ re-exports them."""
 from __future__ import annotations
 
 import pathlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from trainer_service.core.placement import DEFAULT_RENDEZVOUS_HOST
+from trainwire.v1 import trainer_service_pb2
 
 #: Episodes a job may run ahead of its stream when it has no grant (direct use). Small, so that
 #: a slow reader throttles the provider quickly, but more than one so the provider can compute
@@ -56,6 +58,11 @@ class Capabilities:
     #: Every reward function name a task may use here (GRPO's built-in ones, then those of
     #: the trainer's reward modules).
     reward_functions: tuple[str, ...] = ()
+    #: Each offered provider's defaults (its ``defaults()``), by provider name; a provider
+    #: without ``defaults`` is absent.
+    provider_defaults: Mapping[str, trainer_service_pb2.ProviderDefaults] = field(
+        default_factory=dict
+    )
 
 
 @dataclass(frozen=True)

@@ -61,18 +61,19 @@ from trainer_service.core.provider import (
     ProviderError,
     TrainJob,
 )
+from trainer_service.providers.defaults import IMITATION, imitation_proto
 from trainer_service.providers.imitation_adam import PackedAdam
 from trainwire import motion
 from trainwire.contract import FieldViolation
 from trainwire.hyperparameters import Hyperparameters
-from trainwire.v1 import episode_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 _LOGGER = logging.getLogger(__name__)
 
 #: Motions sampled per episode when the task leaves ``group_size`` at 0.
-DEFAULT_GROUP_SIZE = 16
+DEFAULT_GROUP_SIZE = IMITATION.group_size
 #: Adam learning rate when the task leaves ``learning_rate`` at 0.
-DEFAULT_LEARNING_RATE = 0.03
+DEFAULT_LEARNING_RATE = IMITATION.learning_rate
 #: Initial standard deviation of every joint angle, in radians.
 INITIAL_STD = 0.3
 #: Bounds of the learned log standard deviation: keeps sampling finite and non-degenerate.
@@ -86,7 +87,7 @@ REWARD_SCALE = 0.1
 _MIN_RELATIVE_HEIGHT = 1e-6
 _ADVANTAGE_EPS = 1e-6
 #: Checkpoint every this many episodes when the config leaves ``checkpoint_every`` at 0.
-DEFAULT_CHECKPOINT_EVERY = 500
+DEFAULT_CHECKPOINT_EVERY = IMITATION.checkpoint_every
 #: The files of a checkpoint.
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
@@ -417,6 +418,12 @@ def _learning_rate(task: episode_pb2.ImitationTask) -> float:
 def hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:
     """The live hyperparameters a job of ``task`` starts with: its learning rate."""
     return Hyperparameters(learning_rate=_learning_rate(task.imitation))
+
+
+def defaults() -> trainer_service_pb2.ProviderDefaults:
+    """What a job trains with where its task or config leaves a field at 0 (``GetCapabilities``
+    advertises it; see :mod:`trainer_service.providers.defaults`)."""
+    return imitation_proto()
 
 
 def learner_for(task: episode_pb2.ImitationTask, seed: int, device: str) -> ImitationLearner:

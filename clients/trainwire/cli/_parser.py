@@ -342,7 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="NAME",
             help=f"the dataset's {role} column (default: {default})",
         )
-    trainers = "0: the trainer's default (see GrpoTask in episode.proto)"
+    trainers = (
+        "0: the trainer's default, which the gateway's GET /v1/trainers and the web page's "
+        "Trainers card list"
+    )
     for flag, kind, meta, text in (
         ("--num-generations", _integer, "N", "completions sampled per prompt, 2..64"),
         (

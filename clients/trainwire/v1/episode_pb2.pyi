@@ -345,7 +345,9 @@ class TrainConfig(_message.Message):
     checkpoint_every: _builtins.int
     """Write a checkpoint every this many episodes (grpo: optimizer steps), and
     always at the end (DONE or STOPPED) and when the run is parked. 0 means
-    the provider's default (imitation 500, grpo 50); at most max_episodes.
+    the provider's default (imitation 500, grpo 50: each trainer advertises
+    its own in GetCapabilitiesResponse.provider_defaults); at most
+    max_episodes.
     """
     keep_checkpoints: _builtins.int
     """Keep the latest this many checkpoints of the run (the final one among
@@ -442,7 +444,8 @@ Global___TrainTask: _TypeAlias = TrainTask  # noqa: Y015
 @_typing.final
 class ImitationTask(_message.Message):
     """An avatar rig learns to imitate a target motion clip with a torch
-    policy-gradient loop.
+    policy-gradient loop. A field left at 0 takes the trainer's default
+    (GetCapabilitiesResponse.provider_defaults).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -607,7 +610,8 @@ Global___Clip: _TypeAlias = Clip  # noqa: Y015
 class GrpoTask(_message.Message):
     """Fine-tune a local vision-language model with TRL's GRPOTrainer on a
     prepared JSONL dataset of image+text rows. One episode is one optimizer
-    step.
+    step. A field left at 0 (or unset) takes the trainer's default
+    (GetCapabilitiesResponse.provider_defaults).
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -666,6 +666,27 @@ class GetCapabilitiesResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ProviderDefaultsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___ProviderDefaults: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___ProviderDefaults | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     PROVIDERS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     SLOTS_TOTAL_FIELD_NUMBER: _builtins.int
@@ -675,6 +696,7 @@ class GetCapabilitiesResponse(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
     GPUS_FIELD_NUMBER: _builtins.int
     REWARD_FUNCTIONS_FIELD_NUMBER: _builtins.int
+    PROVIDER_DEFAULTS_FIELD_NUMBER: _builtins.int
     device: _builtins.str
     """The torch device jobs run on, e.g. "cpu" or "cuda:0 NVIDIA H200"."""
     slots_total: _builtins.int
@@ -701,6 +723,14 @@ class GetCapabilitiesResponse(_message.Message):
         built-in ones, then MODULE:FUNCTION for each --reward-module.
         """
 
+    @_builtins.property
+    def provider_defaults(self) -> _containers.MessageMap[_builtins.str, Global___ProviderDefaults]:
+        """Each provider's defaults, by provider name (one of providers): what a job
+        of that provider trains with where its task or config leaves a field at 0
+        (or unset). The gateway reads checkpoint_every from here; people read the
+        rest. Empty from a trainer older than this field.
+        """
+
     def __init__(
         self,
         *,
@@ -713,14 +743,191 @@ class GetCapabilitiesResponse(_message.Message):
         server_version: _builtins.str = ...,
         gpus: _abc.Iterable[Global___Gpu] | None = ...,
         reward_functions: _abc.Iterable[_builtins.str] | None = ...,
+        provider_defaults: _abc.Mapping[_builtins.str, Global___ProviderDefaults] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "gpus", b"gpus", "providers", b"providers", "reward_functions", b"reward_functions", "server_version", b"server_version", "slots_free", b"slots_free", "slots_total", b"slots_total", "torch_version", b"torch_version", "trl_version", b"trl_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "gpus", b"gpus", "provider_defaults", b"provider_defaults", "providers", b"providers", "reward_functions", b"reward_functions", "server_version", b"server_version", "slots_free", b"slots_free", "slots_total", b"slots_total", "torch_version", b"torch_version", "trl_version", b"trl_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetCapabilitiesResponse: _TypeAlias = GetCapabilitiesResponse  # noqa: Y015
+
+@_typing.final
+class ProviderDefaults(_message.Message):
+    """What a provider trains with where a task or its config leaves a field at 0
+    (or unset), as this trainer applies it: the defaults the comments of
+    TrainConfig, ImitationTask and GrpoTask name.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_EVERY_FIELD_NUMBER: _builtins.int
+    IMITATION_FIELD_NUMBER: _builtins.int
+    GRPO_FIELD_NUMBER: _builtins.int
+    checkpoint_every: _builtins.int
+    """TrainConfig.checkpoint_every when it is 0: a checkpoint every this many
+    episodes (grpo: optimizer steps).
+    """
+    @_builtins.property
+    def imitation(self) -> Global___ImitationDefaults:
+        """The imitation provider's (ImitationTask)."""
+
+    @_builtins.property
+    def grpo(self) -> Global___GrpoDefaults:
+        """The grpo provider's (GrpoTask)."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint_every: _builtins.int = ...,
+        imitation: Global___ImitationDefaults | None = ...,
+        grpo: Global___GrpoDefaults | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grpo", b"grpo", "imitation", b"imitation", "task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_every", b"checkpoint_every", "grpo", b"grpo", "imitation", b"imitation", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_task: _TypeAlias = _typing.Literal["imitation", "grpo"]  # noqa: Y015
+    _WhichOneofArgType_task: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_task) -> _WhichOneofReturnType_task | None: ...
+
+Global___ProviderDefaults: _TypeAlias = ProviderDefaults  # noqa: Y015
+
+@_typing.final
+class ImitationDefaults(_message.Message):
+    """The defaults of an ImitationTask's fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_SIZE_FIELD_NUMBER: _builtins.int
+    LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    group_size: _builtins.int
+    """Motions sampled per episode when group_size is 0."""
+    learning_rate: _builtins.float
+    """Adam learning rate when learning_rate is 0."""
+    def __init__(
+        self,
+        *,
+        group_size: _builtins.int = ...,
+        learning_rate: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "learning_rate", b"learning_rate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImitationDefaults: _TypeAlias = ImitationDefaults  # noqa: Y015
+
+@_typing.final
+class GrpoDefaults(_message.Message):
+    """The defaults of a GrpoTask's fields when it trains every weight (lora
+    unset); lora holds those of a LoRA task where they differ.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REWARD_FUNCTIONS_FIELD_NUMBER: _builtins.int
+    NUM_GENERATIONS_FIELD_NUMBER: _builtins.int
+    PROMPTS_PER_STEP_FIELD_NUMBER: _builtins.int
+    MAX_COMPLETION_LENGTH_FIELD_NUMBER: _builtins.int
+    LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    BETA_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    GRADIENT_ACCUMULATION_STEPS_FIELD_NUMBER: _builtins.int
+    DATALOADER_NUM_WORKERS_FIELD_NUMBER: _builtins.int
+    NUM_PROCESSES_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
+    num_generations: _builtins.int
+    """Completions sampled per prompt when num_generations is 0."""
+    prompts_per_step: _builtins.int
+    """Prompts per optimizer step when batch_size is 0: the batch is this many x
+    num_generations completions (fewer prompts when the dataset has fewer
+    rows).
+    """
+    max_completion_length: _builtins.int
+    """Longest completion, in tokens, when max_completion_length is 0."""
+    learning_rate: _builtins.float
+    """Learning rate (the peak of its linear decay) when learning_rate is 0."""
+    beta: _builtins.float
+    """KL coefficient when beta is unset; 0 means no reference model."""
+    temperature: _builtins.float
+    """Sampling temperature when temperature is 0."""
+    gradient_accumulation_steps: _builtins.int
+    """Gradient accumulation steps when gradient_accumulation_steps is 0."""
+    dataloader_num_workers: _builtins.int
+    """DataLoader worker processes when dataloader_num_workers is unset."""
+    num_processes: _builtins.int
+    """Processes (and trainer slots) a job takes when num_processes is 0."""
+    @_builtins.property
+    def reward_functions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The reward functions of a task whose reward_functions is empty."""
+
+    @_builtins.property
+    def lora(self) -> Global___LoraDefaults:
+        """The defaults of a LoRA task (GrpoTask.lora set)."""
+
+    def __init__(
+        self,
+        *,
+        reward_functions: _abc.Iterable[_builtins.str] | None = ...,
+        num_generations: _builtins.int = ...,
+        prompts_per_step: _builtins.int = ...,
+        max_completion_length: _builtins.int = ...,
+        learning_rate: _builtins.float = ...,
+        beta: _builtins.float = ...,
+        temperature: _builtins.float = ...,
+        gradient_accumulation_steps: _builtins.int = ...,
+        dataloader_num_workers: _builtins.int = ...,
+        num_processes: _builtins.int = ...,
+        lora: Global___LoraDefaults | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["beta", b"beta", "dataloader_num_workers", b"dataloader_num_workers", "gradient_accumulation_steps", b"gradient_accumulation_steps", "learning_rate", b"learning_rate", "lora", b"lora", "max_completion_length", b"max_completion_length", "num_generations", b"num_generations", "num_processes", b"num_processes", "prompts_per_step", b"prompts_per_step", "reward_functions", b"reward_functions", "temperature", b"temperature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrpoDefaults: _TypeAlias = GrpoDefaults  # noqa: Y015
+
+@_typing.final
+class LoraDefaults(_message.Message):
+    """The defaults of a LoRA GrpoTask where they differ from full fine-tuning's,
+    and of its LoraConfig.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_PER_RANK_FIELD_NUMBER: _builtins.int
+    LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    BETA_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """Adapter rank when LoraConfig.rank is 0."""
+    alpha_per_rank: _builtins.float
+    """LoraConfig.alpha when it is 0: this many times the rank."""
+    learning_rate: _builtins.float
+    """Learning rate when GrpoTask.learning_rate is 0."""
+    beta: _builtins.float
+    """KL coefficient when GrpoTask.beta is unset (a LoRA job's reference model
+    is its base model, adapters disabled).
+    """
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        alpha_per_rank: _builtins.float = ...,
+        learning_rate: _builtins.float = ...,
+        beta: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha_per_rank", b"alpha_per_rank", "beta", b"beta", "learning_rate", b"learning_rate", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraDefaults: _TypeAlias = LoraDefaults  # noqa: Y015
 
 @_typing.final
 class Gpu(_message.Message):

@@ -5,7 +5,9 @@
 //
 // Each trainer is an `li.trainer[data-address]` (`data-reachable` "true" or "false") and each of
 // its GPUs an `li.gpu[data-index]` carrying `data-name`, `data-memory-used`, `data-memory-total`
-// (bytes) and `data-utilization` (0..1), so people and tests can read them.
+// (bytes) and `data-utilization` (0..1), so people and tests can read them. Under "defaults" (a
+// closed `details.provider-defaults`), each provider the trainer advertises defaults for is an
+// `li[data-provider]` (`data-checkpoint-every`) saying what a task's 0 fields mean there.
 
 import { api, describe } from "./api.js";
 import { $, el, num } from "./dom.js";
@@ -39,6 +41,34 @@ export function gpuItem(gpu) {
   );
 }
 
+/** What a provider's 0 (or unset) task fields mean on a trainer, for people (a ProviderDefaults
+ * message, JSON mapping: zeros left out). */
+export function defaultsText(provider, defaults) {
+  const parts = [`checkpoint every ${num(defaults.checkpointEvery)}`];
+  const imitation = defaults.imitation;
+  if (imitation) {
+    parts.push(`group size ${num(imitation.groupSize)}`, `learning rate ${num(imitation.learningRate)}`);
+  }
+  const grpo = defaults.grpo;
+  if (grpo) {
+    parts.push(
+      `rewards ${(grpo.rewardFunctions || []).join(" + ") || "none"}`,
+      `${num(grpo.numGenerations)} generations of ${num(grpo.promptsPerStep)} prompts a step`,
+      `completions up to ${num(grpo.maxCompletionLength)} tokens`,
+      `learning rate ${num(grpo.learningRate)}`,
+      `beta ${num(grpo.beta)}`,
+      `temperature ${num(grpo.temperature)}`,
+    );
+    const lora = grpo.lora;
+    if (lora) {
+      parts.push(
+        `LoRA rank ${num(lora.rank)}, alpha ${num(lora.alphaPerRank)} x rank, learning rate ${num(lora.learningRate)}, beta ${num(lora.beta)}`,
+      );
+    }
+  }
+  return `${provider}: ${parts.join("; ")}`;
+}
+
 /** One trainer of GET /v1/trainers. */
 export function trainerItem(trainer) {
   const caps = trainer.capabilities || {};
@@ -56,6 +86,24 @@ export function trainerItem(trainer) {
   const gpus = caps.gpus || [];
   if (gpus.length) item.append(el("ul", { class: "gpus" }, ...gpus.map(gpuItem)));
   else device.append(el("span", { class: "no-gpus", textContent: " \u00b7 no GPUs" }));
+  const defaults = caps.providerDefaults || {};
+  const providers = Object.keys(defaults);
+  if (providers.length) {
+    const lines = providers.map((provider) =>
+      el("li", {
+        dataset: { provider, checkpointEvery: String(num(defaults[provider].checkpointEvery)) },
+        textContent: defaultsText(provider, defaults[provider]),
+      }),
+    );
+    item.append(
+      el(
+        "details",
+        { class: "provider-defaults small" },
+        el("summary", { class: "muted", textContent: "defaults" }),
+        el("ul", {}, ...lines),
+      ),
+    );
+  }
   return item;
 }
 

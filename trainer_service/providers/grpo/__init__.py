@@ -20,16 +20,18 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from trainer_service.providers.defaults import GRPO, grpo_proto
 from trainer_service.providers.grpo.hyperparameters import check_hyperparameters, hyperparameters
 from trainer_service.providers.grpo.validation import reward_functions, validate
 
 if TYPE_CHECKING:
     from trainer_service.core.provider import TrainJob
-    from trainwire.v1 import episode_pb2
+    from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 __all__ = [
     "DEFAULT_CHECKPOINT_EVERY",
     "check_hyperparameters",
+    "defaults",
     "hyperparameters",
     "merge_checkpoint",
     "reward_functions",
@@ -38,10 +40,9 @@ __all__ = [
     "validate",
 ]
 
-#: Optimizer steps between checkpoints when the config leaves ``checkpoint_every`` at 0: often
-#: enough to lose little on a restart, rare enough that writing checkpoints (model, processor,
-#: Adam state, RNG) stays well inside a 5 % share of training time, even on a slow store.
-DEFAULT_CHECKPOINT_EVERY = 50
+#: Optimizer steps between checkpoints when the config leaves ``checkpoint_every`` at 0 (see
+#: :class:`trainer_service.providers.defaults.GrpoDefaults`).
+DEFAULT_CHECKPOINT_EVERY = GRPO.checkpoint_every
 
 
 def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
@@ -54,7 +55,13 @@ def run(job: TrainJob) -> Iterator[episode_pb2.Episode]:
 def slots_needed(task: episode_pb2.TrainTask) -> int:
     """Trainer slots (devices) a task takes: one per process (a share of a job placed across
     trainers takes its own processes' slots instead; the runner's admission sees to that)."""
-    return max(1, task.grpo.num_processes)
+    return max(1, task.grpo.num_processes or GRPO.num_processes)
+
+
+def defaults() -> trainer_service_pb2.ProviderDefaults:
+    """What a job trains with where its task or config leaves a field at 0 (``GetCapabilities``
+    advertises it; see :mod:`trainer_service.providers.defaults`)."""
+    return grpo_proto()
 
 
 def merge_checkpoint(

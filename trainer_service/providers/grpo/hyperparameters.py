@@ -12,24 +12,20 @@ without the training stack.
 
 from __future__ import annotations
 
+from trainer_service.providers.defaults import GRPO
 from trainwire import contract
 from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
-#: Learning rate when the task leaves it at 0 (see :mod:`.settings`).
-DEFAULT_LEARNING_RATE = 3e-3
-#: Learning rate of a LoRA task that leaves it at 0: adapters start at zero and move the model
-#: through a low-rank product, so they take a larger step than full weights; of 5e-3, 1e-2,
-#: 2e-2, 3e-2 and 5e-2 on the tiny VLM, 1e-2 learned best (``bench/grpo_lora.py``).
-DEFAULT_LORA_LEARNING_RATE = 1e-2
-#: KL coefficient of a LoRA task that leaves beta unset. A LoRA job's reference is free (its
-#: base model with the adapters disabled), and without a KL term a low-rank policy collapses onto
-#: one answer for every image and stops learning: on the tiny LLaVA, LoRA at beta 0 settled at
-#: chance (0.23-0.26 last-10 at learning rates 3e-4..1e-2), at 0.04 it reached 0.95-0.96
-#: (``bench/grpo_lora.py``). TRL's own default is 0.
-DEFAULT_LORA_BETA = 0.04
+# The values and why each is what it is: trainer_service.providers.defaults.
+#: Learning rate when the task leaves it at 0.
+DEFAULT_LEARNING_RATE = GRPO.learning_rate
+#: Learning rate of a LoRA task that leaves it at 0.
+DEFAULT_LORA_LEARNING_RATE = GRPO.lora.learning_rate
+#: KL coefficient of a LoRA task that leaves beta unset.
+DEFAULT_LORA_BETA = GRPO.lora.beta
 #: Sampling temperature when the task leaves it at 0.
-DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TEMPERATURE = GRPO.temperature
 
 
 def default_learning_rate(task: episode_pb2.GrpoTask) -> float:
@@ -48,7 +44,7 @@ def initial_beta(task: episode_pb2.GrpoTask) -> float:
     fine-tuning; :data:`DEFAULT_LORA_BETA` for LoRA)."""
     if task.HasField("beta"):
         return task.beta
-    return DEFAULT_LORA_BETA if task.HasField("lora") else 0.0
+    return DEFAULT_LORA_BETA if task.HasField("lora") else GRPO.beta
 
 
 def hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:

@@ -80,6 +80,7 @@ from collections.abc import Iterator
 
 from trainer_service.core.placement import Placement
 from trainer_service.core.provider import CheckpointUnusable, ProviderError, TrainJob
+from trainer_service.providers.defaults import GRPO
 from trainer_service.providers.grpo import checkpoint_files, launch, wire
 from trainer_service.providers.grpo.ranks import Rank, diagnose, exit_of
 from trainer_service.providers.grpo.validation import resolve_in_roots
@@ -103,8 +104,9 @@ _POLL_S = 0.1
 
 
 def processes_of(task: episode_pb2.TrainTask) -> int:
-    """How many processes (and trainer slots) a GRPO task runs on: ``num_processes``, 1 if 0."""
-    return max(1, task.grpo.num_processes)
+    """How many processes (and trainer slots) a GRPO task runs on: ``num_processes``, the
+    default if 0."""
+    return max(1, task.grpo.num_processes or GRPO.num_processes)
 
 
 class JobProcesses:

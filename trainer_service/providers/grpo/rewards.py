@@ -33,12 +33,13 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from trainer_service.providers.defaults import GRPO
 from trainer_service.providers.grpo.reward_checks import checked
 
 #: Built-in reward function names (mirrors ``trainwire.contract.REWARD_FUNCTIONS``).
 REWARD_NAMES: tuple[str, ...] = ("exact_match", "format", "length")
 #: Used when a task names no reward function.
-DEFAULT_REWARDS: tuple[str, ...] = ("exact_match", "format")
+DEFAULT_REWARDS: tuple[str, ...] = GRPO.reward_functions
 
 _ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 _ANSWER_BODY = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

@@ -5,8 +5,8 @@ dataset and the number of processes); :func:`training_args` turns a job and its 
 TRL's ``GRPOConfig``, with the DataLoader workers started by :func:`worker_start_method`.
 
 Defaults (``DEFAULT_*``): the settings that make the offline tiny VLM learn a colour question in
-under 200 steps on a CPU (``bench/grpo_learning.py``; LoRA: ``bench/grpo_lora.py``); see the
-README for why each is what it is.
+under 200 steps on a CPU (``bench/grpo_learning.py``; LoRA: ``bench/grpo_lora.py``), set in
+:mod:`trainer_service.providers.defaults`; see the README for why each is what it is.
 
 Gradient checkpointing is the task's switch (``GrpoTask.gradient_checkpointing``), off by
 default on every device: it trades about a fifth more step time for activation memory, which
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from trl import GRPOConfig
 
 from trainer_service.core.provider import ProviderError, TrainJob
+from trainer_service.providers.defaults import GRPO
 from trainer_service.providers.grpo.hyperparameters import (
     DEFAULT_TEMPERATURE,
     default_learning_rate,
@@ -32,15 +33,15 @@ from trainwire.v1 import episode_pb2
 
 # The defaults are the settings that learn (README, "GRPO that learns"; measured by
 # bench/grpo_learning.py): a user who sets only model, dataset, reward and steps sees learning.
-DEFAULT_NUM_GENERATIONS = 8
+DEFAULT_NUM_GENERATIONS = GRPO.num_generations
 #: Prompts per optimizer step when batch_size is 0 (batch = this x num_generations).
-DEFAULT_PROMPTS_PER_STEP = 16
-DEFAULT_MAX_COMPLETION_LENGTH = 16
-DEFAULT_NUM_WORKERS = 2
+DEFAULT_PROMPTS_PER_STEP = GRPO.prompts_per_step
+DEFAULT_MAX_COMPLETION_LENGTH = GRPO.max_completion_length
+DEFAULT_NUM_WORKERS = GRPO.dataloader_num_workers
 # Largest memo: rows of one generation batch; capped so big batches of big images stay bounded.
 _MAX_MEMO_ROWS = 64
 #: LoRA rank when ``LoraConfig.rank`` is 0, and the largest allowed.
-DEFAULT_LORA_RANK = 16
+DEFAULT_LORA_RANK = GRPO.lora.rank
 MAX_LORA_RANK = 256
 
 
@@ -89,7 +90,7 @@ class LoraSettings:
             )
         return cls(
             rank=rank,
-            alpha=lora.alpha or 2.0 * rank,
+            alpha=lora.alpha or GRPO.lora.alpha_per_rank * rank,
             dropout=lora.dropout,
             target_modules=tuple(lora.target_modules),
         )
@@ -130,7 +131,7 @@ class Settings:
             ProviderError: A batch_size the task sets needs more distinct rows than ``rows``.
         """
         generations = task.num_generations or DEFAULT_NUM_GENERATIONS
-        accumulation = task.gradient_accumulation_steps or 1
+        accumulation = task.gradient_accumulation_steps or GRPO.gradient_accumulation_steps
         processes = max(1, processes)
         prompts = DEFAULT_PROMPTS_PER_STEP
         if rows is not None and not task.batch_size:
