@@ -258,7 +258,8 @@ def test_live_episodes_append_after_the_curve_and_show_which_kept_a_motion(
         # The fake keeps a motion on every 10th episode: in between, the avatar says the latest
         # episode kept none and shows the latest that did, under that episode's number.
         pattern = re.compile(
-            r"episode (\d+): no motion kept for this episode \(showing episode (\d+)\)"
+            r"showing episode (?P<shown>\d+), the latest with a motion "
+            r"\(episode (?P<latest>\d+) has none\)"
         )
 
         def between() -> tuple[int, int, int] | None:
@@ -267,7 +268,9 @@ def test_live_episodes_append_after_the_curve_and_show_which_kept_a_motion(
                 " document.getElementById('avatar').dataset.episode];"
             )
             found = pattern.fullmatch(note)
-            return (int(found[1]), int(found[2]), int(shown)) if found else None
+            if not found:
+                return None
+            return int(found["latest"]), int(found["shown"]), int(shown)
 
         latest, motion, drawn = wait_until(page, between, "an episode without a motion")
         assert latest % 10 and motion % 10 == 0 and motion == drawn and motion < latest

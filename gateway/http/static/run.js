@@ -584,7 +584,10 @@ export class RunView {
     const shown = this.pendingMotion ? this.pendingMotion[1] : 0;
     let note = shown ? `episode ${shown}` : "no learned motion yet";
     if (latest && shown !== latest) {
-      note = `episode ${latest}: no motion kept for this episode` + (shown ? ` (showing episode ${shown})` : "");
+      // Trainers send a motion every few episodes (and the store may thin them out).
+      note = shown
+        ? `showing episode ${shown}, the latest with a motion (episode ${latest} has none)`
+        : `episode ${latest} has no motion`;
     }
     $("#avatar-note").textContent = note;
   }
