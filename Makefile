@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 3
 
-.PHONY: install run test gen lint bench clean
+.PHONY: install run test gen docs lint bench clean
 
 # Python dependencies (when a dependency file changed), then Chromium for the browser tests.
 install: $(STAMP) $(GEN_STAMP)
@@ -45,6 +45,11 @@ test: install
 
 gen: install
 	TRAINWIRE_GEN_PYTHON=$(GEN_VENV)/bin/python $(PY) scripts/gen_protos.py
+
+# docs/reference from the code: the CLI's parser, the services' config classes, the protos'
+# comments, gateway/auth.py's roles. Deterministic, offline; tests/docs proves it is fresh.
+docs: install
+	$(PY) scripts/gen_docs.py
 
 lint: install
 	$(VENV)/bin/ruff check .
