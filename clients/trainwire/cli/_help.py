@@ -21,6 +21,19 @@ from typing import Any
 _WIDTH = 78
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter, with room for subcommand names: argparse measures them without
+    their extra indent, so a long one ("imitation") would go on a line of its own."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction) and action.choices:
+            longest = max(len(name) for name in action.choices)
+            self._action_max_length = max(
+                self._action_max_length, longest + self._current_indent + 2
+            )
+
+
 class CommandParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose help ends with inherited flags, examples and a footer.
 
@@ -36,6 +49,7 @@ class CommandParser(argparse.ArgumentParser):
         footer: str = "",
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
         self.examples: tuple[tuple[str, str], ...] = tuple(examples)
         self.footer = footer
