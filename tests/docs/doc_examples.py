@@ -1,11 +1,12 @@
 """The ``trainwire`` commands that documentation shows, found in its fenced code blocks.
 
-A command is a line of a shell-like fenced block (no language, bash, sh, shell, console, zsh)
+A command is a line of a shell-like fenced block (no language, bash, sh, shell, zsh, console)
 that starts with ``trainwire `` or ``$ trainwire `` (or ``NAME=$(trainwire ``), joined with the
-lines a trailing ``\\`` continues. Each shell pipeline or list part (``|``, ``&&``, ``;``,
+lines a trailing ``\\`` continues; in a console block only a line after a ``$`` prompt is a
+command, the rest is output. Each shell pipeline or list part (``|``, ``&&``, ``;``,
 ``$(...)``, redirections) that starts with ``trainwire`` is one command; the rest of the line
-(``| jq``, ``> file``) is not the CLI's. Placeholders (``RUN``, ``<run-id>``: ``run-id``, ``$RUN``)
-are plain words to the parser, so they pass as positional values.
+(``| jq``, ``> file``) is not the CLI's. Placeholders (``RUN``, ``$RUN``, ``<run-id>`` read as
+``run-id``) are plain words to the parser, so they pass as positional values.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SHELL_LANGUAGES = frozenset({"", "bash", "sh", "shell", "console", "zsh", "shell-session"})
+SESSION_LANGUAGES = frozenset({"console", "shell-session"})
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 _START = re.compile(r"^(?:\$\s+)?(?:[A-Za-z_][A-Za-z0-9_]*=\$\()?trainwire\s")
 _PLACEHOLDER = re.compile(r"<[A-Za-z][\w.:/-]*>")
@@ -56,9 +58,11 @@ def _logical_lines(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return joined
 
 
-def _shell_blocks(text: str) -> list[list[tuple[int, str]]]:
-    """The lines (numbered from 1) of each shell-like fenced block."""
-    blocks: list[list[tuple[int, str]]] = []
+def _shell_blocks(text: str) -> list[tuple[bool, list[tuple[int, str]]]]:
+    """The lines (numbered from 1) of each shell-like fenced block, with whether it is a
+    session (``console``: commands after a ``$`` prompt, the rest is their output)."""
+    blocks: list[tuple[bool, list[tuple[int, str]]]] = []
+    language = ""
     fence: str | None = None
     shell = False
     body: list[tuple[int, str]] = []
@@ -66,11 +70,12 @@ def _shell_blocks(text: str) -> list[list[tuple[int, str]]]:
         match = _FENCE.match(line)
         if fence is None:
             if match:
-                fence, shell, body = match.group(2), match.group(3).lower() in SHELL_LANGUAGES, []
+                fence, language, body = match.group(2), match.group(3).lower(), []
+                shell = language in SHELL_LANGUAGES
             continue
         if match and match.group(2).startswith(fence) and not match.group(3):
             if shell:
-                blocks.append(body)
+                blocks.append((language in SESSION_LANGUAGES, body))
             fence = None
             continue
         body.append((number, line))
@@ -109,9 +114,11 @@ def examples_in(path: Path, root: Path | None = None) -> list[Example]:
     """The ``trainwire`` commands in a markdown file's shell blocks."""
     shown = path.relative_to(root) if root is not None else path
     found: list[Example] = []
-    for block in _shell_blocks(path.read_text(encoding="utf-8")):
+    for session, block in _shell_blocks(path.read_text(encoding="utf-8")):
         for number, line in _logical_lines(block):
             stripped = line.strip()
+            if session and not stripped.startswith("$ "):
+                continue  # output, such as "trainwire 0.1.0"
             if not _START.match(stripped):
                 continue
             if stripped.startswith("$ "):

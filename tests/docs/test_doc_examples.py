@@ -64,6 +64,10 @@ def test_commands_are_found_in_shell_blocks_with_continuations(tmp_path: Path) -
         "```\n"
         "```text\n"
         "trainwire 0.1.0\n"
+        "```\n"
+        "```console\n"
+        "$ trainwire --version\n"
+        "trainwire 0.1.0\n"
         "```\n",
     )
     assert [(e.line, e.argv) for e in found] == [
@@ -72,6 +76,7 @@ def test_commands_are_found_in_shell_blocks_with_continuations(tmp_path: Path) -
         (5, ("watch", "$RUN")),
         (6, ("runs", "list", "--json")),
         (7, ("runs", "rename", "RUN", "")),
+        (17, ("--version",)),
     ]
 
 
