@@ -129,7 +129,12 @@ def examples_in(path: Path, root: Path | None = None) -> list[Example]:
 
 
 def documents(root: Path) -> list[Path]:
-    """README.md and every markdown file under docs/, sorted."""
-    paths = sorted((root / "docs").rglob("*.md")) if (root / "docs").is_dir() else []
-    readme = root / "README.md"
-    return ([readme] if readme.is_file() else []) + paths
+    """The markdown at the top of the repository (README.md, CONTRIBUTING.md, ...),
+    clients/README.md and every markdown file under docs/, sorted."""
+    found = sorted(root.glob("*.md"))
+    client = root / "clients" / "README.md"
+    if client.is_file():
+        found.append(client)
+    if (root / "docs").is_dir():
+        found += sorted((root / "docs").rglob("*.md"))
+    return found

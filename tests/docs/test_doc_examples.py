@@ -1,4 +1,5 @@
-"""Every ``trainwire`` command that README.md and docs/ show parses with the real CLI parser.
+"""Every ``trainwire`` command that README.md, docs/ (and the other markdown: CONTRIBUTING.md,
+clients/README.md) show parses with the real CLI parser.
 
 The commands are parsed, never run: ``build_parser().parse_args`` with stdout and stderr caught;
 ``--help`` (exit 0) passes, a usage error (exit 2: an unknown command or flag, a missing
@@ -34,7 +35,9 @@ def parse_error(example: Example) -> str | None:
 
 
 def test_every_documented_command_parses() -> None:
-    found = [example for path in documents(ROOT) for example in examples_in(path, ROOT)]
+    paths = documents(ROOT)
+    assert ROOT / "README.md" in paths and ROOT / "docs" / "reference" / "cli.md" in paths
+    found = [example for path in paths for example in examples_in(path, ROOT)]
     # The generated CLI reference alone shows dozens; an extractor that finds none is broken.
     assert len(found) >= 40, [str(e) for e in found]
     bad = [f"{example}\n    {error}" for example in found if (error := parse_error(example))]
