@@ -676,11 +676,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"stale: {args.out / name} (run `make docs`)", file=sys.stderr)
         return 1 if names else 0
     args.out.mkdir(parents=True, exist_ok=True)
+    written = 0
     for name, text in render().items():
         path = args.out / name
         if not path.is_file() or path.read_text() != text:
             path.write_text(text)
+            written += 1
             print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    if not written:
+        print(f"{args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}: "
+              "up to date")  # fmt: skip
     return 0
 
 
