@@ -193,12 +193,14 @@ def render_cli() -> str:
                     _table(
                         ["Flag", "Description"],
                         (
-                            [_code(flag_usage(a)) + (" (required)" if a.required else ""),
-                             _cell(str(a.help))]
+                            [
+                                _code(flag_usage(a)) + (" (required)" if a.required else ""),
+                                _cell(str(a.help)),
+                            ]
                             for a in flags
                         ),
                     )
-                )  # fmt: skip
+                )
             if parser.inherited_flags():
                 out.append("Inherited flags: the [global flags](#global-flags).\n")
         if parser.examples:
@@ -458,8 +460,9 @@ def _message(
             note = comments(*path, _MESSAGE_FIELD, index)
             if field.HasField("oneof_index") and field.oneof_index in oneofs:
                 note = f"(oneof {oneofs[field.oneof_index]}) {note}"
-            rows.append([_code(field.name), kind.replace("|", "\\|"), str(field.number),
-                         _one_line(note)])  # fmt: skip
+            rows.append(
+                [_code(field.name), kind.replace("|", "\\|"), str(field.number), _one_line(note)]
+            )
         out.append(_table(["Field", "Type", "Number", "Description"], rows))
     for index, enum in enumerate(message.enum_type):
         _enum(out, enum, full, (*path, _MESSAGE_ENUM, index), comments, package)
@@ -684,8 +687,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             written += 1
             print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     if not written:
-        print(f"{args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}: "
-              "up to date")  # fmt: skip
+        print(
+            f"{args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}: "
+            "up to date"
+        )
     return 0
 
 

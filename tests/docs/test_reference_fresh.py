@@ -31,8 +31,12 @@ def rendered() -> dict[str, str]:
 
 def test_reference_docs_are_fresh(rendered: dict[str, str]) -> None:
     assert set(rendered) == {
-        "cli.md", "gateway-config.md", "trainer-config.md", "protocol.md", "roles.md",
-    }  # fmt: skip
+        "cli.md",
+        "gateway-config.md",
+        "trainer-config.md",
+        "protocol.md",
+        "roles.md",
+    }
     missing = [name for name in rendered if not (REFERENCE / name).is_file()]
     assert not missing, f"missing {missing} in docs/reference: run `make docs` and commit"
     stale = [name for name, text in rendered.items() if (REFERENCE / name).read_text() != text]
@@ -90,8 +94,13 @@ def test_the_roles_table_has_every_gateway_rpc_with_the_role_auth_requires(
 
     methods = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].methods
     names = [m.name for m in methods]
-    assert {"ListCheckpoints", "DownloadCheckpoint", "GetRunCurve", "UpdateRun",
-            "SetRunHyperparameters"} <= set(names)  # fmt: skip
+    assert {
+        "ListCheckpoints",
+        "DownloadCheckpoint",
+        "GetRunCurve",
+        "UpdateRun",
+        "SetRunHyperparameters",
+    } <= set(names)
     assert set(RPC_ROLES) == set(names), "an RPC without an explicit role in gateway/auth.py"
     rows = {
         line.split("`")[1]: line

@@ -308,8 +308,8 @@ def test_every_subcommand_names_the_global_flags_once_as_inherited() -> None:
     assert {"watch", "plot", "grpo", "runs", "create", "list"} <= {p[-1] for p, _ in paths}
     for path, sub in paths:
         text = sub.format_help()
-        own, inherited = text.split("\nInherited flags (before or after the command; see "
-                                    "`trainwire --help`):\n")  # fmt: skip
+        heading = "\nInherited flags (before or after the command; see `trainwire --help`):\n"
+        own, inherited = text.split(heading)
         listed = inherited.split("\n\n")[0]
         for flag in _GLOBAL_FLAGS:
             assert f"  {flag}" in listed, (path, flag)
