@@ -157,3 +157,15 @@ def test_subcommand_usage_leaves_the_global_flags_out() -> None:
     usage = parser.format_usage()
     assert "--gateway" not in usage and "RUN" in usage
     assert isinstance(parser, argparse.ArgumentParser)
+
+
+def test_runs_list_names_every_state_it_accepts() -> None:
+    from trainwire.v1 import gateway_service_pb2
+
+    (parser,) = [p for path, p in TREE if path == ("runs", "list")]
+    (state,) = [a for a in parser._actions if "--state" in a.option_strings]
+    named = [k.removeprefix("STATE_").lower() for k in gateway_service_pb2.Run.State.keys()[1:]]
+    assert state.help is not None
+    assert state.help.startswith(f"only runs in this state: {', '.join(named[:-1])} or {named[-1]}")
+    for name in named:
+        assert parser.parse_args(["--state", name]).state > 0
