@@ -16,7 +16,14 @@ PYTEST_ARGS ?=
 # TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 3
 
-.PHONY: install run test gen lint bench clean
+# Benchmarks `make bench` runs: each bench/NAME.py with a `__main__` entry point; files starting
+# with `_` are helpers (a gateway process, a shared setup) and never run on their own. GPU
+# benchmarks run in their CPU dry mode here (`--dry-run`: tiny sizes, the same code path); the
+# real GPU run is bench/gpu_check.sh. `make bench BENCHES=bench/store_wal.py` runs one.
+BENCHES ?= $(shell grep -l '^if __name__ == "__main__":' $(filter-out bench/_%,$(wildcard bench/*.py)))
+BENCH_ARGS_gpu_real_size := --dry-run
+
+.PHONY: help install run test gen docs lint bench clean
 
 # Python dependencies (when a dependency file changed), then Chromium for the browser tests.
 install: $(STAMP) $(GEN_STAMP)
@@ -46,6 +53,11 @@ test: install
 gen: install
 	TRAINWIRE_GEN_PYTHON=$(GEN_VENV)/bin/python $(PY) scripts/gen_protos.py
 
+# docs/reference from the code: the CLI's parser, the services' config classes, the protos'
+# comments, gateway/auth.py's roles. Deterministic, offline; tests/docs proves it is fresh.
+docs: install
+	$(PY) scripts/gen_docs.py
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -54,7 +66,24 @@ lint: install
 	cd protos && ../$(VENV)/bin/buf lint
 
 bench: install
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in $(BENCHES); do \
+		name=$$(basename $$b .py); \
+		case $$name in gpu_real_size) args="$(BENCH_ARGS_gpu_real_size)";; *) args="";; esac; \
+		echo "== $$b $$args"; $(PY) $$b $$args || exit 1; \
+	done
 
+# Deletes what `make install`, `make run` and the tools made: .venv (with .venv/gen), var/ (the
+# gateway's database and the checkpoints) and the pytest, mypy, ruff and import-linter caches.
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
+
+# The targets and what each does.
+help:
+	@echo "make install  the venvs (.venv, .venv/gen) and Chromium; a no-op when up to date"
+	@echo "make run      a gateway and a trainer on this machine (scripts/run.sh)"
+	@echo "make test     buf lint, then the whole test suite"
+	@echo "make gen      regenerate the protobuf code in clients/trainwire/v1 from protos/"
+	@echo "make docs     regenerate docs/reference (CLI, services' flags, protocol, roles)"
+	@echo "make lint     ruff, ruff format --check, mypy, import-linter, buf lint"
+	@echo "make bench    every benchmark, one after another (minutes each; GPU ones dry-run)"
+	@echo "make clean    delete .venv (both venvs), var/ (the database and checkpoints) and caches"

@@ -35,7 +35,7 @@ STEPS = 70
 EVERY = 10
 RESUME_AT = 50
 SEED = 4
-#: Only model, dataset and reward set: the defaults that learn (README, "GRPO that learns").
+#: Only model, dataset and reward set: the defaults that learn (docs/guides/own-model.md).
 TASK = tiny_grpo_task(
     MODEL_DIR,
     COLOURS_FILE,

@@ -311,4 +311,4 @@ def test_set_changes_a_running_runs_learning_rate(
     assert gw.cli("set", run_id, "--lr", "2") == 1
     assert "learning_rate: 2.0; need a finite value in (0, 1]" in capsys.readouterr().err
     assert gw.cli("set", run_id) == 1
-    assert "give at least one of --lr, --temperature, --beta" in capsys.readouterr().err
+    assert "give at least one of --learning-rate, --temperature, --beta" in capsys.readouterr().err

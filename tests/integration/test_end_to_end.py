@@ -2,7 +2,7 @@
 
 A real trainer (imitation and grpo providers) and a real gateway (SQLite file store) run in this
 process; runs are created and watched through the typed client, the ``trainwire`` CLI entry
-point and the real ``grpcurl`` binary, as the README tells a new user to.
+point and the real ``grpcurl`` binary, as the quickstart (docs/quickstart.md) tells a new user to.
 """
 
 from __future__ import annotations

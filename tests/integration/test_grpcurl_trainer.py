@@ -1,4 +1,4 @@
-"""The README's grpcurl recipes for the trainer, run with the real grpcurl binary.
+"""The quickstart's grpcurl recipes for the trainer, run with the real grpcurl binary.
 
 One in-process trainer on port 0 (the real imitation provider) serves every recipe; grpcurl finds
 the services through reflection v1alpha.

@@ -32,7 +32,7 @@ from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_g
 pytestmark = pytest.mark.slow
 
 EPISODES = 200_000
-#: Documented in the README ("Long runs"): an episode's numbers, their JSON and its share of
+#: Documented in docs/design/long-run-storage.md: an episode's numbers, their JSON and its share of
 #: the curve blocks take at most this many bytes of SQLite; a kept motion adds its bytes and its
 #: JSON (a 60x11 motion: 2.6 + ~7.5 KiB, one 16 KiB page at most), and the WAL at most its limit.
 SCALAR_BYTES_PER_EPISODE = 500

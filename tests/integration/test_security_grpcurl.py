@@ -1,6 +1,6 @@
-"""The grpcurl lines of README's "Deploying across machines", run as written with the real
-grpcurl against a TLS + token gateway and a trainer that wants client certificates (host names
-and file names replaced by the test's own)."""
+"""The grpcurl lines of the deployment guide (docs/guides/deployment.md), run as written with
+the real grpcurl against a TLS + token gateway and a trainer that wants client certificates
+(host names and file names replaced by the test's own)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,10 @@ from tests.security_fixtures import Pki, Tokens, mtls_trainer
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def readme_grpcurl_lines() -> list[str]:
-    """The grpcurl commands of the section, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Deploying across machines", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+def guide_grpcurl_lines() -> list[str]:
+    """The grpcurl commands of the guide, continuation lines joined."""
+    text = (ROOT / "docs" / "guides" / "deployment.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     commands = []
     for block in blocks:
         for command in block.replace("\\\n", " ").splitlines():
@@ -38,8 +37,8 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
-async def test_the_readme_grpcurl_lines_work_against_tls_and_tokens(tmp_path: Path) -> None:
-    lines = readme_grpcurl_lines()
+async def test_the_guide_grpcurl_lines_work_against_tls_and_tokens(tmp_path: Path) -> None:
+    lines = guide_grpcurl_lines()
     assert len(lines) == 4 and all("-cacert" in line for line in lines)
     assert any("-cert" in line and "-key" in line for line in lines)
     assert any("authorization: Bearer" in line for line in lines)

@@ -406,7 +406,7 @@ def test_set_sends_the_values_and_says_what_is_in_effect(
 
 
 def test_set_without_a_value_is_an_error(client: tc.GatewayClient) -> None:
-    with pytest.raises(CliError, match="--lr, --temperature, --beta"):
+    with pytest.raises(CliError, match="--learning-rate, --temperature, --beta"):
         cmd_set(client, _parse("set r-1"), Output(json_mode=False))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from argparse import SUPPRESS
 from typing import TypeAlias
 
 import grpc
@@ -300,25 +301,30 @@ def _subcommand_paths(parser: argparse.ArgumentParser, path: tuple[str, ...] = (
     return found
 
 
-def test_every_subcommand_shows_the_global_flags_in_its_help() -> None:
+def test_every_subcommand_names_the_global_flags_once_as_inherited() -> None:
+    """gh's layout: a command's own flags, then the global ones listed once, whose help is the
+    root's (`trainwire --help`)."""
     paths = _subcommand_paths(build_parser())
     assert {"watch", "plot", "grpo", "runs", "create", "list"} <= {p[-1] for p, _ in paths}
     for path, sub in paths:
         text = sub.format_help()
+        heading = "\nInherited flags (before or after the command; see `trainwire --help`):\n"
+        own, inherited = text.split(heading)
+        listed = inherited.split("\n\n")[0]
         for flag in _GLOBAL_FLAGS:
-            assert f"  {flag}" in text, (path, flag)
+            assert f"  {flag}" in listed, (path, flag)
+            assert f"  {flag}" not in own, (path, flag)
+        assert "deadline of each call" not in text, path  # the help is the root's alone
         assert "==SUPPRESS==" not in text, path
+    root = build_parser().format_help()
+    assert "deadline of each call" in root and "Inherited flags" not in root
 
 
 def test_every_grpo_flag_has_help_and_its_default() -> None:
     (grpo,) = [sub for path, sub in _subcommand_paths(build_parser()) if path[-1] == "grpo"]
     for action in grpo._actions:
-        if (
-            not action.option_strings
-            or action.dest in ("help",)
-            or "--gateway" in str(action.option_strings)
-        ):
-            continue
+        if not action.option_strings or action.dest in ("help",) or action.help == SUPPRESS:
+            continue  # a positional, --help, an inherited global flag
         assert action.help and action.help != argparse.SUPPRESS, action.option_strings
         if not action.required and action.dest not in ("quiet", "watch", "json", "verbose"):
             assert "default" in action.help, action.option_strings

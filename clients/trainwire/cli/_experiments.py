@@ -112,7 +112,7 @@ def cmd_fork(client: GatewayClient, args: argparse.Namespace, out: Output) -> in
 
 
 #: ``set``'s flags by the hyperparameter they change, in the order they are said.
-_LIVE = (("learning_rate", "--lr"), ("temperature", "--temperature"), ("beta", "--beta"))
+_LIVE = (("learning_rate", "--learning-rate"), ("temperature", "--temperature"), ("beta", "--beta"))
 
 
 def live_values(run: Run) -> dict[str, float]:

@@ -79,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and usage errors
         return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
+    local = getattr(args, "local", None)
+    if local is not None:  # a command that needs no gateway (completion)
+        code: int = local(parser, args)
+        return code
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -87,8 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Output(args.json)
     try:
         with _client(args) as client:
-            code: int = args.handler(client, args, out)
-            return code
+            result: int = args.handler(client, args, out)
+            return result
     except TrainwireError as exc:
         _LOGGER.debug("call failed", exc_info=True)
         if args.json:
