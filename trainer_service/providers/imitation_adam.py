@@ -16,10 +16,12 @@ class PackedAdam:
     kernels once per parameter tensor behind per-step Python bookkeeping, which on a policy of a
     few hundred numbers costs more than sampling and scoring a whole group of motions.
 
-    A ``torch.optim.Adam`` over the buffer's slices holds the hyperparameters
-    (:attr:`param_groups`: a new ``lr`` takes effect at the next :meth:`step`) and does the
-    (de)serialisation, so :meth:`state_dict` is a plain Adam state dict: a checkpoint loads into
-    ``torch.optim.Adam`` and back.
+    :attr:`param_groups` holds the hyperparameters (a new ``lr`` takes effect at the next
+    :meth:`step`). A ``torch.optim.Adam`` over the buffer's slices does the (de)serialisation,
+    so :meth:`state_dict` is a plain Adam state dict: a checkpoint loads into
+    ``torch.optim.Adam`` and back. That Adam is made at the first (de)serialisation and from then
+    on holds the hyperparameters: making one imports ``torch._dynamo`` (~1 CPU-s, once per
+    process), which a job that never checkpoints has no use for.
 
     Args:
         packed: The parameters, ``[tensors, ...]``; :meth:`step` updates it in place.
@@ -39,16 +41,31 @@ class PackedAdam:
         self.exp_avg = torch.zeros_like(packed)
         self.exp_avg_sq = torch.zeros_like(packed)
         self.steps = 0
-        self._adam = torch.optim.Adam(list(packed.unbind(0)), lr=lr, betas=betas, eps=eps)
+        self._groups: list[dict[str, Any]] = [
+            {"params": list(packed.unbind(0)), "lr": lr, "betas": betas, "eps": eps}
+        ]
+        self._torch_adam: torch.optim.Adam | None = None
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """``torch.optim.Adam``'s parameter groups (one, over the buffer's slices)."""
-        return self._adam.param_groups
+        """The parameter groups (one, over the buffer's slices): ``torch.optim.Adam``'s once it
+        is made."""
+        return self._groups if self._torch_adam is None else self._torch_adam.param_groups
+
+    @property
+    def _adam(self) -> torch.optim.Adam:
+        """The ``torch.optim.Adam`` that (de)serialises, made with the current hyperparameters
+        the first time it is needed."""
+        if self._torch_adam is None:
+            (group,) = self._groups
+            self._torch_adam = torch.optim.Adam(
+                group["params"], lr=group["lr"], betas=group["betas"], eps=group["eps"]
+            )
+        return self._torch_adam
 
     def step(self, grad: torch.Tensor) -> None:
         """Takes one step along ``grad`` (shaped as the buffer)."""
-        group = self._adam.param_groups[0]
+        group = self.param_groups[0]
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         self.steps += 1
         self.exp_avg.lerp_(grad, 1 - beta1)
