@@ -192,4 +192,3 @@ async def test_kill_9_of_a_trainer_stops_the_job_everywhere_and_it_resumes_on_an
 async def _placing_again(client: Client, run_id: str) -> pb.Run | None:
     run = await get_run(client.stub, run_id)
     return run if run.restarts == 1 and "slot" in run.state_detail else None
-

@@ -76,9 +76,7 @@ def test_a_broken_stream_stops_the_job_process_within_one_step_and_frees_the_slo
 ) -> None:
     # The job trains in a process of its own; its rank reports the last step it finished.
     caplog.set_level(logging.INFO, logger="trainer_service.providers.grpo.process")
-    call = trainer.stub.Train(
-        _request("run-grpo-cancel", max_episodes=500), timeout=JOB_TIMEOUT
-    )
+    call = trainer.stub.Train(_request("run-grpo-cancel", max_episodes=500), timeout=JOB_TIMEOUT)
     first_episode = threading.Event()
     for response in call:
         if response.WhichOneof("event") == "episode":
