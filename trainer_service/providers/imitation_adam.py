@@ -37,6 +37,14 @@ class PackedAdam:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
     ) -> None:
+        # torch.optim.Adam's own checks, at once rather than when its Adam is first made.
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
         self.packed = packed
         self.exp_avg = torch.zeros_like(packed)
         self.exp_avg_sq = torch.zeros_like(packed)
