@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -17,11 +18,12 @@ class PackedAdam:
     few hundred numbers costs more than sampling and scoring a whole group of motions.
 
     :attr:`param_groups` holds the hyperparameters (a new ``lr`` takes effect at the next
-    :meth:`step`). A ``torch.optim.Adam`` over the buffer's slices does the (de)serialisation,
-    so :meth:`state_dict` is a plain Adam state dict: a checkpoint loads into
-    ``torch.optim.Adam`` and back. That Adam is made at the first (de)serialisation and from then
-    on holds the hyperparameters: making one imports ``torch._dynamo`` (~1 CPU-s, once per
-    process), which a job that never checkpoints has no use for.
+    :meth:`step`). :meth:`state_dict` is a plain Adam state dict (``torch.optim.Adam``'s
+    ``state_dict()`` of the buffer's slices, written out: the group's values and Adam's defaults
+    for the rest of its constructor's arguments), so a checkpoint loads into ``torch.optim.Adam``
+    and back; :meth:`load_state_dict` loads with a ``torch.optim.Adam`` over the buffer's slices,
+    which from then on holds the hyperparameters. Making one imports ``torch._dynamo`` (~1 CPU-s,
+    once per process), which a job that only trains and writes checkpoints has no use for.
 
     Args:
         packed: The parameters, ``[tensors, ...]``; :meth:`step` updates it in place.
@@ -85,6 +87,22 @@ class PackedAdam:
 
     def state_dict(self) -> dict[str, Any]:
         """The state as ``torch.optim.Adam.state_dict()`` has it (no state before a step)."""
+        if self._torch_adam is None:
+            (group,) = self._groups
+            saved = {**_adam_defaults(), **{k: v for k, v in group.items() if k != "params"}}
+            saved["betas"] = tuple(float(beta) for beta in saved["betas"])
+            saved["params"] = list(range(len(group["params"])))
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            if self.steps:
+                state = {
+                    i: {
+                        "step": torch.tensor(float(self.steps), dtype=torch.float32),
+                        "exp_avg": self.exp_avg[i],
+                        "exp_avg_sq": self.exp_avg_sq[i],
+                    }
+                    for i in range(len(group["params"]))
+                }
+            return {"state": state, "param_groups": [saved]}
         self._adam.state.clear()
         if self.steps:
             for i, param in enumerate(self._adam.param_groups[0]["params"]):
@@ -124,3 +142,10 @@ class PackedAdam:
                 self.exp_avg[i].copy_(entry["exp_avg"])
                 self.exp_avg_sq[i].copy_(entry["exp_avg_sq"])
         (self.steps,) = steps
+
+
+def _adam_defaults() -> dict[str, Any]:
+    """The hyperparameters ``torch.optim.Adam`` records in a parameter group, at its defaults
+    (its constructor's keyword arguments; inspected, not made: see :class:`PackedAdam`)."""
+    parameters = inspect.signature(torch.optim.Adam.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.name not in ("self", "params")}
