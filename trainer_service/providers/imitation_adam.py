@@ -92,9 +92,9 @@ class PackedAdam:
             saved = {**_adam_defaults(), **{k: v for k, v in group.items() if k != "params"}}
             saved["betas"] = tuple(float(beta) for beta in saved["betas"])
             saved["params"] = list(range(len(group["params"])))
-            state: dict[int, dict[str, torch.Tensor]] = {}
+            moments: dict[int, dict[str, torch.Tensor]] = {}
             if self.steps:
-                state = {
+                moments = {
                     i: {
                         "step": torch.tensor(float(self.steps), dtype=torch.float32),
                         "exp_avg": self.exp_avg[i],
@@ -102,7 +102,7 @@ class PackedAdam:
                     }
                     for i in range(len(group["params"]))
                 }
-            return {"state": state, "param_groups": [saved]}
+            return {"state": moments, "param_groups": [saved]}
         self._adam.state.clear()
         if self.steps:
             for i, param in enumerate(self._adam.param_groups[0]["params"]):
