@@ -15,6 +15,11 @@ PYTEST_ARGS ?=
 # no faster than three). Files stay whole on one worker (their module fixtures start once).
 # TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 3
+# The tests start a few hundred Python processes (workers, services, trainers, ranks, CLIs):
+# with PYTHONDONTWRITEBYTECODE set (some images set it) each one compiled the repository's
+# modules again, and each worker rewrote every test file (~5 CPU-s of its collection). The
+# caches go to the __pycache__ folders git ignores.
+TEST_ENV := env -u PYTHONDONTWRITEBYTECODE
 
 # Benchmarks `make bench` runs: each bench/NAME.py with a `__main__` entry point; files starting
 # with `_` are helpers (a gateway process, a shared setup) and never run on their own. GPU
@@ -47,7 +52,7 @@ run: install
 
 test: install
 	cd protos && ../$(VENV)/bin/buf lint
-	@set +e; TRAINWIRE_GEN_PYTHON=$(GEN_VENV)/bin/python $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; \
+	@set +e; $(TEST_ENV) TRAINWIRE_GEN_PYTHON=$(GEN_VENV)/bin/python $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 gen: install

@@ -148,16 +148,20 @@ part tests/gpu "$BUDGET_TESTS" tests.log env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 \
     -o addopts="" --timeout 150
 row tests/gpu "$STATUS" "$SPENT" "$(result tests.log '(passed|failed|skipped|error)' | tr -d '=')"
 
+# The real-size benchmark's work folder: its model (7.5 GB at real size) stays out of the logs;
+# its logs join them.
+WORK="$(mktemp -d -t gpu-real-size-XXXXXX)"
 if [ "$DRY" = 1 ]; then
-    part gpu_grpo.sh "$BUDGET_GRPO" grpo.log env BENCH_DEVICE=cpu bash bench/gpu_grpo.sh 2
+    # Both parts train the same offline tiny VLM in a dry run: gpu_grpo.sh builds it where
+    # gpu_real_size.py looks for its model first, so it is built once.
+    part gpu_grpo.sh "$BUDGET_GRPO" grpo.log env BENCH_DEVICE=cpu BENCH_MODEL="$WORK/data/model" \
+        bash bench/gpu_grpo.sh 2
 else
     part gpu_grpo.sh "$BUDGET_GRPO" grpo.log bash bench/gpu_grpo.sh 8
 fi
 row bench/gpu_grpo.sh "$STATUS" "$SPENT" \
     "$(result grpo.log '^RESULT' | grep -oE '(median_step_time_ms|gpu_memory_peak_gib)=[0-9.]+' | tr '\n' ' ')"
 
-# The model (7.5 GB at real size) stays out of the logs; its logs join them.
-WORK="$(mktemp -d -t gpu-real-size-XXXXXX)"
 REAL=("$PY" bench/gpu_real_size.py --json "$LOGS/real_size.json" --work "$WORK")
 [ "$DRY" = 1 ] && REAL+=(--dry-run)
 part real_size "$BUDGET_REAL" real.log "${REAL[@]}"

@@ -12,7 +12,11 @@
 # NCCL, rendezvous on 127.0.0.1: bench/_two_trainers.py), as the gateway places a job no single
 # trainer fits. BENCH_TRAINERS=2 forces it (with BENCH_DEVICE=cpu: a dry run under gloo);
 # BENCH_TRAINERS=0 skips it. NCCL refuses two ranks on one GPU, so a one-GPU host skips it.
-# On the CPU the task is smaller (2 completions of 8 tokens per step, one DataLoader worker).
+# On the CPU the task is smaller (2 completions of 8 tokens per step, one DataLoader worker,
+# 64 x 64 images instead of 640 x 480).
+#
+# BENCH_MODEL=DIR: the offline tiny VLM is copied from DIR when DIR holds one, else built and
+# also written to DIR (bench/gpu_check.sh's dry run hands it on to bench/gpu_real_size.py).
 #
 # Python: $PYTHON, else .venv/bin/python, else python3: the first that imports torch (with CUDA
 # unless BENCH_DEVICE=cpu), trl and the client's protobuf modules. On a bare GPU machine run it
@@ -57,6 +61,7 @@ trap 'rm -f "$RUNNER"' EXIT
 cat > "$RUNNER" <<'PYEOF'
 import os
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -83,8 +88,16 @@ def main() -> None:
     print(f"torch {torch.__version__}, cuda {torch.version.cuda}, device {device}: {gpu}, bf16: {bf16}")
     with tempfile.TemporaryDirectory(prefix="gpu-grpo-") as tmp:
         root = pathlib.Path(tmp)
-        make_tiny_vlm.build(root / "model")
-        make_demo_dataset.build(root / "data", rows=64, size=(640, 480))
+        kept = os.environ.get("BENCH_MODEL")
+        if kept and (pathlib.Path(kept) / "config.json").is_file():
+            shutil.copytree(kept, root / "model")
+        else:
+            make_tiny_vlm.build(root / "model")
+            if kept:  # whole or not at all: a reader looks for its config.json
+                shutil.copytree(root / "model", kept + ".part")
+                os.replace(kept + ".part", kept)
+        # Camera-sized images on a GPU; on the CPU (a dry run) small ones decode in no time.
+        make_demo_dataset.build(root / "data", rows=64, size=(640, 480) if cuda else (64, 64))
         generations, batch, tokens, workers = (8, 16, 32, 2) if cuda else (2, 2, 8, 1)
         task = episode_pb2.TrainTask(
             grpo=episode_pb2.GrpoTask(

@@ -163,10 +163,12 @@ class Side:
 
 def build_data(work: pathlib.Path, size: Size, model_flags: list[str]) -> pathlib.Path:
     """The data root: the model (``make_tiny_vlm`` with ``model_flags``, in a process of its
-    own) and the dataset."""
+    own, unless ``work/data/model`` already holds one) and the dataset."""
     root = work / "data"
     model = root / "model"
-    if not (model / "config.json").exists():
+    if (model / "config.json").exists():
+        print(f"model: the one already in {model}")
+    else:
         command = [sys.executable, "-m", "trainer_service.tools.make_tiny_vlm", str(model)]
         started = time.perf_counter()
         subprocess.run(

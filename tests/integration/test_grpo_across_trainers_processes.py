@@ -97,25 +97,38 @@ def _request(processes: int, steps: int = STEPS) -> pb.CreateRunRequest:
     )
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoints"
-    path.mkdir()
-    return path
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two(
-    grpo_data_root: Path, store: Path, tmp_path: Path
+    grpo_data_root: Path, store: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
-    """Two trainer processes of one slot each on the data root and the shared store."""
+    """Two trainer processes of one slot each on the data root and the shared store: the
+    module's tests share them (the refusal never reaches them), the kill -9 test, last, kills
+    one."""
     flags = _flags(grpo_data_root, store)
     env = {"OMP_NUM_THREADS": "1"}
+    logs = tmp_path_factory.mktemp("trainer-logs")
     with (
-        trainer_process(tmp_path / "t1.log", *flags, slots=1, env=env) as one,
-        trainer_process(tmp_path / "t2.log", *flags, slots=1, env=env) as other,
+        trainer_process(logs / "t1.log", *flags, slots=1, env=env) as one,
+        trainer_process(logs / "t2.log", *flags, slots=1, env=env) as other,
     ):
         yield [one, other]
+
+
+async def test_a_job_bigger_than_every_trainer_together_is_refused(
+    two: list[tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    async with running_gateway(tuple(address for _, address in two)) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.stub.CreateRun(_request(3), timeout=TIMEOUT)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        message = info.value.details() or ""
+        assert "num_processes" in message and "3" in message and "2" in message, message
+    assert all(proc.poll() is None for proc, _ in two)
 
 
 async def test_kill_9_of_a_trainer_stops_the_job_everywhere_and_it_resumes_on_another(
@@ -179,14 +192,3 @@ async def test_kill_9_of_a_trainer_stops_the_job_everywhere_and_it_resumes_on_an
 async def _placing_again(client: Client, run_id: str) -> pb.Run | None:
     run = await get_run(client.stub, run_id)
     return run if run.restarts == 1 and "slot" in run.state_detail else None
-
-
-async def test_a_job_bigger_than_every_trainer_together_is_refused(
-    two: list[tuple[subprocess.Popen[bytes], str]],
-) -> None:
-    async with running_gateway(tuple(address for _, address in two)) as client:
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await client.stub.CreateRun(_request(3), timeout=TIMEOUT)
-        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        message = info.value.details() or ""
-        assert "num_processes" in message and "3" in message and "2" in message, message

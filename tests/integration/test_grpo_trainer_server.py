@@ -42,10 +42,12 @@ def trainer(grpo_data_root: pathlib.Path) -> Iterator[RunningTrainer]:
         running.runner.wait_idle(TIMEOUT)
 
 
-def _request(run_id: str, max_episodes: int, workers: int = 2) -> trainer_service_pb2.TrainRequest:
+def _request(run_id: str, max_episodes: int) -> trainer_service_pb2.TrainRequest:
+    # Rows decoded in the rank: DataLoader workers (a fork server of their own per job, ~2 CPU-s)
+    # are test_grpo_provider.py's subject, and test_end_to_end.py streams a run with them.
     return trainer_service_pb2.TrainRequest(
         run_id=run_id,
-        task=tiny_grpo_task(workers=workers),
+        task=tiny_grpo_task(workers=0),
         config=episode_pb2.TrainConfig(max_episodes=max_episodes, seed=5),
     )
 
@@ -74,9 +76,7 @@ def test_a_broken_stream_stops_the_job_process_within_one_step_and_frees_the_slo
 ) -> None:
     # The job trains in a process of its own; its rank reports the last step it finished.
     caplog.set_level(logging.INFO, logger="trainer_service.providers.grpo.process")
-    call = trainer.stub.Train(
-        _request("run-grpo-cancel", max_episodes=500, workers=0), timeout=JOB_TIMEOUT
-    )
+    call = trainer.stub.Train(_request("run-grpo-cancel", max_episodes=500), timeout=JOB_TIMEOUT)
     first_episode = threading.Event()
     for response in call:
         if response.WhichOneof("event") == "episode":

@@ -309,6 +309,25 @@ def test_packed_adam_computes_torchs_adam_bit_for_bit() -> None:
         )
 
 
+def test_packed_adam_writes_the_state_dict_torchs_adam_writes() -> None:
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(4)
+    packed_adam, _, adam = _adam_pair((5, 3))
+    assert packed_adam.state_dict() == adam.state_dict()
+    for step in range(3):
+        if step == 2:
+            packed_adam.param_groups[0]["lr"] = adam.param_groups[0]["lr"] = 0.004
+        _step_both(packed_adam, adam, torch.randn(2, 5, 3, generator=generator))
+    mine, theirs = packed_adam.state_dict(), adam.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert set(mine["state"]) == set(theirs["state"]) == {0, 1}
+    for i in (0, 1):
+        assert set(mine["state"][i]) == set(theirs["state"][i])
+        for name, value in theirs["state"][i].items():
+            assert mine["state"][i][name].dtype == value.dtype, name
+            assert torch.equal(mine["state"][i][name], value), name
+
+
 def test_packed_adam_state_is_torchs_adam_state_both_ways() -> None:
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(3)

@@ -27,7 +27,7 @@ import json
 import pathlib
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -36,7 +36,9 @@ from safetensors.torch import load_file
 
 from trainer_service.core.provider import CheckpointUnusable, ProviderError
 from trainer_service.providers.grpo.checkpoint_files import ADAPTER_FILES, BASE_RECORD
-from trainer_service.providers.grpo.settings import LoraSettings
+
+if TYPE_CHECKING:  # settings imports TRL, which a merge's process has no use for
+    from trainer_service.providers.grpo.settings import LoraSettings
 
 #: The adapter files ``PeftModel.save_pretrained`` writes (and ``from_pretrained`` reads).
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = ADAPTER_FILES
