@@ -64,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import pathlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -90,16 +91,23 @@ from gateway.core.trainers import (
     TrainerRefused,
 )
 from tests.fakes.episodes import broken, make_episode, reward_of
+from trainer_service.core.admission import slots_needed, too_many_slots
+from trainer_service.core.checkpointing import CheckpointEvent, checkpoint_due, job_meta
+from trainer_service.core.errors import InvalidRequest
+from trainer_service.core.hyperparameters import check_change, same_but_hyperparameters
+from trainer_service.core.job import final_checkpoint_of, writes_final_checkpoint
+from trainer_service.core.job_resume import Candidates, fetch_resume_candidate
+from trainer_service.core.job_share import share_candidate
+from trainer_service.core.jobs import replaceable
+from trainer_service.core.placement import Placement
+from trainer_service.core.provider import ProviderError, RestoredCheckpoint
+from trainer_service.core.slots import SlotPool
+from trainer_service.providers import grpo
 from trainer_service.providers.defaults import BY_PROVIDER, IMITATION
-from trainer_service.providers.grpo.hyperparameters import has_reference_model as grpo_reference
-from trainer_service.providers.grpo.hyperparameters import hyperparameters as grpo_initial
-from trainwire.contract import (
-    REWARD_FUNCTIONS,
-    describe_violations,
-    task_kind,
-)
+from trainwire.contract import REWARD_FUNCTIONS, FieldViolation, task_kind
 from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2, trainer_service_pb2
+from trainwire_ops.checkpoints import CheckpointCorrupt, CheckpointInfo, CheckpointMissing
 
 #: Seconds between two heartbeats of a stream whose job waits (the real trainer's default).
 HEARTBEAT_S = 5.0
@@ -159,6 +167,13 @@ class HyperparametersCall:
 Call = TrainCall | GrantCall | CancelCall | HyperparametersCall
 
 
+#: The real providers' torch-free rules, by task kind, as the real trainer core asks them of
+#: a provider (``slots_needed``, ``hyperparameters``, ``check_hyperparameters``): the grpo
+#: package's own; the imitation provider (it imports torch) has none of the first and last, so
+#: ``None`` gives the core's defaults for them.
+PROVIDER_RULES: dict[str, object | None] = {"grpo": grpo, "imitation": None}
+
+
 def initial_hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:
     """The live hyperparameters a job of ``task`` starts with, defaults applied: for grpo the
     real provider's own rules (``trainer_service.providers.grpo.hyperparameters``: LoRA's
@@ -167,13 +182,38 @@ def initial_hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:
         return Hyperparameters(
             learning_rate=task.imitation.learning_rate or IMITATION.learning_rate
         )
-    return grpo_initial(task)
+    return grpo.hyperparameters(task)
 
 
-def has_reference_model(task: episode_pb2.TrainTask) -> bool:
-    """Whether a job of ``task`` may weigh a KL term (beta above 0): every imitation job (it has
-    no beta), a grpo job as the real provider says (started with beta above 0, or LoRA)."""
-    return task_kind(task) != "grpo" or grpo_reference(task.grpo)
+def core_placement(placement: JobPlacement | None) -> Placement | None:
+    """The trainer core's ``Placement`` of a connector's ``JobPlacement``."""
+    if placement is None:
+        return None
+    return Placement(
+        placement.world_size, placement.first_rank, placement.processes, placement.rendezvous
+    )
+
+
+def job_slots(task: episode_pb2.TrainTask, placement: JobPlacement | None) -> int:
+    """Slots a job holds, by the real trainer core's rule
+    (``trainer_service.core.admission.slots_needed``)."""
+    kind = task_kind(task)
+    return slots_needed(PROVIDER_RULES.get(kind), kind, task, core_placement(placement))[0]
+
+
+def checkpoint_ref(point: ResumePoint) -> trainer_service_pb2.CheckpointRef:
+    """A resume candidate as the trainer receives it (``TrainRequest.resume_from``)."""
+    saved = point.checkpoint
+    ref = trainer_service_pb2.CheckpointRef(run_id=point.run_id)
+    ref.checkpoint.episode = saved.episode
+    ref.checkpoint.size_bytes = saved.size_bytes
+    ref.checkpoint.sha256 = saved.sha256
+    return ref
+
+
+def saved_event(info: CheckpointInfo) -> CheckpointSaved:
+    """A store record as the connector reports it."""
+    return CheckpointSaved(info.episode, info.create_time_ns, info.size_bytes, info.sha256)
 
 
 # -- what a job does ----------------------------------------------------------------------------
@@ -246,6 +286,7 @@ class MemoryJob:
         script: JobScript,
         resumed: Resumed | None = None,
         placement: JobPlacement | None = None,
+        restored: CheckpointInfo | None = None,
     ) -> None:
         self.trainer = trainer
         self.run_id = run_id
@@ -282,6 +323,8 @@ class MemoryJob:
         self._best = -math.inf
         #: Where it started (None: a plain new job); its stream says so first.
         self.resumed = resumed
+        #: The store's record of the checkpoint of its own run it restored (None: none).
+        self.restored = restored
         self.first = 1
         if resumed is not None and resumed.episode:
             self.first = resumed.episode + 1
@@ -290,8 +333,6 @@ class MemoryJob:
         self.checkpoint_events: list[CheckpointSaved | CheckpointFailed] = []
         #: The live hyperparameters of the next episode it produces.
         self.hyperparameters = initial_hyperparameters(task)
-        #: Whether it started with a reference model (grpo: beta above 0, or LoRA).
-        self.reference_model = has_reference_model(task)
         #: Each change it took: the last episode produced before it, and the values set.
         self.hyperparameter_changes: list[tuple[int, dict[str, float]]] = []
         self._changed = asyncio.Event()
@@ -315,7 +356,8 @@ class MemoryJob:
                 episode, "No space left on device"
             )
         else:
-            event = self.trainer.store.write(self.run_id, episode, self._best)
+            meta = job_meta(self.task, self.config)
+            event = self.trainer.store.write(self.run_id, episode, self._best, meta)
         self.checkpoint_events.append(event)
         return event
 
@@ -377,10 +419,7 @@ class MemoryJob:
         if self.trainer.hyperparameter_metrics:
             episode.metrics.update(self.hyperparameters.as_dict())
         self.produced.append(episode)
-        every = self.checkpoint_every
-        # Like the real trainer's providers (``JobCheckpoints.due``): after every that many
-        # episodes and, whatever ``checkpoint_every``, after the last.
-        if (every and n % every == 0) or episode.done:
+        if checkpoint_due(n, self.checkpoint_every, self.max_episodes):
             self.checkpoint(n)
         if episode.done:
             self.stop()
@@ -578,48 +617,88 @@ class MemoryStream:
 # -- trainers and the connector ---------------------------------------------------------------
 
 
-def job_slots(task: episode_pb2.TrainTask, placement: JobPlacement | None) -> int:
-    """Slots a job holds: its placement's processes, else one per GRPO process (1 for other
-    kinds)."""
-    if placement is not None:
-        return placement.processes
-    return max(1, task.grpo.num_processes) if task_kind(task) == "grpo" else 1
-
-
 class MemoryCheckpoints:
     """The checkpoint store the memory trainers share: what each checkpoint restores (the best
-    reward through its episode), and the ones a test marked corrupt."""
+    reward through its episode) and what its marker records (its job's task and config), and the
+    ones a test marked corrupt (their files no longer hash to their record). A job's trainer
+    fetches its resume candidates from it as the real trainer fetches them from a
+    ``trainwire_ops.checkpoints.CheckpointStore``: ``fetch``, ``meta`` and ``info`` raise that
+    store's errors, for the real trainer core's choice of a candidate
+    (``trainer_service.core.job_resume``) to skip them with its reasons."""
 
     def __init__(self) -> None:
         self.saved: dict[tuple[str, int], float] = {}
         self.corrupt: set[tuple[str, int]] = set()
         self.deleted: list[tuple[str, int]] = []
+        self.markers: dict[tuple[str, int], dict[str, object]] = {}
 
     @staticmethod
     def digest(run_id: str, episode: int) -> str:
         """The sha256 of the checkpoint of ``run_id`` after ``episode``."""
         return hashlib.sha256(f"{run_id}/{episode}".encode()).hexdigest()
 
-    def write(self, run_id: str, episode: int, best_reward: float) -> CheckpointSaved:
-        self.saved[(run_id, episode)] = best_reward
-        digest = self.digest(run_id, episode)
-        return CheckpointSaved(episode, 1_700_000_000_000_000_000 + episode, 1000 + episode, digest)
+    @staticmethod
+    def corrupt_digest(run_id: str, episode: int) -> str:
+        """The sha256 the files of that checkpoint hash to once a test marked it corrupt."""
+        return hashlib.sha256(f"{run_id}/{episode}/corrupt".encode()).hexdigest()
 
-    def restore(self, points: Sequence[ResumePoint]) -> Resumed:
-        """Where a job given ``points`` starts: the first one that is there and sound."""
-        skipped: list[tuple[int, str]] = []
-        for point in points:
-            key = (point.run_id, point.checkpoint.episode)
-            if key not in self.saved:
-                skipped.append((point.checkpoint.episode, "missing"))
-            elif key in self.corrupt or (
-                # Like the real trainer: the digest the gateway recorded must match.
-                point.checkpoint.sha256 and point.checkpoint.sha256 != self.digest(*key)
-            ):
-                skipped.append((point.checkpoint.episode, "digest mismatch"))
-            else:
-                return Resumed(point.checkpoint.episode, self.saved[key], tuple(skipped))
-        return Resumed(0, 0.0, tuple(skipped))
+    def write(
+        self,
+        run_id: str,
+        episode: int,
+        best_reward: float,
+        meta: dict[str, object] | None = None,
+    ) -> CheckpointSaved:
+        self.saved[(run_id, episode)] = best_reward
+        self.markers[(run_id, episode)] = dict(meta or {})
+        info = self.info(run_id, episode)
+        assert info is not None
+        return saved_event(info)
+
+    def info(self, run_id: str, episode: int) -> CheckpointInfo | None:
+        """The record of the checkpoint of ``run_id`` after ``episode``, if it is there."""
+        best = self.saved.get((run_id, episode))
+        if best is None:
+            return None
+        return CheckpointInfo(
+            episode,
+            1_700_000_000_000_000_000 + episode,
+            1000 + episode,
+            self.digest(run_id, episode),
+            best,
+        )
+
+    def meta(self, run_id: str, episode: int) -> dict[str, object] | None:
+        """What the checkpoint's marker records (its job's task and config), if it is there."""
+        if (run_id, episode) not in self.saved:
+            return None
+        return dict(self.markers.get((run_id, episode), {}))
+
+    def fetch(
+        self, run_id: str, episode: int, dest: pathlib.Path, sha256: str = ""
+    ) -> CheckpointInfo:
+        """The checkpoint's record once its files are checked against ``sha256`` (the caller's
+        record; the marker's when empty); ``dest`` is not written.
+
+        Raises:
+            CheckpointMissing: It is not there.
+            CheckpointCorrupt: Its files do not hash to the digest expected.
+        """
+        del dest
+        info = self.info(run_id, episode)
+        if info is None:
+            raise CheckpointMissing(run_id, episode, f"it is not in {self.location}")
+        key = (run_id, episode)
+        got = self.corrupt_digest(run_id, episode) if key in self.corrupt else info.sha256
+        expected = sha256 or info.sha256
+        if got != expected:
+            raise CheckpointCorrupt(
+                run_id,
+                episode,
+                f"digest mismatch: its files hash to {got} ({info.size_bytes} bytes), "
+                f"expected {expected}",
+            )
+        return info
 
     # The ``CheckpointFiles`` the gateway deletes through.
     location = "memory"
@@ -629,6 +708,7 @@ class MemoryCheckpoints:
 
     def delete(self, run_id: str, episode: int) -> None:
         self.saved.pop((run_id, episode), None)
+        self.markers.pop((run_id, episode), None)
         self.deleted.append((run_id, episode))
 
     def delete_run(self, run_id: str) -> None:
@@ -746,9 +826,14 @@ class MemoryTrainer:
         if attach_after is not None:
             if job is None:
                 return MemoryStream(self, None, 0, TrainerJobGone(f"{self.address}: NOT_FOUND"))
+            # The real runner's rule: the run's task (with its live hyperparameters changed
+            # since) and config, else the request is invalid.
+            if not same_but_hyperparameters(job.task, task) or job.config != config:
+                violation = FieldViolation("task", "differs from the live job's task/config")
+                return MemoryStream(self, None, 0, self._invalid(run_id, violation))
             job.move_grant(grant)
             return MemoryStream(self, job, attach_after)
-        if job is not None and not (job.stopped and not job.attached):
+        if job is not None and not replaceable(job.stopped, job.attached):
             return MemoryStream(self, None, 0, TrainerJobExists(f"{self.address}: EXISTS"))
         if task_kind(task) not in self.providers:
             error = TrainerFailed(f"{self.address}: no provider", "No provider for this task.")
@@ -757,15 +842,12 @@ class MemoryTrainer:
         if task_kind(task) == "grpo" and unknown:
             error = TrainerFailed(f"{self.address}: INVALID_ARGUMENT", f"Unknown {unknown[0]}.")
             return MemoryStream(self, None, 0, error)
-        needed = job_slots(task, placement)
-        if needed > self.slots_total:
-            # Like the real trainer: never busy, as no slot will free up enough for it.
-            error = TrainerFailed(
-                f"{self.address}: INVALID_ARGUMENT",
-                f"The trainer refused this task: needs {needed} slots; this trainer can give "
-                f"one job at most {self.slots_total}",
-            )
-            return MemoryStream(self, None, 0, error)
+        kind = task_kind(task)
+        needed, what = slots_needed(PROVIDER_RULES.get(kind), kind, task, core_placement(placement))
+        # Never busy, as no slot will free up enough for it (a trainer without named devices).
+        too_many = too_many_slots(what, needed, SlotPool(self.slots_total).most_per_job())
+        if too_many is not None:
+            return MemoryStream(self, None, 0, self._invalid(run_id, too_many))
         if self.answer_busy > 0 or self.slots_free < needed:
             self.answer_busy = max(0, self.answer_busy - 1)
             return MemoryStream(self, None, 0, TrainerBusy(f"{self.address}: SLOTS_BUSY"))
@@ -773,11 +855,22 @@ class MemoryTrainer:
         if placement is not None and placement.first_rank > 0:
             leader = self.rendezvous.get(placement.rendezvous)
             if leader is None or leader.stopped:
-                gone = TrainerCrashed(f"{self.address}: rendezvous {placement.rendezvous} gone")
+                # As the real grpo provider's ranks fail when rank 0's store is gone.
+                gone = TrainerProcessDied(
+                    f"{self.address}: INTERNAL: rendezvous {placement.rendezvous} gone",
+                    "A process of the training job stopped.",
+                )
                 return MemoryStream(self, None, 0, gone)
+        restored: CheckpointInfo | None = None
+        resumed: Resumed | None = None
+        if resume_from:
+            try:
+                resumed, restored = self._resume(run_id, task, config, resume_from, placement)
+            except ProviderError as exc:
+                failed = TrainerFailed(f"{self.address}: {exc.code}: {exc}", exc.user_message)
+                return MemoryStream(self, None, 0, failed)
         script = self._scripts.popleft() if self._scripts else JobScript()
-        resumed = self.store.restore(resume_from) if resume_from else None
-        job = MemoryJob(self, run_id, task, config, grant, script, resumed, placement)
+        job = MemoryJob(self, run_id, task, config, grant, script, resumed, placement, restored)
         self.jobs[run_id] = job
         if placement is not None and placement.first_rank == 0:
             job.rendezvous = f"rendezvous.{self.address}:{29500 + len(self.rendezvous)}"
@@ -785,6 +878,47 @@ class MemoryTrainer:
         if leader is not None:
             leader.join(job)
         return MemoryStream(self, job, 0)
+
+    def _invalid(self, run_id: str, violation: FieldViolation) -> TrainerFailed:
+        """What the gateway hears of a request the real runner finds invalid."""
+        error = InvalidRequest(run_id, [violation])
+        return TrainerFailed(f"{self.address}: INVALID_ARGUMENT: {error}", error.user_message)
+
+    def _resume(
+        self,
+        run_id: str,
+        task: episode_pb2.TrainTask,
+        config: episode_pb2.TrainConfig,
+        resume_from: Sequence[ResumePoint],
+        placement: JobPlacement | None,
+    ) -> tuple[Resumed, CheckpointInfo | None]:
+        """Where a job with ``resume_from`` starts, and the record of the checkpoint of its own
+        run it restores: the real trainer core's choice (``trainer_service.core.job_resume``;
+        a share's, ``job_share``) over the shared store. Every candidate loads once fetched (the
+        fake's jobs restore anything).
+
+        Raises:
+            ProviderError: A share cannot restore rank 0's checkpoint.
+        """
+        refs = [checkpoint_ref(point) for point in resume_from]
+        store = self.store
+
+        def fetch(ref: trainer_service_pb2.CheckpointRef, index: int) -> RestoredCheckpoint:
+            del index
+            return fetch_resume_candidate(store, ref, run_id, task, config, pathlib.Path("memory"))
+
+        skipped: list[tuple[int, str]] = []
+        if placement is not None and placement.first_rank > 0:
+            chosen = share_candidate(refs, fetch, run_id)
+        else:
+            candidates = Candidates(refs, fetch, lambda n, why: skipped.append((n, why)))
+            found = next(iter(candidates), None)
+            if found is None:
+                return Resumed(0, 0.0, tuple(skipped)), None
+            chosen = found
+        ref, restored = chosen
+        own = store.info(run_id, restored.episode) if ref.run_id == run_id else None
+        return Resumed(restored.episode, restored.best_reward, tuple(skipped)), own
 
 
 class MemoryConnector:
@@ -936,25 +1070,28 @@ class MemoryConnector:
         job = trainer.jobs.pop(run_id, None)
         if job is None:
             return Cancelled(checkpoint_error="the job was gone" if checkpoint else "")
-        job.stop(cancelled=True)
         if not checkpoint:
+            job.stop(cancelled=True)
             return Cancelled(job.last_produced)
-        if not job.last_produced:
-            # Like the real trainer: a job stopped before its first episode has no checkpoint.
-            return Cancelled(checkpoint_error="the job had not trained an episode")
-        # Like the real trainer: a checkpoint of the last episode already written (a periodic
-        # one) is the final one; none is written again.
-        written = [
-            e
-            for e in job.checkpoint_events
-            if e.episode == job.last_produced and isinstance(e, CheckpointSaved)
-        ]
-        if written:
-            return Cancelled(job.last_produced, written[-1])
-        event = job.checkpoint(job.last_produced)
-        if isinstance(event, CheckpointFailed):
-            return Cancelled(job.last_produced, checkpoint_error=event.message)
-        return Cancelled(job.last_produced, event)
+        produced, start = job.last_produced, job.first - 1
+        # The real core asks the provider for a final checkpoint (its start is decided at once
+        # here); the provider writes it as it stops, unless it checkpointed that episode already.
+        if writes_final_checkpoint(job.stopped, True, produced, start) and not any(
+            e.episode == produced for e in job.checkpoint_events
+        ):
+            job.checkpoint(produced)
+        job.stop(cancelled=True)
+        events = [e for e in job.checkpoint_events if e.episode == produced]
+        event = None
+        if events:
+            last = events[-1]
+            if isinstance(last, CheckpointSaved):
+                info = CheckpointInfo(last.episode, last.create_time, last.size_bytes, last.sha256)
+                event = CheckpointEvent(produced, info)
+            else:
+                event = CheckpointEvent(produced, None, last.message)
+        info, error = final_checkpoint_of(event, produced, start, job.restored, job.stopped)
+        return Cancelled(produced, saved_event(info) if info is not None else None, error)
 
     def hyperparameter_calls(self, run_id: str) -> list[HyperparametersCall]:
         """The ``set_hyperparameters`` calls of a run."""
@@ -971,10 +1108,11 @@ class MemoryConnector:
             raise TrainerJobGone(f"trainer {address}: NOT_FOUND: no job of run {run_id}")
         if job.stopped or job.done:
             raise TrainerJobFinished(f"trainer {address}: FAILED_PRECONDITION: job finished")
-        violations = change.violations(job.kind, reference_model=job.reference_model)
-        if violations:
-            message = describe_violations(violations)
-            raise TrainerRefused(f"trainer {address}: INVALID_ARGUMENT", message, violations)
+        try:
+            check_change(run_id, PROVIDER_RULES.get(job.kind), job.kind, job.task, change)
+        except InvalidRequest as exc:
+            detail = f"trainer {address}: INVALID_ARGUMENT: {exc}"
+            raise TrainerRefused(detail, exc.user_message, exc.violations) from None
         job.hyperparameters = job.hyperparameters.merged(change)
         job.hyperparameter_changes.append((job.last_produced, change.as_dict()))
 
