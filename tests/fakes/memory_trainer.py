@@ -851,6 +851,15 @@ class MemoryTrainer:
         if self.answer_busy > 0 or self.slots_free < needed:
             self.answer_busy = max(0, self.answer_busy - 1)
             return MemoryStream(self, None, 0, TrainerBusy(f"{self.address}: SLOTS_BUSY"))
+        # The real core restores before the provider runs (a share: before it meets rank 0).
+        restored: CheckpointInfo | None = None
+        resumed: Resumed | None = None
+        if resume_from:
+            try:
+                resumed, restored = self._resume(run_id, task, config, resume_from, placement)
+            except ProviderError as exc:
+                failed = TrainerFailed(f"{self.address}: {exc.code}: {exc}", exc.user_message)
+                return MemoryStream(self, None, 0, failed)
         leader = None
         if placement is not None and placement.first_rank > 0:
             leader = self.rendezvous.get(placement.rendezvous)
@@ -861,14 +870,6 @@ class MemoryTrainer:
                     "A process of the training job stopped.",
                 )
                 return MemoryStream(self, None, 0, gone)
-        restored: CheckpointInfo | None = None
-        resumed: Resumed | None = None
-        if resume_from:
-            try:
-                resumed, restored = self._resume(run_id, task, config, resume_from, placement)
-            except ProviderError as exc:
-                failed = TrainerFailed(f"{self.address}: {exc.code}: {exc}", exc.user_message)
-                return MemoryStream(self, None, 0, failed)
         script = self._scripts.popleft() if self._scripts else JobScript()
         job = MemoryJob(self, run_id, task, config, grant, script, resumed, placement, restored)
         self.jobs[run_id] = job
