@@ -775,3 +775,19 @@ async def test_a_share_that_cannot_restore_rank_0_s_checkpoint_fails(trainers: T
     assert isinstance(error, TrainerFailed) and not isinstance(error, TrainerProcessDied)
     assert "every trainer of the job needs it" in error.user_message
     await wait_slots_free(trainers, B, 1)
+
+
+async def test_a_re_attach_after_an_episode_not_produced_yet_is_refused(
+    trainers: Trainers,
+) -> None:
+    trainers.add(A, 1)
+    connector = trainers.connector
+    stream = connector.train(A, "run-1", task(), config(10), grant_through_episode=2)
+    await read_until(stream, "e2")
+    ahead = connector.train(
+        A, "run-1", task(), config(10), grant_through_episode=2, attach_after_episode=5
+    )
+    with pytest.raises(TrainerJobGone):
+        await read(ahead)
+    await connector.grant(A, "run-1", 3, TIMEOUT)
+    assert kinds(await read_until(stream, "e3")) == ["e3"]  # the attached stream goes on

@@ -10,20 +10,30 @@ or re-attaches a stream to one. Like the real trainer (``trainer_service.core.jo
 - produces a valid stream (``tests.fakes.episodes.make_episode``: episodes 1..N, best_reward the
   running maximum, done on the last);
 - outlives a broken or cancelled stream (detached) and holds its episodes for a re-attach
-  after ``attach_after_episode``; a re-attach to a job that is gone is ``TrainerJobGone``, a
-  new ``train`` of a run whose job is still live ``TrainerJobExists``;
+  after ``attach_after_episode`` (it holds all of them: the real one only its last
+  ``retain``); a re-attach to a job that is gone is ``TrainerJobGone``, a new ``train`` of a
+  run whose job is still live ``TrainerJobExists``;
 - releases its slot once its provider stopped (the done episode produced, a failure, or
   ``cancel_job``).
+
+The trainer's rules are the real trainer core's own functions, never copies: the slots a job
+takes and the refusal of one too big for the trainer (``admission``), a new job that replaces a
+live one (``jobs.replaceable``), a re-attach's start point and task (``job_reader``,
+``hyperparameters``), when a checkpoint is due (``checkpointing``), the choice of a resume
+candidate with its skip reasons (``job_resume``; a share's, ``job_share``), the final
+checkpoint of ``cancel_job(checkpoint=True)`` (``job.final_checkpoint_of``) and a refused
+hyperparameter change (``hyperparameters.check_change``), with the real providers' torch-free
+rules (``PROVIDER_RULES``). What the fake simulates is time, streams, stores and failures.
 
 Checkpoints: a job writes one after every ``config.checkpoint_every`` episodes (0: its trainer's
 advertised default, ``MemoryTrainer.provider_defaults``) and after its done episode into the
 connector's shared store (``MemoryConnector.checkpoints``, reachable by every trainer like a
 shared filesystem), and its stream reports each after the episode it was taken after.
-``cancel_job(checkpoint=True)`` writes one at the job's last episode (none before its first:
-"the job had not trained an episode", as the real core says).
-A ``train`` with ``resume_from`` starts from the first candidate in the store that is not marked
-``corrupt`` and says so first (``Resumed``), numbering on from it; a candidate may be another
-run's (a fork starts from its parent's checkpoint).
+``cancel_job(checkpoint=True)`` writes one at the job's last episode unless it has one there.
+A ``train`` with ``resume_from`` starts from the candidate the real core chooses, fetched from
+that store (one marked ``corrupt`` no longer matches its digest), and says so first
+(``Resumed``), numbering on from it; a candidate may be another run's (a fork starts from its
+parent's checkpoint, if it fits).
 
 Defaults: a trainer advertises each provider's (``Capabilities.provider_defaults``), and by
 default the real providers' own, from their torch-free source
@@ -46,7 +56,8 @@ placement's ``processes``. Rank 0's share of a job that spans trainers (``placem
 nothing until every rank joined it: each other share is a ``train`` with that rendezvous, on any
 trainer of the connector. Those shares produce nothing; their streams send heartbeats and end OK
 once rank 0's job produced its done episode. When rank 0's job stops short of it (killed,
-failed, cancelled), its shares fail as their peers are gone (``TrainerProcessDied``).
+failed, cancelled), its shares fail as their peers are gone (``TrainerProcessDied``), as does a
+share whose rendezvous is gone when it starts.
 
 Every ``train``, ``grant``, ``cancel_job`` and ``set_hyperparameters`` call is recorded with its
 arguments and the loop time it came at (``MemoryConnector.calls``), so tests assert on values,
@@ -62,6 +73,7 @@ come back empty (``revive``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import math
 import pathlib
@@ -96,6 +108,7 @@ from trainer_service.core.checkpointing import CheckpointEvent, checkpoint_due, 
 from trainer_service.core.errors import InvalidRequest
 from trainer_service.core.hyperparameters import check_change, same_but_hyperparameters
 from trainer_service.core.job import final_checkpoint_of, writes_final_checkpoint
+from trainer_service.core.job_reader import attach_range
 from trainer_service.core.job_resume import Candidates, fetch_resume_candidate
 from trainer_service.core.job_share import share_candidate
 from trainer_service.core.jobs import replaceable
@@ -185,20 +198,12 @@ def initial_hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:
     return grpo.hyperparameters(task)
 
 
-def core_placement(placement: JobPlacement | None) -> Placement | None:
-    """The trainer core's ``Placement`` of a connector's ``JobPlacement``."""
-    if placement is None:
-        return None
-    return Placement(
-        placement.world_size, placement.first_rank, placement.processes, placement.rendezvous
-    )
-
-
-def job_slots(task: episode_pb2.TrainTask, placement: JobPlacement | None) -> int:
-    """Slots a job holds, by the real trainer core's rule
+def job_slots(task: episode_pb2.TrainTask, placement: JobPlacement | None) -> tuple[int, str]:
+    """Slots a job takes and the request field that says so: the real trainer core's rule
     (``trainer_service.core.admission.slots_needed``)."""
     kind = task_kind(task)
-    return slots_needed(PROVIDER_RULES.get(kind), kind, task, core_placement(placement))[0]
+    share = None if placement is None else Placement(**dataclasses.asdict(placement))
+    return slots_needed(PROVIDER_RULES.get(kind), kind, task, share)
 
 
 def checkpoint_ref(point: ResumePoint) -> trainer_service_pb2.CheckpointRef:
@@ -298,7 +303,7 @@ class MemoryJob:
         #: Its share of a job that spans trainers (None: the whole job).
         self.placement = placement
         #: Slots it holds.
-        self.slots = job_slots(task, placement)
+        self.slots = job_slots(task, placement)[0]
         #: Rank 0's job: the ranks that joined it (its own first) and the other shares.
         self.joined = placement.processes if placement is not None else 0
         self.shares: list[MemoryJob] = []
@@ -831,6 +836,12 @@ class MemoryTrainer:
             if not same_but_hyperparameters(job.task, task) or job.config != config:
                 violation = FieldViolation("task", "differs from the live job's task/config")
                 return MemoryStream(self, None, 0, self._invalid(run_id, violation))
+            # The real reader's rule (the fake holds every episode; its choice is decided).
+            candidates = [job.first - 1] if job.resumed is not None else []
+            low, high = attach_range(job.first, job.last_produced, job.first - 1, candidates, True)
+            if not low <= attach_after <= high:
+                gone = TrainerJobGone(f"{self.address}: FAILED_PRECONDITION: episodes not held")
+                return MemoryStream(self, None, 0, gone)
             job.move_grant(grant)
             return MemoryStream(self, job, attach_after)
         if job is not None and not replaceable(job.stopped, job.attached):
@@ -842,8 +853,7 @@ class MemoryTrainer:
         if task_kind(task) == "grpo" and unknown:
             error = TrainerFailed(f"{self.address}: INVALID_ARGUMENT", f"Unknown {unknown[0]}.")
             return MemoryStream(self, None, 0, error)
-        kind = task_kind(task)
-        needed, what = slots_needed(PROVIDER_RULES.get(kind), kind, task, core_placement(placement))
+        needed, what = job_slots(task, placement)
         # Never busy, as no slot will free up enough for it (a trainer without named devices).
         too_many = too_many_slots(what, needed, SlotPool(self.slots_total).most_per_job())
         if too_many is not None:
