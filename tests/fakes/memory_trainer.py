@@ -1,5 +1,5 @@
-"""An in-memory ``TrainerConnector`` for tests of the gateway core: trainers without grpc,
-sockets or threads, on the test's event loop (so virtual time drives them too).
+"""An in-memory ``TrainerConnector`` for tests of the gateway core: trainers without a gRPC
+transport, sockets or threads, on the test's event loop (so virtual time drives them too).
 
 ``MemoryConnector`` reaches ``MemoryTrainer`` s by address. A trainer offers providers in a
 number of slots; each ``train`` call starts a ``MemoryJob`` (one slot, until its provider stops)
@@ -16,14 +16,16 @@ or re-attaches a stream to one. Like the real trainer (``trainer_service.core.jo
 - releases its slot once its provider stopped (the done episode produced, a failure, or
   ``cancel_job``).
 
-The trainer's rules are the real trainer core's own functions, never copies: the slots a job
-takes and the refusal of one too big for the trainer (``admission``), a new job that replaces a
-live one (``jobs.replaceable``), a re-attach's start point and task (``job_reader``,
-``hyperparameters``), when a checkpoint is due (``checkpointing``), the choice of a resume
-candidate with its skip reasons (``job_resume``; a share's, ``job_share``), the final
-checkpoint of ``cancel_job(checkpoint=True)`` (``job.final_checkpoint_of``) and a refused
-hyperparameter change (``hyperparameters.check_change``), with the real providers' torch-free
-rules (``PROVIDER_RULES``). What the fake simulates is time, streams, stores and failures.
+The trainer's rules are the real trainer core's own functions, never copies: the fields of the
+request the gateway's own connector builds (``gateway.trainer_client.train_request``, checked
+by ``admission.check_request``), the slots a job takes and the refusal of one too big for the
+trainer (``admission``), a new job that replaces a live one (``jobs.replaceable``), a
+re-attach's start point and task (``job_reader``, ``hyperparameters``), when a checkpoint is
+due (``checkpointing``), the choice of a resume candidate with its skip reasons
+(``job_resume``; a share's, ``job_share``), the final checkpoint of
+``cancel_job(checkpoint=True)`` (``job.final_checkpoint_of``) and a refused hyperparameter
+change (``hyperparameters.check_change``), with the real providers' torch-free rules
+(``PROVIDER_RULES``). What the fake simulates is time, streams, stores and failures.
 
 Checkpoints: a job writes one after every ``config.checkpoint_every`` episodes (0: its trainer's
 advertised default, ``MemoryTrainer.provider_defaults``) and after its done episode into the
@@ -102,17 +104,18 @@ from gateway.core.trainers import (
     TrainerProcessDied,
     TrainerRefused,
 )
+from gateway.trainer_client import train_request
 from tests.fakes.episodes import broken, make_episode, reward_of
-from trainer_service.core.admission import slots_needed, too_many_slots
+from trainer_service.core.admission import check_request, slots_needed, too_many_slots
 from trainer_service.core.checkpointing import CheckpointEvent, checkpoint_due, job_meta
 from trainer_service.core.errors import InvalidRequest
 from trainer_service.core.hyperparameters import check_change, same_but_hyperparameters
 from trainer_service.core.job import final_checkpoint_of, writes_final_checkpoint
 from trainer_service.core.job_reader import attach_range
 from trainer_service.core.job_resume import Candidates, fetch_resume_candidate
-from trainer_service.core.job_share import share_candidate
+from trainer_service.core.job_share import is_share, share_candidate
 from trainer_service.core.jobs import replaceable
-from trainer_service.core.placement import Placement
+from trainer_service.core.placement import DEFAULT_RENDEZVOUS_HOST, Placement, placement_of
 from trainer_service.core.provider import ProviderError, RestoredCheckpoint
 from trainer_service.core.slots import SlotPool
 from trainer_service.providers import grpo
@@ -204,16 +207,6 @@ def job_slots(task: episode_pb2.TrainTask, placement: JobPlacement | None) -> tu
     kind = task_kind(task)
     share = None if placement is None else Placement(**dataclasses.asdict(placement))
     return slots_needed(PROVIDER_RULES.get(kind), kind, task, share)
-
-
-def checkpoint_ref(point: ResumePoint) -> trainer_service_pb2.CheckpointRef:
-    """A resume candidate as the trainer receives it (``TrainRequest.resume_from``)."""
-    saved = point.checkpoint
-    ref = trainer_service_pb2.CheckpointRef(run_id=point.run_id)
-    ref.checkpoint.episode = saved.episode
-    ref.checkpoint.size_bytes = saved.size_bytes
-    ref.checkpoint.sha256 = saved.sha256
-    return ref
 
 
 def saved_event(info: CheckpointInfo) -> CheckpointSaved:
@@ -828,6 +821,11 @@ class MemoryTrainer:
         if self.killed:
             return MemoryStream(self, None, 0, TrainerLost(f"trainer {self.address}: killed"))
         job = self.jobs.get(run_id)
+        # The request the gateway's own connector sends, and its fields the real core checks.
+        request = train_request(run_id, task, config, grant, attach_after, resume_from, placement)
+        violations = check_request(request)
+        if violations:
+            return MemoryStream(self, None, 0, self._invalid(run_id, *violations))
         if attach_after is not None:
             if job is None:
                 return MemoryStream(self, None, 0, TrainerJobGone(f"{self.address}: NOT_FOUND"))
@@ -866,7 +864,7 @@ class MemoryTrainer:
         resumed: Resumed | None = None
         if resume_from:
             try:
-                resumed, restored = self._resume(run_id, task, config, resume_from, placement)
+                resumed, restored = self._resume(request)
             except ProviderError as exc:
                 failed = TrainerFailed(f"{self.address}: {exc.code}: {exc}", exc.user_message)
                 return MemoryStream(self, None, 0, failed)
@@ -884,24 +882,21 @@ class MemoryTrainer:
         job = MemoryJob(self, run_id, task, config, grant, script, resumed, placement, restored)
         self.jobs[run_id] = job
         if placement is not None and placement.first_rank == 0:
-            job.rendezvous = f"rendezvous.{self.address}:{29500 + len(self.rendezvous)}"
+            # On the real trainer's default ``--rendezvous-host``: a HOST:PORT the shares'
+            # requests carry (the connector's rendezvous are all on one "host").
+            job.rendezvous = f"{DEFAULT_RENDEZVOUS_HOST}:{29500 + len(self.rendezvous)}"
             self.rendezvous[job.rendezvous] = job
         if leader is not None:
             leader.join(job)
         return MemoryStream(self, job, 0)
 
-    def _invalid(self, run_id: str, violation: FieldViolation) -> TrainerFailed:
+    def _invalid(self, run_id: str, *violations: FieldViolation) -> TrainerFailed:
         """What the gateway hears of a request the real runner finds invalid."""
-        error = InvalidRequest(run_id, [violation])
+        error = InvalidRequest(run_id, violations)
         return TrainerFailed(f"{self.address}: INVALID_ARGUMENT: {error}", error.user_message)
 
     def _resume(
-        self,
-        run_id: str,
-        task: episode_pb2.TrainTask,
-        config: episode_pb2.TrainConfig,
-        resume_from: Sequence[ResumePoint],
-        placement: JobPlacement | None,
+        self, request: trainer_service_pb2.TrainRequest
     ) -> tuple[Resumed, CheckpointInfo | None]:
         """Where a job with ``resume_from`` starts, and the record of the checkpoint of its own
         run it restores: the real trainer core's choice (``trainer_service.core.job_resume``;
@@ -911,15 +906,15 @@ class MemoryTrainer:
         Raises:
             ProviderError: A share cannot restore rank 0's checkpoint.
         """
-        refs = [checkpoint_ref(point) for point in resume_from]
-        store = self.store
+        run_id, refs, store = request.run_id, request.resume_from, self.store
 
         def fetch(ref: trainer_service_pb2.CheckpointRef, index: int) -> RestoredCheckpoint:
             del index
-            return fetch_resume_candidate(store, ref, run_id, task, config, pathlib.Path("memory"))
+            dest = pathlib.Path("memory")
+            return fetch_resume_candidate(store, ref, run_id, request.task, request.config, dest)
 
         skipped: list[tuple[int, str]] = []
-        if placement is not None and placement.first_rank > 0:
+        if is_share(placement_of(request)):
             chosen = share_candidate(refs, fetch, run_id)
         else:
             candidates = Candidates(refs, fetch, lambda n, why: skipped.append((n, why)))
