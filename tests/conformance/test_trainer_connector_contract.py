@@ -637,3 +637,157 @@ async def test_a_final_checkpoint_before_any_episode_says_the_job_had_not_traine
     assert kinds(events) == []
     assert isinstance(error, TrainerLost)
     await wait_slots_free(trainers, A, 1)
+
+
+# -- the trainer core's rules that the fake calls, not copies ----------------------------------
+
+
+async def test_a_too_big_job_is_refused_naming_the_field_and_the_limit(trainers: Trainers) -> None:
+    trainers.add(A, 2, grpo=True)
+    stream = trainers.connector.train(A, "run-1", grpo_task(3), config(3), grant_through_episode=3)
+    with pytest.raises(TrainerFailed) as failed:
+        await read(stream)
+    assert failed.value.user_message == (
+        "The trainer refused this task: task.grpo: needs 3 slots (one per process, each on its "
+        "own GPU when there are GPUs); this trainer can give one job at most 2"
+    )
+
+
+async def test_a_refused_hyperparameter_change_says_so_in_the_trainer_s_words(
+    trainers: Trainers,
+) -> None:
+    trainers.add(A, 1, grpo=True)
+    connector = trainers.connector
+    full = connector.train(A, "full", grpo_task(), config(4), grant_through_episode=1)
+    await read_until(full, "e1")
+    with pytest.raises(TrainerRefused) as refused:
+        await connector.set_hyperparameters(A, "full", Hyperparameters(beta=0.1), TIMEOUT)
+    assert refused.value.user_message.startswith("The hyperparameters cannot be changed: beta: ")
+
+
+async def test_another_run_s_candidate_that_does_not_fit_is_skipped(trainers: Trainers) -> None:
+    trainers.add(A, 1, grpo=True)
+    saved = await _checkpoints_of_a_finished_run(trainers)
+    await wait_slots_free(trainers, A, 1)
+    # A fork that ends at episode 5 cannot continue after episode 6; one of another task kind
+    # cannot continue an imitation checkpoint at all.
+    after_its_end = trainers.connector.train(
+        A,
+        "fork-1",
+        task(),
+        config(5),
+        grant_through_episode=5,
+        resume_from=[ResumePoint("run-1", saved[6]), ResumePoint("run-1", saved[4])],
+    )
+    events = await read_to_end(after_its_end)
+    assert kinds(events) == ["r4", "e5", "c5"]
+    resumed = events[0]
+    assert isinstance(resumed, Resumed)
+    assert [(n, why.split(":")[0]) for n, why in resumed.skipped] == [(6, "does not fit")]
+    await wait_slots_free(trainers, A, 1)
+    other_kind = trainers.connector.train(
+        A,
+        "fork-2",
+        grpo_task(),
+        config(10),
+        grant_through_episode=1,
+        resume_from=[ResumePoint("run-1", saved[4])],
+    )
+    events = await read_until(other_kind, "e1")
+    resumed = kinds(events)[0], events[0]
+    assert resumed[0] == "r0"
+    assert isinstance(resumed[1], Resumed)
+    assert [(n, why.split(":")[0]) for n, why in resumed[1].skipped] == [(4, "does not fit")]
+
+
+@pytest.mark.parametrize("own_run", [True, False])
+async def test_a_final_checkpoint_of_a_job_that_only_restored_one(
+    trainers: Trainers, own_run: bool
+) -> None:
+    """Its own run's restored checkpoint is the final one; a fork that trained nothing since
+    its parent's has none."""
+    trainers.add(A, 1)
+    saved = await _checkpoints_of_a_finished_run(trainers)
+    await wait_slots_free(trainers, A, 1)
+    run_id = "run-1" if own_run else "fork-1"
+    stream = trainers.connector.train(
+        A,
+        run_id,
+        task(),
+        config(10),
+        grant_through_episode=4,  # nothing to train after the restored episode 4
+        resume_from=[ResumePoint("run-1", saved[4])],
+    )
+    await read(stream)  # the job is live (resumed, or a heartbeat while it restores)
+    cancelled = await trainers.connector.cancel_job(A, run_id, TIMEOUT, checkpoint=True)
+    if own_run:
+        assert cancelled == Cancelled(4, saved[4], "")
+    else:
+        assert cancelled == Cancelled(4, None, "the job had not trained an episode")
+    await wait_slots_free(trainers, A, 1)
+
+
+async def test_a_re_attach_with_another_config_is_refused(trainers: Trainers) -> None:
+    trainers.add(A, 1)
+    connector = trainers.connector
+    stream = connector.train(A, "run-1", task(), config(10), grant_through_episode=2)
+    await read_until(stream, "e2")
+    other = connector.train(
+        A, "run-1", task(), config(11), grant_through_episode=2, attach_after_episode=2
+    )
+    with pytest.raises(TrainerFailed) as failed:
+        await read(other)
+    assert "task" in failed.value.user_message
+    # A changed learning rate is the run's live value, not another task.
+    same = connector.train(
+        A, "run-1", task(0.5), config(10), grant_through_episode=3, attach_after_episode=2
+    )
+    assert kinds(await read_until(same, "e3")) == ["e3"]
+
+
+async def test_a_share_whose_rendezvous_is_gone_fails_as_a_process_died(
+    trainers: Trainers,
+) -> None:
+    trainers.add(B, 1, grpo=True)
+    share = trainers.connector.train(
+        B, "run-1", grpo_task(2), config(3), 3, placement=JobPlacement(2, 1, 1, "127.0.0.1:1")
+    )
+    events, error = await read_failure(share)
+    assert kinds(events) == []
+    assert isinstance(error, TrainerProcessDied)
+    await wait_slots_free(trainers, B, 1)
+
+
+async def test_a_share_that_cannot_restore_rank_0_s_checkpoint_fails(trainers: Trainers) -> None:
+    trainers.add(B, 1, grpo=True)
+    missing = CheckpointSaved(4, 1_700_000_000_000_000_000, 1000, "ab" * 32)
+    share = trainers.connector.train(
+        B,
+        "run-1",
+        grpo_task(2),
+        config(6),
+        6,
+        resume_from=[ResumePoint("run-1", missing)],
+        placement=JobPlacement(2, 1, 1, "127.0.0.1:1"),
+    )
+    events, error = await read_failure(share)
+    assert kinds(events) == []
+    assert isinstance(error, TrainerFailed) and not isinstance(error, TrainerProcessDied)
+    assert "every trainer of the job needs it" in error.user_message
+    await wait_slots_free(trainers, B, 1)
+
+
+async def test_a_re_attach_after_an_episode_not_produced_yet_is_refused(
+    trainers: Trainers,
+) -> None:
+    trainers.add(A, 1)
+    connector = trainers.connector
+    stream = connector.train(A, "run-1", task(), config(10), grant_through_episode=2)
+    await read_until(stream, "e2")
+    ahead = connector.train(
+        A, "run-1", task(), config(10), grant_through_episode=2, attach_after_episode=5
+    )
+    with pytest.raises(TrainerJobGone):
+        await read(ahead)
+    await connector.grant(A, "run-1", 3, TIMEOUT)
+    assert kinds(await read_until(stream, "e3")) == ["e3"]  # the attached stream goes on

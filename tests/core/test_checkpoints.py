@@ -12,7 +12,7 @@ from pathlib import Path
 from gateway.core.runs import LOST_MESSAGE, UNEXPECTED_MESSAGE, RunState
 from tests.fakes.core_harness import Core, running_core
 from tests.fakes.episodes import reward_of
-from tests.fakes.memory_trainer import CancelCall, JobScript, MemoryTrainer
+from tests.fakes.memory_trainer import CancelCall, JobScript, MemoryCheckpoints, MemoryTrainer
 from tests.fakes.virtual_time import VIRTUAL_TIME
 from tests.fakes.waiting import until
 
@@ -127,7 +127,11 @@ async def test_a_corrupt_latest_checkpoint_is_skipped_and_the_run_says_so() -> N
 
         detail = await until(said, "the skipped checkpoint in the run's detail", 60.0)
         assert f"continued from the checkpoint at episode {before.episode}" in detail
-        assert f"skipped the checkpoint at episode {latest.episode} (digest mismatch)" in detail
+        files = MemoryCheckpoints.corrupt_digest(run.id, latest.episode)
+        assert (
+            f"skipped the checkpoint at episode {latest.episode} (digest mismatch: its files hash "
+            f"to {files} ({latest.size_bytes} bytes), expected {latest.sha256})"
+        ) in detail
         done = await core.wait_state(run.id, RunState.DONE, timeout=120.0)
         await watch.ended()
         assert watch.numbers() == list(range(1, 61))

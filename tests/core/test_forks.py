@@ -18,7 +18,7 @@ from gateway.core.registry import CaughtUp, RunSpec
 from gateway.core.runs import RunState, TrainingRun
 from tests.fakes.core_harness import TASKS, Core, running_core
 from tests.fakes.episodes import reward_of
-from tests.fakes.memory_trainer import JobScript, MemoryTrainer
+from tests.fakes.memory_trainer import JobScript, MemoryCheckpoints, MemoryTrainer
 from tests.fakes.virtual_time import VIRTUAL_TIME
 from tests.fakes.waiting import until
 from trainwire.v1 import episode_pb2
@@ -246,7 +246,9 @@ async def test_a_fork_whose_checkpoint_is_gone_fails_instead_of_training_from_sc
         failed = await core.wait_state(fork.id, RunState.ERROR)
         assert failed.error_message == (
             f"This fork could not start from the checkpoint of run {other.id} at episode 20: "
-            "no checkpoint restored (episode 20: digest mismatch)."
+            "no checkpoint restored (episode 20: digest mismatch: its files hash to "
+            f"{MemoryCheckpoints.corrupt_digest(other.id, 20)} (1020 bytes), expected "
+            f"{MemoryCheckpoints.digest(other.id, 20)})."
         )
         assert failed.episode == 20
         await until(lambda: core.connector.cancels(fork.id), "the from-scratch job cancelled")

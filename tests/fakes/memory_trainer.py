@@ -1,5 +1,5 @@
-"""An in-memory ``TrainerConnector`` for tests of the gateway core: trainers without grpc,
-sockets or threads, on the test's event loop (so virtual time drives them too).
+"""An in-memory ``TrainerConnector`` for tests of the gateway core: trainers without a gRPC
+transport, sockets or threads, on the test's event loop (so virtual time drives them too).
 
 ``MemoryConnector`` reaches ``MemoryTrainer`` s by address. A trainer offers providers in a
 number of slots; each ``train`` call starts a ``MemoryJob`` (one slot, until its provider stops)
@@ -10,20 +10,32 @@ or re-attaches a stream to one. Like the real trainer (``trainer_service.core.jo
 - produces a valid stream (``tests.fakes.episodes.make_episode``: episodes 1..N, best_reward the
   running maximum, done on the last);
 - outlives a broken or cancelled stream (detached) and holds its episodes for a re-attach
-  after ``attach_after_episode``; a re-attach to a job that is gone is ``TrainerJobGone``, a
-  new ``train`` of a run whose job is still live ``TrainerJobExists``;
+  after ``attach_after_episode`` (it holds all of them: the real one only its last
+  ``retain``); a re-attach to a job that is gone is ``TrainerJobGone``, a new ``train`` of a
+  run whose job is still live ``TrainerJobExists``;
 - releases its slot once its provider stopped (the done episode produced, a failure, or
   ``cancel_job``).
+
+The trainer's rules are the real trainer core's own functions, never copies: the fields of the
+request the gateway's own connector builds (``gateway.trainer_client.train_request``, checked
+by ``admission.check_request``), the slots a job takes and the refusal of one too big for the
+trainer (``admission``), a new job that replaces a live one (``jobs.replaceable``), a
+re-attach's start point and task (``job_reader``, ``hyperparameters``), when a checkpoint is
+due (``checkpointing``), the choice of a resume candidate with its skip reasons
+(``job_resume``; a share's, ``job_share``), the final checkpoint of
+``cancel_job(checkpoint=True)`` (``job.final_checkpoint_of``) and a refused hyperparameter
+change (``hyperparameters.check_change``), with the real providers' torch-free rules
+(``PROVIDER_RULES``). What the fake simulates is time, streams, stores and failures.
 
 Checkpoints: a job writes one after every ``config.checkpoint_every`` episodes (0: its trainer's
 advertised default, ``MemoryTrainer.provider_defaults``) and after its done episode into the
 connector's shared store (``MemoryConnector.checkpoints``, reachable by every trainer like a
 shared filesystem), and its stream reports each after the episode it was taken after.
-``cancel_job(checkpoint=True)`` writes one at the job's last episode (none before its first:
-"the job had not trained an episode", as the real core says).
-A ``train`` with ``resume_from`` starts from the first candidate in the store that is not marked
-``corrupt`` and says so first (``Resumed``), numbering on from it; a candidate may be another
-run's (a fork starts from its parent's checkpoint).
+``cancel_job(checkpoint=True)`` writes one at the job's last episode unless it has one there.
+A ``train`` with ``resume_from`` starts from the candidate the real core chooses, fetched from
+that store (one marked ``corrupt`` no longer matches its digest), and says so first
+(``Resumed``), numbering on from it; a candidate may be another run's (a fork starts from its
+parent's checkpoint, if it fits).
 
 Defaults: a trainer advertises each provider's (``Capabilities.provider_defaults``), and by
 default the real providers' own, from their torch-free source
@@ -46,7 +58,8 @@ placement's ``processes``. Rank 0's share of a job that spans trainers (``placem
 nothing until every rank joined it: each other share is a ``train`` with that rendezvous, on any
 trainer of the connector. Those shares produce nothing; their streams send heartbeats and end OK
 once rank 0's job produced its done episode. When rank 0's job stops short of it (killed,
-failed, cancelled), its shares fail as their peers are gone (``TrainerProcessDied``).
+failed, cancelled), its shares fail as their peers are gone (``TrainerProcessDied``), as does a
+share whose rendezvous is gone when it starts.
 
 Every ``train``, ``grant``, ``cancel_job`` and ``set_hyperparameters`` call is recorded with its
 arguments and the loop time it came at (``MemoryConnector.calls``), so tests assert on values,
@@ -62,8 +75,10 @@ come back empty (``revive``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import math
+import pathlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -89,17 +104,26 @@ from gateway.core.trainers import (
     TrainerProcessDied,
     TrainerRefused,
 )
+from gateway.trainer_client import train_request
 from tests.fakes.episodes import broken, make_episode, reward_of
+from trainer_service.core.admission import check_request, slots_needed, too_many_slots
+from trainer_service.core.checkpointing import CheckpointEvent, checkpoint_due, job_meta
+from trainer_service.core.errors import InvalidRequest
+from trainer_service.core.hyperparameters import check_change, same_but_hyperparameters
+from trainer_service.core.job import final_checkpoint_of, writes_final_checkpoint
+from trainer_service.core.job_reader import attach_range
+from trainer_service.core.job_resume import Candidates, fetch_resume_candidate
+from trainer_service.core.job_share import is_share, share_candidate
+from trainer_service.core.jobs import replaceable
+from trainer_service.core.placement import DEFAULT_RENDEZVOUS_HOST, Placement, placement_of
+from trainer_service.core.provider import ProviderError, RestoredCheckpoint
+from trainer_service.core.slots import SlotPool
+from trainer_service.providers import grpo
 from trainer_service.providers.defaults import BY_PROVIDER, IMITATION
-from trainer_service.providers.grpo.hyperparameters import has_reference_model as grpo_reference
-from trainer_service.providers.grpo.hyperparameters import hyperparameters as grpo_initial
-from trainwire.contract import (
-    REWARD_FUNCTIONS,
-    describe_violations,
-    task_kind,
-)
+from trainwire.contract import REWARD_FUNCTIONS, FieldViolation, task_kind
 from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2, trainer_service_pb2
+from trainwire_ops.checkpoints import CheckpointCorrupt, CheckpointInfo, CheckpointMissing
 
 #: Seconds between two heartbeats of a stream whose job waits (the real trainer's default).
 HEARTBEAT_S = 5.0
@@ -159,6 +183,13 @@ class HyperparametersCall:
 Call = TrainCall | GrantCall | CancelCall | HyperparametersCall
 
 
+#: The real providers' torch-free rules, by task kind, as the real trainer core asks them of
+#: a provider (``slots_needed``, ``hyperparameters``, ``check_hyperparameters``): the grpo
+#: package's own; the imitation provider (it imports torch) has none of the first and last, so
+#: ``None`` gives the core's defaults for them.
+PROVIDER_RULES: dict[str, object | None] = {"grpo": grpo, "imitation": None}
+
+
 def initial_hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:
     """The live hyperparameters a job of ``task`` starts with, defaults applied: for grpo the
     real provider's own rules (``trainer_service.providers.grpo.hyperparameters``: LoRA's
@@ -167,13 +198,20 @@ def initial_hyperparameters(task: episode_pb2.TrainTask) -> Hyperparameters:
         return Hyperparameters(
             learning_rate=task.imitation.learning_rate or IMITATION.learning_rate
         )
-    return grpo_initial(task)
+    return grpo.hyperparameters(task)
 
 
-def has_reference_model(task: episode_pb2.TrainTask) -> bool:
-    """Whether a job of ``task`` may weigh a KL term (beta above 0): every imitation job (it has
-    no beta), a grpo job as the real provider says (started with beta above 0, or LoRA)."""
-    return task_kind(task) != "grpo" or grpo_reference(task.grpo)
+def job_slots(task: episode_pb2.TrainTask, placement: JobPlacement | None) -> tuple[int, str]:
+    """Slots a job takes and the request field that says so: the real trainer core's rule
+    (``trainer_service.core.admission.slots_needed``)."""
+    kind = task_kind(task)
+    share = None if placement is None else Placement(**dataclasses.asdict(placement))
+    return slots_needed(PROVIDER_RULES.get(kind), kind, task, share)
+
+
+def saved_event(info: CheckpointInfo) -> CheckpointSaved:
+    """A store record as the connector reports it."""
+    return CheckpointSaved(info.episode, info.create_time_ns, info.size_bytes, info.sha256)
 
 
 # -- what a job does ----------------------------------------------------------------------------
@@ -246,6 +284,7 @@ class MemoryJob:
         script: JobScript,
         resumed: Resumed | None = None,
         placement: JobPlacement | None = None,
+        restored: CheckpointInfo | None = None,
     ) -> None:
         self.trainer = trainer
         self.run_id = run_id
@@ -257,7 +296,7 @@ class MemoryJob:
         #: Its share of a job that spans trainers (None: the whole job).
         self.placement = placement
         #: Slots it holds.
-        self.slots = job_slots(task, placement)
+        self.slots = job_slots(task, placement)[0]
         #: Rank 0's job: the ranks that joined it (its own first) and the other shares.
         self.joined = placement.processes if placement is not None else 0
         self.shares: list[MemoryJob] = []
@@ -282,6 +321,8 @@ class MemoryJob:
         self._best = -math.inf
         #: Where it started (None: a plain new job); its stream says so first.
         self.resumed = resumed
+        #: The store's record of the checkpoint of its own run it restored (None: none).
+        self.restored = restored
         self.first = 1
         if resumed is not None and resumed.episode:
             self.first = resumed.episode + 1
@@ -290,8 +331,6 @@ class MemoryJob:
         self.checkpoint_events: list[CheckpointSaved | CheckpointFailed] = []
         #: The live hyperparameters of the next episode it produces.
         self.hyperparameters = initial_hyperparameters(task)
-        #: Whether it started with a reference model (grpo: beta above 0, or LoRA).
-        self.reference_model = has_reference_model(task)
         #: Each change it took: the last episode produced before it, and the values set.
         self.hyperparameter_changes: list[tuple[int, dict[str, float]]] = []
         self._changed = asyncio.Event()
@@ -315,7 +354,8 @@ class MemoryJob:
                 episode, "No space left on device"
             )
         else:
-            event = self.trainer.store.write(self.run_id, episode, self._best)
+            meta = job_meta(self.task, self.config)
+            event = self.trainer.store.write(self.run_id, episode, self._best, meta)
         self.checkpoint_events.append(event)
         return event
 
@@ -377,10 +417,7 @@ class MemoryJob:
         if self.trainer.hyperparameter_metrics:
             episode.metrics.update(self.hyperparameters.as_dict())
         self.produced.append(episode)
-        every = self.checkpoint_every
-        # Like the real trainer's providers (``JobCheckpoints.due``): after every that many
-        # episodes and, whatever ``checkpoint_every``, after the last.
-        if (every and n % every == 0) or episode.done:
+        if checkpoint_due(n, self.checkpoint_every, self.max_episodes):
             self.checkpoint(n)
         if episode.done:
             self.stop()
@@ -578,48 +615,88 @@ class MemoryStream:
 # -- trainers and the connector ---------------------------------------------------------------
 
 
-def job_slots(task: episode_pb2.TrainTask, placement: JobPlacement | None) -> int:
-    """Slots a job holds: its placement's processes, else one per GRPO process (1 for other
-    kinds)."""
-    if placement is not None:
-        return placement.processes
-    return max(1, task.grpo.num_processes) if task_kind(task) == "grpo" else 1
-
-
 class MemoryCheckpoints:
     """The checkpoint store the memory trainers share: what each checkpoint restores (the best
-    reward through its episode), and the ones a test marked corrupt."""
+    reward through its episode) and what its marker records (its job's task and config), and the
+    ones a test marked corrupt (their files no longer hash to their record). A job's trainer
+    fetches its resume candidates from it as the real trainer fetches them from a
+    ``trainwire_ops.checkpoints.CheckpointStore``: ``fetch``, ``meta`` and ``info`` raise that
+    store's errors, for the real trainer core's choice of a candidate
+    (``trainer_service.core.job_resume``) to skip them with its reasons."""
 
     def __init__(self) -> None:
         self.saved: dict[tuple[str, int], float] = {}
         self.corrupt: set[tuple[str, int]] = set()
         self.deleted: list[tuple[str, int]] = []
+        self.markers: dict[tuple[str, int], dict[str, object]] = {}
 
     @staticmethod
     def digest(run_id: str, episode: int) -> str:
         """The sha256 of the checkpoint of ``run_id`` after ``episode``."""
         return hashlib.sha256(f"{run_id}/{episode}".encode()).hexdigest()
 
-    def write(self, run_id: str, episode: int, best_reward: float) -> CheckpointSaved:
-        self.saved[(run_id, episode)] = best_reward
-        digest = self.digest(run_id, episode)
-        return CheckpointSaved(episode, 1_700_000_000_000_000_000 + episode, 1000 + episode, digest)
+    @staticmethod
+    def corrupt_digest(run_id: str, episode: int) -> str:
+        """The sha256 the files of that checkpoint hash to once a test marked it corrupt."""
+        return hashlib.sha256(f"{run_id}/{episode}/corrupt".encode()).hexdigest()
 
-    def restore(self, points: Sequence[ResumePoint]) -> Resumed:
-        """Where a job given ``points`` starts: the first one that is there and sound."""
-        skipped: list[tuple[int, str]] = []
-        for point in points:
-            key = (point.run_id, point.checkpoint.episode)
-            if key not in self.saved:
-                skipped.append((point.checkpoint.episode, "missing"))
-            elif key in self.corrupt or (
-                # Like the real trainer: the digest the gateway recorded must match.
-                point.checkpoint.sha256 and point.checkpoint.sha256 != self.digest(*key)
-            ):
-                skipped.append((point.checkpoint.episode, "digest mismatch"))
-            else:
-                return Resumed(point.checkpoint.episode, self.saved[key], tuple(skipped))
-        return Resumed(0, 0.0, tuple(skipped))
+    def write(
+        self,
+        run_id: str,
+        episode: int,
+        best_reward: float,
+        meta: dict[str, object] | None = None,
+    ) -> CheckpointSaved:
+        self.saved[(run_id, episode)] = best_reward
+        self.markers[(run_id, episode)] = dict(meta or {})
+        info = self.info(run_id, episode)
+        assert info is not None
+        return saved_event(info)
+
+    def info(self, run_id: str, episode: int) -> CheckpointInfo | None:
+        """The record of the checkpoint of ``run_id`` after ``episode``, if it is there."""
+        best = self.saved.get((run_id, episode))
+        if best is None:
+            return None
+        return CheckpointInfo(
+            episode,
+            1_700_000_000_000_000_000 + episode,
+            1000 + episode,
+            self.digest(run_id, episode),
+            best,
+        )
+
+    def meta(self, run_id: str, episode: int) -> dict[str, object] | None:
+        """What the checkpoint's marker records (its job's task and config), if it is there."""
+        if (run_id, episode) not in self.saved:
+            return None
+        return dict(self.markers.get((run_id, episode), {}))
+
+    def fetch(
+        self, run_id: str, episode: int, dest: pathlib.Path, sha256: str = ""
+    ) -> CheckpointInfo:
+        """The checkpoint's record once its files are checked against ``sha256`` (the caller's
+        record; the marker's when empty); ``dest`` is not written.
+
+        Raises:
+            CheckpointMissing: It is not there.
+            CheckpointCorrupt: Its files do not hash to the digest expected.
+        """
+        del dest
+        info = self.info(run_id, episode)
+        if info is None:
+            raise CheckpointMissing(run_id, episode, f"it is not in {self.location}")
+        key = (run_id, episode)
+        got = self.corrupt_digest(run_id, episode) if key in self.corrupt else info.sha256
+        expected = sha256 or info.sha256
+        if got != expected:
+            raise CheckpointCorrupt(
+                run_id,
+                episode,
+                f"digest mismatch: its files hash to {got} ({info.size_bytes} bytes), "
+                f"expected {expected}",
+            )
+        return info
 
     # The ``CheckpointFiles`` the gateway deletes through.
     location = "memory"
@@ -629,6 +706,7 @@ class MemoryCheckpoints:
 
     def delete(self, run_id: str, episode: int) -> None:
         self.saved.pop((run_id, episode), None)
+        self.markers.pop((run_id, episode), None)
         self.deleted.append((run_id, episode))
 
     def delete_run(self, run_id: str) -> None:
@@ -743,12 +821,28 @@ class MemoryTrainer:
         if self.killed:
             return MemoryStream(self, None, 0, TrainerLost(f"trainer {self.address}: killed"))
         job = self.jobs.get(run_id)
+        # The request the gateway's own connector sends, and its fields the real core checks.
+        request = train_request(run_id, task, config, grant, attach_after, resume_from, placement)
+        violations = check_request(request)
+        if violations:
+            return MemoryStream(self, None, 0, self._invalid(run_id, *violations))
         if attach_after is not None:
             if job is None:
                 return MemoryStream(self, None, 0, TrainerJobGone(f"{self.address}: NOT_FOUND"))
+            # The real runner's rule: the run's task (with its live hyperparameters changed
+            # since) and config, else the request is invalid.
+            if not same_but_hyperparameters(job.task, task) or job.config != config:
+                violation = FieldViolation("task", "differs from the live job's task/config")
+                return MemoryStream(self, None, 0, self._invalid(run_id, violation))
+            # The real reader's rule (the fake holds every episode; its choice is decided).
+            candidates = [job.first - 1] if job.resumed is not None else []
+            low, high = attach_range(job.first, job.last_produced, job.first - 1, candidates, True)
+            if not low <= attach_after <= high:
+                gone = TrainerJobGone(f"{self.address}: FAILED_PRECONDITION: episodes not held")
+                return MemoryStream(self, None, 0, gone)
             job.move_grant(grant)
             return MemoryStream(self, job, attach_after)
-        if job is not None and not (job.stopped and not job.attached):
+        if job is not None and not replaceable(job.stopped, job.attached):
             return MemoryStream(self, None, 0, TrainerJobExists(f"{self.address}: EXISTS"))
         if task_kind(task) not in self.providers:
             error = TrainerFailed(f"{self.address}: no provider", "No provider for this task.")
@@ -757,34 +851,80 @@ class MemoryTrainer:
         if task_kind(task) == "grpo" and unknown:
             error = TrainerFailed(f"{self.address}: INVALID_ARGUMENT", f"Unknown {unknown[0]}.")
             return MemoryStream(self, None, 0, error)
-        needed = job_slots(task, placement)
-        if needed > self.slots_total:
-            # Like the real trainer: never busy, as no slot will free up enough for it.
-            error = TrainerFailed(
-                f"{self.address}: INVALID_ARGUMENT",
-                f"The trainer refused this task: needs {needed} slots; this trainer can give "
-                f"one job at most {self.slots_total}",
-            )
-            return MemoryStream(self, None, 0, error)
+        needed, what = job_slots(task, placement)
+        # Never busy, as no slot will free up enough for it (a trainer without named devices).
+        too_many = too_many_slots(what, needed, SlotPool(self.slots_total).most_per_job())
+        if too_many is not None:
+            return MemoryStream(self, None, 0, self._invalid(run_id, too_many))
         if self.answer_busy > 0 or self.slots_free < needed:
             self.answer_busy = max(0, self.answer_busy - 1)
             return MemoryStream(self, None, 0, TrainerBusy(f"{self.address}: SLOTS_BUSY"))
+        # The real core restores before the provider runs (a share: before it meets rank 0).
+        restored: CheckpointInfo | None = None
+        resumed: Resumed | None = None
+        if resume_from:
+            try:
+                resumed, restored = self._resume(request)
+            except ProviderError as exc:
+                failed = TrainerFailed(f"{self.address}: {exc.code}: {exc}", exc.user_message)
+                return MemoryStream(self, None, 0, failed)
         leader = None
         if placement is not None and placement.first_rank > 0:
             leader = self.rendezvous.get(placement.rendezvous)
             if leader is None or leader.stopped:
-                gone = TrainerCrashed(f"{self.address}: rendezvous {placement.rendezvous} gone")
+                # As the real grpo provider's ranks fail when rank 0's store is gone.
+                gone = TrainerProcessDied(
+                    f"{self.address}: INTERNAL: rendezvous {placement.rendezvous} gone",
+                    "A process of the training job stopped.",
+                )
                 return MemoryStream(self, None, 0, gone)
         script = self._scripts.popleft() if self._scripts else JobScript()
-        resumed = self.store.restore(resume_from) if resume_from else None
-        job = MemoryJob(self, run_id, task, config, grant, script, resumed, placement)
+        job = MemoryJob(self, run_id, task, config, grant, script, resumed, placement, restored)
         self.jobs[run_id] = job
         if placement is not None and placement.first_rank == 0:
-            job.rendezvous = f"rendezvous.{self.address}:{29500 + len(self.rendezvous)}"
+            # On the real trainer's default ``--rendezvous-host``: a HOST:PORT the shares'
+            # requests carry (the connector's rendezvous are all on one "host").
+            job.rendezvous = f"{DEFAULT_RENDEZVOUS_HOST}:{29500 + len(self.rendezvous)}"
             self.rendezvous[job.rendezvous] = job
         if leader is not None:
             leader.join(job)
         return MemoryStream(self, job, 0)
+
+    def _invalid(self, run_id: str, *violations: FieldViolation) -> TrainerFailed:
+        """What the gateway hears of a request the real runner finds invalid."""
+        error = InvalidRequest(run_id, violations)
+        return TrainerFailed(f"{self.address}: INVALID_ARGUMENT: {error}", error.user_message)
+
+    def _resume(
+        self, request: trainer_service_pb2.TrainRequest
+    ) -> tuple[Resumed, CheckpointInfo | None]:
+        """Where a job with ``resume_from`` starts, and the record of the checkpoint of its own
+        run it restores: the real trainer core's choice (``trainer_service.core.job_resume``;
+        a share's, ``job_share``) over the shared store. Every candidate loads once fetched (the
+        fake's jobs restore anything).
+
+        Raises:
+            ProviderError: A share cannot restore rank 0's checkpoint.
+        """
+        run_id, refs, store = request.run_id, request.resume_from, self.store
+
+        def fetch(ref: trainer_service_pb2.CheckpointRef, index: int) -> RestoredCheckpoint:
+            del index
+            dest = pathlib.Path("memory")
+            return fetch_resume_candidate(store, ref, run_id, request.task, request.config, dest)
+
+        skipped: list[tuple[int, str]] = []
+        if is_share(placement_of(request)):
+            chosen = share_candidate(refs, fetch, run_id)
+        else:
+            candidates = Candidates(refs, fetch, lambda n, why: skipped.append((n, why)))
+            found = next(iter(candidates), None)
+            if found is None:
+                return Resumed(0, 0.0, tuple(skipped)), None
+            chosen = found
+        ref, restored = chosen
+        own = store.info(run_id, restored.episode) if ref.run_id == run_id else None
+        return Resumed(restored.episode, restored.best_reward, tuple(skipped)), own
 
 
 class MemoryConnector:
@@ -936,25 +1076,28 @@ class MemoryConnector:
         job = trainer.jobs.pop(run_id, None)
         if job is None:
             return Cancelled(checkpoint_error="the job was gone" if checkpoint else "")
-        job.stop(cancelled=True)
         if not checkpoint:
+            job.stop(cancelled=True)
             return Cancelled(job.last_produced)
-        if not job.last_produced:
-            # Like the real trainer: a job stopped before its first episode has no checkpoint.
-            return Cancelled(checkpoint_error="the job had not trained an episode")
-        # Like the real trainer: a checkpoint of the last episode already written (a periodic
-        # one) is the final one; none is written again.
-        written = [
-            e
-            for e in job.checkpoint_events
-            if e.episode == job.last_produced and isinstance(e, CheckpointSaved)
-        ]
-        if written:
-            return Cancelled(job.last_produced, written[-1])
-        event = job.checkpoint(job.last_produced)
-        if isinstance(event, CheckpointFailed):
-            return Cancelled(job.last_produced, checkpoint_error=event.message)
-        return Cancelled(job.last_produced, event)
+        produced, start = job.last_produced, job.first - 1
+        # The real core asks the provider for a final checkpoint (its start is decided at once
+        # here); the provider writes it as it stops, unless it checkpointed that episode already.
+        if writes_final_checkpoint(job.stopped, True, produced, start) and not any(
+            e.episode == produced for e in job.checkpoint_events
+        ):
+            job.checkpoint(produced)
+        job.stop(cancelled=True)
+        events = [e for e in job.checkpoint_events if e.episode == produced]
+        event = None
+        if events:
+            last = events[-1]
+            if isinstance(last, CheckpointSaved):
+                info = CheckpointInfo(last.episode, last.create_time, last.size_bytes, last.sha256)
+                event = CheckpointEvent(produced, info)
+            else:
+                event = CheckpointEvent(produced, None, last.message)
+        info, error = final_checkpoint_of(event, produced, start, job.restored, job.stopped)
+        return Cancelled(produced, saved_event(info) if info is not None else None, error)
 
     def hyperparameter_calls(self, run_id: str) -> list[HyperparametersCall]:
         """The ``set_hyperparameters`` calls of a run."""
@@ -971,10 +1114,11 @@ class MemoryConnector:
             raise TrainerJobGone(f"trainer {address}: NOT_FOUND: no job of run {run_id}")
         if job.stopped or job.done:
             raise TrainerJobFinished(f"trainer {address}: FAILED_PRECONDITION: job finished")
-        violations = change.violations(job.kind, reference_model=job.reference_model)
-        if violations:
-            message = describe_violations(violations)
-            raise TrainerRefused(f"trainer {address}: INVALID_ARGUMENT", message, violations)
+        try:
+            check_change(run_id, PROVIDER_RULES.get(job.kind), job.kind, job.task, change)
+        except InvalidRequest as exc:
+            detail = f"trainer {address}: INVALID_ARGUMENT: {exc}"
+            raise TrainerRefused(detail, exc.user_message, exc.violations) from None
         job.hyperparameters = job.hyperparameters.merged(change)
         job.hyperparameter_changes.append((job.last_produced, change.as_dict()))
 

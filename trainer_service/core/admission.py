@@ -10,7 +10,9 @@ runs; 1 by default), all of them or none: a job that needs more than the trainer
 give it is ``INVALID_ARGUMENT``, one that waits for slots is ``SLOTS_BUSY``. A trainer's share
 of a job that spans trainers (``placement``, checked by
 ``trainer_service.core.placement.check_placement``) takes the share's ``processes`` slots
-instead. Its ``TrainJob`` names the device of each slot it holds.
+instead. Its ``TrainJob`` names the device of each slot it holds. Those two rules are pure
+functions (:func:`slots_needed`, :func:`too_many_slots`), so the tests' in-memory trainer
+applies them too.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from trainer_service.core.errors import InvalidRequest
-from trainer_service.core.placement import check_placement
+from trainer_service.core.placement import Placement, check_placement, placement_of
 from trainer_service.core.provider import ProviderError
 from trainer_service.core.slots import SlotPool
 from trainwire import contract
-from trainwire.v1 import trainer_service_pb2
+from trainwire.v1 import episode_pb2, trainer_service_pb2
 
 
 class ProviderLookup(Protocol):
@@ -110,6 +112,30 @@ def admit(
     return Admission(kind, provider, _slots_needed(run_id, provider, kind, request, slots))
 
 
+def slots_needed(
+    provider: Any, kind: str, task: episode_pb2.TrainTask, placement: Placement | None
+) -> tuple[int, str]:
+    """Slots a job takes, and the request field that says so: a share of a job that spans
+    trainers its own ``processes`` (``placement.processes``), else as many as its provider's
+    ``slots_needed(task)`` says (at least 1; ``task.<kind>``), else 1."""
+    if placement is not None:
+        return placement.processes, "placement.processes"
+    count = getattr(provider, "slots_needed", None)
+    return (max(1, int(count(task))) if count is not None else 1), f"task.{kind}"
+
+
+def too_many_slots(field: str, needed: int, most: int) -> contract.FieldViolation | None:
+    """Why a job that takes ``needed`` slots can never run on a trainer that gives one job at
+    most ``most`` (None: it can): it is refused (``INVALID_ARGUMENT``), never busy."""
+    if needed <= most:
+        return None
+    return contract.FieldViolation(
+        field,
+        f"needs {needed} slots (one per process, each on its own GPU when "
+        f"there are GPUs); this trainer can give one job at most {most}",
+    )
+
+
 def _slots_needed(
     run_id: str,
     provider: Any,
@@ -119,24 +145,8 @@ def _slots_needed(
 ) -> int:
     """Slots the job takes (a share of a job that spans trainers: its own processes); a job
     that could never get them is an invalid request."""
-    slots_needed = getattr(provider, "slots_needed", None)
-    field = f"task.{kind}"
-    if request.HasField("placement"):
-        needed, field = request.placement.processes, "placement.processes"
-    elif slots_needed is not None:
-        needed = max(1, int(slots_needed(request.task)))
-    else:
-        needed = 1
-    most = slots.most_per_job()
-    if needed > most:
-        raise InvalidRequest(
-            run_id,
-            [
-                contract.FieldViolation(
-                    field,
-                    f"needs {needed} slots (one per process, each on its own GPU when "
-                    f"there are GPUs); this trainer can give one job at most {most}",
-                )
-            ],
-        )
+    needed, field = slots_needed(provider, kind, request.task, placement_of(request))
+    violation = too_many_slots(field, needed, slots.most_per_job())
+    if violation is not None:
+        raise InvalidRequest(run_id, [violation])
     return needed

@@ -71,6 +71,14 @@ def checkpoint_message(info: CheckpointInfo) -> episode_pb2.Checkpoint:
     return message
 
 
+def checkpoint_due(episode: int, every: int, max_episodes: int) -> bool:
+    """Whether a job checkpoints after ``episode``: after every ``every`` episodes (0: none but
+    the last) and, whatever ``every``, after its last (``max_episodes``)."""
+    if episode >= max_episodes:
+        return True
+    return bool(every) and episode % every == 0
+
+
 class JobCheckpoints:
     """The ``Checkpoints`` of one job over the shared store (see the module docstring).
 
@@ -119,9 +127,7 @@ class JobCheckpoints:
 
     def due(self, episode: int) -> bool:
         """Whether to checkpoint after ``episode``: every ``every`` episodes and at the last."""
-        if episode >= self.max_episodes:
-            return True
-        return bool(self.every) and episode % self.every == 0
+        return checkpoint_due(episode, self.every, self.max_episodes)
 
     def final_wanted(self) -> bool:
         """Whether the job was asked to end with a checkpoint (stop and park)."""

@@ -17,11 +17,36 @@ This module imports neither grpc nor torch.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
+from trainer_service.core.errors import InvalidRequest
+from trainwire import contract
 from trainwire.hyperparameters import Hyperparameters
 from trainwire.v1 import episode_pb2
 
-__all__ = ["LiveHyperparameters", "same_but_hyperparameters"]
+__all__ = ["LiveHyperparameters", "check_change", "same_but_hyperparameters"]
+
+
+def check_change(
+    run_id: str, provider: Any, kind: str, task: episode_pb2.TrainTask, change: Hyperparameters
+) -> None:
+    """Refuses a change a live job of ``task`` cannot take: none set, a value out of range or
+    one the job's kind does not have (the contract's rules), else what its provider's
+    ``check_hyperparameters`` refuses (beta for a GRPO job without a reference model).
+
+    Raises:
+        InvalidRequest: The change, every violation of the first check that found one.
+    """
+    violations = change.violations(kind)
+    check = getattr(provider, "check_hyperparameters", None)
+    if not violations and callable(check):
+        violations = list(check(task, change))
+    if violations:
+        raise InvalidRequest(
+            run_id,
+            violations,
+            "The hyperparameters cannot be changed: " + contract.describe_violations(violations),
+        )
 
 
 class LiveHyperparameters:

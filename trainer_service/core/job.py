@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainer_service.core.checkpointing import JobCheckpoints
+from trainer_service.core.checkpointing import CheckpointEvent, JobCheckpoints
 from trainer_service.core.errors import JobFinished
 from trainer_service.core.job_producer import Opener, Producer
 from trainer_service.core.job_reader import JobReader
@@ -55,6 +55,41 @@ from trainwire.v1 import trainer_service_pb2
 from trainwire_ops.checkpoints import CheckpointInfo
 
 _LOGGER = logging.getLogger(__name__)
+
+
+def writes_final_checkpoint(stopped: bool, decided: bool, produced: int, start: int) -> bool:
+    """Whether a job cancelled with a checkpoint (stop, park) has its provider write one as it
+    stops: it still runs, its start is decided (restored, or needed not) and it trained an
+    episode since its start (``start``: the episode it continues after)."""
+    return not stopped and decided and produced > start
+
+
+def final_checkpoint_of(
+    event: CheckpointEvent | None,
+    produced: int,
+    start: int,
+    restored: CheckpointInfo | None,
+    stopped: bool,
+) -> tuple[CheckpointInfo | None, str]:
+    """The checkpoint of a cancelled job's last episode, or why there is none.
+
+    Args:
+        event: The outcome of the last checkpoint attempt of episode ``produced`` (None: none).
+        produced: The job's last produced episode (0 before the first).
+        start: The episode the job continues after (0: from scratch).
+        restored: The record of the checkpoint of this run it restored (None: none, or
+            another run's).
+        stopped: Whether the job has stopped.
+    """
+    if event is not None:
+        return event.info, event.error
+    if produced and produced == start and restored is not None:
+        return restored, ""  # nothing trained since the checkpoint it restored
+    if not produced or produced == start:
+        return None, "the job had not trained an episode"
+    if not stopped:
+        return None, f"the final checkpoint at episode {produced} is not written yet"
+    return None, f"the job ended at episode {produced} without a final checkpoint"
 
 
 class RunningJob:
@@ -217,9 +252,12 @@ class RunningJob:
             final = (
                 checkpoint
                 and self._checkpoints is not None
-                and not state.stopped
-                and state.resumed_or_plain()
-                and state.window.produced > state.start_episode
+                and writes_final_checkpoint(
+                    state.stopped,
+                    state.resumed_or_plain(),
+                    state.window.produced,
+                    state.start_episode,
+                )
             )
             state.notify()
         if final:
@@ -263,17 +301,13 @@ class RunningJob:
             stopped = state.stopped
         if self._checkpoints is None:
             return None, "this trainer has no checkpoint store"
-        event = self._checkpoints.of_episode(produced)
-        if event is not None:
-            return event.info, event.error
-        start = state.start_episode
-        if produced and produced == start and self._resume.restored is not None:
-            return self._resume.restored, ""  # nothing trained since the checkpoint it restored
-        if not produced or produced == start:
-            return None, "the job had not trained an episode"
-        if not stopped:
-            return None, f"the final checkpoint at episode {produced} is not written yet"
-        return None, f"the job ended at episode {produced} without a final checkpoint"
+        return final_checkpoint_of(
+            self._checkpoints.of_episode(produced),
+            produced,
+            state.start_episode,
+            self._resume.restored,
+            stopped,
+        )
 
     def attach(self, after_episode: int, grant: int) -> JobStream[RunningJob]:
         """A new stream of the episodes after ``after_episode``; replaces any attached stream.

@@ -20,7 +20,7 @@ attaches.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from trainer_service.core.checkpointing import CheckpointEvent, JobCheckpoints
@@ -30,6 +30,22 @@ from trainer_service.core.job_stream import Heartbeat, JobEnd, JobStream, Stream
 from trainer_service.core.observe import JobObserver
 
 SourceT = TypeVar("SourceT", bound=StreamSource)
+
+
+def attach_range(
+    first: int, produced: int, start: int, resume_from: Sequence[int], decided: bool
+) -> tuple[int, int]:
+    """The episodes a new stream of a job may start after (``low..high``): those it holds
+    (``first - 1 .. produced``). A job with resume candidates (``resume_from``: their episodes)
+    still at its start (``produced == start``: restoring, or restored and nothing produced
+    since) takes any start point from 0 (such a stream gets ``resumed`` first and continues
+    from there), and, while its choice is not ``decided``, up to its newest candidate."""
+    at_start = bool(resume_from) and produced == start
+    low = 0 if at_start else first - 1
+    high = produced
+    if resume_from and not decided:
+        high = max(resume_from)
+    return low, high
 
 
 class JobReader:
@@ -71,13 +87,13 @@ class JobReader:
         with state.cond:
             window = state.window
             first = window.first
-            # A job still restoring, or restored, takes any start point up to where it
-            # continues: such a stream gets ``resumed`` first and continues from there.
-            at_start = state.resume_from and window.produced == state.start_episode
-            low = 0 if at_start else first - 1
-            high = window.produced
-            if state.resume_from and state.resumed is None:
-                high = max(ref.checkpoint.episode for ref in state.resume_from)
+            low, high = attach_range(
+                first,
+                window.produced,
+                state.start_episode,
+                [ref.checkpoint.episode for ref in state.resume_from],
+                state.resumed is not None,
+            )
             if not low <= after_episode <= high:
                 raise EpisodesNotHeld(state.run_id, after_episode, first, window.produced)
             previous = state.stream

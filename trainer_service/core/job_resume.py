@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+import pathlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from trainer_service.core.checkpointing import (
@@ -42,7 +43,7 @@ from trainer_service.core.provider import (
     TrainJob,
 )
 from trainwire.v1 import episode_pb2, trainer_service_pb2
-from trainwire_ops.checkpoints import CheckpointError, CheckpointInfo
+from trainwire_ops.checkpoints import CheckpointError, CheckpointInfo, CheckpointStore
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -50,6 +51,74 @@ _LOGGER = logging.getLogger(__name__)
 _Opening = tuple[
     trainer_service_pb2.CheckpointRef, float, list[trainer_service_pb2.SkippedCheckpoint]
 ]
+
+
+def fetch_resume_candidate(
+    store: CheckpointStore,
+    ref: trainer_service_pb2.CheckpointRef,
+    run_id: str,
+    task: episode_pb2.TrainTask,
+    config: episode_pb2.TrainConfig,
+    dest: pathlib.Path,
+) -> RestoredCheckpoint:
+    """Brings candidate ``ref`` of a job of ``run_id`` (``task``, ``config``) from ``store`` to
+    ``dest``, verified; another run's is first checked to fit the job (before fetching: a model
+    may be large).
+
+    Raises:
+        CheckpointError: It is missing or damaged.
+        CheckpointUnusable: It is another run's that this job may not continue.
+    """
+    if ref.run_id != run_id:
+        check_fork(store, ref, task, config)
+    return fetch_candidate(store, ref, dest)
+
+
+class Candidates:
+    """The resume candidates of a job that fetch, in the order given (newest first), each with
+    what it restores; each one that does not is skipped, with its reason (for people): the
+    store's for one missing or damaged (``checkpointing.skip_reason``), ``does not fit: ...``
+    for another run's that the job may not continue.
+
+    Args:
+        resume_from: The candidates.
+        fetch: Fetches the ``index``-th candidate (``fetch(ref, index)``); raises
+            ``CheckpointError`` or ``CheckpointUnusable`` when it cannot.
+        skip: Hears of each skipped candidate: ``skip(episode, reason)``.
+        should_stop: Asked before each fetch; True ends the iteration, with :attr:`stopped`.
+
+    Attributes:
+        stopped: The iteration ended because ``should_stop()`` said so.
+    """
+
+    def __init__(
+        self,
+        resume_from: Sequence[trainer_service_pb2.CheckpointRef],
+        fetch: Callable[[trainer_service_pb2.CheckpointRef, int], RestoredCheckpoint],
+        skip: Callable[[int, str], None],
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self._resume_from = tuple(resume_from)
+        self._fetch = fetch
+        self._skip = skip
+        self._should_stop = should_stop
+        self.stopped = False
+
+    def __iter__(self) -> Iterator[tuple[trainer_service_pb2.CheckpointRef, RestoredCheckpoint]]:
+        for index, ref in enumerate(self._resume_from):
+            if self._should_stop():
+                self.stopped = True
+                return
+            episode = ref.checkpoint.episode
+            try:
+                restored = self._fetch(ref, index)
+            except CheckpointError as exc:
+                self._skip(episode, skip_reason(exc))
+                continue
+            except CheckpointUnusable as exc:  # another run's that this job may not continue
+                self._skip(episode, f"does not fit: {exc}")
+                continue
+            yield ref, restored
 
 
 class ResumeChoice:
@@ -88,18 +157,14 @@ class ResumeChoice:
         restoring pulled it."""
         state = self._state
         skipped: list[trainer_service_pb2.SkippedCheckpoint] = []
-        for index, ref in enumerate(state.resume_from):
-            if self._job.stop_event.is_set() or state.stop_reason:
-                return None, None
+        candidates = Candidates(
+            state.resume_from,
+            self.fetch,
+            lambda episode, reason: self._skip(skipped, episode, reason),
+            lambda: self._job.stop_event.is_set() or bool(state.stop_reason),
+        )
+        for ref, restored in candidates:
             episode = ref.checkpoint.episode
-            try:
-                restored = self.fetch(ref, index)
-            except CheckpointError as exc:
-                self._skip(skipped, episode, skip_reason(exc))
-                continue
-            except CheckpointUnusable as exc:  # another run's that this job may not continue
-                self._skip(skipped, episode, f"does not fit: {exc}")
-                continue
             with state.cond:
                 state.start_at(episode)
             episodes = self._provider.run(dataclasses.replace(self._job, resume=restored))
@@ -124,6 +189,8 @@ class ResumeChoice:
                 self._opening = None
             self._decide_once(ref, restored.best_reward, skipped)
             return episodes, first
+        if candidates.stopped:
+            return None, None
         with state.cond:
             state.start_at(0)
         self.decide(None, 0.0, skipped)
@@ -149,10 +216,10 @@ class ResumeChoice:
             )
         state = self._state
         state.provider_phase = "loading"
-        if ref.run_id != state.run_id:  # checked before fetching: a model may be large
-            check_fork(self._checkpoints.store, ref, self._job.task, self._job.config)
         dest = self._checkpoints.scratch_root / f"resume-{index}-{ref.checkpoint.episode:012d}"
-        restored = fetch_candidate(self._checkpoints.store, ref, dest)
+        restored = fetch_resume_candidate(
+            self._checkpoints.store, ref, state.run_id, self._job.task, self._job.config, dest
+        )
         if ref.run_id == state.run_id:
             self.restored = self._checkpoints.store.info(ref.run_id, ref.checkpoint.episode)
         else:

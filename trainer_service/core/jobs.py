@@ -41,7 +41,11 @@ from trainer_service.core.errors import (
     NoFreeSlot,
     ShuttingDown,
 )
-from trainer_service.core.hyperparameters import LiveHyperparameters, same_but_hyperparameters
+from trainer_service.core.hyperparameters import (
+    LiveHyperparameters,
+    check_change,
+    same_but_hyperparameters,
+)
 from trainer_service.core.job import RunningJob
 from trainer_service.core.job_stream import Heartbeat, JobStream
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
@@ -121,6 +125,13 @@ def _initial_hyperparameters(
     return initial(request.task) if callable(initial) else Hyperparameters()
 
 
+def replaceable(stopped: bool, attached: bool) -> bool:
+    """Whether a new job of a run may replace the run's live job: only one that stopped and
+    that no stream reads (kept for a replay of its end); otherwise the new one is
+    ``JobExists``."""
+    return stopped and not attached
+
+
 class JobRunner:
     """Starts training jobs in slots and keeps the live ones by run id.
 
@@ -194,7 +205,7 @@ class JobRunner:
         with self._cond:
             existing = self._live_record(run_id)
             if existing is not None:
-                if not (existing.job.stopped and not existing.job.attached):
+                if not replaceable(existing.job.stopped, existing.job.attached):
                     raise JobExists(run_id)
                 self._retire(existing)  # a finished job kept for a replay: a new one replaces it
             slots = self.slots.try_acquire(admitted.slots_needed)
@@ -392,17 +403,7 @@ class JobRunner:
         """
         with self._cond:
             job = self._find(run_id).job
-        violations = change.violations(job.kind)
-        check = getattr(job.provider, "check_hyperparameters", None)
-        if not violations and callable(check):
-            violations = list(check(job.task, change))
-        if violations:
-            raise InvalidRequest(
-                run_id,
-                violations,
-                "The hyperparameters cannot be changed: "
-                + contract.describe_violations(violations),
-            )
+        check_change(run_id, job.provider, job.kind, job.task, change)
         return job.set_hyperparameters(change)
 
     def cancel_job(self, run_id: str) -> int:
