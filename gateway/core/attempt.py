@@ -19,6 +19,7 @@ the reservations that are left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from gateway.core.placement import JobPlacement, Placement
 from gateway.core.runs import TrainingRun
 from gateway.core.settings import CoreSettings
 from gateway.core.shares import JobShares, SharesNotReattached
+from gateway.core.store import NotOwner
 from gateway.core.trainers import (
     Cancelled,
     CheckpointFailed,
@@ -298,6 +300,22 @@ class JobAttempt:
             if not done:
                 await self.cancel_stream()
         await self.cancel_shares()
+
+    async def stop_job(self, keep: bool) -> None:
+        """After a stop: the job writes its final checkpoint (the trained model), recorded
+        once rank 0's trainer wrote it, then the other trainers' shares are cancelled. With
+        ``keep`` (another replica took the run over meanwhile) the job is left to the new
+        owner."""
+        if keep:
+            await self.keep()
+            return
+        try:
+            outcome = await self.cancel_job(checkpoint=True)
+            if outcome is not None and outcome.checkpoint is not None:
+                with contextlib.suppress(NotOwner):  # the new owner records what it sees
+                    await self._ledger.saved(outcome.checkpoint)
+        finally:
+            await self.cancel_shares()
 
     async def cancel(self) -> None:
         """Cancels rank 0's job at once (its trainer was given up on, or the run ended)."""

@@ -46,6 +46,7 @@ from gateway.core.ledger import CheckpointLedger
 from gateway.core.lifecycle import Command as C
 from gateway.core.live_log import EpisodeLog
 from gateway.core.pacing import Pacer
+from gateway.core.park_timer import ParkTimer
 from gateway.core.placement import Placement, rewards_needed, slots_needed
 from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
 from gateway.core.restarts import Decision, RestartPolicy
@@ -53,7 +54,6 @@ from gateway.core.run_detail import describe, log_control, log_parked, log_place
 from gateway.core.runs import RunState, TrainingRun
 from gateway.core.store import NotOwner
 from gateway.core.trainers import (
-    Cancelled,
     TrainerBusy,
 )
 from trainwire.contract import task_kind
@@ -107,7 +107,7 @@ class RunDriver:
         self._ended = asyncio.Event()  # let go: finalized, detached or abandoned
         #: The run's checkpoint records, retention and the note people read about them.
         self.ledger = CheckpointLedger(run, ctx.store, ctx.checkpoint_files, ctx.spawn)
-        self._park_timer: asyncio.TimerHandle | None = None
+        self._park_timer = ParkTimer(settings.park_after_s, lambda: self._apply_now(lc.ParkDue()))
         self.failures = Failures(
             run, RestartPolicy(settings.max_restarts), self.ledger, ctx.observer
         )
@@ -243,9 +243,9 @@ class RunDriver:
         elif command is C.DEQUEUE:
             ctx.scheduler.dequeue(self)
         elif command is C.ARM_PARK:
-            self._arm_park()
+            self._park_timer.arm(run)
         elif command is C.DISARM_PARK:
-            self._disarm_park()
+            self._park_timer.disarm()
         elif command is C.PARK:
             ctx.spawn(self._park(), f"gateway-park-{run.id}")
         elif command is C.MARK_STARTED:
@@ -267,7 +267,8 @@ class RunDriver:
                 ctx.spawn(attempt.cancel(), f"gateway-cancel-{run.id}")
         elif command is C.CANCEL_JOB_CHECKPOINT:
             if attempt is not None:
-                ctx.spawn(self._cancel_for_stop(attempt), f"gateway-cancel-{run.id}")
+                stop_job = attempt.stop_job(keep=self.abandoned)
+                ctx.spawn(stop_job, f"gateway-cancel-{run.id}")
         elif command is C.CANCEL_SHARES:
             if attempt is not None and attempt.shares is not None:
                 ctx.spawn(attempt.cancel_shares(), f"gateway-cancel-shares-{run.id}")
@@ -367,12 +368,7 @@ class RunDriver:
         self.publisher.controlled()
         self.grants.maybe()
         await self.persist()
-        _LOGGER.info(
-            "run %s speed %g",
-            self.run.id,
-            self.run.speed,
-            extra={"run_id": self.run.id, "event": "speed"},
-        )
+        log_control(self.run, "speed")
 
     async def set_hyperparameters(self, change: Hyperparameters) -> None:
         """Changes the run's hyperparameters from its job's next optimizer step and writes them
@@ -392,19 +388,7 @@ class RunDriver:
             await tell_job(self._ctx.connector, self._trainer, run.id, change, timeout)
         run.retask(applied_to(change, run.task))
         await self.persist()
-        _LOGGER.info(
-            "run %s: hyperparameters %s (episode %d published, %d trained)",
-            run.id,
-            change.describe(),
-            run.episode,
-            run.trainer_episode,
-            extra={"run_id": run.id, "event": "hyperparameters"},
-        )
-
-    def take_speed(self, speed: float) -> None:
-        """Takes the speed another replica stored while this one had the run as a candidate."""
-        self.run.set_speed(speed)
-        self.pacer.set_speed(self.run.speed)
+        log_control(run, "hyperparameters", change.describe())
 
     async def stop(self) -> None:
         """Stops the run: cancels its stream, ends it STOPPED and, once that end is stored as
@@ -424,21 +408,6 @@ class RunDriver:
         await self._apply(lc.Stop())
         if self.abandoned:
             raise NotOwner(self.run.id)
-
-    async def _cancel_for_stop(self, attempt: JobAttempt) -> None:
-        """After a stop: the job's final checkpoint is the trained model, recorded once rank
-        0's trainer wrote it; the other trainers' shares are cancelled after it. A replica
-        that lost the run meanwhile leaves the job to the new owner."""
-        if self.abandoned:
-            await attempt.keep()
-            return
-        try:
-            outcome = await attempt.cancel_job(checkpoint=True)
-            if outcome is not None and outcome.checkpoint is not None:
-                with contextlib.suppress(NotOwner):  # the new owner records what it sees
-                    await self.ledger.saved(outcome.checkpoint)
-        finally:
-            await attempt.cancel_shares()
 
     async def detach(self) -> None:
         """Gateway shutdown: cancels the stream but not the trainer's job (the next gateway
@@ -538,41 +507,17 @@ class RunDriver:
 
     # -- park --------------------------------------------------------------------------------
 
-    def _arm_park(self) -> None:
-        delay = self._ctx.settings.park_after_s
-        if delay <= 0 or self.run.state is not RunState.PAUSED or self.run.parked:
-            return
-        self._disarm_park()
-        loop = asyncio.get_running_loop()
-        self._park_timer = loop.call_later(delay, self._park_due)
-
-    def _park_due(self) -> None:
-        self._park_timer = None
-        self._apply_now(lc.ParkDue())
-
-    def _disarm_park(self) -> None:
-        if self._park_timer is not None:
-            self._park_timer.cancel()
-            self._park_timer = None
-
     async def _park(self) -> None:
         """Parks a run paused for ``park_after_s`` (``JobAttempt.park``); the run keeps what
         it received and frees its slot."""
         assert self.attempt is not None
         try:
-            await self.attempt.park(self._ctx.settings.heartbeat_timeout_s, self._parked_job)
+            await self.attempt.park(self._ctx.settings.heartbeat_timeout_s, self.ledger.parked)
             if isinstance(self.state, lc.Parking):
                 await self._apply(lc.ParkDone())
         except (StoreUnavailable, NotOwner) as exc:
             run_id = self.run.id
             _LOGGER.warning("run %s: parking not saved: %s", run_id, exc, extra={"run_id": run_id})
-
-    async def _parked_job(self, outcome: Cancelled) -> None:
-        if outcome.checkpoint is not None:
-            await self.ledger.saved(outcome.checkpoint)
-        elif outcome.checkpoint_error:
-            why = outcome.checkpoint_error
-            self.ledger.note = f"the parking checkpoint could not be written: {why}"
 
     # -- the end -----------------------------------------------------------------------------
 
@@ -589,7 +534,7 @@ class RunDriver:
             if not await self.closing.take_end(failure, self._trainer, gave_up):
                 await self.abandon()
                 return
-        self._disarm_park()
+        self._park_timer.disarm()
         if not await self.closing.store_end():
             await self.abandon()
             return

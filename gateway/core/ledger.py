@@ -24,7 +24,13 @@ from gateway.core.checkpoints import CheckpointFiles, keep_of, record_of, resume
 from gateway.core.forks import ForkNotRestored, fork_resume_point
 from gateway.core.runs import TrainingRun
 from gateway.core.store import Store, StoreWriteFailed
-from gateway.core.trainers import CheckpointFailed, CheckpointSaved, Resumed, ResumePoint
+from gateway.core.trainers import (
+    Cancelled,
+    CheckpointFailed,
+    CheckpointSaved,
+    Resumed,
+    ResumePoint,
+)
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -121,6 +127,18 @@ class CheckpointLedger:
                     exc,
                     extra={"run_id": self._run.id},
                 )
+
+    async def parked(self, outcome: Cancelled) -> None:
+        """The parking job's final checkpoint is recorded, or its failure said in the note.
+
+        Raises:
+            NotOwner: another replica owns the run now.
+        """
+        if outcome.checkpoint is not None:
+            await self.saved(outcome.checkpoint)
+        elif outcome.checkpoint_error:
+            why = outcome.checkpoint_error
+            self.note = f"the parking checkpoint could not be written: {why}"
 
     async def for_new_job(self) -> list[ResumePoint]:
         """What a new job of the run starts from: nothing for a run that has received no

@@ -67,11 +67,17 @@ def log_parked(run: TrainingRun, trainers: Sequence[str]) -> None:
     )
 
 
-def log_control(run: TrainingRun, event: str) -> None:
-    """Logs a pause or a resume."""
+def log_control(run: TrainingRun, event: str, change: str = "") -> None:
+    """Logs a control the run took: "paused", "resumed", "speed" or "hyperparameters" (with
+    the ``change``, described)."""
     extra = {"run_id": run.id, "event": event}
     if event == "paused":
         line = "run %s paused at episode %d (trainer at %d)"
         _LOGGER.info(line, run.id, run.episode, run.trainer_episode, extra=extra)
-    else:
+    elif event == "resumed":
         _LOGGER.info("run %s resumed at episode %d", run.id, run.episode, extra=extra)
+    elif event == "speed":
+        _LOGGER.info("run %s speed %g", run.id, run.speed, extra=extra)
+    else:
+        line = "run %s: hyperparameters %s (episode %d published, %d trained)"
+        _LOGGER.info(line, run.id, change, run.episode, run.trainer_episode, extra=extra)
