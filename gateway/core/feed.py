@@ -13,6 +13,24 @@ trainers' ranks join it (``Rendezvous``) and says at once when its stream broke
 (``stream_broke``, before the episodes received ahead of the break are published): the driver
 starts and watches those shares (``gateway.core.shares``).
 
+When a trainer is lost, and how fast (the rule):
+
+- A stream that breaks (an error, not silence) is re-attached after the last episode it
+  delivered, every ``REATTACH_BACKOFF_S``, for up to the heartbeat timeout: a network blip loses
+  nothing and starts no second job.
+- A re-attach whose connection the trainer's address refuses (``TrainerUnreachable``) ends the
+  stream at once: no process listens there, so the trainer is gone and its jobs with it. The
+  restart policy restarts the run from its checkpoint without waiting out the timeout.
+- A re-attach that the trainer answers without the job (``TrainerJobGone``: it restarted on the
+  same address) ends the stream at once too.
+- A re-attach is never a job start (``attach_after_episode`` is always set): a trainer that came
+  back on the same address cannot receive a second job of the run from it. Only the restart
+  starts a new job, once.
+- A silent trainer (stopped, or cut off by the network: connections hang or time out) is lost
+  after ``heartbeat_timeout_s`` without an episode or heartbeat, then re-attached like a broken
+  stream for up to the heartbeat timeout again, as a stopped process or a healed network still
+  has its job.
+
 A job started from a checkpoint (``resume_from``) says first where it started (``Resumed``);
 it then trains again the episodes after that checkpoint that the run already received. Those
 are checked and dropped: a watcher never sees an episode twice or changed. The first new
@@ -44,6 +62,7 @@ from gateway.core.trainers import (
     TrainerJobGone,
     TrainerLost,
     TrainerStream,
+    TrainerUnreachable,
     next_event,
 )
 from trainwire.contract import StreamChecker
@@ -200,6 +219,8 @@ class TrainerFeed:
             resume_from: For a new job: the checkpoints it may start from, newest first.
 
         Raises:
+            TrainerUnreachable: A re-attach found the trainer's address refusing connections
+                (at once, not after the heartbeat timeout).
             TrainerError, ContractViolation: how the run fails.
         """
         loop_deadline: float | None = None
@@ -237,6 +258,17 @@ class TrainerFeed:
                     extra={"run_id": self.run.id},
                 )
                 after = self._delivered
+            except TrainerUnreachable as exc:
+                if loop_deadline is None and after is None:
+                    raise  # a new job refused: nothing ran there
+                # The trainer's address refuses connections: it is gone, its jobs with it.
+                _LOGGER.warning(
+                    "run %s: trainer %s refuses connections; its job is gone",
+                    self.run.id,
+                    self.trainer,
+                    extra={"run_id": self.run.id},
+                )
+                raise TrainerUnreachable(f"{lost}; then {exc}" if lost else str(exc)) from None
             except TrainerLost as exc:
                 if self.run.state is RunState.PENDING and after is None:
                     raise  # never started: nothing to re-attach to

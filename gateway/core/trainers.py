@@ -58,6 +58,14 @@ class TrainerLost(TrainerError):
     """The stream broke (connection lost, trainer killed)."""
 
 
+class TrainerUnreachable(TrainerLost):
+    """The trainer's address refuses connections: no process listens there, so the trainer is
+    gone and its jobs died with it (a job never outlives its trainer's process). A re-attach
+    cannot succeed: a run with a checkpoint is restarted from it at once, without waiting out
+    the heartbeat timeout. A trainer that is merely silent (stopped, or cut off by the network)
+    accepts connections, or lets them time out, and is never this."""
+
+
 class TrainerBrokeContract(TrainerError):
     """The trainer's own contract check stopped its stream (``INTERNAL`` with reason
     ``CONTRACT_VIOLATION``): users read what a violation the gateway catches reads."""
