@@ -58,3 +58,11 @@ bench: install
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
+
+# The full chaos soak (bench/chaos.py): ten minutes of faults and actions on real processes, then
+# every invariant checked; exits 1 on any violation. SOAK_SEED picks the schedule.
+SOAK_MINUTES ?= 10
+SOAK_SEED ?= 1
+.PHONY: soak
+soak: install
+	nice $(PY) bench/chaos.py --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED)

@@ -23,6 +23,8 @@ When a trainer is lost, and how fast (the rule):
   restart policy restarts the run from its checkpoint without waiting out the timeout.
 - A re-attach that the trainer answers without the job (``TrainerJobGone``: it restarted on the
   same address) ends the stream at once too.
+- A new job whose ``Train`` call is refused never ran: the run goes back in the queue
+  (``TrainerGoneBeforeStart``, handled like a busy trainer), with no restart counted.
 - A re-attach is never a job start (``attach_after_episode`` is always set): a trainer that came
   back on the same address cannot receive a second job of the run from it. Only the restart
   starts a new job, once.
@@ -58,6 +60,7 @@ from gateway.core.trainers import (
     StreamEvent,
     TrainerConnector,
     TrainerError,
+    TrainerGoneBeforeStart,
     TrainerJobExists,
     TrainerJobGone,
     TrainerLost,
@@ -221,6 +224,7 @@ class TrainerFeed:
         Raises:
             TrainerUnreachable: A re-attach found the trainer's address refusing connections
                 (at once, not after the heartbeat timeout).
+            TrainerGoneBeforeStart: A new job's call was refused (the run is queued again).
             TrainerError, ContractViolation: how the run fails.
         """
         loop_deadline: float | None = None
@@ -260,7 +264,8 @@ class TrainerFeed:
                 after = self._delivered
             except TrainerUnreachable as exc:
                 if loop_deadline is None and after is None:
-                    raise  # a new job refused: nothing ran there
+                    # A new job's call refused: nothing ran; placed again elsewhere.
+                    raise TrainerGoneBeforeStart(str(exc)) from None
                 # The trainer's address refuses connections: it is gone, its jobs with it.
                 _LOGGER.warning(
                     "run %s: trainer %s refuses connections; its job is gone",

@@ -31,6 +31,12 @@ class TrainerBusy(TrainerError):
     that); the run goes back in the queue."""
 
 
+class TrainerGoneBeforeStart(TrainerBusy):
+    """A new job's ``Train`` call found the trainer's address refusing connections: the trainer
+    is gone and the job never ran anywhere. Like a busy trainer, the run goes back in the queue
+    (no restart counted) and is placed on a trainer that answers."""
+
+
 class TrainerJobExists(TrainerError):
     """The trainer already has a live job of this run (``ALREADY_EXISTS``): one the gateway
     started before it restarted. The gateway re-attaches to it."""

@@ -131,3 +131,18 @@ async def test_a_trainer_back_on_its_address_while_the_run_re_attaches_gets_one_
         assert len(new_jobs) == 1 and new_jobs[0].resume_from
         assert all(c.attach_after is not None for c in others if c is not new_jobs[0])
         assert others.index(new_jobs[0]) == len(others) - 1
+
+
+async def test_a_run_placed_on_a_trainer_that_just_died_starts_on_another() -> None:
+    one, two = MemoryTrainer("t1", slots_total=1), MemoryTrainer("t2", slots_total=1)
+    async with running_core(one, two, heartbeat_timeout_s=TIMEOUT_S) as core:
+        await asyncio.sleep(1.0)  # both probed: t1 (first in order) has a free slot
+        one.kill()  # before its next probe: the scheduler still counts its slot
+        run = await core.create(max_episodes=30, episodes_per_second=10.0)
+        done = await core.wait_state(run.id, RunState.DONE, timeout=120.0)
+
+        # Back in the queue, not failed, and no restart counted: nothing ran on t1.
+        assert (done.restarts, done.trainer) == (0, "t2")
+        first, *others = core.connector.trains(run.id)
+        assert first.address == "t1" and first.attach_after is None
+        assert [(c.address, c.attach_after) for c in others] == [("t2", None)]
