@@ -115,10 +115,15 @@ async def check(cluster: Cluster, history: History) -> dict[str, Any]:
 
 
 def _fault_kinds_during(history: History, run: RunLog, final: Any) -> set[str]:
+    """The kinds of the faults whose time overlapped the run's life (a second of slack)."""
     end = run.created + 1e9
     if final.HasField("end_time"):
         end = time.monotonic() - (time.time() - final.end_time.ToNanoseconds() / 1e9)
-    return {f.kind for f in history.faults if run.created - 1 <= f.start <= end + 1}
+    return {
+        f.kind
+        for f in history.faults
+        if f.start <= end + 1 and max(f.end, f.start) >= run.created - 1
+    }
 
 
 def _ended(history: History, finals: dict[str, Any]) -> list[str]:
@@ -210,7 +215,9 @@ async def _watchers(
         first = max(log.start_after, run.base) + 1
         expected = list(range(first, first + len(numbers)))
         if numbers != expected:
-            gap = next((i for i, (a, b) in enumerate(zip(numbers, expected)) if a != b), None)
+            gap = next(
+                (i for i, (a, b) in enumerate(zip(numbers, expected, strict=False)) if a != b), None
+            )
             at = "" if gap is None else f" (at #{gap}: {numbers[gap]} for {expected[gap]})"
             found.append(
                 f"watcher {log.name} of run {log.run_id}: {len(numbers)} episodes not "
@@ -403,6 +410,16 @@ def _report(
         "notes": notes,
         "faults": faults,
         "fault_notes": [f"{f.kind}: {f.note}" for f in history.faults if f.note],
+        "fault_timeline": [
+            {
+                "kind": f.kind,
+                "target": f.target,
+                "at_s": round(f.start - history.started, 1),
+                "for_s": round(max(0.0, f.end - f.start), 1),
+                "runs_hit": len(f.hit),
+            }
+            for f in history.faults
+        ],
         "runs": len(finals),
         "run_states": states,
         "restarts": sum(f.restarts for f in finals.values()),

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import random
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +102,7 @@ class Plan:
         kinds, weights = zip(*FAULT_WEIGHTS.items(), strict=True)
         while t < seconds - 5.0:
             kind = rng.choices(kinds, weights)[0]
-            faults.append(
-                Step(t, kind, rng.randrange(1000), rng.uniform(1.0, 1.0), rng.random())
-            )
+            faults.append(Step(t, kind, rng.randrange(1000), 0.0, rng.random()))
             t += rng.uniform(8.0, 20.0)
         actions: list[Step] = []
         t = 1.0
@@ -288,7 +285,10 @@ class Soak:
     # -- the soak ----------------------------------------------------------------------------
 
     async def run(self) -> History:
-        options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         for gateway in self.cluster.gateways:
             channel = grpc.aio.insecure_channel(gateway.address, options=options)
             self._channels.append(channel)
@@ -424,7 +424,7 @@ class Soak:
                             await asyncio.sleep(log.slow_s)
                         if time.monotonic() > until:
                             return
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
                 log.errors.append(type(exc).__name__)
             log.reconnects += 1
             await asyncio.sleep(0.3)
@@ -513,10 +513,14 @@ class Soak:
     # -- faults ------------------------------------------------------------------------------
 
     def _trainer(self, step: Step) -> Trainer:
-        return self.cluster.trainers[step.target % len(self.cluster.trainers)]
+        """The fault's trainer: among those running something when there are any."""
+        choices = [t for t in self._busy_trainers() if t.proc is not None and not t.stopped]
+        choices = choices or self.cluster.trainers
+        return choices[step.target % len(choices)]
 
     async def _snapshot(self, only: str | None = None) -> FaultLog:
-        """The running runs now (on the trainer ``only`` when given) and where they are."""
+        """The running runs now (on the trainer ``only`` when given) and the furthest episode
+        each had reached: what either replica says it trained, or what its recorder saw."""
         log = FaultLog("", "", time.monotonic(), 0.0)
         for run in self._active():
             status = run.status
@@ -524,17 +528,29 @@ class Soak:
                 continue
             if only is not None and only not in (status.trainer, *status.trainers):
                 continue
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                status = await self.call("GetRun", pb.GetRunRequest(run_id=run.id), 3.0)
-                status = status.run
-            if status.state != State.STATE_RUNNING:
-                continue
-            if only is not None and only not in (status.trainer, *status.trainers):
-                continue
-            log.hit[run.id] = max(run.recorder.last, int(status.trainer_episode))
-            log.trainer_episode[run.id] = int(status.trainer_episode)
+            trained = int(status.trainer_episode)
+            for index in self._up():
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    reply = await self._stubs[index].GetRun(
+                        pb.GetRunRequest(run_id=run.id), timeout=2.0
+                    )
+                    trained = max(trained, int(reply.run.trainer_episode))
+            log.hit[run.id] = max(run.recorder.last, trained)
+            log.trainer_episode[run.id] = trained
         log.start = time.monotonic()
         return log
+
+    def _busy_trainers(self) -> list[Trainer]:
+        """The trainers some running run is on now (a fault there hits something)."""
+        busy = []
+        for trainer in self.cluster.trainers:
+            for run in self._active():
+                status = run.status
+                running = status is not None and status.state == State.STATE_RUNNING
+                if running and trainer.address in (status.trainer, *status.trainers):
+                    busy.append(trainer)
+                    break
+        return busy
 
     async def _fault_loop(self) -> None:
         for step in self.plan.faults:

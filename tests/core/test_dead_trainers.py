@@ -125,7 +125,7 @@ async def test_a_trainer_back_on_its_address_while_the_run_re_attaches_gets_one_
 
         assert (done.restarts, done.trainer) == (1, "t1")
         assert watch.numbers() == list(range(1, 41))
-        first, *others = core.connector.trains(run.id)
+        _, *others = core.connector.trains(run.id)
         new_jobs = [c for c in others if c.attach_after is None]
         # Re-attaches never start a job; the one restart does, from the checkpoint.
         assert len(new_jobs) == 1 and new_jobs[0].resume_from

@@ -19,11 +19,10 @@ database raises ``StoreUnavailable`` (UNAVAILABLE to clients).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import psycopg
 import psycopg.errors
