@@ -233,6 +233,9 @@ class TrainerFeed:
         if after is not None:
             self._delivered = after
         while True:
+            # A new job's call sets up to check a fresh stream; one that finds the job alive
+            # (taken over below) goes on checking the old stream from where it was.
+            before = (self._drop_through, self._checked_best)
             try:
                 await self._stream_once(after, opening_grant(), cap, consume, resume_from)
                 return
@@ -254,7 +257,9 @@ class TrainerFeed:
                         raise
                     await asyncio.sleep(REATTACH_BACKOFF_S)
                     continue
-                # A job a previous gateway started before it crashed: take it over.
+                # A job a previous gateway started before it crashed, or the job a restart
+                # thought lost (its trainer was silent, then answered): take it over.
+                self._drop_through, self._checked_best = before
                 _LOGGER.info(
                     "run %s: trainer %s already runs its job; re-attaching",
                     self.run.id,

@@ -146,3 +146,27 @@ async def test_a_run_placed_on_a_trainer_that_just_died_starts_on_another() -> N
         first, *others = core.connector.trains(run.id)
         assert first.address == "t1" and first.attach_after is None
         assert [(c.address, c.attach_after) for c in others] == [("t2", None)]
+
+
+async def test_a_restart_that_finds_its_job_still_alive_takes_it_over_intact() -> None:
+    one = MemoryTrainer("t1", slots_total=2)
+    async with running_core(one, heartbeat_timeout_s=3.0) as core:
+        run = await core.create(max_episodes=60, checkpoint_every=5, episodes_per_second=10.0)
+        watch = core.watch(run.id)
+        await _checkpointed_through(core, run.id, 15)
+        one.freeze()  # black-holed past the timeout and the re-attach window: restarted
+
+        async def restarting() -> bool:
+            return (await core.run(run.id)).restarts == 1
+
+        await until(restarting, "the restart decision", 60.0)
+        one.thaw()  # the restart's new job finds the old one alive: it is taken over
+        done = await core.wait_state(run.id, RunState.DONE, timeout=120.0)
+        await watch.ended()
+
+        assert done.state is RunState.DONE, done.error_message
+        assert watch.numbers() == list(range(1, 61))
+        best = [e.best_reward for e in watch.episodes()]
+        assert best == sorted(best)
+        *_, takeover = core.connector.trains(run.id)
+        assert takeover.attach_after is not None  # the old job, re-attached
