@@ -224,8 +224,7 @@ class Cluster:
 
     def start_gateway(self, gateway: Gateway) -> None:
         command = [sys.executable, "-m", "gateway", "--port", str(gateway.port)]
-        for trainer in self.trainers:
-            command += ["--trainer", trainer.address]
+        command += ["--trainer", ",".join(t.address for t in self.trainers)]
         command += [
             "--http-port",
             str(gateway.http_port),
