@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 import grpc
-from _chaos_cluster import DETACH_GRACE_S, MAX_RESTARTS, ROOT, Cluster, _env
+from _chaos_cluster import DETACH_GRACE_S, HEARTBEAT_TIMEOUT_S, MAX_RESTARTS, ROOT, Cluster, _env
 from _chaos_load import FINAL, History, RunLog, State, pb
 
 from trainwire import aio
@@ -356,17 +356,23 @@ def _memory(cluster: Cluster) -> list[str]:
     return found
 
 
-def _restarts_logged(cluster: Cluster) -> dict[str, list[int]]:
-    """run id -> the checkpoint episode each restart started from (gateway logs)."""
-    found: dict[str, list[int]] = {}
+def _restarts_logged(cluster: Cluster) -> dict[str, list[tuple[float, int]]]:
+    """run id -> (when, Unix seconds; the checkpoint episode it started from) of each restart
+    (the gateways' logs)."""
+    import datetime
+
+    found: dict[str, list[tuple[float, int]]] = {}
     pattern = re.compile(r"restart \d+ of \d+ from the checkpoint at episode (\d+)")
     for gateway in cluster.gateways:
         for line in gateway.log.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, KeyError):
                 record = json.loads(line)
                 match = pattern.search(record.get("message", ""))
                 if match and record.get("run_id"):
-                    found.setdefault(record["run_id"], []).append(int(match.group(1)))
+                    when = datetime.datetime.fromisoformat(record["time"].replace("Z", "+00:00"))
+                    found.setdefault(record["run_id"], []).append(
+                        (when.timestamp(), int(match.group(1)))
+                    )
     return found
 
 
@@ -390,11 +396,11 @@ def _report(
     restored = _restarts_logged(cluster)
     lost: list[tuple[int, int]] = []  # (episodes lost, checkpoint interval)
     for fault in history.faults:
+        window = fault.wall + max(0.0, fault.end - fault.start) + 3 * HEARTBEAT_TIMEOUT_S + 5
         for run_id, trained in fault.trainer_episode.items():
-            points = restored.get(run_id, [])
-            candidates = [p for p in points if p <= trained]
-            if candidates and finals[run_id].restarts:
-                lost.append((trained - max(candidates), history.runs[run_id].checkpoint_every))
+            after = [e for t, e in restored.get(run_id, []) if fault.wall <= t <= window]
+            if after:
+                lost.append((trained - after[0], history.runs[run_id].checkpoint_every))
     startups = [
         r.recorder.arrivals[r.base + 1] - r.created
         for r in history.runs.values()

@@ -181,6 +181,7 @@ class FaultLog:
     hit: dict[str, int] = field(default_factory=dict)  # run id -> episode reached
     trainer_episode: dict[str, int] = field(default_factory=dict)
     note: str = ""
+    wall: float = field(default_factory=time.time)  # when it started, Unix seconds
 
 
 @dataclass
@@ -537,7 +538,7 @@ class Soak:
                     trained = max(trained, int(reply.run.trainer_episode))
             log.hit[run.id] = max(run.recorder.last, trained)
             log.trainer_episode[run.id] = trained
-        log.start = time.monotonic()
+        log.start, log.wall = time.monotonic(), time.time()
         return log
 
     def _busy_trainers(self) -> list[Trainer]:
@@ -601,7 +602,7 @@ class Soak:
             log = await self._snapshot()
             log.hit = {r: e for r, e in log.hit.items() if self._drives(r) == gateway.index}
             log.kind, log.target = kind, f"gateway{gateway.index}"
-            log.start = time.monotonic()
+            log.start, log.wall = time.monotonic(), time.time()
             self.history.faults.append(log)
             await asyncio.to_thread(cluster.kill_gateway, gateway)
             await asyncio.sleep(step.duration)
@@ -610,7 +611,7 @@ class Soak:
         elif kind == "postgres_restart":
             log = await self._snapshot()
             log.kind, log.target = kind, "postgres"
-            log.start = time.monotonic()
+            log.start, log.wall = time.monotonic(), time.time()
             self.history.faults.append(log)
             await asyncio.to_thread(cluster.restart_postgres)
             log.end = time.monotonic()
