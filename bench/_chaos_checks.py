@@ -386,10 +386,14 @@ def _report(
     recovery: dict[str, list[float]] = {}
     for fault in history.faults:
         for run_id, reached in fault.hit.items():
-            arrivals = history.runs[run_id].recorder.arrivals
-            after = [t for e, t in arrivals.items() if e > reached]
-            if after:
-                recovery.setdefault(fault.kind, []).append(max(0.0, min(after) - fault.start))
+            run = history.runs[run_id]
+            after = [t for e, t in run.recorder.arrivals.items() if e > reached]
+            if not after:
+                continue
+            recovered = min(after)
+            if any(fault.start - 1 <= t <= recovered for t in run.paused_at):
+                continue  # we paused it meanwhile: its pause, not the fault, held it
+            recovery.setdefault(fault.kind, []).append(max(0.0, recovered - fault.start))
     faults: dict[str, int] = {}
     for fault in history.faults:
         faults[fault.kind] = faults.get(fault.kind, 0) + 1

@@ -168,6 +168,7 @@ class RunLog:
     final: Any = None  # pb.Run once it ended
     status: Any = None  # the latest pb.Run sampled
     stopped_by_us: bool = False
+    paused_at: list[float] = field(default_factory=list)  # monotonic times of our pauses
 
 
 @dataclass
@@ -478,6 +479,7 @@ class Soak:
             imitation = paused or imitation
         run = imitation[step.target % len(imitation)]
         if step.kind == "pause":
+            run.paused_at.append(time.monotonic())
             await self.call("PauseRun", pb.PauseRunRequest(run_id=run.id))
         elif step.kind == "resume":
             await self.call("ResumeRun", pb.ResumeRunRequest(run_id=run.id))
