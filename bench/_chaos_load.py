@@ -461,7 +461,8 @@ class Soak:
         if step.kind == "create":
             if len(runs) < MAX_ACTIVE:
                 request_id = f"chaos-{self.plan.seed}-{step.at:.3f}"
-                await self._create(imitation_request(self.rng, request_id), "imitation")
+                draws = random.Random(request_id)  # the plan's, whatever happened before
+                await self._create(imitation_request(draws, request_id), "imitation")
             return
         if step.kind == "fork":
             await self._fork(step)
@@ -507,8 +508,10 @@ class Soak:
         if not listed.checkpoints:
             return
         source = listed.checkpoints[-1]
-        request = imitation_request(self.rng, f"fork-{self.plan.seed}-{step.at:.3f}")
-        request.config.max_episodes = int(source.episode) + self.rng.randrange(60, 250)
+        request_id = f"fork-{self.plan.seed}-{step.at:.3f}"
+        draws = random.Random(request_id)
+        request = imitation_request(draws, request_id)
+        request.config.max_episodes = int(source.episode) + draws.randrange(60, 250)
         request.fork_from.run_id = parent.id
         request.fork_from.episode = source.episode
         await self._create(request, "imitation", base=int(source.episode))
