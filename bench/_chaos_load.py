@@ -623,13 +623,15 @@ class Soak:
         elif kind in ("store_unwritable", "store_full"):
             log = FaultLog(kind, "store", time.monotonic(), 0.0)
             self.history.faults.append(log)
-            if kind == "store_unwritable":
-                await asyncio.to_thread(cluster.store_unwritable)
-            elif not await asyncio.to_thread(cluster.store_full):
-                log.note = "not supported here (needs root for a tmpfs)"
-            await asyncio.sleep(step.duration)
-            await asyncio.to_thread(cluster.heal_store)
-            log.end = time.monotonic()
+            try:
+                if kind == "store_unwritable":
+                    await asyncio.to_thread(cluster.store_unwritable)
+                elif not await asyncio.to_thread(cluster.store_full):
+                    log.note = "not supported here (needs root for a tmpfs)"
+                await asyncio.sleep(step.duration)
+            finally:
+                await asyncio.to_thread(cluster.heal_store)
+                log.end = time.monotonic()
 
     async def _gone(self, trainer: Trainer, processes: list[psutil.Process]) -> None:
         """The processes of a killed trainer's jobs must be gone within ``GONE_S``."""
