@@ -15,6 +15,7 @@ import pytest
 
 from tests import postgres_fixtures
 from tests.fakes.gateway_harness import ROOT
+from tests.grpo_fixtures import grpo_data_root
 
 SEED = 11
 MINUTES = 1
@@ -25,8 +26,10 @@ pytestmark = [
     pytest.mark.skipif(not postgres_fixtures.ENABLED, reason="TRAINWIRE_POSTGRES_TESTS=0"),
 ]
 
+__all__ = ["grpo_data_root"]  # the session fixture (the tiny VLM, built once), for pytest
 
-def test_a_one_minute_chaos_soak_has_no_violation(tmp_path: Path) -> None:
+
+def test_a_one_minute_chaos_soak_has_no_violation(tmp_path: Path, grpo_data_root: Path) -> None:
     report_path = tmp_path / "report.json"
     done = subprocess.run(
         [
@@ -41,7 +44,7 @@ def test_a_one_minute_chaos_soak_has_no_violation(tmp_path: Path) -> None:
             "--json",
             str(report_path),
             "--data-root",
-            str(tmp_path / "data"),
+            str(grpo_data_root),
         ],
         cwd=ROOT,
         capture_output=True,
