@@ -384,6 +384,7 @@ def _report(
     cluster: Cluster,
 ) -> dict[str, Any]:
     recovery: dict[str, list[float]] = {}
+    overlapped = 0
     for fault in history.faults:
         for run_id, reached in fault.hit.items():
             run = history.runs[run_id]
@@ -393,6 +394,12 @@ def _report(
             recovered = min(after)
             if any(fault.start - 1 <= t <= recovered for t in run.paused_at):
                 continue  # we paused it meanwhile: its pause, not the fault, held it
+            if any(
+                fault.start < later.start <= recovered and run_id in later.hit
+                for later in history.faults
+            ):
+                overlapped += 1  # another fault hit it before it recovered from this one
+                continue
             recovery.setdefault(fault.kind, []).append(max(0.0, recovered - fault.start))
     faults: dict[str, int] = {}
     for fault in history.faults:
@@ -403,8 +410,8 @@ def _report(
         window = fault.wall + max(0.0, fault.end - fault.start) + 3 * HEARTBEAT_TIMEOUT_S + 5
         for run_id, trained in fault.trainer_episode.items():
             after = [e for t, e in restored.get(run_id, []) if fault.wall <= t <= window]
-            if after:
-                lost.append((trained - after[0], history.runs[run_id].checkpoint_every))
+            if after:  # (a trainer cut off trains on past the fault: nothing lost then)
+                lost.append((max(0, trained - after[0]), history.runs[run_id].checkpoint_every))
     startups = [
         r.recorder.arrivals[r.base + 1] - r.created
         for r in history.runs.values()
@@ -419,7 +426,9 @@ def _report(
         "violations": violations,
         "notes": notes,
         "faults": faults,
-        "fault_notes": [f"{f.kind}: {f.note}" for f in history.faults if f.note],
+        "fault_notes": [f"{f.kind}: {f.note}" for f in history.faults if f.note]
+        + [f"helper process: {h}" for h in history.helpers_left],
+        "recoveries_overlapped": overlapped,
         "fault_timeline": [
             {
                 "kind": f.kind,
@@ -485,6 +494,8 @@ def table(report: dict[str, Any]) -> str:
         f"runs {report['runs']} ({states}), restarts {report['restarts']}, episodes "
         f"{report['episodes']}, watchers {report['watchers']} "
         f"({report['watcher_reconnects']} reconnects)",
+        f"recoveries left out as another fault hit the run first: "
+        f"{report['recoveries_overlapped']}",
         f"job start-up p50 {report['startup_s_p50']} s; gateway RSS max "
         f"{report['gateway_rss_mib_max']} MiB",
         f"work lost per restart: mean {lost['mean_episodes']} episodes, max "

@@ -198,7 +198,8 @@ class History:
     actions: dict[str, int] = field(default_factory=dict)
     action_refusals: dict[str, int] = field(default_factory=dict)
     two_drivers: list[str] = field(default_factory=list)
-    leftovers: list[str] = field(default_factory=list)  # processes that outlived a trainer
+    leftovers: list[str] = field(default_factory=list)  # job processes that outlived a trainer
+    helpers_left: list[str] = field(default_factory=list)  # its other processes that did
     undrained: list[str] = field(default_factory=list)
 
 
@@ -634,15 +635,21 @@ class Soak:
                 log.end = time.monotonic()
 
     async def _gone(self, trainer: Trainer, processes: list[psutil.Process]) -> None:
-        """The processes of a killed trainer's jobs must be gone within ``GONE_S``."""
+        """The processes of a killed trainer's jobs (GRPO ranks, which name themselves) must
+        be gone within ``GONE_S``; its helpers (a forkserver) that are not are noted."""
         await asyncio.sleep(GONE_S)
         for process in processes:
             with contextlib.suppress(psutil.Error):
                 if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                    self.history.leftovers.append(
-                        f"pid {process.pid} ({' '.join(process.cmdline())[:120]}) outlived "
-                        f"trainer{trainer.index} by {GONE_S:g} s"
+                    line = " ".join(process.cmdline())
+                    what = (
+                        f"pid {process.pid} ({line[:100]}) outlived trainer{trainer.index} by "
+                        f"{GONE_S:g} s"
                     )
+                    if "(GRPO rank" in line:
+                        self.history.leftovers.append(what)
+                    else:
+                        self.history.helpers_left.append(what)
 
     # -- sampling ----------------------------------------------------------------------------
 
