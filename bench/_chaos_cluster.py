@@ -185,7 +185,20 @@ class Cluster:
                 timeout=60,
             )
         finally:
-            self.pg.ensure_postgres_running()
+            self._postgres_up()
+
+    def _postgres_up(self) -> None:
+        """Starts the server again as it was started (its socket, its log), however long a
+        loaded machine makes that take."""
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                self.pg.ensure_postgres_running()
+                return
+            except (Exception, AssertionError):  # pg_ctl's own 10 s, or not ready yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
 
     def start_trainer(self, trainer: Trainer) -> None:
         command = [
