@@ -91,4 +91,13 @@ help:
 	@echo "make docs     regenerate docs/reference (CLI, services' flags, protocol, roles)"
 	@echo "make lint     ruff, ruff format --check, mypy, import-linter, buf lint"
 	@echo "make bench    every benchmark, one after another (minutes each; GPU ones dry-run)"
+	@echo "make soak     the 10-minute chaos soak (SOAK_MINUTES, SOAK_SEED); exits 1 on a violation"
 	@echo "make clean    delete .venv (both venvs), var/ (the database and checkpoints) and caches"
+
+# The full chaos soak (bench/chaos.py): ten minutes of faults and actions on real processes, then
+# every invariant checked; exits 1 on any violation. SOAK_SEED picks the schedule.
+SOAK_MINUTES ?= 10
+SOAK_SEED ?= 1
+.PHONY: soak
+soak: install
+	nice $(PY) bench/chaos.py --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED)

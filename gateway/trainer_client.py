@@ -36,6 +36,7 @@ from gateway.core.trainers import (
     TrainerMergeFailed,
     TrainerProcessDied,
     TrainerRefused,
+    TrainerUnreachable,
 )
 from trainwire.contract import FieldViolation
 from trainwire.hyperparameters import Hyperparameters
@@ -52,6 +53,9 @@ _CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 5000),
 )
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
+#: How gRPC words a refused TCP connection in the status of a call that could not connect
+#: (``failed to connect to all addresses; last error: ...: Connection refused``).
+_REFUSED = "connection refused"
 _LOST_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
@@ -132,6 +136,14 @@ def failure_detail(error: grpc.aio.AioRpcError, address: str, server_name: str |
     return f"trainer {address}: {hint} ({status})"
 
 
+def refused(error: grpc.aio.AioRpcError) -> bool:
+    """Whether a call failed because the trainer's address refused the connection: gRPC's own
+    ``UNAVAILABLE`` before any answer (no reason from the trainer), naming ``ECONNREFUSED``."""
+    if error.code() != grpc.StatusCode.UNAVAILABLE or error_reason(error):
+        return False
+    return _REFUSED in (error.details() or "").lower()
+
+
 def classify(
     error: grpc.aio.AioRpcError, address: str, server_name: str | None = None
 ) -> TrainerError:
@@ -139,7 +151,8 @@ def classify(
 
     Busy is ``RESOURCE_EXHAUSTED`` with reason ``SLOTS_BUSY`` and nothing else: any other
     ``RESOURCE_EXHAUSTED`` (a message too large, out of memory) fails the run, with the trainer's
-    ``LocalizedMessage`` when it sent one. ``server_name`` is the gateway's
+    ``LocalizedMessage`` when it sent one. A connection the trainer's address refused is
+    ``TrainerUnreachable`` (the trainer is gone with its jobs). ``server_name`` is the gateway's
     ``--trainer-server-name``, for the text of a TLS name mismatch (``failure_detail``).
     """
     code = error.code()
@@ -152,6 +165,8 @@ def classify(
         if error_reason(error) == ErrorReason.PROCESS_DIED:
             return TrainerProcessDied(detail, text)
         return TrainerFailed(detail, text)
+    if refused(error):
+        return TrainerUnreachable(detail)
     if code in _LOST_CODES:
         return TrainerLost(detail)
     return TrainerCrashed(detail)
@@ -378,7 +393,8 @@ class GrpcTrainerConnector:
                 trainer_service_pb2.GetCapabilitiesRequest(), timeout=timeout
             )
         except grpc.aio.AioRpcError as exc:
-            raise TrainerLost(failure_detail(exc, address, self._server_name)) from None
+            detail = failure_detail(exc, address, self._server_name)
+            raise (TrainerUnreachable if refused(exc) else TrainerLost)(detail) from None
         finally:
             self._ended(channel)
         return capabilities_from_proto(reply)

@@ -30,6 +30,7 @@ from gateway.core.trainers import (
     TrainerJobGone,
     TrainerLost,
     TrainerProcessDied,
+    TrainerUnreachable,
 )
 from trainwire.contract import ContractViolation
 
@@ -66,6 +67,12 @@ _TRAINER_FAILURES: dict[type[TrainerError], tuple[str | None, str, str, bool]] =
     ForkNotRestored: (None, "fork", "trainer %s could not start the fork: %s", True),
     TrainerProcessDied: (None, "process_died", "a process of the job on %s died: %s", False),
     TrainerFailed: (None, "failed", "trainer %s failed: %s", False),
+    TrainerUnreachable: (
+        LOST_MESSAGE,
+        "unreachable",
+        "trainer %s is gone (its address refuses connections): %s",
+        False,
+    ),
     TrainerLost: (LOST_MESSAGE, "lost", "trainer %s stopped responding: %s", False),
     TrainerJobGone: (INTERRUPTED_MESSAGE, "gone", "trainer %s no longer has the job: %s", False),
     TrainerBrokeContract: (

@@ -13,6 +13,26 @@ trainers' ranks join it (``Rendezvous``) and says at once when its stream broke
 (``stream_broke``, before the episodes received ahead of the break are published): the driver
 starts and watches those shares (``gateway.core.shares``).
 
+When a trainer is lost, and how fast (the rule):
+
+- A stream that breaks (an error, not silence) is re-attached after the last episode it
+  delivered, every ``REATTACH_BACKOFF_S``, for up to the heartbeat timeout: a network blip loses
+  nothing and starts no second job.
+- A re-attach whose connection the trainer's address refuses (``TrainerUnreachable``) ends the
+  stream at once: no process listens there, so the trainer is gone and its jobs with it. The
+  restart policy restarts the run from its checkpoint without waiting out the timeout.
+- A re-attach that the trainer answers without the job (``TrainerJobGone``: it restarted on the
+  same address) ends the stream at once too.
+- A new job whose ``Train`` call is refused never ran: the run goes back in the queue
+  (``TrainerGoneBeforeStart``, handled like a busy trainer), with no restart counted.
+- A re-attach is never a job start (``attach_after_episode`` is always set): a trainer that came
+  back on the same address cannot receive a second job of the run from it. Only the restart
+  starts a new job, once.
+- A silent trainer (stopped, or cut off by the network: connections hang or time out) is lost
+  after ``heartbeat_timeout_s`` without an episode or heartbeat, then re-attached like a broken
+  stream for up to the heartbeat timeout again, as a stopped process or a healed network still
+  has its job.
+
 A job started from a checkpoint (``resume_from``) says first where it started (``Resumed``);
 it then trains again the episodes after that checkpoint that the run already received. Those
 are checked and dropped: a watcher never sees an episode twice or changed. The first new
@@ -40,10 +60,12 @@ from gateway.core.trainers import (
     StreamEvent,
     TrainerConnector,
     TrainerError,
+    TrainerGoneBeforeStart,
     TrainerJobExists,
     TrainerJobGone,
     TrainerLost,
     TrainerStream,
+    TrainerUnreachable,
     next_event,
 )
 from trainwire.contract import StreamChecker
@@ -200,6 +222,9 @@ class TrainerFeed:
             resume_from: For a new job: the checkpoints it may start from, newest first.
 
         Raises:
+            TrainerUnreachable: A re-attach found the trainer's address refusing connections
+                (at once, not after the heartbeat timeout).
+            TrainerGoneBeforeStart: A new job's call was refused (the run is queued again).
             TrainerError, ContractViolation: how the run fails.
         """
         loop_deadline: float | None = None
@@ -208,6 +233,9 @@ class TrainerFeed:
         if after is not None:
             self._delivered = after
         while True:
+            # A new job's call sets up to check a fresh stream; one that finds the job alive
+            # (taken over below) goes on checking the old stream from where it was.
+            before = (self._drop_through, self._checked_best)
             try:
                 await self._stream_once(after, opening_grant(), cap, consume, resume_from)
                 return
@@ -229,7 +257,9 @@ class TrainerFeed:
                         raise
                     await asyncio.sleep(REATTACH_BACKOFF_S)
                     continue
-                # A job a previous gateway started before it crashed: take it over.
+                # A job a previous gateway started before it crashed, or the job a restart
+                # thought lost (its trainer was silent, then answered): take it over.
+                self._drop_through, self._checked_best = before
                 _LOGGER.info(
                     "run %s: trainer %s already runs its job; re-attaching",
                     self.run.id,
@@ -237,6 +267,18 @@ class TrainerFeed:
                     extra={"run_id": self.run.id},
                 )
                 after = self._delivered
+            except TrainerUnreachable as exc:
+                if loop_deadline is None and after is None:
+                    # A new job's call refused: nothing ran; placed again elsewhere.
+                    raise TrainerGoneBeforeStart(str(exc)) from None
+                # The trainer's address refuses connections: it is gone, its jobs with it.
+                _LOGGER.warning(
+                    "run %s: trainer %s refuses connections; its job is gone",
+                    self.run.id,
+                    self.trainer,
+                    extra={"run_id": self.run.id},
+                )
+                raise TrainerUnreachable(f"{lost}; then {exc}" if lost else str(exc)) from None
             except TrainerLost as exc:
                 if self.run.state is RunState.PENDING and after is None:
                     raise  # never started: nothing to re-attach to

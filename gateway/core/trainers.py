@@ -31,6 +31,12 @@ class TrainerBusy(TrainerError):
     that); the run goes back in the queue."""
 
 
+class TrainerGoneBeforeStart(TrainerBusy):
+    """A new job's ``Train`` call found the trainer's address refusing connections: the trainer
+    is gone and the job never ran anywhere. Like a busy trainer, the run goes back in the queue
+    (no restart counted) and is placed on a trainer that answers."""
+
+
 class TrainerJobExists(TrainerError):
     """The trainer already has a live job of this run (``ALREADY_EXISTS``): one the gateway
     started before it restarted. The gateway re-attaches to it."""
@@ -56,6 +62,14 @@ class TrainerProcessDied(TrainerFailed):
 
 class TrainerLost(TrainerError):
     """The stream broke (connection lost, trainer killed)."""
+
+
+class TrainerUnreachable(TrainerLost):
+    """The trainer's address refuses connections: no process listens there, so the trainer is
+    gone and its jobs died with it (a job never outlives its trainer's process). A re-attach
+    cannot succeed: a run with a checkpoint is restarted from it at once, without waiting out
+    the heartbeat timeout. A trainer that is merely silent (stopped, or cut off by the network)
+    accepts connections, or lets them time out, and is never this."""
 
 
 class TrainerBrokeContract(TrainerError):

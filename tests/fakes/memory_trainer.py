@@ -68,8 +68,11 @@ never on log text.
 What a job does wrong is scripted per trainer: ``MemoryTrainer.script(JobScript(...))`` queues a
 script that the next new job takes (fail with a provider error, crash, break a contract rule, go
 silent, lose its stream once). The trainer itself can answer busy (``answer_busy``), be killed
-(``kill``: streams raise ``TrainerLost``, every call ``TrainerLost``, its jobs are gone) and
-come back empty (``revive``).
+(``kill``: its streams break with ``TrainerLost``, and every later call finds its address
+refusing connections, ``TrainerUnreachable``, as after a kill -9; its jobs are gone), come back
+empty on the same address (``revive``), or go silent with its jobs (``freeze``, as a stopped
+process or a black-holed network: streams send nothing, calls get no answer before their
+deadline) until ``thaw``.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ from gateway.core.trainers import (
     TrainerLost,
     TrainerProcessDied,
     TrainerRefused,
+    TrainerUnreachable,
 )
 from gateway.trainer_client import train_request
 from tests.fakes.episodes import broken, make_episode, reward_of
@@ -532,12 +536,16 @@ class MemoryStream:
         return None
 
     async def __anext__(self) -> StreamEvent:
+        trainer = self._trainer
+        await trainer.thawed()  # a silent trainer answers nothing
         if self._error is not None:
             raise self._error
         job = self._job
         assert job is not None
-        trainer = self._trainer
         while True:
+            if trainer.frozen:
+                await trainer.thawed()
+                continue
             if trainer.killed:
                 raise self._fail(TrainerLost(f"trainer {trainer.address}: UNAVAILABLE: killed"))
             if self.cancelled:
@@ -730,7 +738,10 @@ class MemoryTrainer:
         grant_delay_s: Seconds a ``grant`` call takes on top of that.
         answer_busy: New jobs it refuses as busy (``TrainerBusy``) although it reports free
             slots (a probe that raced another gateway's run); counts down.
-        killed: It is gone: streams and calls raise ``TrainerLost``.
+        killed: It is gone: streams break (``TrainerLost``), calls find its address refusing
+            connections (``TrainerUnreachable``).
+        frozen: It is silent (stopped, or black-holed): streams send nothing, calls get no
+            answer before their deadline; its jobs live on.
         jobs: Its live jobs by run id.
         probes: ``capabilities`` calls it answered.
         provider_defaults: Each provider's defaults, as it advertises them and its jobs apply
@@ -747,6 +758,8 @@ class MemoryTrainer:
     grant_delay_s: float = 0.0
     answer_busy: int = 0
     killed: bool = False
+    refuses: bool = True
+    frozen: bool = False
     hyperparameter_metrics: bool = False
     jobs: dict[str, MemoryJob] = field(default_factory=dict)
     probes: int = 0
@@ -760,6 +773,7 @@ class MemoryTrainer:
     provider_defaults: dict[str, trainer_service_pb2.ProviderDefaults] = field(
         default_factory=lambda: {kind: make() for kind, make in BY_PROVIDER.items()}
     )
+    _thaw: asyncio.Event | None = None
 
     @property
     def slots_free(self) -> int:
@@ -770,9 +784,31 @@ class MemoryTrainer:
         """Queues scripts; each new job takes the next one (then the default)."""
         self._scripts.extend(scripts)
 
-    def kill(self) -> None:
-        """The trainer dies: every stream and call fails ``TrainerLost``; its jobs are gone."""
+    def freeze(self) -> None:
+        """The trainer goes silent with its jobs (SIGSTOP, or a black-holed network)."""
+        self.frozen = True
+        self._thaw = asyncio.Event()
+
+    def thaw(self) -> None:
+        """The trainer answers again (SIGCONT): its jobs go on where they were."""
+        self.frozen = False
+        if self._thaw is not None:
+            self._thaw.set()
+        for job in self.jobs.values():
+            job.changed()
+
+    async def thawed(self) -> None:
+        """Waits until the trainer answers again."""
+        if self.frozen and self._thaw is not None:
+            await self._thaw.wait()
+
+    def kill(self, refuses: bool = True) -> None:
+        """The trainer dies: its streams break, later calls find its address refusing
+        connections (``TrainerUnreachable``); its jobs are gone. With ``refuses`` False its
+        machine is cut off instead (connections reset or time out: ``TrainerLost``), so the
+        gateway cannot tell that the jobs are gone."""
         self.killed = True
+        self.refuses = refuses
         jobs = list(self.jobs.values())
         self.jobs.clear()
         for job in jobs:
@@ -788,9 +824,15 @@ class MemoryTrainer:
         self.killed = False
         self.jobs.clear()
 
+    def refusal(self) -> TrainerError:
+        """What a call to the killed trainer fails with."""
+        if self.refuses:
+            return TrainerUnreachable(f"trainer {self.address}: UNAVAILABLE: Connection refused")
+        return TrainerLost(f"trainer {self.address}: UNAVAILABLE: Connection reset by peer")
+
     def _check_alive(self) -> None:
         if self.killed:
-            raise TrainerLost(f"trainer {self.address}: UNAVAILABLE: connection refused")
+            raise self.refusal()
 
     def capabilities(self) -> Capabilities:
         self._check_alive()
@@ -819,7 +861,7 @@ class MemoryTrainer:
         placement: JobPlacement | None = None,
     ) -> MemoryStream:
         if self.killed:
-            return MemoryStream(self, None, 0, TrainerLost(f"trainer {self.address}: killed"))
+            return MemoryStream(self, None, 0, self.refusal())
         job = self.jobs.get(run_id)
         # The request the gateway's own connector sends, and its fields the real core checks.
         request = train_request(run_id, task, config, grant, attach_after, resume_from, placement)
@@ -1002,13 +1044,19 @@ class MemoryConnector:
 
     # -- TrainerConnector --------------------------------------------------------------------
 
-    async def _round_trip(self, address: str) -> MemoryTrainer:
+    async def _round_trip(self, address: str, timeout: float) -> MemoryTrainer:
         trainer = self._trainer(address)
+        if trainer.frozen:
+            try:
+                async with asyncio.timeout(timeout):
+                    await trainer.thawed()
+            except TimeoutError:
+                raise TrainerLost(f"trainer {address}: DEADLINE_EXCEEDED") from None
         await asyncio.sleep(trainer.call_s)
         return trainer
 
     async def capabilities(self, address: str, timeout: float) -> Capabilities:
-        return (await self._round_trip(address)).capabilities()
+        return (await self._round_trip(address, timeout)).capabilities()
 
     def train(
         self,
@@ -1052,7 +1100,7 @@ class MemoryConnector:
         self._grants_in_flight[run_id] = in_flight
         self.max_grants_in_flight = max(self.max_grants_in_flight, in_flight)
         try:
-            trainer = await self._round_trip(address)
+            trainer = await self._round_trip(address, timeout)
             if trainer.grant_delay_s:
                 await asyncio.sleep(trainer.grant_delay_s)
             trainer._check_alive()
@@ -1071,7 +1119,7 @@ class MemoryConnector:
         self, address: str, run_id: str, timeout: float, checkpoint: bool = False
     ) -> Cancelled:
         self._record(CancelCall(address, run_id, self._now(), checkpoint))
-        trainer = await self._round_trip(address)
+        trainer = await self._round_trip(address, timeout)
         trainer._check_alive()
         job = trainer.jobs.pop(run_id, None)
         if job is None:
@@ -1107,7 +1155,7 @@ class MemoryConnector:
         self, address: str, run_id: str, change: Hyperparameters, timeout: float
     ) -> None:
         self._record(HyperparametersCall(address, run_id, change, self._now()))
-        trainer = await self._round_trip(address)
+        trainer = await self._round_trip(address, timeout)
         trainer._check_alive()
         job = trainer.jobs.get(run_id)
         if job is None:

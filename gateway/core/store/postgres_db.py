@@ -5,6 +5,12 @@ psycopg 3 on the event loop with a connection pool (``AsyncConnectionPool``), op
 schema is checked (or migrated: ``gateway.core.store.postgres_schema``). Each read or write runs
 in one transaction, retried when it lost a deadlock or a serialization race.
 
+A server restart (or failover) is ridden out: the pool checks a connection before it lends it
+(a restart leaves every pooled connection dead), and a transaction that failed on its
+connection before its commit was sent (so it did nothing) is tried again, on a fresh
+connection, for up to ``RIDE_OUT_S``. One that failed during its commit is not: it may have
+been committed.
+
 Writability as SQLite's backend: a write that fails because the database cannot be written or
 reached (disk full, read-only, server gone) raises ``StoreWriteFailed`` and turns ``writable``
 off until a probe write succeeds (every ``PROBE_INTERVAL_S``). A read that cannot reach the
@@ -13,6 +19,8 @@ database raises ``StoreUnavailable`` (UNAVAILABLE to clients).
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -38,6 +46,10 @@ CHANNEL = "trainwire"
 PROBE_INTERVAL_S = 2.0
 #: Retries of a transaction that lost a deadlock or a serialization race.
 RETRIES = 3
+#: Seconds a transaction that lost its connection before its commit is tried again (a server
+#: restart), and the pause between two tries.
+RIDE_OUT_S = 15.0
+RIDE_OUT_PAUSE_S = 0.25
 POOL_SIZE = 8
 CONNECT_TIMEOUT_S = 5
 
@@ -72,6 +84,15 @@ def write_failure(exc: BaseException) -> StoreWriteFailed | None:
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """Whether a transaction failed because its connection or the server went away (not
+    because of what it did): the server shut down or restarted, or no connection could be
+    had."""
+    if isinstance(exc, PoolTimeout | psycopg.errors.AdminShutdown):
+        return True
+    return type(exc) is psycopg.OperationalError  # libpq: the connection broke or was refused
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -119,6 +140,7 @@ class PostgresDatabase(WritableStore):
             timeout=10,
             kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
             name="trainwire",
+            check=AsyncConnectionPool.check_connection,
         )
         await self.pool.open(wait=True, timeout=10)
 
@@ -133,13 +155,27 @@ class PostgresDatabase(WritableStore):
         """Runs ``fn(conn)`` in a transaction, retrying deadlocks; maps connection failures
         (``StoreUnavailable`` for reads, ``StoreWriteFailed`` for writes)."""
         assert self.pool is not None, "the store is not started"
-        for attempt in range(RETRIES + 1):
+        attempt = 0
+        ride_out_until: float | None = None
+        while True:
+            committing = False
             try:
                 async with self.pool.connection() as conn, conn.transaction():
-                    return await fn(conn)
+                    result = await fn(conn)
+                    committing = True  # leaving the block commits
+                return result
             except Exception as exc:
                 if _retryable(exc) and attempt < RETRIES:
+                    attempt += 1
                     continue
+                if _connection_lost(exc) and not committing:
+                    # Nothing was committed: try again on a fresh connection for a while.
+                    now = time.monotonic()
+                    if ride_out_until is None:
+                        ride_out_until = now + RIDE_OUT_S
+                    if now < ride_out_until:
+                        await asyncio.sleep(RIDE_OUT_PAUSE_S)
+                        continue
                 failed = write_failure(exc)
                 if failed is None:
                     raise
@@ -147,7 +183,6 @@ class PostgresDatabase(WritableStore):
                     raise StoreUnavailable(f"the store cannot be read: {failed}") from None
                 self._writability.set(False, str(failed))
                 raise failed from None
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def read(self, fn: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
         """Runs a read in a transaction (see ``_run``)."""
