@@ -302,6 +302,23 @@ async def test_retention_keeps_the_latest_and_returns_exactly_what_it_deleted(
     assert await listed(store, "a") == [14]
 
 
+async def test_retention_keeps_the_newest_checkpoint_at_or_before_the_published_episode(
+    store: Store,
+) -> None:
+    await store.insert_run(make_run("a"))
+    assert await append(store, records("a", 7)) == [None] * 7  # published through 7
+    deleted = [await store.add_checkpoint(checkpoint("a", e), keep=2) for e in (5, 10, 15, 20)]
+    # The trainer trained ahead: 10, 15 and 20 are beyond what a takeover continues from, so
+    # 5 stays beside the latest two.
+    assert deleted == [[], [], [], [10]]
+    assert await listed(store, "a") == [5, 15, 20]
+    assert await checkpoint_episode(store, "a") == 20
+    # Once published past a newer one, the older one goes with the next record.
+    assert await append(store, records("a", 21)[7:]) == [None] * 14
+    assert await store.add_checkpoint(checkpoint("a", 25), keep=2) == [5, 15]
+    assert await listed(store, "a") == [20, 25]
+
+
 async def test_concurrent_checkpoints_of_a_run_apply_retention_once_each(store: Store) -> None:
     await store.insert_run(make_run("a"))
     results = await asyncio.gather(

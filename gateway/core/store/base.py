@@ -389,7 +389,10 @@ class Store(Protocol):
         digest it replaces the old one (a job restarted from an earlier checkpoint wrote that
         episode's files again, and the files are what a download or a resume reads).
         Retention keeps the ``keep`` largest episodes, so a record older than those is deleted
-        at once. A record of a run that does not exist is not kept.
+        at once, and also the newest at or before the run's stored (published) episode: a
+        trainer may train and checkpoint well ahead of what the gateway published, and a
+        gateway that takes the run over continues from its published episode, so from that
+        checkpoint. A record of a run that does not exist is not kept.
 
         Returns:
             The episodes whose records were not kept, in order (their files are the caller's

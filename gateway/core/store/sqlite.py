@@ -497,8 +497,10 @@ class SqliteStore:
         rows = self._conn.execute(
             "DELETE FROM checkpoints WHERE run_id=? AND episode NOT IN "
             "(SELECT episode FROM checkpoints WHERE run_id=? ORDER BY episode DESC LIMIT ?) "
+            "AND episode <> coalesce((SELECT max(c.episode) FROM checkpoints c JOIN runs r "
+            "ON r.id = c.run_id WHERE c.run_id=? AND c.episode <= r.episode), -1) "
             "RETURNING episode",
-            (record.run_id, record.run_id, keep),
+            (record.run_id, record.run_id, keep, record.run_id),
         ).fetchall()
         self._set_checkpoint_episode(record.run_id)
         return sorted(episode for (episode,) in rows)
