@@ -194,3 +194,22 @@ async def test_a_resync_withdraws_candidates_taken_elsewhere_but_not_one_being_c
     leases.answer("b", None)
     await _settle()
     assert "b" not in router._candidates and scheduler.started == [("t1", 1)]
+
+
+async def test_a_run_created_here_and_seen_by_a_resync_is_queued_and_claimed_once() -> None:
+    run = _run("a")
+    router, leases, scheduler, table = _router({"a": run})
+    router.candidate(run)  # CreateRun on this replica
+    router.sync_candidates([run])  # a resync that read the store meanwhile
+    assert len(scheduler.queue) == 1
+    candidate = scheduler.queue[0]
+    scheduler.dequeue(candidate)
+    candidate.dispatch(Placement.of([("t1", 1)]))
+    router.sync_candidates([run])  # its lease not claimed yet: still no second candidate
+    assert scheduler.queue == []
+    leases.answer("a", run)
+    await _settle()
+    router.sync_candidates([run])  # a scan older than the claim: the run is driven here
+    driver = table.get("a")
+    assert isinstance(driver, Driver) and len(driver.placements) == 1
+    assert scheduler.queue == [] and leases.calls == ["a"]
