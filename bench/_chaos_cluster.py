@@ -65,6 +65,26 @@ def _env() -> dict[str, str]:
     }
 
 
+def _start_listening(command: list[str], log: pathlib.Path, what: str) -> subprocess.Popen[bytes]:
+    """Starts a service on its fixed port and waits for its "listening" line; tries again
+    (20 times, 0.5 s apart) while the port is still held by its predecessor."""
+    for attempt in range(20):
+        with log.open("ab") as err:
+            proc = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=err, cwd=ROOT, env=_env()
+            )
+        try:
+            _wait_line(proc, what + r" listening on 127\.0\.0\.1:(\d+)\n", log)
+            return proc
+        except RuntimeError:
+            proc.kill()
+            proc.wait()
+            if attempt == 19:
+                raise
+            time.sleep(0.5)  # its port may still be held a moment
+    raise AssertionError("unreachable")
+
+
 def _wait_line(proc: subprocess.Popen[bytes], pattern: str, log: pathlib.Path) -> re.Match[str]:
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
@@ -222,20 +242,7 @@ class Cluster:
             "--log-format",
             "json",
         ]
-        for attempt in range(20):
-            with trainer.log.open("ab") as err:
-                proc = subprocess.Popen(
-                    command, stdout=subprocess.PIPE, stderr=err, cwd=ROOT, env=_env()
-                )
-            try:
-                _wait_line(proc, r"trainer listening on 127\.0\.0\.1:(\d+)\n", trainer.log)
-                break
-            except RuntimeError:
-                proc.kill()
-                proc.wait()
-                if attempt == 19:
-                    raise
-                time.sleep(0.5)  # its port may still be held a moment
+        proc = _start_listening(command, trainer.log, "trainer")
         trainer.proc, trainer.stopped = proc, False
         trainer.incarnations += 1
         self.trainer_pids.append(proc.pid)
@@ -265,20 +272,7 @@ class Cluster:
             "--log-format",
             "json",
         ]
-        for attempt in range(20):
-            with gateway.log.open("ab") as err:
-                proc = subprocess.Popen(
-                    command, stdout=subprocess.PIPE, stderr=err, cwd=ROOT, env=_env()
-                )
-            try:
-                _wait_line(proc, r"gateway listening on 127\.0\.0\.1:(\d+)\n", gateway.log)
-                break
-            except RuntimeError:
-                proc.kill()
-                proc.wait()
-                if attempt == 19:
-                    raise
-                time.sleep(0.5)
+        proc = _start_listening(command, gateway.log, "gateway")
         gateway.proc = proc
         gateway.incarnations += 1
         gateway.started_at = time.monotonic()
