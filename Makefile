@@ -24,8 +24,9 @@ TEST_ENV := env -u PYTHONDONTWRITEBYTECODE
 # Benchmarks `make bench` runs: each bench/NAME.py with a `__main__` entry point; files starting
 # with `_` are helpers (a gateway process, a shared setup) and never run on their own. GPU
 # benchmarks run in their CPU dry mode here (`--dry-run`: tiny sizes, the same code path); the
-# real GPU run is bench/gpu_check.sh. `make bench BENCHES=bench/store_wal.py` runs one.
-BENCHES ?= $(shell grep -l '^if __name__ == "__main__":' $(filter-out bench/_%,$(wildcard bench/*.py)))
+# real GPU run is bench/gpu_check.sh; the chaos soak (ten minutes) is `make soak`.
+# `make bench BENCHES=bench/store_wal.py` runs one.
+BENCHES ?= $(shell grep -l '^if __name__ == "__main__":' $(filter-out bench/_% bench/chaos.py,$(wildcard bench/*.py)))
 BENCH_ARGS_gpu_real_size := --dry-run
 
 .PHONY: help install run test gen docs lint bench clean
