@@ -5,6 +5,14 @@
 # otherwise says exactly what to install, and the browser tests fail saying the same.
 set -euo pipefail
 
+# zsh, for the test of `trainwire completion zsh` (tests/unit/test_cli_completion.py).
+if ! command -v zsh >/dev/null 2>&1 && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing zsh (apt-get) for the zsh completion test"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends zsh >/dev/null 2>&1 ||
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends zsh >/dev/null; } || echo "apt-get could not install zsh" >&2
+fi
+
 have() {
   command -v "${CHROMIUM:-chromium}" >/dev/null 2>&1 &&
     command -v "${CHROMEDRIVER:-chromedriver}" >/dev/null 2>&1

@@ -70,8 +70,8 @@ def _flags(path: tuple[str, ...]) -> list[str]:
     return [flag for action in command._actions for flag in action.option_strings]
 
 
-@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
 def test_zsh_completes_commands_flags_and_files(tmp_path: Path) -> None:
+    assert shutil.which("zsh"), "zsh is not installed: `make install` installs it (apt-get, root)"
     (tmp_path / "tw.zsh").write_text(script(build_parser(), "zsh"))
     program = (
         # The completion system's functions, recorded instead of drawn.
