@@ -389,10 +389,13 @@ class Store(Protocol):
         digest it replaces the old one (a job restarted from an earlier checkpoint wrote that
         episode's files again, and the files are what a download or a resume reads).
         Retention keeps the ``keep`` largest episodes, so a record older than those is deleted
-        at once, and also the newest at or before the run's stored (published) episode: a
-        trainer may train and checkpoint well ahead of what the gateway published, and a
-        gateway that takes the run over continues from its published episode, so from that
-        checkpoint. A record of a run that does not exist is not kept.
+        at once; retention also keeps the newest record at or before the run's stored
+        (published) episode among those recorded before this one: a trainer may checkpoint
+        well ahead of what the gateway published, and a gateway that takes the run over
+        continues from its published episode, so from that checkpoint (the record being
+        recorded is never kept that way: an old checkpoint reported again, e.g. to a replica
+        that took the run over, may have had its files deleted with its record). A record of a
+        run that does not exist is not kept.
 
         Returns:
             The episodes whose records were not kept, in order (their files are the caller's

@@ -319,10 +319,11 @@ class PostgresStore(PostgresDatabase):
                 "DELETE FROM checkpoints WHERE run_id=%s AND episode NOT IN "
                 "(SELECT episode FROM checkpoints WHERE run_id=%s "
                 "ORDER BY episode DESC LIMIT %s) "
-                "AND episode <> coalesce((SELECT max(c.episode) FROM checkpoints c JOIN runs r "
-                "ON r.id = c.run_id WHERE c.run_id=%s AND c.episode <= r.episode), -1) "
+                "AND episode <> coalesce((SELECT max(c.episode) "
+                "FROM checkpoints c JOIN runs r ON r.id = c.run_id "
+                "WHERE c.run_id=%s AND c.episode <= r.episode AND c.episode <> %s), -1) "
                 "RETURNING episode",
-                (run_id, run_id, keep, run_id),
+                (run_id, run_id, keep, run_id, record.episode),
             )
             deleted = sorted(int(row[0]) for row in await cur.fetchall())
             await self._set_checkpoint_episode(conn, run_id)

@@ -498,9 +498,10 @@ class SqliteStore:
             "DELETE FROM checkpoints WHERE run_id=? AND episode NOT IN "
             "(SELECT episode FROM checkpoints WHERE run_id=? ORDER BY episode DESC LIMIT ?) "
             "AND episode <> coalesce((SELECT max(c.episode) FROM checkpoints c JOIN runs r "
-            "ON r.id = c.run_id WHERE c.run_id=? AND c.episode <= r.episode), -1) "
+            "ON r.id = c.run_id WHERE c.run_id=? AND c.episode <= r.episode "
+            "AND c.episode <> ?), -1) "
             "RETURNING episode",
-            (record.run_id, record.run_id, keep, record.run_id),
+            (record.run_id, record.run_id, keep, record.run_id, record.episode),
         ).fetchall()
         self._set_checkpoint_episode(record.run_id)
         return sorted(episode for (episode,) in rows)
