@@ -22,8 +22,8 @@ from gateway.core.store.sqlite_schema import SCHEMA_VERSION
 PROG = "python -m gateway migrate"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m gateway migrate``."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Migrate a gateway database to this gateway's schema "
@@ -32,7 +32,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--db", default=DEFAULT_DB, help="the SQLite database file, or a postgresql:// URL"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    args = build_parser().parse_args(argv)
     if is_postgres_url(args.db):
         return asyncio.run(_migrate_postgres(args.db))
     lock = DatabaseLock(args.db)

@@ -128,6 +128,30 @@ def examples_in(path: Path, root: Path | None = None) -> list[Example]:
     return found
 
 
+_SERVICE = re.compile(
+    r"^(?:\$\s+)?(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:\S*/)?python3?\s+-m\s+"
+    r"(gateway|trainer_service)(?=\s|$)(.*)$"
+)
+
+
+def service_examples_in(path: Path, root: Path | None = None) -> list[Example]:
+    """The ``python -m gateway`` and ``python -m trainer_service`` commands in a markdown
+    file's shell blocks, as examples whose ``argv`` starts with the service's name."""
+    shown = path.relative_to(root) if root is not None else path
+    found: list[Example] = []
+    for session, block in _shell_blocks(path.read_text(encoding="utf-8")):
+        for number, line in _logical_lines(block):
+            stripped = line.strip()
+            if session and not stripped.startswith("$ "):
+                continue
+            match = _SERVICE.match(stripped)
+            if match is None:
+                continue
+            for argv in _commands("trainwire " + match.group(2))[:1]:
+                found.append(Example(shown, number, (match.group(1), *argv)))
+    return found
+
+
 def documents(root: Path) -> list[Path]:
     """The markdown at the top of the repository (README.md, CONTRIBUTING.md, ...),
     clients/README.md and every markdown file under docs/, sorted."""

@@ -14,19 +14,31 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.doc_examples import Example, documents, examples_in
+from gateway.__main__ import build_parser as gateway_parser
+from gateway.tools.migrate import build_parser as migrate_parser
+from tests.docs.doc_examples import Example, documents, examples_in, service_examples_in
+from trainer_service.__main__ import build_parser as trainer_parser
 from trainwire.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def parse_error(example: Example) -> str | None:
-    """argparse's complaint about an example, or None when it parses."""
-    parser = build_parser()
+def parse_error(example: Example, service: bool = False) -> str | None:
+    """argparse's complaint about an example, or None when it parses (``service``: a
+    ``python -m gateway|trainer_service`` example, its argv led by the service's name)."""
+    argv = list(example.argv)
+    if service:
+        name, argv = argv[0], [word for word in argv[1:] if word != "..."]  # "and so on"
+        if name == "gateway" and argv[:1] == ["migrate"]:
+            parser, argv = migrate_parser(), argv[1:]
+        else:
+            parser = gateway_parser({}) if name == "gateway" else trainer_parser({})
+    else:
+        parser = build_parser()
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:
-            parser.parse_args(list(example.argv))
+            parser.parse_args(argv)
         except SystemExit as exc:
             if exc.code not in (0, None):
                 lines = stderr.getvalue().strip().splitlines()
@@ -42,6 +54,27 @@ def test_every_documented_command_parses() -> None:
     assert len(found) >= 40, [str(e) for e in found]
     bad = [f"{example}\n    {error}" for example in found if (error := parse_error(example))]
     assert not bad, "documented commands the CLI refuses:\n" + "\n".join(bad)
+
+
+def test_every_documented_service_command_parses() -> None:
+    found = [example for path in documents(ROOT) for example in service_examples_in(path, ROOT)]
+    services = {example.argv[0] for example in found}
+    assert services == {"gateway", "trainer_service"}, [str(e) for e in found]
+    assert len(found) >= 10, [str(e) for e in found]
+    bad = [f"{e}\n    {error}" for e in found if (error := parse_error(e, service=True))]
+    assert not bad, "documented service commands their parsers refuse:\n" + "\n".join(bad)
+
+
+def test_a_wrong_service_flag_is_refused(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "```bash\nGW=1 .venv/bin/python -m gateway --port 0 --no-such-flag 3 | tee log\n"
+        "python -m trainer_service --slots auto\n```\n"
+    )
+    wrong, right = service_examples_in(doc)
+    assert wrong.argv == ("gateway", "--port", "0", "--no-such-flag", "3")
+    assert "unrecognized arguments: --no-such-flag" in (parse_error(wrong, service=True) or "")
+    assert parse_error(right, service=True) is None
 
 
 def _examples(tmp_path: Path, text: str) -> list[Example]:
