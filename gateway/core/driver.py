@@ -107,7 +107,7 @@ class RunDriver:
         self._ended = asyncio.Event()  # let go: finalized, detached or abandoned
         #: The run's checkpoint records, retention and the note people read about them.
         self.ledger = CheckpointLedger(run, ctx.store, ctx.checkpoint_files, ctx.spawn)
-        self._park_timer = ParkTimer(settings.park_after_s, lambda: self._apply_now(lc.ParkDue()))
+        self._park_timer = ParkTimer(settings.park_after_s, self._park_due)
         self.failures = Failures(
             run, RestartPolicy(settings.max_restarts), self.ledger, ctx.observer
         )
@@ -506,6 +506,39 @@ class RunDriver:
         return attempt is self.attempt and isinstance(self.state, (lc.Placing, lc.Running))
 
     # -- park --------------------------------------------------------------------------------
+
+    def _park_due(self) -> None:
+        """The park timer fired (``ParkTimer``): the park starts once the run is stored."""
+        self._ctx.spawn(self._store_then_park(), f"gateway-park-due-{self.run.id}")
+
+    def _park_wanted(self) -> bool:
+        return isinstance(self.state, lc.Running) and self.state.paused
+
+    async def _store_then_park(self) -> None:
+        """Stores the run as it is, then parks it (``ParkDue``). The park ends the job, and
+        what the run received past its published episode then lives only here until the run
+        resumes: a store that cannot take the run now (down, full, or the run is another
+        replica's) would leave whoever drives it next a job that is gone. So the job is kept
+        and the park tried again after ``park_after_s``."""
+        if not self._park_wanted():
+            return
+        try:
+            await self.persist()
+        except (StoreUnavailable, NotOwner) as exc:
+            run_id, delay = self.run.id, self._ctx.settings.park_after_s
+            _LOGGER.warning(
+                "run %s: not parked, its job is kept (the run could not be stored: %s); "
+                "parking again in %g s",
+                run_id,
+                exc,
+                delay,
+                extra={"run_id": run_id},
+            )
+            if self._park_wanted():
+                self._park_timer.arm(self.run)
+            return
+        if self._park_wanted():
+            await self._apply(lc.ParkDue())
 
     async def _park(self) -> None:
         """Parks a run paused for ``park_after_s`` (``JobAttempt.park``); the run keeps what

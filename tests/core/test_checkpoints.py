@@ -2,14 +2,16 @@
 from its checkpoint on another trainer when its trainer dies (exactly once for a watcher, its
 reward going on), what is not restarted (no checkpoint yet, a provider error, a crash loop past
 ``max_restarts``), a corrupt latest checkpoint skipped, a failed write shown, a paused run
-parked (its slot freed for another run) and resumed, also across a gateway restart, and a stop
-that keeps the job's final checkpoint."""
+parked (its slot freed for another run) and resumed, also across a gateway restart, its job kept
+while the store cannot take the parking, and a stop that keeps the job's final checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from gateway.core.runs import LOST_MESSAGE, UNEXPECTED_MESSAGE, RunState
+from gateway.core.store import StoreWriteFailed
 from tests.fakes.core_harness import Core, running_core
 from tests.fakes.episodes import reward_of
 from tests.fakes.memory_trainer import CancelCall, JobScript, MemoryCheckpoints, MemoryTrainer
@@ -217,6 +219,36 @@ async def test_a_parked_run_stays_parked_across_a_gateway_restart(tmp_path: Path
         restart = core.connector.trains(run.id)[-1]
         assert restart.resume_from[0] == paused.episode // 4 * 4
         assert done.restarts == 0
+
+
+async def test_a_park_the_store_cannot_take_keeps_the_job_until_it_can() -> None:
+    # Parking ends the job: what the run received past its published episode then lives only
+    # in this gateway. While the run cannot be stored (here a full disk; in a replica set also
+    # a lost lease), the job is kept, so whoever drives the run next still finds it.
+    trainer = MemoryTrainer("t1", slots_total=1)
+    async with running_core(trainer, park_after_s=5.0) as core:
+        run = await core.create(max_episodes=40, checkpoint_every=10, episodes_per_second=10.0)
+        watch = core.watch(run.id)
+        await core.wait_episode(run.id, 6)
+        await core.registry.pause(run.id)
+        core.store.update_error = StoreWriteFailed("No space left on device")
+        await asyncio.sleep(18.0)  # three park timeouts
+        assert core.connector.cancels(run.id) == []
+        assert not (await core.run(run.id)).parked
+
+        core.store.update_error = None
+
+        async def parked() -> bool:
+            return (await core.run(run.id)).parked
+
+        await until(parked, "parked once the store takes the run", 30.0)
+        [cancel] = core.connector.cancels(run.id)
+        assert cancel.checkpoint
+        await core.registry.resume(run.id)
+        done = await core.wait_state(run.id, RunState.DONE, timeout=120.0)
+        await watch.ended()
+        assert watch.numbers() == list(range(1, 41))
+        assert (done.parked, done.restarts) == (False, 0)
 
 
 async def test_stop_keeps_the_jobs_final_checkpoint() -> None:

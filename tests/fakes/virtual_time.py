@@ -101,6 +101,9 @@ class InFlightStore:
         #: Seconds (virtual) each ``settle_details`` waits before it is written: a slow thinning
         #: of old details, still at work when its run ends.
         self.settle_delay_s = 0.0
+        #: What each ``update_run`` raises while set (a store that cannot be written): the
+        #: run's state is not written.
+        self.update_error: BaseException | None = None
         self._reported: asyncio.Future[None] | None = None  # the last late commit report
 
     def _begin(self) -> None:
@@ -173,6 +176,8 @@ class InFlightStore:
     async def update_run(self, run: TrainingRun) -> None:
         if self.update_delay_s:
             await asyncio.sleep(self.update_delay_s)
+        if self.update_error is not None:
+            raise self.update_error
         await self._call(lambda: self.inner.update_run(run))
 
     def append_episode(
