@@ -151,6 +151,10 @@ def test_the_client_tests_pass_at_each_end_of_the_range(
             "-q",
             "-p",
             "no:cacheprovider",
+            # Its own temporary root: a pytest that shares the suite's (pytest-of-USER) sets it
+            # back to mode 0700, and the embedded PostgreSQL's user can then no longer reach its
+            # data directory in there (initdb failed: "pg_control: Permission denied").
+            f"--basetemp={tmp_path / 'inner'}",
             "-W",
             "ignore::pytest.PytestConfigWarning",  # asyncio_mode: no pytest-asyncio here
             *CLIENT_TESTS,

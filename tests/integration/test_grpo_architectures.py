@@ -7,13 +7,16 @@ two images each, every image reaching the vision tower (TRL's ``images`` rows be
 Idefics3), and a checkpoint's model of each architecture restoring every tensor.
 
 Through the service: one real trainer process and the gateway in this process train Qwen2.5-VL
-and SmolVLM side by side, 80 steps each with the provider's defaults (the task sets model,
-dataset, reward and steps), and each learns the four-colour demo: its reward starts near chance
-and ends well above it. 80 steps, not 60 (measured in process, last-10 mean): 60-step runs of
-seeds 0-2 ended at 0.64-0.78 (Qwen) and 0.61-0.78 (SmolVLM), two of six below chance + 0.4;
-80-step runs of seeds 0-5 at 0.80-0.96 and 0.71-0.96, SmolVLM's seed 0 (this test's) the lowest.
-LLaVA's learning through the service is ``test_grpo_learning.py``'s; ``bench/grpo_learning.py``
-compares all three at length.
+for 80 steps with the provider's defaults (the task sets model, dataset, reward and steps), and
+it learns the four-colour demo: its reward starts near chance and ends well above it; beside it,
+on the trainer's other slot, a short SmolVLM job runs to its end. 80 steps, not 60 (measured in
+process, last-10 mean): 60-step runs of seeds 0-2 ended at 0.64-0.78, 80-step runs of seeds 0-5
+at 0.80-0.96. SmolVLM learns as well (80-step runs of seeds 0-5 at 0.71-0.96), shown by
+``bench/grpo_learning.py`` rather than here: 80 more steps on a CPU cost the suite about 45
+CPU-seconds, and what is SmolVLM's own (its processor, its image splitting, every image
+reaching its vision tower, its checkpoint) is tested above and by its short job. LLaVA's learning
+through the service is ``test_grpo_learning.py``'s; ``bench/grpo_learning.py`` compares all
+three at length.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 pb = gateway_service_pb2
 ARCHS = ("llava", "qwen2_vl", "smolvlm")
-#: The architectures whose learning this module tests through the service.
-LEARNING = ("qwen2_vl", "smolvlm")
+#: The architecture whose learning this module tests through the service, its steps, and the
+#: one that runs a short job beside it.
+LEARNING = "qwen2_vl"
 STEPS = 80
+SHORT = "smolvlm"
+SHORT_STEPS = 4
 CHANCE = 1 / len(make_demo_dataset.DEFAULT_ANSWERS["colour"])
 COLOURS = "datasets/colours/train.jsonl"
 TWO_IMAGES = "datasets/two-images/train.jsonl"
@@ -124,7 +130,7 @@ def test_each_arch_restores_every_tensor_from_its_saved_model(
     assert type(model).__name__ == expected
 
 
-def _learning_run(arch: str) -> gateway_service_pb2.CreateRunRequest:
+def _learning_run(arch: str, steps: int) -> gateway_service_pb2.CreateRunRequest:
     grpo = episode_pb2.GrpoTask(
         model_path=f"models/{arch}",
         dataset_path=COLOURS,
@@ -134,13 +140,13 @@ def _learning_run(arch: str) -> gateway_service_pb2.CreateRunRequest:
     )
     return pb.CreateRunRequest(
         task=episode_pb2.TrainTask(grpo=grpo),
-        config=episode_pb2.TrainConfig(max_episodes=STEPS, seed=0),
+        config=episode_pb2.TrainConfig(max_episodes=steps, seed=0),
         episodes_per_second=-1.0,
         display_name=arch,
     )
 
 
-async def test_qwen2_vl_and_smolvlm_learn_the_colour_demo_through_the_service(
+async def test_qwen2_vl_learns_the_colour_demo_through_the_service_beside_a_smolvlm_job(
     data_root: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     flags = ("--data-root", str(data_root), "--heartbeat", "0.5")
@@ -148,20 +154,21 @@ async def test_qwen2_vl_and_smolvlm_learn_the_colour_demo_through_the_service(
     with trainer_process(tmp_path / "trainer.log", *flags, slots=2, env=env) as (_, address):
         async with running_gateway((address,), heartbeat_timeout_s=5.0) as client:
             runs = [
-                (await client.stub.CreateRun(_learning_run(arch), timeout=TIMEOUT)).run
-                for arch in LEARNING
+                (await client.stub.CreateRun(_learning_run(arch, steps), timeout=TIMEOUT)).run
+                for arch, steps in ((LEARNING, STEPS), (SHORT, SHORT_STEPS))
             ]
             # Both jobs share the trainer's two slots (and this machine's CPUs).
-            watched = await asyncio.gather(
+            learned, short = await asyncio.gather(
                 *(collect(client.stub, run.id, timeout=2 * JOB_TIMEOUT) for run in runs)
             )
 
-    for arch, result in zip(LEARNING, watched, strict=True):
+    for arch, result, steps in ((LEARNING, learned, STEPS), (SHORT, short, SHORT_STEPS)):
         done = result.finished
         assert done is not None and done.state == pb.Run.State.STATE_DONE, (arch, done)
-        assert [e.episode for e in result.episodes] == list(range(1, STEPS + 1)), arch
-        rewards = [e.reward for e in result.episodes]
-        first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-        print(f"{arch}: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
-        assert first <= CHANCE + 0.1, (arch, rewards[:10])  # it knows no answer to begin with
-        assert last >= CHANCE + 0.4, (arch, rewards)  # ...and it learned to read the colour
+        assert [e.episode for e in result.episodes] == list(range(1, steps + 1)), arch
+        assert all(0.0 <= e.reward <= 1.0 for e in result.episodes), arch
+    rewards = [e.reward for e in learned.episodes]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"{LEARNING}: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
+    assert first <= CHANCE + 0.1, rewards[:10]  # it knows no answer to begin with
+    assert last >= CHANCE + 0.4, rewards  # ...and it learned to read the colour

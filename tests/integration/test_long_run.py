@@ -1,4 +1,4 @@
-"""A 200,000-episode run through a real gateway (gRPC and HTTP on port 0, SQLite on disk): its
+"""A 100,000-episode run through a real gateway (gRPC and HTTP on port 0, SQLite on disk): its
 trainer is in memory on the gateway's own loop (``MemoryConnector``), so the run takes seconds,
 and everything after the trainer is the gateway as it serves: the driver, the store with its
 curve blocks and detail thinning, the servicer, the HTTP side and the page.
@@ -31,7 +31,7 @@ from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_g
 
 pytestmark = pytest.mark.slow
 
-EPISODES = 200_000
+EPISODES = 100_000
 #: Documented in docs/design/long-run-storage.md: an episode's numbers, their JSON and its share of
 #: the curve blocks take at most this many bytes of SQLite; a kept motion adds its bytes and its
 #: JSON (a 60x11 motion: 2.6 + ~7.5 KiB, one 16 KiB page at most), and the WAL at most its limit.
@@ -79,10 +79,10 @@ def long_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LongRun]:
         run = gw.create(max_episodes=EPISODES, episodes_per_second=-1.0)
         deadline = time.monotonic() + 600
         while gw.run(run["id"])["state"] != "STATE_DONE":
-            assert time.monotonic() < deadline, "the 200,000-episode run did not finish"
+            assert time.monotonic() < deadline, f"the {EPISODES:,}-episode run did not finish"
             time.sleep(0.5)
         ingest_s = time.perf_counter() - began
-        print(f"\n200,000 episodes through the gateway in {ingest_s:.1f} s")
+        print(f"\n{EPISODES:,} episodes through the gateway in {ingest_s:.1f} s")
         yield LongRun(gw, stub, run["id"], db, ingest_s)
         channel.close()
 
@@ -159,7 +159,7 @@ def test_the_page_draws_the_run_in_headless_chromium(
     drawn = wait_until(
         browser,
         lambda: (c := chart(browser))["episodes"] == EPISODES and c["first_paint_ms"] and c,
-        "the chart to cover the 200,000 episodes",
+        f"the chart to cover the {EPISODES:,} episodes",
     )
     heap = browser.execute_script("return performance.memory.usedJSHeapSize;")
     print(
