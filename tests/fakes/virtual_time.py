@@ -85,6 +85,7 @@ class InFlightStore:
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self._in_flight = 0
+        self._holding = False  # a ``_hold`` is queued on the loop
         # What the store thread handed the loop (``call_soon_threadsafe`` calls), counted after
         # each is queued on the loop, and how many of them the hold has seen.
         self._handed = threading.Condition()
@@ -108,7 +109,11 @@ class InFlightStore:
 
     def _begin(self) -> None:
         self._in_flight += 1
-        if self._in_flight == 1:
+        if not self._holding:
+            # One hold at a time: a second one (started when the count went 0 -> 1 again before
+            # the first saw it at 0) would find the first ready on the loop, and the two would
+            # pass the loop back and forth for as long as anything is in flight, never blocking.
+            self._holding = True
             loop = asyncio.get_running_loop()
             self._watch_handoffs(loop)
             loop.call_soon(self._hold, loop)
@@ -139,6 +144,7 @@ class InFlightStore:
         (blocking, GIL released) until the store thread hands the loop something it has not
         picked up yet. Anything counted is queued on the loop, so the next pass runs it."""
         if self._in_flight == 0:
+            self._holding = False
             return
         # Other callbacks are ready: the loop is not idle, the clock stands still without a wait.
         # (asyncio's queue of ready handles; the loop has no public way to ask.)
