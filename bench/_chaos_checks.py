@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 from _chaos_cluster import DETACH_GRACE_S, HEARTBEAT_TIMEOUT_S, MAX_RESTARTS, ROOT, Cluster, _env
-from _chaos_load import FINAL, History, RunLog, State, pb
+from _chaos_load import FINAL, FaultLog, History, RunLog, State, pb
 
 from trainwire import aio
 from trainwire.v1 import gateway_service_pb2_grpc
@@ -356,6 +356,45 @@ def _memory(cluster: Cluster) -> list[str]:
     return found
 
 
+def _placements_logged(cluster: Cluster) -> dict[str, list[float]]:
+    """run id -> when (Unix seconds) each placement again answered: the new trainer took the
+    job (the gateways' ``placed_again`` log events)."""
+    import datetime
+
+    found: dict[str, list[float]] = {}
+    for gateway in cluster.gateways:
+        for line in gateway.log.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, KeyError):
+                record = json.loads(line)
+                if record.get("event") == "placed_again" and record.get("run_id"):
+                    when = datetime.datetime.fromisoformat(record["time"].replace("Z", "+00:00"))
+                    found.setdefault(record["run_id"], []).append(when.timestamp())
+    return found
+
+
+def _split(
+    fault: FaultLog,
+    run_id: str,
+    recovered: float,
+    restarts: dict[str, list[tuple[float, int]]],
+    placements: dict[str, list[float]],
+) -> tuple[float, float, float] | None:
+    """A killed trainer's recovery of one run in its three parts (seconds): the fault to the
+    restart decided (detection), to the job placed again and answering (waiting for a free
+    slot, the placement), and to the run's next published episode (the job's start-up: its
+    processes, the checkpoint restored, its first episode). None where the logs lack a part."""
+    decided = [t for t, _ in restarts.get(run_id, []) if t >= fault.wall - 0.5]
+    if not decided:
+        return None
+    placed = [t for t in placements.get(run_id, []) if t >= min(decided)]
+    if not placed:
+        return None
+    first = fault.wall + (recovered - fault.start)
+    detect = max(0.0, min(decided) - fault.wall)
+    place = max(0.0, min(placed) - min(decided))
+    return detect, place, max(0.0, first - min(placed))
+
+
 def _restarts_logged(cluster: Cluster) -> dict[str, list[tuple[float, int]]]:
     """run id -> (when, Unix seconds; the checkpoint episode it started from) of each restart
     (the gateways' logs)."""
@@ -385,6 +424,9 @@ def _report(
 ) -> dict[str, Any]:
     recovery: dict[str, list[float]] = {}
     overlapped = 0
+    restored = _restarts_logged(cluster)
+    placements = _placements_logged(cluster)
+    parts: list[tuple[float, float, float]] = []  # a killed trainer's recoveries, split
     for fault in history.faults:
         for run_id, reached in fault.hit.items():
             run = history.runs[run_id]
@@ -401,10 +443,13 @@ def _report(
                 overlapped += 1  # another fault hit it before it recovered from this one
                 continue
             recovery.setdefault(fault.kind, []).append(max(0.0, recovered - fault.start))
+            if fault.kind == "trainer_kill":
+                split = _split(fault, run_id, recovered, restored, placements)
+                if split is not None:
+                    parts.append(split)
     faults: dict[str, int] = {}
     for fault in history.faults:
         faults[fault.kind] = faults.get(fault.kind, 0) + 1
-    restored = _restarts_logged(cluster)
     lost: list[tuple[int, int]] = []  # (episodes lost, checkpoint interval)
     for fault in history.faults:
         window = fault.wall + max(0.0, fault.end - fault.start) + 3 * HEARTBEAT_TIMEOUT_S + 5
@@ -456,6 +501,16 @@ def _report(
             }
             for kind, values in sorted(recovery.items())
         },
+        "trainer_kill_split_s": {
+            name: {
+                "n": len(parts),
+                "p50": round(_p([p[i] for p in parts], 0.5), 2),
+                "p99": round(_p([p[i] for p in parts], 0.99), 2),
+            }
+            for i, name in enumerate(("detect", "place", "start"))
+        }
+        if parts
+        else {},
         "startup_s_p50": round(statistics.median(startups), 2) if startups else None,
         "work_lost": {
             "restarts": len(lost),
@@ -487,6 +542,16 @@ def table(report: dict[str, Any]) -> str:
             )
         else:
             lines.append(f"{kind:<18} {count:>8} {0:>8} {'-':>7} {'-':>7} {'-':>7}")
+    split = report.get("trainer_kill_split_s") or {}
+    if split:
+        d, pl, st = split["detect"], split["place"], split["start"]
+        lines += [
+            "",
+            f"trainer_kill recoveries, split ({d['n']}; p50 / p99 s): detected (restart "
+            f"decided) {d['p50']} / {d['p99']}; placed again (a free slot, the new trainer "
+            f"answering) {pl['p50']} / {pl['p99']}; job start-up to the next episode "
+            f"{st['p50']} / {st['p99']}",
+        ]
     lost = report["work_lost"]
     states = ", ".join(f"{k} {v}" for k, v in sorted(report["run_states"].items()))
     lines += [
