@@ -1,7 +1,9 @@
 """A PostgreSQL restart is ridden out by the store (a server of this test's own, restarted with
 ``pg_ctl``): writes after the restart go through (the pool's dead connections are not lent),
 and a write made while the server is down completes once it is back, within ``RIDE_OUT_S``,
-instead of failing its run (the chaos soak found runs failing on a restart)."""
+instead of failing its run (the chaos soak found runs failing on a restart). A commit whose
+connection is cut as it ends may have gone through: the episodes' group commit (idempotent) is
+made again, any other write fails as it did."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gateway.core.store import PostgresStore
+from gateway.core.store import PostgresStore, StoreWriteFailed
 from gateway.core.store.postgres_leases import Leases
 from tests import postgres_fixtures
 from tests.store.test_store_contract import append, make_run, records
@@ -79,3 +81,51 @@ async def test_a_write_while_the_server_is_down_completes_once_it_is_back(
     await asyncio.to_thread(server[1].ensure_postgres_running)  # its own options
     assert await asyncio.wait_for(pending, 30) == [None] * 2
     assert await store.read_episodes("r", 1, 10) == [r.data for r in recs]
+
+
+def _cut_after_commit(store: PostgresStore) -> list[int]:
+    """Makes the store's next transaction lose its connection as it ends: after the commit
+    went through, the client sees what a restart shows (``AdminShutdown``), as when the server
+    stops while the commit's answer is on its way. Returns the cuts made so far (one)."""
+    import contextlib
+
+    import psycopg.errors
+
+    pool = store.pool
+    assert pool is not None
+    real = pool.connection
+    cuts: list[int] = []
+
+    @contextlib.asynccontextmanager
+    async def connection(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async with real(*args, **kwargs) as conn:
+            yield conn
+        if not cuts:
+            cuts.append(1)
+            raise psycopg.errors.AdminShutdown("terminating connection (administrator command)")
+
+    pool.connection = connection  # type: ignore[method-assign]
+    return cuts
+
+
+async def test_an_episode_commit_cut_after_it_went_through_is_made_again_not_failed(
+    store: PostgresStore,
+) -> None:
+    # The group commit is idempotent: made again, it stores each episode once.
+    recs = records("r", 5)
+    assert await append(store, recs[:2]) == [None] * 2
+    cuts = _cut_after_commit(store)
+    assert await append(store, recs[2:]) == [None] * 3
+    assert cuts == [1] and store.writable
+    assert await store.read_episodes("r", 1, 10) == [r.data for r in recs]
+    assert (await store.get_run("r")).episode == 5  # type: ignore[union-attr]
+
+
+async def test_another_write_cut_during_its_commit_fails_as_it_may_have_been_made(
+    store: PostgresStore,
+) -> None:
+    cuts = _cut_after_commit(store)
+    with pytest.raises(StoreWriteFailed, match="cannot be reached"):
+        await store.insert_run(make_run("s"))
+    assert cuts == [1]
+    assert await store.get_run("s") is not None  # it was: a retry would have inserted it twice

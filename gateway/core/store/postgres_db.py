@@ -8,8 +8,9 @@ in one transaction, retried when it lost a deadlock or a serialization race.
 A server restart (or failover) is ridden out: the pool checks a connection before it lends it
 (a restart leaves every pooled connection dead), and a transaction that failed on its
 connection before its commit was sent (so it did nothing) is tried again, on a fresh
-connection, for up to ``RIDE_OUT_S``. One that failed during its commit is not: it may have
-been committed.
+connection, for up to ``RIDE_OUT_S``. One that failed during its commit is tried again only when
+it is idempotent (``write(fn, idempotent=True)``: the episodes' group commit, whose inserts skip
+rows already there and whose update sets values): it may have been committed.
 
 Writability as SQLite's backend: a write that fails because the database cannot be written or
 reached (disk full, read-only, server gone) raises ``StoreWriteFailed`` and turns ``writable``
@@ -90,7 +91,13 @@ def _connection_lost(exc: BaseException) -> bool:
     """Whether a transaction failed because its connection or the server went away (not
     because of what it did): the server shut down or restarted, or no connection could be
     had."""
-    if isinstance(exc, PoolTimeout | psycopg.errors.AdminShutdown):
+    if isinstance(
+        exc,
+        PoolTimeout
+        | psycopg.errors.AdminShutdown
+        | psycopg.errors.CrashShutdown
+        | psycopg.errors.CannotConnectNow,
+    ):
         return True
     return type(exc) is psycopg.OperationalError  # libpq: the connection broke or was refused
 
@@ -151,9 +158,15 @@ class PostgresDatabase(WritableStore):
 
     # -- transactions ------------------------------------------------------------------------
 
-    async def _run(self, fn: Callable[[psycopg.AsyncConnection], Awaitable[T]], read: bool) -> T:
-        """Runs ``fn(conn)`` in a transaction, retrying deadlocks; maps connection failures
-        (``StoreUnavailable`` for reads, ``StoreWriteFailed`` for writes)."""
+    async def _run(
+        self,
+        fn: Callable[[psycopg.AsyncConnection], Awaitable[T]],
+        read: bool,
+        idempotent: bool = False,
+    ) -> T:
+        """Runs ``fn(conn)`` in a transaction, retrying deadlocks and, for a while, a lost
+        connection (during the commit too where ``fn`` is ``idempotent``); maps connection
+        failures (``StoreUnavailable`` for reads, ``StoreWriteFailed`` for writes)."""
         assert self.pool is not None, "the store is not started"
         attempt = 0
         ride_out_until: float | None = None
@@ -168,8 +181,9 @@ class PostgresDatabase(WritableStore):
                 if _retryable(exc) and attempt < RETRIES:
                     attempt += 1
                     continue
-                if _connection_lost(exc) and not committing:
-                    # Nothing was committed: try again on a fresh connection for a while.
+                if _connection_lost(exc) and (idempotent or not committing):
+                    # Nothing was committed, or the same again changes nothing: try again on
+                    # a fresh connection for a while.
                     now = time.monotonic()
                     if ride_out_until is None:
                         ride_out_until = now + RIDE_OUT_S
@@ -188,9 +202,12 @@ class PostgresDatabase(WritableStore):
         """Runs a read in a transaction (see ``_run``)."""
         return await self._run(fn, read=True)
 
-    async def write(self, fn: Callable[[psycopg.AsyncConnection], Awaitable[T]]) -> T:
-        """Runs a write in a transaction (see ``_run``)."""
-        return await self._run(fn, read=False)
+    async def write(
+        self, fn: Callable[[psycopg.AsyncConnection], Awaitable[T]], idempotent: bool = False
+    ) -> T:
+        """Runs a write in a transaction (see ``_run``); ``idempotent``: running it twice
+        leaves what running it once does."""
+        return await self._run(fn, read=False, idempotent=idempotent)
 
     # -- writability -------------------------------------------------------------------------
 

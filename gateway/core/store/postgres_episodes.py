@@ -105,7 +105,10 @@ class GroupCommit:
             error: BaseException | None = None
             owned: set[str] = set()
             try:
-                owned = await self._db.write(functools.partial(self._commit, batch=batch))
+                # Idempotent (the update sets values, the inserts skip rows already there): a
+                # commit cut by a server restart is made again once it is back.
+                commit = functools.partial(self._commit, batch=batch)
+                owned = await self._db.write(commit, idempotent=True)
             except Exception as exc:  # delivered to every callback of the batch
                 error = exc
                 if not isinstance(exc, StoreWriteFailed):
