@@ -517,14 +517,18 @@ class RunDriver:
     async def _store_then_park(self) -> None:
         """Stores the run as it is, then parks it (``ParkDue``). The park ends the job, and
         what the run received past its published episode then lives only here until the run
-        resumes: a store that cannot take the run now (down, full, or the run is another
-        replica's) would leave whoever drives it next a job that is gone. So the job is kept
-        and the park tried again after ``park_after_s``."""
+        resumes: a store that cannot take the run now (down or full) would leave whoever
+        drives it next a job that is gone. So the job is kept and the park tried again after
+        ``park_after_s``; a run another replica took over meanwhile is left to it, job and
+        all."""
         if not self._park_wanted():
             return
         try:
             await self.persist()
-        except (StoreUnavailable, NotOwner) as exc:
+        except NotOwner:
+            await self.abandon()  # its new owner finds the job and parks the run in time
+            return
+        except StoreUnavailable as exc:
             run_id, delay = self.run.id, self._ctx.settings.park_after_s
             _LOGGER.warning(
                 "run %s: not parked, its job is kept (the run could not be stored: %s); "
