@@ -11,8 +11,8 @@ GEN_STAMP := $(GEN_VENV)/.installed-stamp
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 PYTEST_ARGS ?=
 # Test processes: most tests wait on servers, subprocesses and sockets, so three workers on two
-# cores overlap those waits (quiet, an earlier machine: 305 s with three, 384 s with two; four are
-# no faster than three). Files stay whole on one worker (their module fixtures start once).
+# cores overlap those waits (quiet, an earlier machine: 305 s with three, 384 s with two;
+# 2026-12-06: 354 s with three, 371 s with four). Files stay whole on one worker (their module fixtures start once).
 # TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 3
 # The tests start a few hundred Python processes (workers, services, trainers, ranks, CLIs):
