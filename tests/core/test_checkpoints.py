@@ -167,10 +167,7 @@ async def test_a_parked_run_frees_its_slot_for_another_and_resumes_where_it_was(
         second = await core.create(max_episodes=10)
         assert (await core.run(second.id)).state is RunState.PENDING  # the slot is held
 
-        async def parked() -> bool:
-            return (await core.run(first.id)).parked
-
-        await until(parked, "parked", 60.0)
+        await core.wait_parked(first.id)
         run = await core.run(first.id)
         assert run.state is RunState.PAUSED and "parked at episode" in run.state_detail
         [cancel] = core.connector.cancels(first.id)
@@ -200,10 +197,7 @@ async def test_a_parked_run_stays_parked_across_a_gateway_restart(tmp_path: Path
         await core.wait_episode(run.id, 9)
         paused = await core.registry.pause(run.id)
 
-        async def parked() -> bool:
-            return (await core.run(run.id)).parked
-
-        await until(parked, "parked", 60.0)
+        await core.wait_parked(run.id)
         await core.restart()
 
         again = await core.run(run.id)
@@ -238,10 +232,7 @@ async def test_a_park_the_store_cannot_take_keeps_the_job_until_it_can() -> None
 
         core.store.update_error = None
 
-        async def parked() -> bool:
-            return (await core.run(run.id)).parked
-
-        await until(parked, "parked once the store takes the run", 30.0)
+        await core.wait_parked(run.id, 30.0)
         [cancel] = core.connector.cancels(run.id)
         assert cancel.checkpoint
         await core.registry.resume(run.id)

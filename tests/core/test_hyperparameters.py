@@ -126,10 +126,7 @@ async def test_a_parked_run_takes_the_change_in_its_task_and_resumes_with_it(
         await core.wait_episode(run.id, 9)
         paused = await core.registry.pause(run.id)
 
-        async def parked() -> bool:
-            return (await core.run(run.id)).parked
-
-        await until(parked, "parked", 60.0)
+        await core.wait_parked(run.id)
         changed = await core.registry.set_hyperparameters(
             run.id, Hyperparameters(learning_rate=0.2)
         )

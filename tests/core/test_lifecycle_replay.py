@@ -37,10 +37,7 @@ async def test_a_recorded_history_replays_to_the_same_end() -> None:
         await core.wait_episode(run.id, 8)
         await core.registry.pause(run.id)
 
-        async def parked() -> bool:
-            return (await core.run(run.id)).parked
-
-        await until(parked, "parked", 60.0)
+        await core.wait_parked(run.id)
         await core.registry.resume(run.id)
         await core.wait_episode(run.id, 25)
         await _checkpointed_through(core, run.id, 20)

@@ -192,6 +192,15 @@ class Core:
         names = "/".join(s.name for s in states)
         return await until(reached, f"run {run_id} {names}", timeout)
 
+    async def wait_parked(self, run_id: str, timeout: float = 60.0) -> TrainingRun:
+        """Waits (at most ``timeout`` seconds) until the run is parked; returns it."""
+
+        async def parked() -> TrainingRun | None:
+            run = await self.registry.get(run_id)
+            return run if run.parked else None
+
+        return await until(parked, f"run {run_id} parked", timeout)
+
     async def wait_episode(self, run_id: str, episode: int) -> TrainingRun:
         """Waits until the run published ``episode``; returns it."""
 
