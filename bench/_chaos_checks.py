@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -356,19 +357,27 @@ def _memory(cluster: Cluster) -> list[str]:
     return found
 
 
-def _placements_logged(cluster: Cluster) -> dict[str, list[float]]:
-    """run id -> when (Unix seconds) each placement again answered: the new trainer took the
-    job (the gateways' ``placed_again`` log events)."""
+def _gateway_records(cluster: Cluster) -> Iterator[tuple[dict[str, Any], float]]:
+    """Every JSON record of the gateways' logs that names a run, with when it was written
+    (Unix seconds)."""
     import datetime
 
-    found: dict[str, list[float]] = {}
     for gateway in cluster.gateways:
         for line in gateway.log.read_text(errors="replace").splitlines():
             with contextlib.suppress(ValueError, KeyError):
                 record = json.loads(line)
-                if record.get("event") == "placed_again" and record.get("run_id"):
+                if record.get("run_id"):
                     when = datetime.datetime.fromisoformat(record["time"].replace("Z", "+00:00"))
-                    found.setdefault(record["run_id"], []).append(when.timestamp())
+                    yield record, when.timestamp()
+
+
+def _placements_logged(cluster: Cluster) -> dict[str, list[float]]:
+    """run id -> when (Unix seconds) each placement again answered: the new trainer took the
+    job (the gateways' ``placed_again`` log events)."""
+    found: dict[str, list[float]] = {}
+    for record, when in _gateway_records(cluster):
+        if record.get("event") == "placed_again":
+            found.setdefault(record["run_id"], []).append(when)
     return found
 
 
@@ -383,35 +392,25 @@ def _split(
     restart decided (detection), to the job placed again and answering (waiting for a free
     slot, the placement), and to the run's next published episode (the job's start-up: its
     processes, the checkpoint restored, its first episode). None where the logs lack a part."""
-    decided = [t for t, _ in restarts.get(run_id, []) if t >= fault.wall - 0.5]
-    if not decided:
+    decided = min((t for t, _ in restarts.get(run_id, []) if t >= fault.wall - 0.5), default=None)
+    if decided is None:
         return None
-    placed = [t for t in placements.get(run_id, []) if t >= min(decided)]
-    if not placed:
+    placed = min((t for t in placements.get(run_id, []) if t >= decided), default=None)
+    if placed is None:
         return None
     first = fault.wall + (recovered - fault.start)
-    detect = max(0.0, min(decided) - fault.wall)
-    place = max(0.0, min(placed) - min(decided))
-    return detect, place, max(0.0, first - min(placed))
+    return max(0.0, decided - fault.wall), max(0.0, placed - decided), max(0.0, first - placed)
 
 
 def _restarts_logged(cluster: Cluster) -> dict[str, list[tuple[float, int]]]:
     """run id -> (when, Unix seconds; the checkpoint episode it started from) of each restart
     (the gateways' logs)."""
-    import datetime
-
     found: dict[str, list[tuple[float, int]]] = {}
     pattern = re.compile(r"restart \d+ of \d+ from the checkpoint at episode (\d+)")
-    for gateway in cluster.gateways:
-        for line in gateway.log.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError, KeyError):
-                record = json.loads(line)
-                match = pattern.search(record.get("message", ""))
-                if match and record.get("run_id"):
-                    when = datetime.datetime.fromisoformat(record["time"].replace("Z", "+00:00"))
-                    found.setdefault(record["run_id"], []).append(
-                        (when.timestamp(), int(match.group(1)))
-                    )
+    for record, when in _gateway_records(cluster):
+        match = pattern.search(record.get("message", ""))
+        if match:
+            found.setdefault(record["run_id"], []).append((when, int(match.group(1))))
     return found
 
 
