@@ -1,5 +1,6 @@
-"""Suite-wide settings (one torch thread: two cores are shared; everything offline) and the
-fixtures every suite shares."""
+"""Suite-wide settings (one torch thread: two cores are shared; everything offline; the cyclic
+collector paused while the tests are collected, as the services pause it while they start,
+``trainwire_ops.heap``) and the fixtures every suite shares."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ import pytest
 
 from tests.fakes.fake_trainer import FakeTrainer, running_fake
 from tests.postgres_fixtures import postgres_server, postgres_url  # noqa: F401 (fixtures)
+from trainwire_ops import heap
+
+# Collecting imports every test module (torch, transformers, the services); frozen after it.
+heap.pause()
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,6 +30,11 @@ except ImportError:  # pragma: no cover - exercised only in a torch-less environ
 
 if torch is not None:
     torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The modules collection imported stay for the session: out of every collection after."""
+    heap.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

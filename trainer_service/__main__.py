@@ -25,7 +25,7 @@ from trainer_service.gpus import GpuProbe, cuda_indices
 from trainer_service.metrics import TrainerMetrics
 from trainer_service.providers import default_registry
 from trainer_service.server import build_server, open_checkpoint_store
-from trainwire_ops import settings
+from trainwire_ops import heap, settings
 from trainwire_ops.addresses import host_port
 from trainwire_ops.checkpoints import CheckpointStoreProblem
 from trainwire_ops.logs import configure_logging
@@ -77,6 +77,7 @@ def parse_args(
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the trainer until SIGTERM/SIGINT; returns the exit status."""
+    heap.pause()  # start-up imports torch; frozen once the server runs (trainwire_ops.heap)
     config = parse_args(argv)
     configure_logging(config.log_level, config.log_format)
     tls: ServerTls | None = None
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, OSError) as exc:
         _LOGGER.error("%s", exc)
         return 1
+    heap.freeze()
     print(f"trainer listening on {host_port(config.host, port)}", flush=True)
     if server.metrics_endpoint is not None:
         print(f"trainer metrics on {server.metrics_endpoint.url}", flush=True)

@@ -2,9 +2,10 @@
 a checkpoint directory and the gateway in-process (the rule: ``gateway.core.feed``; each case
 in virtual time: ``tests/core/test_dead_trainers.py``):
 
-- kill -9 of the trainer that runs a run: the run goes on on the other trainer from its
-  checkpoint, its first new episode within 5 s plus a job's start-up, far inside the heartbeat
-  timeout (60 s here);
+- kill -9 of the trainer that runs a run: the broken stream and the refused connection, not the
+  heartbeat timeout (60 s here), end the job, and the run goes on on the other trainer from its
+  checkpoint (how fast, p50/p99 against the 5 s goal, is the chaos soak's figure:
+  ``bench/chaos.py``; a timed test would fail on a loaded machine);
 - SIGSTOP of that trainer: noticed by the heartbeat timeout, then the same; SIGCONT later
   changes nothing for the run;
 - kill -9 and a new trainer process on the same port at once: the run restarts there with one
@@ -33,9 +34,6 @@ State = pb.Run.State
 TRAINER_FLAGS = ("--heartbeat", "0.5", "--detach-grace", "30")
 #: Long, so that a restart long before it shows the fast path.
 HEARTBEAT_TIMEOUT_S = 60.0
-#: The goal: kill -9 of a trainer -> the restarted job's first episode within this plus the
-#: job's start-up.
-GOAL_S = 5.0
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -104,7 +102,9 @@ async def _checkpointed(client: Client, run_id: str, episode: int) -> pb.Run:
 
 
 async def test_kill_9_of_a_trainer_continues_the_run_on_the_other_within_seconds(
-    trainers: list[tuple[subprocess.Popen[bytes], str]], store: Path
+    trainers: list[tuple[subprocess.Popen[bytes], str]],
+    store: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     addresses = tuple(address for _, address in trainers)
     async with running_gateway(
@@ -129,8 +129,10 @@ async def test_kill_9_of_a_trainer_continues_the_run_on_the_other_within_seconds
         # the inbox or were trained again and dropped).
         recovery = arrivals.at[received + 1] - killed
         print(f"\nkill -9 -> first new episode {recovery:.2f} s (job start-up {startup:.2f} s)")
-        assert recovery < GOAL_S + 2 * startup, (recovery, startup)
-        assert recovery < HEARTBEAT_TIMEOUT_S / 2
+        # The fast path ended the job: the refused connection, long before the heartbeat.
+        gone = f"trainer {running.trainer} refuses connections; its job is gone"
+        assert any(gone in record.getMessage() for record in caplog.records), caplog.text
+        assert recovery < HEARTBEAT_TIMEOUT_S / 2, (recovery, startup)
 
 
 async def test_a_stopped_trainer_is_noticed_by_the_heartbeat_timeout(

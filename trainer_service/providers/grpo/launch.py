@@ -66,14 +66,17 @@ BEAT_S = 1.0
 #: The module each rank runs (as ``python -m`` would).
 WORKER_MODULE = "trainer_service.providers.grpo.worker"
 #: What the rank launcher imports once, so that a rank starts with the training stack loaded
-#: instead of importing it itself. Nothing here may touch CUDA: the ranks fork from it.
+#: instead of importing it itself, with the cyclic collector paused meanwhile and the result
+#: frozen (``preload_begin``/``preload_end``). Nothing here may touch CUDA: the ranks fork from it.
 LAUNCHER_PRELOAD = (
+    "trainer_service.providers.grpo.preload_begin",
     "torch",
     "transformers",
     "trl",
     "datasets",
     "PIL.Image",
     "trainer_service.providers.grpo.build",
+    "trainer_service.providers.grpo.preload_end",
 )
 #: A rank's process title (``ps``): its module, its rank in the job and its trainer's pid.
 RANK_TITLE = "{module} (GRPO rank {rank}, trainer {trainer})"

@@ -180,13 +180,16 @@ class Settings:
         return max(1, min(_MAX_MEMO_ROWS, unique))
 
 
-# Modules the DataLoader workers need, imported once in the fork server rather than per worker.
+# Modules the DataLoader workers need, imported once in the fork server rather than per worker
+# (the cyclic collector paused meanwhile, the result frozen: ``preload_begin``/``preload_end``).
 WORKER_PRELOAD = [
+    "trainer_service.providers.grpo.preload_begin",
     "torch",
     "datasets",
     "PIL.Image",
     "trainer_service.providers.grpo.lazy_images",
     "trainer_service.providers.grpo.loader_parts",
+    "trainer_service.providers.grpo.preload_end",
 ]
 
 
