@@ -1,13 +1,18 @@
 """Shared GRPO test fixtures: a data root holding the offline tiny VLM and generated datasets.
 
 Import the fixtures into a test module (``from tests.grpo_fixtures import grpo_data_root``) and
-build tasks with :func:`tiny_grpo_task`. The model and dataset are built once per session.
+build tasks with :func:`tiny_grpo_task`. The model and dataset are built once per session;
+:func:`tiny_vlm` copies a tiny VLM built once for the whole run (every xdist worker) into a
+module's own data root.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import pathlib
 import re
+import shutil
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -82,17 +87,41 @@ _BUILT: dict[int, pathlib.Path] = {}
 _BUILD_LOCK = threading.Lock()
 
 
+def tiny_vlm(
+    tmp_path_factory: pytest.TempPathFactory, target: pathlib.Path, **options: object
+) -> pathlib.Path:
+    """``make_tiny_vlm.build(target, **options)``, as a copy of the one build of those options
+    that every xdist worker of the run shares (the build is deterministic: the same options give
+    the same files, ``tests/unit/test_grpo_tools.py``). Returns ``target``."""
+    from trainer_service.tools import make_tiny_vlm
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    key = ",".join(f"{name}={value}" for name, value in sorted(options.items())) or "default"
+    cache = shared / "tiny-vlm-builds" / key
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with (cache.parent / f"{key}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not cache.exists():
+            building = cache.with_name(f"{key}.building")
+            shutil.rmtree(building, ignore_errors=True)
+            make_tiny_vlm.build(building, **options)  # type: ignore[arg-type]
+            building.rename(cache)
+    shutil.copytree(cache, target)
+    return target
+
+
 @pytest.fixture(scope="session")
 def grpo_data_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """A trainer data root: the tiny VLM at MODEL_DIR, demo datasets at DATASET_FILE and
     FOUR_ROWS_FILE."""
-    from trainer_service.tools import make_demo_dataset, make_tiny_vlm
+    from trainer_service.tools import make_demo_dataset
 
     with _BUILD_LOCK:
         root = _BUILT.get(id(tmp_path_factory))
         if root is None:
             root = tmp_path_factory.mktemp("grpo-data-root")
-            make_tiny_vlm.build(root / MODEL_DIR)
+            tiny_vlm(tmp_path_factory, root / MODEL_DIR)
             make_demo_dataset.build((root / DATASET_FILE).parent, rows=DATASET_ROWS)
             make_demo_dataset.build((root / FOUR_ROWS_FILE).parent, rows=4, seed=1)
             _BUILT[id(tmp_path_factory)] = root

@@ -30,8 +30,8 @@ import pytest
 
 from tests.fakes.gateway_harness import collect, running_gateway, trainer_process
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT
-from tests.grpo_fixtures import make_job, tiny_grpo_task
-from trainer_service.tools import make_demo_dataset, make_tiny_vlm
+from tests.grpo_fixtures import make_job, tiny_grpo_task, tiny_vlm
+from trainer_service.tools import make_demo_dataset
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
 pb = gateway_service_pb2
@@ -55,7 +55,7 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     images each."""
     root = tmp_path_factory.mktemp("grpo-archs")
     for arch in ARCHS:
-        make_tiny_vlm.build(root / "models" / arch, arch=arch)
+        tiny_vlm(tmp_path_factory, root / "models" / arch, arch=arch)
     make_demo_dataset.build(root / "datasets" / "colours")
     make_demo_dataset.build(root / "datasets" / "two-images", rows=4, images_per_row=2)
     return root

@@ -22,9 +22,9 @@ import pytest
 
 from tests.fakes.gateway_harness import collect, running_gateway, trainer_process
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
-from tests.grpo_fixtures import tiny_grpo_task
+from tests.grpo_fixtures import tiny_grpo_task, tiny_vlm
 from tests.grpo_tables import PARQUET_COLUMNS, write_parquet, write_saved
-from trainer_service.tools import make_demo_dataset, make_tiny_vlm
+from trainer_service.tools import make_demo_dataset
 from trainwire.contract import REWARD_FUNCTIONS
 from trainwire.errors import InvalidRequest, error_from_rpc
 from trainwire.v1 import episode_pb2, gateway_service_pb2, trainer_service_pb2
@@ -61,7 +61,7 @@ STEPS = 2
 def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A trainer process with the test's reward module; its address."""
     root = tmp_path_factory.mktemp("custom-data")
-    make_tiny_vlm.build(root / "models" / "tiny-vlm")
+    tiny_vlm(tmp_path_factory, root / "models" / "tiny-vlm")
     jsonl = make_demo_dataset.build(root / "datasets" / "demo", rows=4)
     write_parquet(jsonl, root / "datasets" / "tables" / "train.parquet", rows_per_group=2)
     write_saved(jsonl, root / "datasets" / "saved")

@@ -39,7 +39,8 @@ from PIL import Image
 
 from tests.fakes.gateway_harness import collect, get_run, running_gateway, trainer_process
 from tests.fakes.waiting import JOB_TIMEOUT, TIMEOUT, until
-from trainer_service.tools import make_demo_dataset, make_tiny_vlm
+from tests.grpo_fixtures import tiny_vlm
+from trainer_service.tools import make_demo_dataset
 from trainwire import aio
 from trainwire.v1 import episode_pb2, gateway_service_pb2
 
@@ -56,7 +57,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("grpo-learning")
-    make_tiny_vlm.build(root / "models" / "tiny-vlm")
+    tiny_vlm(tmp_path_factory, root / "models" / "tiny-vlm")
     make_demo_dataset.build(root / "datasets" / "colours")
     make_demo_dataset.build(root / "datasets" / "held-out", rows=HELD_OUT_ROWS, seed=12345)
     vanishing = root / "datasets" / "vanishing"
