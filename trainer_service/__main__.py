@@ -77,69 +77,70 @@ def parse_args(
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the trainer until SIGTERM/SIGINT; returns the exit status."""
-    heap.pause()  # start-up imports torch; frozen once the server runs (trainwire_ops.heap)
-    config = parse_args(argv)
-    configure_logging(config.log_level, config.log_format)
-    tls: ServerTls | None = None
-    if config.tls_cert is not None and config.tls_key is not None:
+    # Start-up imports torch: the cyclic collector paused meanwhile, what it made frozen once
+    # the server runs, or as it returns early (trainwire_ops.heap).
+    with heap.paused_then_frozen():
+        config = parse_args(argv)
+        configure_logging(config.log_level, config.log_format)
+        tls: ServerTls | None = None
+        if config.tls_cert is not None and config.tls_key is not None:
+            try:
+                tls = ServerTls(config.tls_cert, config.tls_key, config.tls_client_ca)
+            except TlsFileError as exc:
+                print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
+                return 2
         try:
-            tls = ServerTls(config.tls_cert, config.tls_key, config.tls_client_ca)
-        except TlsFileError as exc:
+            checkpoint_store = open_checkpoint_store(config)
+        except CheckpointStoreProblem as exc:
             print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
             return 2
-    try:
-        checkpoint_store = open_checkpoint_store(config)
-    except CheckpointStoreProblem as exc:
-        print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
-        return 2
-    from trainer_service.providers.grpo.reward_modules import (
-        RewardModuleError,
-        canonical_spec,
-        load_reward_modules,
-    )
+        from trainer_service.providers.grpo.reward_modules import (
+            RewardModuleError,
+            canonical_spec,
+            load_reward_modules,
+        )
 
-    reward_modules = tuple(canonical_spec(spec) for spec in config.reward_modules)
-    try:  # the operator's code: a module that does not import stops the trainer here
-        rewards = load_reward_modules(reward_modules)
-    except RewardModuleError as exc:
-        print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
-        return 2
-    from trainer_service.providers._device import resolve_device, slot_devices, torch_gpus
+        reward_modules = tuple(canonical_spec(spec) for spec in config.reward_modules)
+        try:  # the operator's code: a module that does not import stops the trainer here
+            rewards = load_reward_modules(reward_modules)
+        except RewardModuleError as exc:
+            print(f"python -m trainer_service: error: {exc}", file=sys.stderr)
+            return 2
+        from trainer_service.providers._device import resolve_device, slot_devices, torch_gpus
 
-    try:
-        device, description = resolve_device(config.device)
-        devices, description = slot_devices(config.device, device, description, config.slots)
-    except ValueError as exc:
-        _LOGGER.error("%s", exc)
-        return 2
-    metrics = TrainerMetrics()
-    runner = JobRunner(
-        default_registry(),
-        SlotPool(len(devices), devices),
-        RunnerSettings(
-            device=device,
-            device_description=description,
-            data_roots=config.data_roots,
-            image_cache_dir=config.image_cache_dir,
-            heartbeat_s=config.heartbeat_s,
-            detach_grace_s=config.detach_grace_s,
-            rendezvous_host=config.rendezvous_host,
-            reward_modules=reward_modules,
-        ),
-        server_version=__version__,
-        observer=metrics.jobs,
-        checkpoint_store=checkpoint_store,
-        gpus=GpuProbe(cuda_indices(devices), torch_gpus),
-    )
-    # Installed before the ready line: a SIGTERM right after it is never lost.
-    inbox = SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
-    try:
-        server, port = build_server(config, runner, metrics, tls)
-        server.start()
-    except (RuntimeError, OSError) as exc:
-        _LOGGER.error("%s", exc)
-        return 1
-    heap.freeze()
+        try:
+            device, description = resolve_device(config.device)
+            devices, description = slot_devices(config.device, device, description, config.slots)
+        except ValueError as exc:
+            _LOGGER.error("%s", exc)
+            return 2
+        metrics = TrainerMetrics()
+        runner = JobRunner(
+            default_registry(),
+            SlotPool(len(devices), devices),
+            RunnerSettings(
+                device=device,
+                device_description=description,
+                data_roots=config.data_roots,
+                image_cache_dir=config.image_cache_dir,
+                heartbeat_s=config.heartbeat_s,
+                detach_grace_s=config.detach_grace_s,
+                rendezvous_host=config.rendezvous_host,
+                reward_modules=reward_modules,
+            ),
+            server_version=__version__,
+            observer=metrics.jobs,
+            checkpoint_store=checkpoint_store,
+            gpus=GpuProbe(cuda_indices(devices), torch_gpus),
+        )
+        # Installed before the ready line: a SIGTERM right after it is never lost.
+        inbox = SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+        try:
+            server, port = build_server(config, runner, metrics, tls)
+            server.start()
+        except (RuntimeError, OSError) as exc:
+            _LOGGER.error("%s", exc)
+            return 1
     print(f"trainer listening on {host_port(config.host, port)}", flush=True)
     if server.metrics_endpoint is not None:
         print(f"trainer metrics on {server.metrics_endpoint.url}", flush=True)
