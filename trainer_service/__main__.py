@@ -24,6 +24,7 @@ from trainer_service.core.slots import SlotPool
 from trainer_service.gpus import GpuProbe, cuda_indices
 from trainer_service.metrics import TrainerMetrics
 from trainer_service.providers import default_registry
+from trainer_service.scratch import TrainerScratch
 from trainer_service.server import build_server, open_checkpoint_store
 from trainwire_ops import heap, settings
 from trainwire_ops.addresses import host_port
@@ -114,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             _LOGGER.error("%s", exc)
             return 2
+        try:  # the local scratch of this trainer and its jobs (trainer_service.scratch)
+            scratch = TrainerScratch()
+        except OSError as exc:
+            print(f"python -m trainer_service: error: scratch directory: {exc}", file=sys.stderr)
+            return 2
         metrics = TrainerMetrics()
         runner = JobRunner(
             default_registry(),
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 detach_grace_s=config.detach_grace_s,
                 rendezvous_host=config.rendezvous_host,
                 reward_modules=reward_modules,
+                scratch_dir=scratch.path,
             ),
             server_version=__version__,
             observer=metrics.jobs,
@@ -140,13 +147,14 @@ def main(argv: list[str] | None = None) -> int:
             server.start()
         except (RuntimeError, OSError) as exc:
             _LOGGER.error("%s", exc)
+            scratch.close()
             return 1
     print(f"trainer listening on {host_port(config.host, port)}", flush=True)
     if server.metrics_endpoint is not None:
         print(f"trainer metrics on {server.metrics_endpoint.url}", flush=True)
     _LOGGER.info(
         "trainer %s: %d slot(s) on %s, data roots %s, image cache %s, checkpoint store %s, "
-        "rendezvous host %s, custom rewards %s",
+        "rendezvous host %s, custom rewards %s, scratch %s",
         __version__,
         len(devices),
         description,
@@ -155,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_store.location,
         config.rendezvous_host,
         ", ".join(rewards) or "none",
+        scratch.path,
     )
+    for gone in scratch.swept:
+        _LOGGER.info("removed the scratch directory %s of a trainer that is gone", gone)
     while (received := inbox.next()) is signal.SIGHUP:
         if tls is not None:  # off the main thread: it reads files and logs
             threading.Thread(target=tls.reload, name="trainer-tls-reload", daemon=True).start()
@@ -164,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     stopped = server.stop(config.grace_s)
     # Bounded: a stop during the warm-up waits for the providers' import to finish (see stop).
     stopped.wait(config.grace_s + 60)
-    if not runner.wait_idle(1.0):
+    idle = runner.wait_idle(1.0)
+    if not idle:  # its scratch stays for it; the next trainer here sweeps it once it is gone
         _LOGGER.warning("%d job(s) still stopping at exit", runner.active_jobs)
+    scratch.close(remove=idle)
     _LOGGER.info("trainer stopped")
     return 0
 

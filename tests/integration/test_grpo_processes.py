@@ -13,7 +13,9 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -261,14 +263,26 @@ def test_cancel_stops_every_rank_within_one_step_and_frees_the_slots(
     assert gone < GONE_S
 
 
+def _scratch_name(pid: int, base: pathlib.Path) -> str:
+    (own,) = base.glob(f"trainer-{pid}-*")
+    return own.name
+
+
 def test_kill_9_of_the_trainer_leaves_no_process_of_the_job(
     grpo_data_root: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     log = tmp_path / "trainer.log"
+    # The trainers' TMPDIR, where their scratch goes: short, for multiprocessing's sockets in
+    # it (a Unix socket's path has at most 107 bytes; tmp_path under xdist is too deep).
+    temporary = pathlib.Path(tempfile.mkdtemp(prefix="tw-kill-"))
+    env = {"TMPDIR": str(temporary)}
     processes: list[psutil.Process] = []
     try:
         with (
-            trainer_process(log, "--data-root", str(grpo_data_root), slots=2) as (proc, address),
+            trainer_process(log, "--data-root", str(grpo_data_root), slots=2, env=env) as (
+                proc,
+                address,
+            ),
             grpc.insecure_channel(address) as channel,
         ):
             # One DataLoader worker per rank: each rank has a fork server and a worker below it.
@@ -286,7 +300,22 @@ def test_kill_9_of_the_trainer_leaves_no_process_of_the_job(
             took = _assert_gone(processes)
             call.cancel()
         print(f"kill -9 of the trainer: every process of the job gone after {took:.2f} s")
+        # The job's folder (its ranks' output) lies in its trainer's scratch directory; beside
+        # it only multiprocessing's pymp-* folders of sockets.
+        base = temporary / "trainwire-scratch"
+        assert {p.name.split("-")[0] for p in temporary.iterdir()} <= {"trainwire", "pymp"}
+        (left,) = base.glob(f"trainer-{proc.pid}-*")
+        assert sorted(p.name.split("-")[0] for p in left.iterdir()) == ["grpo", "lock"]
+        # The next trainer on the machine sweeps it; its own goes when it stops.
+        with trainer_process(log, "--data-root", str(grpo_data_root), env=env) as (again, _):
+            assert not left.exists()
+            assert [p.name for p in base.iterdir()] == [_scratch_name(again.pid, base)]
+            again.send_signal(signal.SIGTERM)
+            assert again.wait(timeout=TIMEOUT) == 0
+        assert list(base.iterdir()) == []
+        assert f"removed the scratch directory {left} of a trainer that is gone" in log.read_text()
     finally:
         for process in processes:
             if _alive(process):
                 process.kill()
+        shutil.rmtree(temporary, ignore_errors=True)

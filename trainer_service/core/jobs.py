@@ -306,6 +306,7 @@ class JobRunner:
             rendezvous_host=self.settings.rendezvous_host,
             announce_rendezvous=lambda address: holder[0].announce_rendezvous(address),
             reward_modules=self.settings.reward_modules,
+            scratch_dir=self.settings.scratch_dir,
         )
         job = RunningJob(
             train_job,

@@ -197,6 +197,8 @@ class TrainJob:
             rendezvous is bound: the job's stream sends it on (``TrainResponse.rendezvous``).
         reward_modules: The trainer's ``--reward-module`` specs: the provider imports them for
             the reward functions they define.
+        scratch_dir: Where the job's own local files go (a folder of the job's inside it,
+            removed when the job ends); None: the system's temporary directory.
     """
 
     run_id: str
@@ -216,6 +218,7 @@ class TrainJob:
     rendezvous_host: str = DEFAULT_RENDEZVOUS_HOST
     announce_rendezvous: Callable[[str], None] = field(default=lambda address: None)
     reward_modules: tuple[str, ...] = ()
+    scratch_dir: pathlib.Path | None = None
 
     @property
     def data_roots(self) -> tuple[pathlib.Path, ...]:

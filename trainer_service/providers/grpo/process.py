@@ -162,8 +162,10 @@ class JobProcesses:
                 extra = {**extra, **launch.meeting_env(self.job, address, backend)}
                 if listener is not None:
                     self.job.announce_rendezvous(address)
+            if self.job.scratch_dir is not None:
+                self.job.scratch_dir.mkdir(parents=True, exist_ok=True)
             scratch = self.scratch = pathlib.Path(
-                tempfile.mkdtemp(prefix=f"grpo-{self.job.run_id}-")
+                tempfile.mkdtemp(prefix=f"grpo-{self.job.run_id}-", dir=self.job.scratch_dir)
             )
             for rank in range(self.processes):
                 env = launch.rank_env(extra, rank, self.processes, placement)
