@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -148,3 +149,36 @@ def _zombie(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_a_temporary_directory_too_deep_for_sockets_is_named_in_the_error(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The launcher's socket goes in TMPDIR (multiprocessing's pymp-* folder): a fresh process,
+    # whose multiprocessing has not chosen its folder yet.
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    code = (
+        "from trainer_service.core.provider import ProviderError\n"
+        "from trainer_service.providers.grpo import launch\n"
+        "try:\n"
+        "    launch.spawn_rank(launch.rank_env({}, 0, 1), None, 0)\n"
+        "except ProviderError as exc:\n"
+        "    print(exc.reason, exc.code, exc.detail, sep='\\n')\n"
+        "    print(exc.user_message)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TMPDIR": str(deep)},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    reason, code_name, detail, message = done.stdout.splitlines()
+    assert (reason, code_name) == ("PROCESS_DIED", "INTERNAL"), done.stderr
+    assert "AF_UNIX path too long" in detail
+    assert message == (
+        f"The trainer could not start a training process: its temporary directory {deep} is "
+        "too deep for the Unix sockets of its job processes (a socket path has at most 107 "
+        "bytes); give the trainer a shorter TMPDIR."
+    )

@@ -15,6 +15,8 @@ import pytest
 
 from trainer_service.scratch import LOCK_FILE, TrainerScratch, sweep
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture
 def dead_pid() -> int:
@@ -97,3 +99,22 @@ def test_the_default_base_is_in_the_temporary_directory(
     finally:
         scratch.close()
         monkeypatch.setattr(tempfile, "tempdir", None)
+
+
+def test_a_trainer_that_cannot_make_its_scratch_exits_2_naming_it(tmp_path: pathlib.Path) -> None:
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    (temporary / "trainwire-scratch").write_text("a file where the base should be")
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer_service", "--port", "0", "--device", "cpu"],
+        env={**os.environ, "TMPDIR": str(temporary), "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m trainer_service: error: scratch directory: "), last
+    assert str(temporary / "trainwire-scratch") in last
+    assert "listening" not in done.stdout

@@ -46,6 +46,7 @@ import runpy
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from multiprocessing import forkserver, reduction, resource_tracker
@@ -78,6 +79,8 @@ LAUNCHER_PRELOAD = (
     "trainer_service.providers.grpo.build",
     "trainer_service.providers.grpo.preload_end",
 )
+#: The longest path of a Unix socket, less its terminating NUL (Linux's ``sun_path``).
+UNIX_PATH_MAX = 107
 #: A rank's process title (``ps``): its module, its rank in the job and its trainer's pid.
 RANK_TITLE = "{module} (GRPO rank {rank}, trainer {trainer})"
 #: How long a rank's start is tried again while the launcher it met is dead.
@@ -329,8 +332,16 @@ def spawn_rank(
                 os.kill(process.pid, signal.SIGKILL)
         if isinstance(exc, ProviderError):
             raise
+        message = "The trainer could not start a training process."
+        if isinstance(exc, OSError) and "AF_UNIX path too long" in str(exc):
+            message = (
+                f"The trainer could not start a training process: its temporary directory "
+                f"{tempfile.gettempdir()} is too deep for the Unix sockets of its job processes "
+                f"(a socket path has at most {UNIX_PATH_MAX} bytes); give the trainer a shorter "
+                f"TMPDIR."
+            )
         raise ProviderError(
-            "The trainer could not start a training process.",
+            message,
             detail=f"{type(exc).__name__}: {exc}",
             code="INTERNAL",
             reason="PROCESS_DIED",
