@@ -33,19 +33,13 @@ import pathlib
 import re
 import secrets
 import shutil
-import tempfile
+
+from trainer_service.core.runner_settings import default_scratch_base
 
 _LOGGER = logging.getLogger(__name__)
 
-#: The default parent of every trainer's scratch directory on this machine.
-DEFAULT_BASE_NAME = "trainwire-scratch"
 LOCK_FILE = "lock"
 _OWNED = re.compile(r"^trainer-(\d+)-[0-9a-f]{8}$")
-
-
-def default_base() -> pathlib.Path:
-    """``$TMPDIR/trainwire-scratch`` (the system's temporary directory)."""
-    return pathlib.Path(tempfile.gettempdir()) / DEFAULT_BASE_NAME
 
 
 def _running(pid: int) -> bool:
@@ -101,7 +95,7 @@ class TrainerScratch:
     """
 
     def __init__(self, base: pathlib.Path | None = None) -> None:
-        self.base = base or default_base()
+        self.base = base or default_scratch_base()
         if not self.base.is_dir():  # shared by the trainers of every user, as /tmp is
             self.base.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(OSError):

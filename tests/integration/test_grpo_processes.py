@@ -263,9 +263,10 @@ def test_cancel_stops_every_rank_within_one_step_and_frees_the_slots(
     assert gone < GONE_S
 
 
-def _scratch_name(pid: int, base: pathlib.Path) -> str:
+def _scratch_of(pid: int, base: pathlib.Path) -> pathlib.Path:
+    """The scratch directory of the trainer ``pid`` (exactly one)."""
     (own,) = base.glob(f"trainer-{pid}-*")
-    return own.name
+    return own
 
 
 def test_kill_9_of_the_trainer_leaves_no_process_of_the_job(
@@ -304,12 +305,12 @@ def test_kill_9_of_the_trainer_leaves_no_process_of_the_job(
         # beside it (where multiprocessing's pymp-* sockets and torch's caches go).
         base = temporary / "trainwire-scratch"
         assert not [p.name for p in temporary.iterdir() if p.name.startswith("grpo-")]
-        (left,) = base.glob(f"trainer-{proc.pid}-*")
+        left = _scratch_of(proc.pid, base)
         assert sorted(p.name.split("-")[0] for p in left.iterdir()) == ["grpo", "lock"]
         # The next trainer on the machine sweeps it; its own goes when it stops.
         with trainer_process(log, "--data-root", str(grpo_data_root), env=env) as (again, _):
             assert not left.exists()
-            assert [p.name for p in base.iterdir()] == [_scratch_name(again.pid, base)]
+            assert list(base.iterdir()) == [_scratch_of(again.pid, base)]
             again.send_signal(signal.SIGTERM)
             assert again.wait(timeout=TIMEOUT) == 0
         assert list(base.iterdir()) == []

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import pathlib
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -51,7 +49,12 @@ from trainer_service.core.job_stream import Heartbeat, JobStream
 from trainer_service.core.observe import JobObserver, JobOutcome, NullJobObserver
 from trainer_service.core.placement import placement_of
 from trainer_service.core.provider import NoCheckpoints, TrainJob
-from trainer_service.core.runner_settings import Capabilities, Gpu, RunnerSettings
+from trainer_service.core.runner_settings import (
+    Capabilities,
+    Gpu,
+    RunnerSettings,
+    default_scratch_base,
+)
 from trainer_service.core.slots import SlotPool
 from trainwire import contract
 from trainwire.hyperparameters import Hyperparameters
@@ -334,9 +337,7 @@ class JobRunner:
         """The job's ``Checkpoints`` over the store (None without a store)."""
         if self.checkpoint_store is None:
             return None
-        scratch_base = self.settings.scratch_dir or (
-            pathlib.Path(tempfile.gettempdir()) / "trainwire-scratch"
-        )
+        scratch_base = self.settings.scratch_dir or default_scratch_base()
         return JobCheckpoints(
             self.checkpoint_store,
             request.run_id,

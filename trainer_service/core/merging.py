@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import pathlib
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -35,6 +34,7 @@ from trainer_service.core.errors import (
     InvalidRequest,
 )
 from trainer_service.core.provider import ProviderError
+from trainer_service.core.runner_settings import default_scratch_base
 from trainwire import contract
 from trainwire_ops.checkpoints import (
     CheckpointCorrupt as StoredCheckpointCorrupt,
@@ -101,7 +101,7 @@ class CheckpointMerges:
         self._providers = providers
         self._store = store
         self._data_roots = tuple(data_roots)
-        self._scratch = scratch_dir or pathlib.Path(tempfile.gettempdir()) / "trainwire-scratch"
+        self._scratch = scratch_dir or default_scratch_base()
         self._slots = threading.BoundedSemaphore(MAX_MERGES)
 
     def merge(self, run_id: str, episode: int, sha256: str, stop: threading.Event) -> MergedModel:

@@ -6,11 +6,22 @@ re-exports them."""
 from __future__ import annotations
 
 import pathlib
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from trainer_service.core.placement import DEFAULT_RENDEZVOUS_HOST
 from trainwire.v1 import trainer_service_pb2
+
+#: The folder of the system's temporary directory that trainers keep their scratch in.
+SCRATCH_BASE_NAME = "trainwire-scratch"
+
+
+def default_scratch_base() -> pathlib.Path:
+    """``$TMPDIR/trainwire-scratch``: the scratch of a runner given no ``scratch_dir``, and the
+    parent of every trainer process's own (``trainer_service.scratch``)."""
+    return pathlib.Path(tempfile.gettempdir()) / SCRATCH_BASE_NAME
+
 
 #: Episodes a job may run ahead of its stream when it has no grant (direct use). Small, so that
 #: a slow reader throttles the provider quickly, but more than one so the provider can compute
