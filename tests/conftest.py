@@ -1,6 +1,7 @@
-"""Suite-wide settings (one torch thread: two cores are shared; everything offline; the cyclic
-collector paused while the tests are collected, as the services pause it while they start,
-``trainwire_ops.heap``) and the fixtures every suite shares."""
+"""Suite-wide settings (one torch thread, here and in every process the tests start: two cores
+are shared; everything offline; the cyclic collector paused while the tests are collected, as
+the services pause it while they start, ``trainwire_ops.heap``) and the fixtures every suite
+shares."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from trainwire_ops import heap
 heap.pause()
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread in every process the tests start too (trainers, ranks, tools): torch's OpenMP
+# threads would otherwise spin-wait between ops on the two shared cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
