@@ -82,7 +82,7 @@ def _ranks(root: int) -> list[psutil.Process]:
     out = []
     for process in psutil.Process(root).children(recursive=True):
         try:
-            if WORKER in " ".join(process.cmdline()):
+            if rank_in_title(process) is not None:
                 out.append(process)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
@@ -286,16 +286,20 @@ def test_kill_9_of_the_trainer_leaves_no_process_of_the_job(
             ),
             grpc.insecure_channel(address) as channel,
         ):
-            # One DataLoader worker per rank: each rank has a fork server and a worker below it.
+            # One DataLoader worker per rank, forked from it and named after it.
             stub = trainer_service_pb2_grpc.TrainerServiceStub(channel)
             call = stub.Train(_grpo_request("run-kill", steps=500, workers=1), timeout=JOB_TIMEOUT)
             _first_episode(call)
             _first_episode(call)
             processes = _job_processes(proc.pid)
             names = [" ".join(p.cmdline()) for p in processes]
-            assert sum(WORKER in n for n in names) == 2, names
-            # Fork servers, and the DataLoader workers forked from them, run the same command.
-            assert sum("forkserver" in n for n in names) >= 4, names
+            ranks = _ranks(proc.pid)
+            assert sorted(rank_in_title(r) for r in ranks) == [0, 1], names
+            for rank in ranks:
+                title = f"GRPO rank {rank_in_title(rank)}, DataLoader worker 0, trainer {proc.pid}"
+                workers = [c for c in rank.children() if title in " ".join(c.cmdline())]
+                assert len(workers) == 1, names
+            assert not any("forkserver" in n for n in names), names
             proc.kill()
             proc.wait()
             took = _assert_gone(processes)

@@ -222,8 +222,10 @@ class LazyGRPOTrainer(GRPOTrainer):
 
     Quiet: workers set their logging up like the trainer's (:class:`WorkerLogging`).
 
-    Light workers: the loader's collate and worker-seeding functions are :mod:`.loader_parts`'
-    (not TRL's and transformers'), so a worker imports only what its fork server holds.
+    Light workers: a rank's workers fork from it (:func:`.settings.worker_start_method`); where
+    they start from a fork server instead, the loader's collate and worker-seeding functions are
+    :mod:`.loader_parts`' (not TRL's and transformers'), so a worker imports only what its fork
+    server holds.
 
     Checkpoints: :meth:`save_checkpoint` (:mod:`.checkpoint`); resuming is
     ``train(resume_from_checkpoint=<checkpoint>/trainer)`` on a trainer built for

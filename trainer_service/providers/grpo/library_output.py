@@ -7,8 +7,8 @@ With ``--log-format json`` each of those breaks the one-JSON-object-per-line pro
 
 :func:`route_library_output` turns the progress bars off, removes the libraries' handlers so
 their records propagate to the root logger (and its formatter), and captures warnings into the
-``py.warnings`` logger. DataLoader workers are separate processes (started from a fork server,
-so they inherit none of this): :class:`WorkerLogging` is a picklable ``worker_init_fn`` wrapper
+``py.warnings`` logger. DataLoader workers are separate processes (one started from a fork
+server inherits none of this): :class:`WorkerLogging` is a picklable ``worker_init_fn`` wrapper
 that gives each worker the parent's root formatter and level and routes its output the same way.
 
 Importing this module is cheap: the libraries are touched only if already imported.

@@ -1,7 +1,7 @@
 """Keeps a GRPO job's processes from outliving the trainer that started them.
 
 A job's ranks share one process group that the trainer creates (rank 0 leads it); every process
-they start (the DataLoader fork server, its workers, multiprocessing's resource tracker) is in
+they start (their DataLoader workers, multiprocessing's resource tracker) is in
 it too. The trainer kills that group when the job ends, fails or is cancelled. When the trainer
 itself dies (``kill -9`` included) nobody is left to do that, so each rank does it:
 
@@ -12,11 +12,14 @@ itself dies (``kill -9`` included) nobody is left to do that, so each rank does 
   the main thread, which may be busy in C for a while, so a second path does not wait for it: the
   rank's channel reader sees end of file on the trainer's socket and kills the group from its
   own thread (:func:`kill_own_group`). A rank never kills a group that holds its parent.
-- :class:`WorkerWatchdog`: a ``worker_init_fn`` wrapper for DataLoader workers. A worker is a
-  child of the fork server, not of the rank, and holds the fork server's "alive" pipe open, so
-  neither notices the rank's death by itself: without the watchdog they would outlive a
-  killed trainer for minutes. The watchdog waits on the rank's pid (a pidfd) and exits the
-  worker when the rank is gone; the fork server then sees its pipe close and exits too.
+- :class:`WorkerWatchdog`: a ``worker_init_fn`` wrapper for DataLoader workers. A rank's
+  workers fork from the rank (:func:`.settings.worker_start_method`) and take ``SIGKILL`` when
+  it dies (``PR_SET_PDEATHSIG``); the watchdog also waits on the rank's pid (a pidfd) and exits
+  the worker when the rank is gone, which holds where a worker's parent is a fork server (a
+  process with gRPC starts its workers from one: they would otherwise outlive a killed trainer
+  for minutes, holding the fork server's "alive" pipe). It also names the worker in ``ps``
+  after its rank: ``... (GRPO rank 0, DataLoader worker 1, trainer 1234)``, never the rank's
+  own title, which a forked worker would otherwise show.
 
 Outside a job's process group (a test that builds a trainer in its own process) every function
 here is a no-op: ``TRAINWIRE_GRPO_GROUP`` names the group a process may kill.
@@ -37,6 +40,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+import setproctitle
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -136,10 +141,28 @@ def wait_for_exit(pid: int, stop: threading.Event | None = None) -> None:
         time.sleep(0.5)
 
 
+def release_in_child(fd: int) -> None:
+    """In a child forked from a rank (``os.register_at_fork``): lets go of the rank's descriptor
+    ``fd`` (its channel to the trainer), keeping the number taken by ``/dev/null`` so nothing
+    in the child can reuse it by accident."""
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, fd, inheritable=False)
+        os.close(null)
+
+
+def worker_title(rank_title: str, worker_id: int) -> str:
+    """A DataLoader worker's process title, from its rank's (``launch.RANK_TITLE``): ``(GRPO
+    rank 0, trainer 1234)`` becomes ``(GRPO rank 0, DataLoader worker 1, trainer 1234)``; a
+    title that names no trainer (a fork server's command line) is kept."""
+    return rank_title.replace(", trainer ", f", DataLoader worker {worker_id}, trainer ", 1)
+
+
 class WorkerWatchdog:
     """A ``worker_init_fn`` wrapper: the DataLoader worker exits when its rank is gone.
 
-    Picklable (workers start from a fork server). Does nothing outside a job's process group.
+    Picklable (a process with gRPC starts its workers from a fork server). Does nothing outside
+    a job's process group.
 
     Args:
         wrapped: The ``worker_init_fn`` to call afterwards (``None``: none).
@@ -157,8 +180,11 @@ class WorkerWatchdog:
 
     def __call__(self, worker_id: int) -> None:
         if job_group() is not None:
-            # The worker's parent is the fork server: a second line of defence if it is killed.
+            # The worker's parent: the rank, or a fork server (a second line of defence then).
             set_parent_death_signal(signal.SIGKILL)
+            setproctitle.setproctitle(worker_title(setproctitle.getproctitle(), worker_id))
+            # A worker forked from the rank inherits its answer to SIGTERM (kill the job's group).
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
             def watch() -> None:
                 wait_for_exit(self.rank_pid)

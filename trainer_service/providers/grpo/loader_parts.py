@@ -1,11 +1,13 @@
 """The training DataLoader's functions that travel to its workers: how a batch is collated and
 how a worker seeds itself.
 
-A worker unpickles these by module. TRL's and transformers' own versions (``trl.trainer.utils
-.identity`` and ``transformers.trainer_utils.seed_worker``) would make every worker import TRL,
-transformers, ``torch.distributed`` and dynamo, paying their import time and memory in every worker,
-every time a job starts its workers. Defined here, they cost nothing: this module imports only what
-the workers' fork server already holds (``settings.WORKER_PRELOAD``).
+A worker started from a fork server (in a process with gRPC; a rank's workers fork from it and
+unpickle nothing) unpickles these by module. TRL's and transformers' own versions
+(``trl.trainer.utils.identity`` and ``transformers.trainer_utils.seed_worker``) would make every
+such worker import TRL, transformers, ``torch.distributed`` and dynamo, paying their import time
+and memory in every worker, every time a job starts its workers. Defined here, they cost
+nothing: this module imports only what the workers' fork server already holds
+(``settings.WORKER_PRELOAD``).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import sys
 from dataclasses import dataclass
 
 from trl import GRPOConfig
@@ -180,8 +181,9 @@ class Settings:
         return max(1, min(_MAX_MEMO_ROWS, unique))
 
 
-# Modules the DataLoader workers need, imported once in the fork server rather than per worker
-# (the cyclic collector paused meanwhile, the result frozen: ``preload_begin``/``preload_end``).
+# Modules the DataLoader workers need where they start from a fork server (a process with gRPC),
+# imported once in it rather than per worker (the cyclic collector paused meanwhile, the result
+# frozen: ``preload_begin``/``preload_end``).
 WORKER_PRELOAD = [
     "trainer_service.providers.grpo.preload_begin",
     "torch",
@@ -194,13 +196,20 @@ WORKER_PRELOAD = [
 
 
 def worker_start_method() -> str | None:
-    """How DataLoader workers start: ``forkserver`` where available, else the platform default.
+    """How DataLoader workers start: forked from this process when it has never loaded gRPC,
+    else from a fork server (where the platform has one; else its default).
 
-    Never plain ``fork``: the trainer is a gRPC server, and forking a process with live gRPC
-    (and torch) threads can crash the child (seen here: workers died with SIGSEGV). The fork
-    server is a fresh interpreter with no such threads; workers fork from it.
+    A job's rank never loads gRPC (it speaks to its trainer over a pipe), so its workers fork
+    from it: no interpreter to start and no modules to import, and each worker is the rank's
+    own child. A process that loaded gRPC (the trainer, a test that trains in its own process)
+    may have gRPC's threads running, and a child forked beside them can crash (seen here:
+    workers died with SIGSEGV); there the workers fork from a fork server, a fresh interpreter
+    with no such threads that imports :data:`WORKER_PRELOAD` once.
     """
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    methods = multiprocessing.get_all_start_methods()
+    if "grpc" not in sys.modules and "fork" in methods:
+        return "fork"
+    if "forkserver" not in methods:
         return None
     multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
     return "forkserver"

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -417,7 +418,10 @@ def main(argv: list[str] | None = None, build: Callable[..., Any] | None = None)
     )
     args = parser.parse_args(argv)
     lifeline.arm_rank(args.parent_pid)
-    os.set_inheritable(args.fd, False)  # the fork server and DataLoader workers never hold it
+    # No process the rank starts holds its channel: the trainer sees the rank's end close when
+    # the rank dies, not when its last DataLoader worker does.
+    os.set_inheritable(args.fd, False)
+    os.register_at_fork(after_in_child=functools.partial(lifeline.release_in_child, args.fd))
     channel = RankChannel(wire.ChannelEnd.from_fd(args.fd))
     channel.start()
     spec = channel.job(JOB_TIMEOUT_S)
@@ -456,8 +460,7 @@ def _exit(channel: RankChannel, kind: bytes, payload: bytes, status: int) -> NoR
     Nothing is left to do once the trainer has the report: it kills the job's group next.
     Tearing the interpreter down instead can hang (a collective's process group waiting for a
     peer in its destructor, seen here for a minute, with the GIL held) and costs seconds of
-    torch teardown; the DataLoader workers and fork server follow the rank on their own
-    (:mod:`.lifeline`).
+    torch teardown; the DataLoader workers follow the rank on their own (:mod:`.lifeline`).
     """
     channel.finishing.set()
     channel.end.send(kind, payload)
