@@ -26,7 +26,7 @@ from gateway.server import Gateway
 from trainwire_ops import settings
 from trainwire_ops.addresses import host_port
 from trainwire_ops.checkpoints import CheckpointStoreProblem
-from trainwire_ops.logs import configure_logging
+from trainwire_ops.logs import announce, configure_logging
 from trainwire_ops.tls import TlsFileError
 
 _LOGGER = logging.getLogger("gateway")
@@ -83,11 +83,11 @@ async def serve(config: GatewayConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, gateway.reload)
-    print(f"gateway listening on {host_port(config.host, port)}", flush=True)
+    announce(f"gateway listening on {host_port(config.host, port)}")
     if gateway.metrics_endpoint is not None:
-        print(f"gateway metrics on {gateway.metrics_endpoint.url}", flush=True)
+        announce(f"gateway metrics on {gateway.metrics_endpoint.url}")
     if gateway.http is not None:
-        print(f"gateway http on {gateway.http.url}", flush=True)
+        announce(f"gateway http on {gateway.http.url}")
     await stop.wait()
     _LOGGER.info("signal received: shutting down")
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psycopg
 
+from trainwire_ops.logs import announce
 from trainwire_ops.signals import SignalInbox
 
 DATABASE = "trainwire"
@@ -41,9 +42,8 @@ def main(argv: list[str]) -> int:
             if found.fetchone() is None:
                 conn.execute(f'CREATE DATABASE "{DATABASE}"')
         parts = urllib.parse.urlsplit(url)
-        print(
-            f"postgres listening on {urllib.parse.urlunsplit(parts._replace(path='/' + DATABASE))}",
-            flush=True,
+        announce(
+            f"postgres listening on {urllib.parse.urlunsplit(parts._replace(path='/' + DATABASE))}"
         )
         inbox.next()
     finally:

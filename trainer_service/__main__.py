@@ -29,7 +29,7 @@ from trainer_service.server import build_server, open_checkpoint_store
 from trainwire_ops import heap, settings
 from trainwire_ops.addresses import host_port
 from trainwire_ops.checkpoints import CheckpointStoreProblem
-from trainwire_ops.logs import configure_logging
+from trainwire_ops.logs import announce, configure_logging
 from trainwire_ops.signals import SignalInbox
 from trainwire_ops.tls import PlaintextRefused, ServerTls, TlsFileError
 
@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             _LOGGER.error("%s", exc)
             scratch.close()
             return 1
-    print(f"trainer listening on {host_port(config.host, port)}", flush=True)
+    announce(f"trainer listening on {host_port(config.host, port)}")
     if server.metrics_endpoint is not None:
-        print(f"trainer metrics on {server.metrics_endpoint.url}", flush=True)
+        announce(f"trainer metrics on {server.metrics_endpoint.url}")
     _LOGGER.info(
         "trainer %s: %d slot(s) on %s, data roots %s, image cache %s, checkpoint store %s, "
         "rendezvous host %s, custom rewards %s, scratch %s",

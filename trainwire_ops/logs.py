@@ -10,6 +10,12 @@ Fields passed through ``extra=`` (``run_id``, ``outcome``, ...) become top-level
 exception becomes the ``exception`` field (its formatted traceback, one string). The services'
 ``__main__`` s call ``configure_logging``; their configs check ``--log-format`` and
 ``--log-level`` against ``LOG_FORMATS`` and ``parse_level``. Standard library only.
+
+Ready lines (``trainer listening on HOST:PORT``...) go to stdout through :func:`announce`, in one
+write each: scripts read them from a file that stdout and stderr share, and ``print`` writes its
+text and its newline separately, so with stdout unbuffered (``PYTHONUNBUFFERED``) a log line
+written by another thread could land between the two (``...:32969`` then ``2026-12-06 ...`` on one
+line, seen in ``make run``).
 """
 
 from __future__ import annotations
@@ -75,6 +81,13 @@ class JsonFormatter(logging.Formatter):
             entry["stack"] = self.formatStack(record.stack_info)
         # json.dumps escapes newlines, so a traceback stays on the record's one line.
         return json.dumps(entry, ensure_ascii=False)
+
+
+def announce(line: str) -> None:
+    """Writes ``line`` and its newline to stdout in one write, then flushes (the module docstring
+    says why)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def make_formatter(fmt: str = "text") -> logging.Formatter:

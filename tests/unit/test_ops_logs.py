@@ -1,4 +1,5 @@
-"""``trainwire_ops.logs``: text and JSON log lines, extras, exceptions, reconfiguration."""
+"""``trainwire_ops.logs``: text and JSON log lines, extras, exceptions, reconfiguration; ready
+lines in one write."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import datetime
 import io
 import json
 import logging
+import sys
 from collections.abc import Iterator
 
 import pytest
 
-from trainwire_ops.logs import JsonFormatter, configure_logging, parse_level
+from trainwire_ops.logs import JsonFormatter, announce, configure_logging, parse_level
 
 
 @pytest.fixture
@@ -97,3 +99,30 @@ def test_formatter_is_usable_alone() -> None:
     record.run_id = "r4"
     entry = json.loads(JsonFormatter().format(record))
     assert (entry["message"], entry["run_id"], entry["logger"]) == ("hello you", "r4", "x")
+
+
+class _RecordingFile(io.RawIOBase):
+    """A file that records each write it is given (as ``write(2)`` calls would be)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_a_ready_line_is_one_write_even_with_stdout_unbuffered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    raw = _RecordingFile()
+    # What PYTHONUNBUFFERED makes of stdout: the text layer writes through to the file itself.
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="utf-8", write_through=True))
+    print("gateway listening on 127.0.0.1:1", flush=True)
+    assert raw.writes == [b"gateway listening on 127.0.0.1:1", b"\n"]  # room for a log line
+    raw.writes.clear()
+    announce("trainer listening on 127.0.0.1:32969")
+    assert raw.writes == [b"trainer listening on 127.0.0.1:32969\n"]
