@@ -142,10 +142,14 @@ result() {  # LOG PATTERN: the last line of LOG matching PATTERN
     grep -E "$2" "$LOGS/$1" | tail -n 1
 }
 
-# Only the plugins the tests use: the image's own (of other versions) stay out of pytest.
+# Only the plugins the tests use: the image's own (of other versions) stay out of pytest. A
+# temporary root of their own: a pytest that shares its caller's (pytest-of-USER) sets that back
+# to mode 0700, locking other users out of it (in the test suite, the embedded PostgreSQL's).
+TESTS_TMP="$(mktemp -d -t gpu-check-tests-XXXXXX)"
 part tests/gpu "$BUDGET_TESTS" tests.log env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 \
     "$PY" -m pytest tests/gpu -q -p no:cacheprovider -p pytest_asyncio.plugin -p pytest_timeout \
-    -o addopts="" --timeout 150
+    -o addopts="" --timeout 150 --basetemp "$TESTS_TMP"
+rm -rf "$TESTS_TMP"
 row tests/gpu "$STATUS" "$SPENT" "$(result tests.log '(passed|failed|skipped|error)' | tr -d '=')"
 
 # The real-size benchmark's work folder: its model (7.5 GB at real size) stays out of the logs;

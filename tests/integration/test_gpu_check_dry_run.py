@@ -41,9 +41,17 @@ def _table(stdout: str) -> dict[str, list[str]]:
     return {line.split()[0]: line.split()[1:] for line in lines if line.strip()}
 
 
-def test_the_gpu_check_passes_its_dry_run(tmp_path: pathlib.Path) -> None:
+def test_the_gpu_check_passes_its_dry_run(
+    tmp_path: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # The suite's temporary root, open to others as the embedded PostgreSQL needs it: the
+    # check's own pytest must leave it so (one that shares it makes it 0700 again).
+    base = tmp_path_factory.getbasetemp()
+    shared = next((p for p in base.parents if p.name.startswith("pytest-of-")), base)
+    shared.chmod(shared.stat().st_mode | 0o055)
     done = _check("--dry-run", logs=tmp_path)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert shared.stat().st_mode & 0o055 == 0o055, oct(shared.stat().st_mode)
     rows = _table(done.stdout)
     assert tuple(rows) == PARTS, rows
     assert all(row[0] == "ok" for row in rows.values()), rows
