@@ -38,7 +38,6 @@ pytestmark = pytest.mark.slow
 
 __all__ = ["grpo_data_root"]  # the session fixture, re-exported for pytest
 
-WORKER = "trainer_service.providers.grpo.worker"
 #: The promise: a job's processes are gone this soon after a cancel, a crash or a killed trainer.
 GONE_S = 10.0
 
