@@ -11,11 +11,10 @@ exception becomes the ``exception`` field (its formatted traceback, one string).
 ``__main__`` s call ``configure_logging``; their configs check ``--log-format`` and
 ``--log-level`` against ``LOG_FORMATS`` and ``parse_level``. Standard library only.
 
-Ready lines (``trainer listening on HOST:PORT``...) go to stdout through :func:`announce`, in one
-write each: scripts read them from a file that stdout and stderr share, and ``print`` writes its
-text and its newline separately, so with stdout unbuffered (``PYTHONUNBUFFERED``) a log line
-written by another thread could land between the two (``...:32969`` then ``2026-12-06 ...`` on one
-line, seen in ``make run``).
+Ready lines (``trainer listening on HOST:PORT``...) go to stdout through :func:`announce`, one
+write each, so a ready line is never split: scripts read them from a file that stdout and stderr
+share, and ``print`` writes its text and its newline separately, which with stdout unbuffered
+(``PYTHONUNBUFFERED``) leaves room for another thread's log line between the two.
 """
 
 from __future__ import annotations
