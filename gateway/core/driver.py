@@ -46,7 +46,7 @@ from gateway.core.ledger import CheckpointLedger
 from gateway.core.lifecycle import Command as C
 from gateway.core.live_log import EpisodeLog
 from gateway.core.pacing import Pacer
-from gateway.core.park_timer import ParkTimer
+from gateway.core.parking import Parking
 from gateway.core.placement import Placement, rewards_needed, slots_needed
 from gateway.core.publisher import MAX_UNCOMMITTED, Publisher
 from gateway.core.restarts import Decision, RestartPolicy
@@ -107,7 +107,8 @@ class RunDriver:
         self._ended = asyncio.Event()  # let go: finalized, detached or abandoned
         #: The run's checkpoint records, retention and the note people read about them.
         self.ledger = CheckpointLedger(run, ctx.store, ctx.checkpoint_files, ctx.spawn)
-        self._park_timer = ParkTimer(settings.park_after_s, self._park_due)
+        #: Its park: the timer, and the store-then-end-the-job procedure.
+        self.parking = Parking(self, settings, ctx.spawn, self.ledger)
         self.failures = Failures(
             run, RestartPolicy(settings.max_restarts), self.ledger, ctx.observer
         )
@@ -194,7 +195,7 @@ class RunDriver:
             self.history.append(event)
         return commands
 
-    async def _apply(self, event: lc.Event) -> None:
+    async def apply(self, event: lc.Event) -> None:
         """Steps the machine and carries out its commands; stops carrying them out once a
         command let the run go to another replica or the gateway's shutdown."""
         for command in self._transition(event):
@@ -243,11 +244,11 @@ class RunDriver:
         elif command is C.DEQUEUE:
             ctx.scheduler.dequeue(self)
         elif command is C.ARM_PARK:
-            self._park_timer.arm(run)
+            self.parking.arm()
         elif command is C.DISARM_PARK:
-            self._park_timer.disarm()
+            self.parking.disarm()
         elif command is C.PARK:
-            ctx.spawn(self._park(), f"gateway-park-{run.id}")
+            self.parking.start()
         elif command is C.MARK_STARTED:
             run.start(self._trainer, ctx.now(), self._addresses())
             log_placed(run, "started on", self._where(), len(self._addresses()))
@@ -330,7 +331,7 @@ class RunDriver:
         else:
             self.run.fail(error, self._ctx.now())
         outcome = lc.Outcome.DONE if error is None else lc.Outcome.FAILED
-        await self._apply(lc.Recovered(outcome))
+        await self.apply(lc.Recovered(outcome))
 
     def waiting(self, why: str) -> None:
         """The scheduler says what the run waits for."""
@@ -350,7 +351,7 @@ class RunDriver:
         """Pauses publication; the trainer gets no new grant. No-op when paused."""
         if self.run.pause():
             self._controlled()
-            await self._apply(lc.Pause())
+            await self.apply(lc.Pause())
             log_control(self.run, "paused")
 
     async def resume(self) -> None:
@@ -358,7 +359,7 @@ class RunDriver:
         if self.run.resume():
             self.pacer.restart()
             self._controlled()
-            await self._apply(lc.Resume())
+            await self.apply(lc.Resume())
             log_control(self.run, "resumed")
 
     async def set_speed(self, speed: float) -> None:
@@ -405,14 +406,14 @@ class RunDriver:
                 self.run.id,
             )
         self.run.stop(self._ctx.now())
-        await self._apply(lc.Stop())
+        await self.apply(lc.Stop())
         if self.abandoned:
             raise NotOwner(self.run.id)
 
     async def detach(self) -> None:
         """Gateway shutdown: cancels the stream but not the trainer's job (the next gateway
         re-attaches), flushes the commits and stores the run as it is."""
-        await self._apply(lc.Detach())
+        await self.apply(lc.Detach())
 
     async def _leave(self) -> None:
         try:
@@ -424,13 +425,13 @@ class RunDriver:
         """Another replica owns the run now: stops driving it, leaving the trainer's job and
         the store alone (the new owner re-attaches and writes), and leaves the active runs."""
         if not isinstance(self.state, lc.Ended):
-            await self._apply(lc.Abandon())
+            await self.apply(lc.Abandon())
 
     async def _answered(self) -> None:
         """Rank 0's trainer answered for the first time: the run starts, or continues on its
         new trainers."""
         if isinstance(self.state, lc.Placing):
-            await self._apply(lc.Answered())
+            await self.apply(lc.Answered())
 
     # -- driving -----------------------------------------------------------------------------
 
@@ -499,62 +500,11 @@ class RunDriver:
         if self._job_ended(attempt):  # (else stopped, parked or let go: that path goes on)
             with contextlib.suppress(StoreUnavailable):
                 # (Logged by the store; a restart's count is written with the next change.)
-                await self._apply(lc.StreamEnded(None if failure is None else self._decision))
+                await self.apply(lc.StreamEnded(None if failure is None else self._decision))
 
     def _job_ended(self, attempt: JobAttempt) -> bool:
         """Whether the end of ``attempt``'s stream is the run's to act on."""
         return attempt is self.attempt and isinstance(self.state, (lc.Placing, lc.Running))
-
-    # -- park --------------------------------------------------------------------------------
-
-    def _park_due(self) -> None:
-        """The park timer fired (``ParkTimer``): the park starts once the run is stored."""
-        self._ctx.spawn(self._store_then_park(), f"gateway-park-due-{self.run.id}")
-
-    def _park_wanted(self) -> bool:
-        return isinstance(self.state, lc.Running) and self.state.paused
-
-    async def _store_then_park(self) -> None:
-        """Stores the run as it is, then parks it (``ParkDue``). The park ends the job, and
-        what the run received past its published episode then lives only here until the run
-        resumes: a store that cannot take the run now (down or full) would leave whoever
-        drives it next a job that is gone. So the job is kept and the park tried again after
-        ``park_after_s``; a run another replica took over meanwhile is left to it, job and
-        all."""
-        if not self._park_wanted():
-            return
-        try:
-            await self.persist()
-        except NotOwner:
-            await self.abandon()  # its new owner finds the job and parks the run in time
-            return
-        except StoreUnavailable as exc:
-            run_id, delay = self.run.id, self._ctx.settings.park_after_s
-            _LOGGER.warning(
-                "run %s: not parked, its job is kept (the run could not be stored: %s); "
-                "parking again in %g s",
-                run_id,
-                exc,
-                delay,
-                extra={"run_id": run_id},
-            )
-            if self._park_wanted():
-                self._park_timer.arm(self.run)
-            return
-        if self._park_wanted():
-            await self._apply(lc.ParkDue())
-
-    async def _park(self) -> None:
-        """Parks a run paused for ``park_after_s`` (``JobAttempt.park``); the run keeps what
-        it received and frees its slot."""
-        assert self.attempt is not None
-        try:
-            await self.attempt.park(self._ctx.settings.heartbeat_timeout_s, self.ledger.parked)
-            if isinstance(self.state, lc.Parking):
-                await self._apply(lc.ParkDone())
-        except (StoreUnavailable, NotOwner) as exc:
-            run_id = self.run.id
-            _LOGGER.warning("run %s: parking not saved: %s", run_id, exc, extra={"run_id": run_id})
 
     # -- the end -----------------------------------------------------------------------------
 
@@ -571,7 +521,7 @@ class RunDriver:
             if not await self.closing.take_end(failure, self._trainer, gave_up):
                 await self.abandon()
                 return
-        self._park_timer.disarm()
+        self.parking.disarm()
         if not await self.closing.store_end():
             await self.abandon()
             return
