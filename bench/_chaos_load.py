@@ -202,6 +202,18 @@ class History:
     helpers_left: list[str] = field(default_factory=list)  # its other processes that did
     undrained: list[str] = field(default_factory=list)
 
+    def fault_failed(self, kind: str, logged: int, note: str) -> None:
+        """A fault of ``kind`` raised (``note``): it stays one fault in the table. The log it
+        started (the faults grew past ``logged``) takes the note and ends now; a fault that
+        raised before it started its log gets one."""
+        now = time.monotonic()
+        if len(self.faults) > logged:
+            log = self.faults[-1]
+            log.note = note
+            log.end = log.end or now
+        else:
+            self.faults.append(FaultLog(kind, "?", now, now, note=note))
+
 
 def imitation_request(rng: random.Random, request_id: str) -> pb.CreateRunRequest:
     max_episodes = rng.randrange(150, 500)
@@ -562,12 +574,11 @@ class Soak:
     async def _fault_loop(self) -> None:
         for step in self.plan.faults:
             await self._until(step.at)
+            logged = len(self.history.faults)
             try:
                 await self._fault(step)
             except Exception as exc:  # a fault that could not be done is noted, not fatal
-                self.history.faults.append(
-                    FaultLog(step.kind, "?", time.monotonic(), time.monotonic(), note=repr(exc))
-                )
+                self.history.fault_failed(step.kind, logged, repr(exc))
 
     async def _fault(self, step: Step) -> None:
         cluster = self.cluster
