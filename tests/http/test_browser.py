@@ -117,10 +117,13 @@ def active_run(gw: LiveGateway, **kwargs: Any) -> Iterator[dict[str, Any]]:
             gw.api("POST", f"/v1/runs/{run['id']}:stop")
 
 
-def wait_until(driver: WebDriver, condition: Callable[[], Any], what: str) -> Any:
+def wait_until(
+    driver: WebDriver, condition: Callable[[], Any], what: str, timeout: float = TIMEOUT
+) -> Any:
     """Waits for ``condition()`` to be truthy; returns it. (Selenium's own wait, which retries
-    through the driver's transient errors, with the suite's ``TIMEOUT``.)"""
-    return WebDriverWait(driver, TIMEOUT, poll_frequency=0.05).until(
+    through the driver's transient errors, with the suite's ``TIMEOUT``; ``JOB_TIMEOUT`` for a
+    wait that spans a run to its end.)"""
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(
         lambda _: condition(), message=f"timed out waiting for {what}"
     )
 
