@@ -39,6 +39,7 @@ from _chaos_cluster import DETACH_GRACE_S, HEARTBEAT_TIMEOUT_S, MAX_RESTARTS, RO
 from _chaos_load import FINAL, FaultLog, History, RunLog, State, pb
 
 from trainwire import aio
+from trainwire.errors import CheckpointNotFound
 from trainwire.v1 import gateway_service_pb2_grpc
 from trainwire_ops.checkpoints import canonical_tar_digest
 
@@ -264,6 +265,19 @@ async def _checkpoints(
     return checked, found
 
 
+def store_faults_during(history: History, run: RunLog) -> list[FaultLog]:
+    """The faults of the checkpoint store (unwritable, full) during ``run``'s life: a run that
+    ended DONE while its checkpoints could not be written has none to download."""
+    end = max(run.recorder.arrivals.values(), default=time.monotonic())
+    return [
+        f
+        for f in history.faults
+        if f.kind in ("store_unwritable", "store_full")
+        and f.start <= end
+        and (f.end or end) >= run.created
+    ]
+
+
 async def _grpo(
     cluster: Cluster, history: History, finals: dict[str, Any], address: str
 ) -> tuple[str, list[str]]:
@@ -276,10 +290,17 @@ async def _grpo(
         states = [State.Name(finals[r.id].state) for r in history.runs.values() if r.kind == "grpo"]
         return f"no GRPO run ended DONE ({', '.join(states) or 'none'}): no model loaded", []
     found = []
-    run = done[0]
-    out = cluster.work / f"download-{run.id}"
     async with aio.GatewayClient(address) as client:
-        record = await client.download_checkpoint(run.id, out, timeout=300)
+        for run in done:
+            out = cluster.work / f"download-{run.id}"
+            try:
+                record = await client.download_checkpoint(run.id, out, timeout=300)
+                break
+            except CheckpointNotFound:
+                if not store_faults_during(history, run):
+                    found.append(f"run {run.id}: DONE with no checkpoint, and no store fault")
+        else:
+            return "no DONE GRPO run has a checkpoint: no model loaded", found
     model = next((p.parent for p in out.rglob("config.json")), None)
     if model is None:
         return "", [f"run {run.id}: its downloaded checkpoint has no model"]
