@@ -25,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from gateway.core import lifecycle as lc
@@ -216,6 +215,8 @@ class RunDriver:
         attempt = self.attempt
         if command is C.PERSIST:
             await self.persist()
+        elif command is C.STORE_FIRST:
+            await self._store_first()
         elif command is C.CANCEL_STREAM:
             if attempt is not None:
                 attempt.quiet()
@@ -229,6 +230,22 @@ class RunDriver:
             await self._leave()
         else:  # pragma: no cover - every command is carried out above or in _carry_out_now
             raise AssertionError(command)
+
+    async def _store_first(self) -> None:
+        """Stores the run before its ended job is touched (see ``lifecycle``): on ``NotOwner``
+        the run is abandoned (``apply`` then carries out nothing more of the step)."""
+        try:
+            await self.persist()
+        except StoreUnavailable:
+            pass  # logged by the store; the change is written with the next one
+        except NotOwner:
+            _LOGGER.info(
+                "run %s: its job's stream ended after another gateway replica took it over;"
+                " the job is left to that replica",
+                self.run.id,
+                extra={"run_id": self.run.id},
+            )
+            await self.abandon()
 
     def _carry_out_now(self, command: C) -> bool:
         """Carries out an immediate command; False for one that must be awaited."""
@@ -498,9 +515,9 @@ class RunDriver:
         if failure is not None and self._job_ended(attempt):
             self._decision = await self.failures.decide(failure, trainer)
         if self._job_ended(attempt):  # (else stopped, parked or let go: that path goes on)
-            with contextlib.suppress(StoreUnavailable):
-                # (Logged by the store; a restart's count is written with the next change.)
-                await self.apply(lc.StreamEnded(None if failure is None else self._decision))
+            # (Never raises: a restart stores the run with ``STORE_FIRST``, an end with
+            # ``FINISH``, and each lets the run go on ``NotOwner``.)
+            await self.apply(lc.StreamEnded(None if failure is None else self._decision))
 
     def _job_ended(self, attempt: JobAttempt) -> bool:
         """Whether the end of ``attempt``'s stream is the run's to act on."""

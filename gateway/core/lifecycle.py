@@ -22,6 +22,10 @@ RUNNING or PAUSED, in any of the others; ``paused`` mirrors the run's PAUSED):
 - ``Ended``: terminal: finished, detached (gateway shutdown: the trainer keeps the job) or
   abandoned (another replica drives it now).
 
+A job's stream that ended is the run's to act on only while this replica owns the run: before
+the run restarts or requeues (which cancels the job and places the run again), the driver stores
+it (``STORE_FIRST``), and a store that names another owner lets the run go instead.
+
 An event a state does not expect is either *ignored* (a timer or a stream end that lost a race
 with a control: same state, no commands) or *illegal* (``IllegalEvent``: a bug in the caller).
 Which is which is the table in ``tests/unit/test_lifecycle.py``.
@@ -248,6 +252,10 @@ class Command(enum.Enum):
     KEEP_JOB = "stop reading the job and its shares; the trainers keep it"
     GRANT = "grant credit if due"
     PERSIST = "store the run"
+    STORE_FIRST = (
+        "store the run before its job is touched: another replica owning it lets it go (the job"
+        " is that replica's); an unavailable store lets the step go on (written with the next)"
+    )
     FINISH = "flush, store the final state, leave the active runs"
     LEAVE = "flush and store the run as it is, leave the active runs (gateway shutdown)"
     RELEASE = "leave the active runs without storing anything"
@@ -404,15 +412,18 @@ def _stream_ended(state: State, event: Event) -> tuple[State, Commands]:
         return Finishing(outcome), (C.CANCEL_SHARES, C.FINISH, *cancel)
     parked = isinstance(state, Placing) and state.parked
     again = Restarting(parked, state.paused)
+    # The store is written before the job is touched: a replica that lost the run's lease
+    # (its stream ended because the new owner re-attached) must not cancel the new owner's job
+    # nor place the run again.
     if decision.action is Action.REQUEUE:
-        return again, (C.SLOT_FREED, C.CANCEL_JOB, C.CANCEL_SHARES, C.REQUEUE)
+        return again, (C.SLOT_FREED, C.STORE_FIRST, C.CANCEL_JOB, C.CANCEL_SHARES, C.REQUEUE)
     return again, (
         C.COUNT_RESTART,
         C.SLOT_FREED,
+        C.STORE_FIRST,
         *cancel,
         C.CANCEL_SHARES,
         C.REQUEUE,
-        C.PERSIST,
     )
 
 

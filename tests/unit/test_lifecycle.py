@@ -15,6 +15,13 @@ from gateway.core.restarts import Action, Decision
 _ENDING = Ending("lost", restartable=True)
 _CANCELLING = Ending("gateway side", cancel_job=True)
 RESTART = Decision(Action.RESTART, _ENDING, number=1, culprit="trainer t1 failed")
+#: A restart whose job may outlive the failure (ABORTED: another caller re-attached to it).
+RESTART_CANCELLING = Decision(
+    Action.RESTART,
+    Ending("crashed", cancel_job=True, restartable=True),
+    number=1,
+    culprit="trainer t1 failed",
+)
 REQUEUE = Decision(Action.REQUEUE, _ENDING, culprit="trainer t2 (ranks 1-1 of 2) is busy")
 END = Decision(Action.END, _CANCELLING)
 GAVE_UP = Decision(Action.END, _ENDING, gave_up=True)
@@ -155,7 +162,7 @@ TABLE: list[tuple[lc.State, lc.Event, lc.State, tuple[C, ...]]] = [
             state,
             lc.StreamEnded(RESTART),
             after,
-            (C.COUNT_RESTART, C.SLOT_FREED, C.CANCEL_SHARES, C.REQUEUE, C.PERSIST),
+            (C.COUNT_RESTART, C.SLOT_FREED, C.STORE_FIRST, C.CANCEL_SHARES, C.REQUEUE),
         )
         for state, after in (
             (PLACING, RESTARTING),
@@ -164,12 +171,18 @@ TABLE: list[tuple[lc.State, lc.Event, lc.State, tuple[C, ...]]] = [
             (PAUSED, lc.Restarting(paused=True)),
         )
     ),
+    (
+        RUNNING,
+        lc.StreamEnded(RESTART_CANCELLING),
+        RESTARTING,
+        (C.COUNT_RESTART, C.SLOT_FREED, C.STORE_FIRST, C.CANCEL_JOB, C.CANCEL_SHARES, C.REQUEUE),
+    ),
     *(
         (
             state,
             lc.StreamEnded(REQUEUE),
             after,
-            (C.SLOT_FREED, C.CANCEL_JOB, C.CANCEL_SHARES, C.REQUEUE),
+            (C.SLOT_FREED, C.STORE_FIRST, C.CANCEL_JOB, C.CANCEL_SHARES, C.REQUEUE),
         )
         for state, after in (
             (PLACING, RESTARTING),
@@ -224,6 +237,21 @@ def test_a_transition_leads_where_the_table_says(
     state: lc.State, event: lc.Event, after: lc.State, commands: tuple[C, ...]
 ) -> None:
     assert lc.step(state, event) == (after, commands)
+
+
+def test_a_stream_end_stores_the_run_before_it_touches_the_job() -> None:
+    # A replica that lost the lease learns it from the store: before it cancels the job or
+    # places the run again (which the new owner's job would not survive).
+    touching = {C.CANCEL_JOB, C.CANCEL_SHARES, C.REQUEUE}
+    checked = 0
+    for state, event, _, commands in TABLE:
+        decision = event.decision if isinstance(event, lc.StreamEnded) else None
+        if decision is not None and decision.action is not Action.END:
+            assert C.STORE_FIRST in commands, (state, event)
+            first_touch = min(commands.index(c) for c in touching if c in commands)
+            assert commands.index(C.STORE_FIRST) < first_touch, (state, event)
+            checked += 1
+    assert checked == 9
 
 
 @pytest.mark.parametrize(("state", "event"), IGNORED)
