@@ -35,7 +35,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
-from _chaos_cluster import DETACH_GRACE_S, HEARTBEAT_TIMEOUT_S, MAX_RESTARTS, ROOT, Cluster, _env
+from _chaos_cluster import (
+    DETACH_GRACE_S,
+    HEARTBEAT_TIMEOUT_S,
+    MAX_RESTARTS,
+    ROOT,
+    Cluster,
+    _env,
+    alive,
+)
 from _chaos_load import FINAL, FaultLog, History, RunLog, State, pb
 
 from trainwire import aio
@@ -328,7 +336,7 @@ def _job_processes(cluster: Cluster) -> list[Any]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
         line = " ".join(process.info["cmdline"] or ())
-        if "(GRPO rank" in line and any(t in line for t in titles) and _alive(process):
+        if "(GRPO rank" in line and any(t in line for t in titles) and alive(process):
             found.append(process)
     return found
 
@@ -337,23 +345,15 @@ def _no_job_processes(cluster: Cluster) -> list[str]:
     """Once every run ended, every job process ends within the detach grace."""
     deadline = time.monotonic() + DETACH_GRACE_S + 20.0
     while True:
-        alive = _job_processes(cluster)
-        if not alive or time.monotonic() > deadline:
+        left = _job_processes(cluster)
+        if not left or time.monotonic() > deadline:
             break
         time.sleep(1.0)
     return [
         f"job process {p.pid} ({' '.join(p.cmdline())[:100]}) left after every run ended"
-        for p in alive
-        if _alive(p)
+        for p in left
+        if alive(p)
     ]
-
-
-def _alive(process: Any) -> bool:
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        return bool(process.is_running() and process.status() != psutil.STATUS_ZOMBIE)
-    return False
 
 
 def _memory(cluster: Cluster) -> list[str]:

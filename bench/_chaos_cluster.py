@@ -206,12 +206,14 @@ class Cluster:
 
     def _postgres_down(self, timeout: float = 60.0) -> None:
         pid_file = pathlib.Path(self.pg.pgdata) / "postmaster.pid"
-        pid = int(pid_file.read_text().split()[0])
-        os.kill(pid, signal.SIGINT)
+        postmaster = psutil.Process(int(pid_file.read_text().split()[0]))
+        postmaster.send_signal(signal.SIGINT)
         deadline = time.monotonic() + timeout
-        while _running(pid):
+        while alive(postmaster):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"postmaster {pid} still runs {timeout:.0f} s after SIGINT")
+                raise TimeoutError(
+                    f"postmaster {postmaster.pid} still runs {timeout:.0f} s after SIGINT"
+                )
             time.sleep(0.05)
 
     def _postgres_up(self) -> None:
@@ -440,9 +442,9 @@ def ensure_data_root(path: pathlib.Path) -> pathlib.Path:
 FAULTS = Fault  # re-exported for the soak
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie nobody reaped yet has exited)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def alive(process: psutil.Process) -> bool:
+    """Whether ``process`` still runs: not gone, not another process on its pid, and not a
+    zombie nobody reaped yet."""
+    with contextlib.suppress(psutil.Error):
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    return False

@@ -27,6 +27,7 @@ from _chaos_cluster import (
     Cluster,
     Gateway,
     Trainer,
+    alive,
 )
 
 from trainwire.v1 import episode_pb2, gateway_service_pb2, gateway_service_pb2_grpc
@@ -651,7 +652,7 @@ class Soak:
         await asyncio.sleep(GONE_S)
         for process in processes:
             with contextlib.suppress(psutil.Error):
-                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                if alive(process):
                     line = " ".join(process.cmdline())
                     what = (
                         f"pid {process.pid} ({line[:100]}) outlived trainer{trainer.index} by "
